@@ -1,0 +1,1 @@
+"""Audits that run before anything is merged."""

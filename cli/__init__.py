@@ -1,0 +1,1 @@
+"""Thin click layer over the mergekit_lite Python API."""

@@ -1,0 +1,3 @@
+"""mergekit-lite: recover what post-training forgot by merging checkpoints."""
+
+__version__ = "0.1.0"
