@@ -1,0 +1,103 @@
+"""`mergekit-lite merge`: flags or a YAML config in, a merged model folder out."""
+
+import signal
+import sys
+
+import click
+
+from mergekit_lite.config import DTYPES, METHODS
+
+EXAMPLES = """
+\b
+Examples:
+  # LERP: 30% of the way from pre to post
+  mergekit-lite merge --method linear --base pre/ --model post/ --alpha 0.3 --out merged/
+\b
+  # TIES over two fine-tunes, keep 50% of each task vector, bf16 shards of 2GB
+  mergekit-lite merge --method ties --base pre/ --model a/:1 --model b/:0.5 \\
+      --density 0.5 --dtype bf16 --out-shard-size 2GB --out merged/
+\b
+  # subtract a task vector (negative coefficient), preview without writing
+  mergekit-lite merge --method task_arithmetic --base pre/ --model toxic/:-1 --out m/ --dry-run
+\b
+  # a YAML config (see examples/), flags override its values
+  mergekit-lite merge examples/ties.yaml --out merged/
+"""
+
+
+def _model_option(value: str) -> dict:
+    """PATH or PATH:WEIGHT (the suffix counts as a weight only when it parses as a number)."""
+    path, _, suffix = value.rpartition(":")
+    try:
+        return {"model": path, "weight": float(suffix)} if path else {"model": value}
+    except ValueError:
+        return {"model": value}
+
+
+@click.command(epilog=EXAMPLES)
+@click.argument("config_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output model folder (written atomically).")
+@click.option("--method", "-m", type=click.Choice(METHODS), help="Merge method.")
+@click.option("--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors.")
+@click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
+              help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.")
+@click.option("--alpha", type=float, help="linear: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1].")
+@click.option("--t", "t", type=float, help="slerp: interpolation factor in [0, 1].")
+@click.option("--lambda", "scale", type=float, help="Task-vector methods: scale of the combined task vector (negative subtracts).")
+@click.option("--density", type=float, help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5).")
+@click.option("--drop", type=float, help="dare_*: drop probability of task-vector entries, in [0, 1) (default 0.5).")
+@click.option("--temperature", type=float, help="recall: softmax temperature over similarities (> 0, default 0.5).")
+@click.option("--normalize/--no-normalize", default=None, help="Divide by the sum of weights (defaults depend on the method).")
+@click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical samples, one per line.")
+@click.option("--recall-samples", type=int, help="recall: how many typical samples k-means picks (default 8).")
+@click.option("--embed-rule", type=click.Choice(["nearest", "average", "base", "reference"]),
+              help="recall: weights for embeddings and head (default nearest layer).")
+@click.option("--seed", type=int, help="Seed for DARE's random drop (default 0): same seed, same bytes.")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Stored dtype (default: the base's). Math is float32.")
+@click.option("--out-shard-size", help="Largest output shard, e.g. 500MB, 2GB (default 5GB).")
+@click.option("--copy-files-from", help="Model folder whose config/tokenizer files are copied (default: the base).")
+@click.option("--skip", multiple=True, help="Copy tensors whose name contains this text from the base unchanged.")
+@click.option("--device", type=str, help="Where the math runs: cpu (default) or cuda. I/O stays on the CPU.")
+@click.option("--allow-pickle", is_flag=True, default=None, help="Accept pickle .bin weights (unsafe for untrusted files).")
+@click.option("--allow-nonfinite", is_flag=True, default=None, help="Merge inputs that contain NaN/Inf instead of stopping.")
+@click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, temperature, normalize,
+          recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, skip, device,
+          allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
+    """Merge checkpoints tensor by tensor, never holding a whole model in memory.
+
+    Methods: linear (LERP/EMA, weighted average), slerp, task_arithmetic, ties, dare_linear, dare_ties,
+    recall (layer-wise weights from hidden-representation similarity). Give either a YAML CONFIG_FILE or
+    flags; flags win where both say something.
+    """
+    from mergekit_lite.config import MergeConfig, load_config
+    from mergekit_lite.merge import plan_merge, run_merge
+
+    data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
+    parameters = {"alpha": alpha, "t": t, "lambda": scale, "density": density, "drop": drop,
+                  "temperature": temperature, "normalize": normalize}
+    data["parameters"].update({k: v for k, v in parameters.items() if v is not None})
+    recall = {"texts": recall_texts, "samples": recall_samples, "embed_rule": embed_rule}
+    data["recall"].update({k: v for k, v in recall.items() if v is not None})
+    options = {"method": method, "base": base, "seed": seed, "dtype": dtype, "out_shard_size": out_shard_size,
+               "copy_files_from": copy_files_from, "device": device, "allow_pickle": allow_pickle,
+               "allow_nonfinite": allow_nonfinite, "force": force}
+    data.update({k: v for k, v in options.items() if v is not None})
+    if models:
+        data["models"] = [_model_option(value) for value in models]
+    if skip:
+        data["skip"] = list(skip)
+    if "method" not in data:
+        raise click.UsageError("give --method or a CONFIG_FILE")
+    config = MergeConfig.from_dict(data)
+    if dry_run:
+        click.echo(plan_merge(config).describe())
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result = run_merge(config, out, overwrite=overwrite, progress=not quiet)
+    if not quiet:
+        click.echo(f"wrote {result.out} ({result.plan.total_bytes / 1e6:.1f} MB, {len(result.plan.steps)} tensors, "
+                   f"{result.seconds:.1f} s)")

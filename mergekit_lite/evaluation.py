@@ -1,0 +1,107 @@
+"""Score in-memory transformers models on lm-eval tasks, keeping lm-eval's per-sample records.
+
+Merging sweeps evaluate many models on the same tasks, so the task index is built once and
+models are passed as objects (no save/reload). lm-eval is imported lazily: it takes seconds
+to import and the CLI must start fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergekit_lite.errors import InputError
+
+MULTIPLE_CHOICE_ACC = "acc,none"
+
+
+@dataclass
+class TaskScore:
+    """Accuracy on one task plus what is needed to judge it: chance level is 1 / n_choices."""
+
+    task: str
+    acc: float
+    n_choices: float  # k for multiple_choice, math.inf for generative tasks
+    samples: list[dict]  # lm-eval's raw per-sample records (results["samples"][task])
+
+
+def choices_in_sample(sample: dict) -> float:
+    """k of a multiple-choice sample: lm-eval logs one request argument per choice, as a list
+    or as a dict keyed gen_args_0, gen_args_1, ..."""
+    return float(len(sample["arguments"]))
+
+
+def task_score(task: str, results: dict) -> TaskScore:
+    """Pick one task's accuracy and samples out of simple_evaluate's results."""
+    samples = results["samples"][task]
+    metrics = results["results"][task]
+    if results["configs"][task]["output_type"] == "multiple_choice":
+        acc, n_choices = metrics[MULTIPLE_CHOICE_ACC], choices_in_sample(samples[0])
+    else:
+        acc, n_choices = next(v for k, v in metrics.items() if k.endswith(",none") and "stderr" not in k), math.inf
+    return TaskScore(task=task, acc=float(acc), n_choices=n_choices, samples=samples)
+
+
+class Evaluator:
+    """Holds one lm-eval TaskManager (include_path) so repeated evaluations don't re-index tasks."""
+
+    def __init__(
+        self,
+        tasks: list[str],
+        include_path: str | Path | None = None,
+        limit: int | None = None,
+        batch_size: int = 16,
+        device: str = "cpu",
+    ):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        self.tasks = list(tasks)
+        self.include_path = str(include_path) if include_path is not None else None
+        self.limit = limit
+        self.batch_size = batch_size
+        self.device = device
+        self.task_manager = self._index_tasks()
+
+    def _index_tasks(self):
+        """Index only include_path when it holds every task (milliseconds); index lm-eval's
+        ~15k built-in tasks (seconds) only when some task must come from there."""
+        from lm_eval.tasks import TaskManager
+
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)
+        if self.include_path is not None:
+            manager = TaskManager(include_path=self.include_path, include_defaults=False)
+            if not self._unknown_tasks(manager):
+                return manager
+        manager = TaskManager(include_path=self.include_path)
+        unknown = self._unknown_tasks(manager)
+        if unknown:
+            raise InputError(
+                f"unknown lm-eval task(s) {', '.join(unknown)} "
+                f"(not built in, not in include path {self.include_path or '(none given)'})"
+            )
+        return manager
+
+    def _unknown_tasks(self, manager) -> list[str]:
+        """Requested names that are neither task, group nor tag in `manager`'s index."""
+        known = set(manager.all_tasks)
+        return [task for task in self.tasks if task not in known]
+
+    def evaluate(self, model, tokenizer) -> dict[str, TaskScore]:
+        """Score `model` (moved to self.device) on every task; keys are leaf task names."""
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+
+        model.to(self.device)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=self.tasks,
+            task_manager=self.task_manager,
+            limit=self.limit,
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+        return {task: task_score(task, results) for task in results["samples"]}

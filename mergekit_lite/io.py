@@ -1,0 +1,407 @@
+"""Streaming safetensors I/O: read one tensor at a time, write shards whose layout is planned up front.
+
+This layer knows files, shards and indices, and nothing about merge methods. Reading goes through plain
+`readinto` at the offsets the header gives (no memory map), so a tensor costs its own bytes and nothing
+stays resident after it is dropped: peak memory is bounded by the tensors in flight, not by the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from mergekit_lite.errors import InputError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes live: file, absolute byte offset, length, dtype and shape."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse and validate a safetensors header without touching tensor data.
+
+    Every entry is checked against the file size here, so a truncated download fails at open,
+    naming the file and the first tensor that does not fit, instead of halfway through a merge.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise InputError(f"{path}: not a safetensors file (only {size} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(size - 8, MAX_HEADER_BYTES):
+                raise InputError(f"{path}: corrupted safetensors header (declares {header_len} header bytes, file has {size})")
+            raw = handle.read(header_len)
+    except OSError as error:
+        raise InputError(f"{path}: cannot read ({error.strerror})") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+    except ValueError as error:
+        raise InputError(f"{path}: corrupted safetensors header ({error})") from None
+    data_start = 8 + header_len
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(dim) for dim in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise InputError(f"{path}: corrupted safetensors header (bad entry for tensor {name})") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise InputError(f"{path}: corrupted safetensors header (tensor {name} has {end - begin} bytes for shape {list(shape)})")
+        if data_start + end > size:
+            raise InputError(f"{path}: truncated file (tensor {name} ends at byte {data_start + end}, file has {size})")
+        entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, nbytes)
+    return entries
+
+
+class ModelSource:
+    """A model's tensors by name, read one at a time from its safetensors shards."""
+
+    def __init__(self, path: Path, entries: dict[str, TensorEntry], config: dict | None):
+        self.path = Path(path)
+        self.config = config
+        self._entries = dict(sorted(entries.items(), key=lambda item: (str(item[1].file), item[1].offset)))
+        self._handles: dict[Path, object] = {}
+
+    @property
+    def names(self) -> list[str]:
+        """Tensor names in on-disk order, so a pass over them reads each shard front to back."""
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise InputError(f"{self.path}: has no tensor {name}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entry(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entry(name).dtype
+
+    def load(self, name: str) -> torch.Tensor:
+        """Read one tensor into fresh CPU memory (its own bytes, nothing more)."""
+        entry = self.entry(name)
+        buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+        if entry.nbytes:
+            handle = self._handle(entry.file)
+            handle.seek(entry.offset)
+            if handle.readinto(memoryview(buffer.numpy())) != entry.nbytes:
+                raise InputError(f"{entry.file}: truncated file (tensor {name})")
+        return buffer.view(entry.dtype).reshape(entry.shape)
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = open(file, "rb", buffering=0)
+        return self._handles[file]
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+
+
+class PickleSource(ModelSource):
+    """Legacy `pytorch_model*.bin` weights, loaded memory-mapped with weights_only=True; opt-in only."""
+
+    def __init__(self, path: Path, files: Sequence[Path], config: dict | None):
+        tensors = {}
+        for file in files:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as error:  # torch raises many types for a bad pickle
+                raise InputError(f"{file}: cannot load pickle weights ({type(error).__name__})") from None
+            tensors.update(state)
+        entries = {
+            name: TensorEntry(name, files[0], t.dtype, tuple(t.shape), 0, t.numel() * t.element_size())
+            for name, t in tensors.items()
+        }
+        super().__init__(path, entries, config)
+        self._tensors = tensors
+
+    def load(self, name: str) -> torch.Tensor:
+        self.entry(name)
+        return self._tensors[name].clone()
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except ValueError as error:
+        raise InputError(f"{path}: invalid JSON ({error})") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot read ({error.strerror})") from None
+
+
+def _indexed_entries(folder: Path) -> dict[str, TensorEntry]:
+    index = read_json(folder / INDEX_FILE)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError(f"{folder / INDEX_FILE}: no weight_map")
+    headers: dict[str, dict[str, TensorEntry]] = {}
+    entries = {}
+    for name, shard in weight_map.items():
+        if shard not in headers:
+            shard_path = folder / shard
+            if not shard_path.is_file():
+                raise InputError(f"{folder / INDEX_FILE}: names shard {shard}, which is missing")
+            headers[shard] = read_header(shard_path)
+        if name not in headers[shard]:
+            raise InputError(f"{folder / INDEX_FILE}: places tensor {name} in {shard}, which does not hold it")
+        entries[name] = headers[shard][name]
+    return entries
+
+
+def open_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelSource:
+    """Open a HF model folder (single or sharded safetensors) or one .safetensors file, lazily."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise InputError(f"{path}: not a .safetensors file")
+        return ModelSource(path, read_header(path), None)
+    if not path.is_dir():
+        raise InputError(f"{path}: no such file or folder")
+    config = read_json(path / "config.json") if (path / "config.json").is_file() else None
+    if (path / INDEX_FILE).is_file():
+        return ModelSource(path, _indexed_entries(path), config)
+    shards = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("adapter_model"))
+    if shards:
+        entries: dict[str, TensorEntry] = {}
+        for shard in shards:
+            for name, entry in read_header(shard).items():
+                if name in entries:
+                    raise InputError(f"{path}: tensor {name} is in both {entries[name].file.name} and {shard.name}, and there is no index")
+                entries[name] = entry
+        return ModelSource(path, entries, config)
+    pickles = sorted(path.glob("pytorch_model*.bin"))
+    if pickles:
+        if not allow_pickle:
+            raise InputError(f"{path}: only pickle weights ({pickles[0].name}); refusing to unpickle untrusted files "
+                             "(convert to safetensors, or pass --allow-pickle)")
+        return PickleSource(path, pickles, config)
+    raise InputError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE})")
+
+
+def parse_size(text: str | int) -> int:
+    """'2GB', '500MB', '1.5GiB' or a byte count -> bytes (decimal units like HF, binary with 'i')."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    cleaned = str(text).strip().upper().replace(" ", "")
+    number = cleaned.rstrip("KMGTIB")
+    unit = cleaned[len(number):]
+    try:
+        value = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise InputError(f"bad size {text!r} (use e.g. 500MB, 2GB, 5GiB)") from None
+    if value <= 0:
+        raise InputError(f"bad size {text!r} (must be positive)")
+    return value
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """An output tensor known before any data is computed: enough to lay out every shard header."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def split_into_shards(tensors: Sequence[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Greedy, order-preserving split like HF's: a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[PlannedTensor]] = [[]]
+    filled = 0
+    for tensor in tensors:
+        if shards[-1] and filled + tensor.nbytes > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(tensor)
+        filled += tensor.nbytes
+    return shards
+
+
+def _header_bytes(tensors: Sequence[PlannedTensor]) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for tensor in tensors:
+        header[tensor.name] = {"dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
+                               "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardedWriter:
+    """Writes tensors in planned order straight to disk.
+
+    The layout (which shard, which offset) is fixed from shapes and dtypes before any data exists, so every
+    shard's header goes out first and each tensor is appended as soon as it is computed: no shard is ever
+    buffered in memory.
+    """
+
+    def __init__(self, folder: Path, tensors: Sequence[PlannedTensor], max_shard_bytes: int):
+        self.folder = Path(folder)
+        self.shards = split_into_shards(tensors, max_shard_bytes)
+        count = len(self.shards)
+        self.file_names = [SINGLE_FILE] if count == 1 else [
+            f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        self._queue = [(shard_index, tensor) for shard_index, shard in enumerate(self.shards) for tensor in shard]
+        self._position = 0
+        self._open_shard = -1
+        self._handle = None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        shard_index, planned = self._queue[self._position]
+        if name != planned.name or tuple(tensor.shape) != planned.shape or tensor.dtype != planned.dtype:
+            raise RuntimeError(f"writer expected {planned}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        if shard_index != self._open_shard:
+            self._start_shard(shard_index)
+        if planned.nbytes:
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            self._handle.write(memoryview(data.numpy()))
+        self._position += 1
+
+    def _start_shard(self, shard_index: int) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        self._handle = open(self.folder / self.file_names[shard_index], "wb")
+        self._handle.write(_header_bytes(self.shards[shard_index]))
+        self._open_shard = shard_index
+
+    def close(self) -> None:
+        """Finish the last shard and, for several shards, write the index; refuses an unfinished plan."""
+        if self._position != len(self._queue):
+            raise RuntimeError(f"writer closed after {self._position} of {len(self._queue)} tensors")
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            self._handle = None
+        if len(self.shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for shard in self.shards for t in shard)},
+                "weight_map": {t.name: self.file_names[i] for i, shard in enumerate(self.shards) for t in shard},
+            }
+            (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _temp_name(out: Path) -> str:
+    return f".{out.name}.partial-{os.getpid()}"
+
+
+def stale_partials(out: Path) -> list[Path]:
+    """Temporary folders left next to `out` by merges that were killed (their process is gone)."""
+    stale = []
+    for candidate in out.parent.glob(f".{out.name}.partial-*"):
+        pid = candidate.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            stale.append(candidate)
+    return stale
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside `out`; rename it to `out` only if the block finishes.
+
+    A failed or interrupted run removes its temporary folder; a killed one (SIGKILL) leaves a
+    `.NAME.partial-PID` folder that no tool mistakes for a model, and the next run removes it.
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out}: exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in stale_partials(out):
+        shutil.rmtree(stale, ignore_errors=True)
+    temp = out.parent / _temp_name(out)
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        yield temp
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(temp, out)
+
+
+def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
+    """Copy config, tokenizer and generation files (everything that is not weights) from a model folder."""
+    copied = []
+    if not Path(source_folder).is_dir():
+        return copied
+    for item in sorted(Path(source_folder).iterdir()):
+        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name != INDEX_FILE \
+                and not item.name.startswith("adapter_"):
+            shutil.copy2(item, out_folder / item.name)
+            copied.append(item.name)
+    return copied

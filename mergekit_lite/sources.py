@@ -1,0 +1,160 @@
+"""Inputs as the merge engine sees them: one tensor by name at a time, whatever sits on disk.
+
+Adapters present themselves as full models (base + scaling*B@A, computed per tensor), and models whose
+names differ by a known wrapper prefix, or that tie their head to the embeddings, are mapped onto the
+reference names. Everything here reads lazily; nothing holds a model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.io import ModelSource, open_model
+
+KNOWN_PREFIXES = ("model.", "base_model.model.", "module.", "_orig_mod.", "transformer.")
+TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+class TensorSource(Protocol):
+    path: Path
+    config: dict | None
+
+    @property
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> torch.dtype: ...
+    def load(self, name: str) -> torch.Tensor: ...
+
+
+class RenamedSource:
+    """A source read through a name map (reference name -> this model's name)."""
+
+    def __init__(self, source: TensorSource, name_map: dict[str, str]):
+        self.source, self.name_map = source, name_map
+        self.path, self.config = source.path, source.config
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.name_map)
+
+    def shape(self, name):
+        return self.source.shape(self.name_map[name])
+
+    def dtype(self, name):
+        return self.source.dtype(self.name_map[name])
+
+    def load(self, name):
+        return self.source.load(self.name_map[name])
+
+
+class AdapterSource:
+    """A LoRA adapter seen as the full model it makes: base tensor + scaling*B@A, in float32 where it applies."""
+
+    def __init__(self, adapter, base: TensorSource):
+        self.adapter, self.base = adapter, base
+        self.path, self.config = Path(adapter.path), base.config
+        self._changed = set(adapter.targets()) | set(adapter.replaced())
+        missing = sorted(self._changed - set(base.names))
+        if missing:
+            raise InputError(f"{adapter.path}: adapts {missing[0]}, which the base {base.path} does not have")
+
+    @property
+    def names(self) -> list[str]:
+        return self.base.names
+
+    def shape(self, name):
+        return self.base.shape(name)
+
+    def dtype(self, name):
+        return torch.float32 if name in self._changed else self.base.dtype(name)
+
+    def load(self, name):
+        if name in self.adapter.replaced():
+            return self.adapter.replacement(name).to(torch.float32)
+        if name in self._changed:
+            return self.base.load(name).to(torch.float32).add_(self.adapter.delta(name))
+        return self.base.load(name)
+
+
+def is_adapter(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def open_inputs(paths: list[str], base: str | None, allow_pickle: bool) -> list[TensorSource]:
+    """Open every input (adapters on top of the base) and map all names onto the first input's names."""
+    opened: list[TensorSource] = []
+    base_source = None
+    for path in paths:
+        if is_adapter(path):
+            if base is None:
+                raise InputError(f"{path}: a LoRA adapter needs the base model it was trained on (--base)")
+            from mergekit_lite.lora import LoraAdapter
+
+            base_source = base_source or open_model(base, allow_pickle=allow_pickle)
+            opened.append(AdapterSource(LoraAdapter.open(path, allow_pickle=allow_pickle), base_source))
+        else:
+            source = open_model(path, allow_pickle=allow_pickle)
+            if path == base:
+                base_source = source
+            opened.append(source)
+    check_architectures(opened)
+    reference = opened[0]
+    return [reference] + [align(reference, source) for source in opened[1:]]
+
+
+def check_architectures(sources: list[TensorSource]) -> None:
+    """Refuse models whose config.json names different architectures; shapes alone can coincide."""
+    seen = None
+    for source in sources:
+        config = source.config or {}
+        kind = tuple(config.get("architectures") or []) or config.get("model_type")
+        if not kind:
+            continue
+        if seen and kind != seen[1]:
+            raise InputError(f"different architectures: {seen[0]} is {_kind_text(seen[1])}, {source.path} is {_kind_text(kind)}")
+        seen = seen or (source.path, kind)
+
+
+def _kind_text(kind) -> str:
+    return ",".join(kind) if isinstance(kind, tuple) else str(kind)
+
+
+def align(reference: TensorSource, source: TensorSource) -> TensorSource:
+    """Map `source`'s names onto `reference`'s, or fail naming the first tensor that differs."""
+    wanted, have = set(reference.names), set(source.names)
+    if wanted == have:
+        return source
+    for name_map in _candidate_maps(reference.names, source):
+        if set(name_map.values()) == have:
+            return RenamedSource(source, name_map)
+    missing = sorted(wanted - have)
+    extra = sorted(have - wanted)
+    if missing:
+        raise InputError(f"{source.path}: missing tensor {missing[0]} (present in {reference.path}){_more(missing)}")
+    raise InputError(f"{source.path}: extra tensor {extra[0]} (absent from {reference.path}){_more(extra)}")
+
+
+def _more(names: list[str]) -> str:
+    return f" and {len(names) - 1} more" if len(names) > 1 else ""
+
+
+def _candidate_maps(reference_names: list[str], source: TensorSource):
+    """Name maps worth trying: a wrapper prefix added or removed, and a head tied to the embeddings."""
+    have = set(source.names)
+    tied = bool((source.config or {}).get("tie_word_embeddings"))
+    for prefix in ("", *KNOWN_PREFIXES):
+        for rename in (lambda n, p=prefix: p + n, lambda n, p=prefix: n[len(p):] if n.startswith(p) else None):
+            name_map = {}
+            for name in reference_names:
+                actual = rename(name)
+                if actual not in have and tied and name == TIED_HEAD[0]:
+                    actual = rename(TIED_HEAD[1])
+                if actual is None or actual not in have:
+                    break
+                name_map[name] = actual
+            else:
+                yield name_map

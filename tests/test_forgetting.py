@@ -1,0 +1,304 @@
+"""Forgetting metrics checked against hand-computed cases, the lm-eval samples loader, and the CLI."""
+
+import json
+import math
+import random
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cli.main import main
+from mergekit_lite.errors import InputError
+from mergekit_lite.forgetting import (
+    SampleOutcomes,
+    aggregate,
+    compare,
+    format_table,
+    forgetting_metrics,
+    load_lm_eval_samples,
+    outcomes_from_lm_eval,
+)
+
+# 8 samples: kept 3 (1->1), forgotten 2 (1->0), gained 1 (0->1), never 2 (0->0).
+PRE_8 = [1, 1, 1, 1, 1, 0, 0, 0]
+POST_8 = [1, 1, 1, 0, 0, 1, 0, 0]
+
+
+def test_hand_computed_eight_samples_four_choices():
+    # a_pre = 5/8, a_post = 4/8; chance = (3/8)/3 * (1/2) = 1/16; a_pre_true = (4*5/8 - 1)/3 = 1/2.
+    row = forgetting_metrics(PRE_8, POST_8, k=4, task="toy")
+    assert (row.task, row.n, row.k) == ("toy", 8, 4)
+    assert (row.kept, row.gained, row.forgotten, row.never) == (3, 1, 2, 2)
+    assert (row.acc_pre, row.acc_post) == (0.625, 0.5)
+    assert (row.F, row.BT) == (0.25, 0.125)
+    assert row.F_chance == pytest.approx(1 / 16) and row.BT_chance == pytest.approx(1 / 16)
+    assert row.F_true == pytest.approx(3 / 16) and row.BT_true == pytest.approx(1 / 16)
+    assert (row.F_max, row.BT_max) == (0.5, 0.5)
+
+
+def test_generative_has_no_chance_term():
+    row = forgetting_metrics(PRE_8, POST_8, k=math.inf)
+    assert (row.F_chance, row.BT_chance) == (0, 0)
+    assert (row.F_true, row.BT_true) == (0.25, 0.125)
+    assert (row.F_max, row.BT_max) == (0.625, 0.375)
+
+
+def test_independent_random_binary_classifiers_forget_nothing_truly():
+    rng = random.Random(0)
+    pre = [rng.random() < 0.5 for _ in range(20_000)]
+    post = [rng.random() < 0.5 for _ in range(20_000)]
+    row = forgetting_metrics(pre, post, k=2)
+    assert row.F == pytest.approx(0.25, abs=0.01)
+    assert row.F_chance == pytest.approx(0.25, abs=0.01)
+    assert row.F_true == pytest.approx(0, abs=0.01)
+    assert row.BT_true == pytest.approx(0, abs=0.01)
+    assert row.F_max == pytest.approx(0, abs=0.02)
+
+
+@pytest.mark.parametrize("pre", [[1, 0, 0, 0], [0, 0, 0, 0]], ids=["at chance", "below chance"])
+def test_accuracy_at_or_below_chance_has_nothing_to_forget(pre):
+    row = forgetting_metrics(pre, [1, 1, 0, 0], k=4)
+    assert (row.F_max, row.BT_max) == (0, 1)
+
+
+@given(
+    pairs=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=50),
+    k=st.sampled_from([2, 3, 4, 10, math.inf]),
+)
+@settings(max_examples=60, deadline=None)
+def test_invariants(pairs, k):
+    pre, post = zip(*pairs)
+    row = forgetting_metrics(pre, post, k)
+    assert row.kept + row.gained + row.forgotten + row.never == row.n == len(pairs)
+    assert row.F - row.BT == pytest.approx(row.acc_pre - row.acc_post)
+    assert 0 <= row.F_true <= row.F and 0 <= row.BT_true <= row.BT
+    assert 0 <= row.F_max <= row.acc_pre and row.F_max + row.BT_max == pytest.approx(1)
+
+
+@pytest.mark.parametrize(
+    "pre, post, k, message",
+    [([], [], 4, "no samples"), ([1, 0], [1], 4, "aligned"), ([1], [1], 1, "k must be > 1")],
+)
+def test_bad_metric_inputs(pre, post, k, message):
+    with pytest.raises(InputError, match=message):
+        forgetting_metrics(pre, post, k, task="toy")
+
+
+def test_compare_aligns_by_key_not_order():
+    pre = SampleOutcomes("toy", {"a": True, "b": True, "c": False}, 4)
+    post = SampleOutcomes("toy", {"c": True, "b": False, "a": True}, 4)
+    row = compare(pre, post)
+    assert (row.kept, row.gained, row.forgotten, row.never) == (1, 1, 1, 0)
+
+
+def test_compare_refuses_misaligned_samples_and_k():
+    pre = SampleOutcomes("toy", {"a": True, "b": True}, 4)
+    with pytest.raises(InputError, match=r"'toy'.*pre 2, post 1.*1 only in pre, 0 only in post"):
+        compare(pre, SampleOutcomes("toy", {"a": True}, 4))
+    with pytest.raises(InputError, match="number of choices"):
+        compare(pre, SampleOutcomes("toy", {"a": True, "b": True}, 2))
+    with pytest.raises(InputError, match="different tasks"):
+        compare(pre, SampleOutcomes("other", {"a": True, "b": True}, 4))
+
+
+def test_aggregate_pools_samples_and_weights_chance_by_n():
+    four_way = forgetting_metrics(PRE_8, POST_8, k=4, task="mc")
+    generative = forgetting_metrics([1, 0], [0, 0], k=math.inf, task="gen")
+    group = aggregate([four_way, generative], "old")
+    assert (group.task, group.n) == ("old", 10)
+    assert (group.kept, group.gained, group.forgotten, group.never) == (3, 1, 3, 3)
+    assert (group.acc_pre, group.acc_post, group.F, group.BT) == (0.6, 0.4, 0.3, 0.1)
+    assert group.F_chance == pytest.approx(8 * (1 / 16) / 10)  # generative adds no chance term
+    assert group.F_true == pytest.approx(0.3 - 0.05)
+    assert group.F_max == pytest.approx((8 * 0.5 + 2 * 0.5) / 10)
+    assert group.k == pytest.approx(10 / (8 / 4))  # chance accuracy 8/4 correct guesses out of 10
+
+
+def test_aggregate_of_one_task_is_that_task():
+    row = forgetting_metrics(PRE_8, POST_8, k=4, task="toy")
+    assert aggregate([row], "toy") == row
+
+
+def test_aggregate_of_nothing_errors():
+    with pytest.raises(InputError, match="group 'old'"):
+        aggregate([], "old")
+
+
+def test_to_dict_is_strict_json():
+    row = forgetting_metrics(PRE_8, POST_8, k=math.inf, task="gen")
+    assert json.loads(json.dumps(row.to_dict(), allow_nan=False))["k"] is None
+
+
+def test_format_table_is_a_pipe_table():
+    lines = format_table([forgetting_metrics(PRE_8, POST_8, k=4, task="toy")]).splitlines()
+    assert [cell.strip() for cell in lines[0].strip("|").split("|")][:4] == ["task", "n", "k", "acc_pre"]
+    assert set(lines[1]) <= set("|-:")
+    assert [cell.strip() for cell in lines[2].strip("|").split("|")][:5] == ["toy", "8", "4", "0.625", "0.500"]
+
+
+# --- lm-eval --log_samples input ---------------------------------------------------------------
+
+
+def mc_sample(doc_id, acc, choices=4, **extra):
+    """A multiple-choice record the way lm-eval 0.4 writes it to samples_*.jsonl."""
+    arguments = {f"gen_args_{i}": {"arg_0": "Question?", "arg_1": f" choice {i}"} for i in range(choices)}
+    record = {"doc_id": doc_id, "doc_hash": f"hash{doc_id}", "arguments": arguments, "acc": acc, "filter": "none"}
+    return {**record, **extra}
+
+
+def gen_sample(doc_id, exact_match, filter_name="strict-match"):
+    """A generative record: one generate_until request, scored by exact_match."""
+    arguments = {"gen_args_0": {"arg_0": "Q:", "arg_1": {"until": ["\n"]}}}
+    return {"doc_id": doc_id, "doc_hash": f"g{doc_id}", "arguments": arguments, "exact_match": exact_match,
+            "filter": filter_name}
+
+
+def write_samples(folder, task, samples, stamp="2024-05-01T12-00-00.123456"):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"samples_{task}_{stamp}.jsonl"
+    path.write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+    return path
+
+
+def test_outcomes_from_multiple_choice_records():
+    outcomes = outcomes_from_lm_eval("arc_easy", [mc_sample(0, 1.0), mc_sample(1, 0)])
+    assert outcomes == SampleOutcomes("arc_easy", {"hash0": True, "hash1": False}, 4)
+
+
+def test_outcomes_arguments_as_list_and_key_fallback_to_doc_id():
+    sample = {"doc_id": 7, "arguments": [["Q?", " yes"], ["Q?", " no"]], "acc": 1}
+    assert outcomes_from_lm_eval("boolq", [sample]) == SampleOutcomes("boolq", {"7": True}, 2)
+
+
+def test_outcomes_generative_uses_first_filter_and_no_chance():
+    strict = [gen_sample(0, 1), gen_sample(1, 0)]
+    flexible = [gen_sample(0, 0, "flexible-extract"), gen_sample(1, 1, "flexible-extract")]
+    samples = strict + flexible
+    assert outcomes_from_lm_eval("gsm8k", samples) == SampleOutcomes("gsm8k", {"g0": True, "g1": False}, math.inf)
+
+
+def test_outcomes_k_special_cases():
+    mutual_info = mc_sample(0, 1, choices=8, acc_mutual_info=1)  # 4 choices + 4 unconditional requests
+    assert outcomes_from_lm_eval("t", [mutual_info]).n_choices == 4
+    loglikelihood = mc_sample(0, 1, choices=1)  # lambada-style: acc from a single continuation
+    assert outcomes_from_lm_eval("t", [loglikelihood]).n_choices == math.inf
+    varying = [mc_sample(0, 1, choices=2), mc_sample(1, 1, choices=4)]  # mean chance accuracy 3/8
+    assert outcomes_from_lm_eval("t", varying).n_choices == pytest.approx(8 / 3)
+
+
+def test_identical_documents_are_numbered_in_doc_order():
+    twins = [mc_sample(1, 0, doc_hash="same"), mc_sample(0, 1, doc_hash="same")]
+    assert outcomes_from_lm_eval("t", twins).correct == {"same": True, "same#2": False}
+
+
+def test_outcomes_errors_name_the_sample():
+    unscored = mc_sample(1, 0)
+    del unscored["acc"]
+    with pytest.raises(InputError, match=r"task 'arc' sample 1: no 'acc' or 'exact_match'"):
+        outcomes_from_lm_eval("arc", [mc_sample(0, 1), unscored])
+    with pytest.raises(InputError, match="no samples"):
+        outcomes_from_lm_eval("arc", [])
+
+
+def test_load_file_takes_task_name_with_underscores(tmp_path):
+    path = write_samples(tmp_path, "mmlu_high_school_math", [mc_sample(0, 1), mc_sample(1, 0)])
+    assert list(load_lm_eval_samples(path)) == ["mmlu_high_school_math"]
+
+
+def test_load_folder_recursive_newest_timestamp_wins(tmp_path):
+    write_samples(tmp_path / "model", "arc_easy", [mc_sample(0, 0)], stamp="2024-05-01T12-00-00.123456")
+    write_samples(tmp_path / "model", "arc_easy", [mc_sample(0, 1)], stamp="2024-06-01T09-30-00.000001")
+    write_samples(tmp_path / "model", "gsm8k", [gen_sample(0, 1)])
+    loaded = load_lm_eval_samples(tmp_path)
+    assert sorted(loaded) == ["arc_easy", "gsm8k"]
+    assert loaded["arc_easy"].correct == {"hash0": True}
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [(['{"doc_id": 0, "acc": 1, "arguments": []}', "{not json"], r"line 2: not JSON"),
+     (['{"doc_id": 0, "arguments": [[], []]}'], r"line 1: no 'acc'"),
+     (['{"doc_id": 0, "acc": "yes", "arguments": [[], []]}'], r"line 1: 'acc' must be a number"),
+     ([""], "no samples in file"),
+     (["\udcff"], r"line 1: not JSON \(not UTF-8\)")],
+)
+def test_bad_files_name_file_and_line(tmp_path, lines, message):
+    path = tmp_path / "samples_arc_2024-05-01T12-00-00.123456.jsonl"
+    path.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
+    with pytest.raises(InputError, match=rf"samples_arc_.*{message}"):
+        load_lm_eval_samples(path)
+
+
+def test_load_rejects_unknown_names_and_empty_folders(tmp_path):
+    other = tmp_path / "results.jsonl"
+    other.write_text("{}\n")
+    with pytest.raises(InputError, match="not an lm-eval samples file"):
+        load_lm_eval_samples(other)
+    with pytest.raises(InputError, match="no samples_<task>"):
+        load_lm_eval_samples(tmp_path)
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Two lm-eval output folders: arc_easy is the 8-sample case, gsm8k forgets one of two, plus one-sided tasks."""
+    pre, post = tmp_path / "pre" / "base", tmp_path / "post" / "instruct"
+    write_samples(pre, "arc_easy", [mc_sample(i, acc) for i, acc in enumerate(PRE_8)])
+    write_samples(post, "arc_easy", [mc_sample(i, acc) for i, acc in enumerate(POST_8)])
+    write_samples(pre, "gsm8k", [gen_sample(0, 1), gen_sample(1, 0)])
+    write_samples(post, "gsm8k", [gen_sample(0, 0), gen_sample(1, 0)])
+    write_samples(pre, "only_pre", [mc_sample(0, 1)])
+    write_samples(post, "only_post", [mc_sample(0, 1)])
+    return tmp_path / "pre", tmp_path / "post"
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, ["forgetting", *map(str, args)])
+
+
+def test_cli_json_per_task_and_group(runs):
+    result = run_cli(*runs, "--group", "old=arc_*,gsm8k", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    tasks = {row["task"]: row for row in payload["tasks"]}
+    assert sorted(tasks) == ["arc_easy", "gsm8k"]
+    assert tasks["arc_easy"]["F_true"] == pytest.approx(3 / 16)
+    assert tasks["gsm8k"]["k"] is None and tasks["gsm8k"]["forgotten"] == 1
+    assert [(row["task"], row["n"], row["forgotten"]) for row in payload["groups"]] == [("old", 10, 3)]
+    assert "'only_pre' is only in PRE_SAMPLES; skipped" in result.stderr
+    assert "'only_post' is only in POST_SAMPLES; skipped" in result.stderr
+
+
+def test_cli_tables_from_single_files(runs):
+    pre_file = next(runs[0].rglob("samples_arc_easy_*.jsonl"))
+    post_file = next(runs[1].rglob("samples_arc_easy_*.jsonl"))
+    result = run_cli(pre_file, post_file, "--group", "old=arc_easy")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("| task ")
+    header, arc_easy = (line.strip("|").split("|") for line in (lines[0], lines[2]))
+    assert dict(zip(map(str.strip, header), map(str.strip, arc_easy)))["F_true"] == "0.188"
+    assert lines[4].startswith("| group ") and lines[6].startswith("| old ")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--group", "old"], "expected NAME=task1,task2"),
+     (["--group", "old=arc_easy", "--group", "old=gsm8k"], "names must be unique"),
+     (["--group", "old=arc_typo"], "'arc_typo' matches no task"),
+     (["--group", "old=only_pre"], "none of its tasks is in both")],
+)
+def test_cli_group_errors(runs, extra, message):
+    result = run_cli(*runs, *extra)
+    assert result.exit_code == 2 and "error: --group" in result.stderr and message in result.stderr
+
+
+def test_cli_no_common_task(runs):
+    only_pre = next(runs[0].rglob("samples_only_pre_*.jsonl"))
+    only_post = next(runs[1].rglob("samples_only_post_*.jsonl"))
+    result = run_cli(only_pre, only_post)
+    assert result.exit_code == 2 and "error: no task in common" in result.stderr
