@@ -107,20 +107,13 @@ def open_inputs(paths: list[str], base: str | None, allow_pickle: bool) -> list[
 
 
 def check_architectures(sources: list[TensorSource]) -> None:
-    """Refuse models whose config.json names different architectures; shapes alone can coincide."""
-    seen = None
-    for source in sources:
-        config = source.config or {}
-        kind = tuple(config.get("architectures") or []) or config.get("model_type")
-        if not kind:
-            continue
-        if seen and kind != seen[1]:
-            raise InputError(f"different architectures: {seen[0]} is {_kind_text(seen[1])}, {source.path} is {_kind_text(kind)}")
-        seen = seen or (source.path, kind)
-
-
-def _kind_text(kind) -> str:
-    return ",".join(kind) if isinstance(kind, tuple) else str(kind)
+    """Refuse models whose config.json names a different model_type or architecture; shapes alone can coincide."""
+    for key in ("model_type", "architectures"):
+        described = [(source.path, (source.config or {}).get(key)) for source in sources]
+        described = [(path, value) for path, value in described if value]
+        for path, value in described[1:]:
+            if value != described[0][1]:
+                raise InputError(f"different architectures: {described[0][0]} has {key} {described[0][1]}, {path} has {value}")
 
 
 def align(reference: TensorSource, source: TensorSource) -> TensorSource:

@@ -1,0 +1,53 @@
+"""Audit results as plain data: one CheckResult per named check, one AuditReport per adapter."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+VERIFIED, WARNED, REJECTED = "VERIFIED", "WARN", "REJECTED"
+
+
+@dataclass
+class CheckResult:
+    """One check: its status, the number it measured, the threshold that number was held to, and why.
+
+    `measurements` keeps per-module numbers for the JSON report; the table shows `detail`.
+    """
+
+    name: str
+    status: str
+    value: float | None
+    threshold: float | None
+    detail: str
+    measurements: dict = field(default_factory=dict)
+
+
+@dataclass
+class AuditReport:
+    adapter: str
+    base: str
+    verdict: str
+    checks: list[CheckResult]
+    reasons: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def verdict_of(checks: list[CheckResult]) -> str:
+    """Any failure rejects; warnings alone still let the adapter through, flagged."""
+    statuses = {check.status for check in checks}
+    if FAIL in statuses:
+        return REJECTED
+    return WARNED if WARN in statuses else VERIFIED
+
+
+def reasons_of(checks: list[CheckResult]) -> list[str]:
+    """Failures first, then warnings, each as `check: detail`."""
+    ordered = [c for c in checks if c.status == FAIL] + [c for c in checks if c.status == WARN]
+    return [f"{check.name}: {check.detail}" for check in ordered]
+
+
+def make_report(adapter: str, base: str, checks: list[CheckResult]) -> AuditReport:
+    return AuditReport(adapter, base, verdict_of(checks), checks, reasons_of(checks))

@@ -1,0 +1,254 @@
+"""Read a PEFT LoRA adapter folder as dense weight updates in the base model's own layout.
+
+A merge needs, per base weight, what the adapter does to it: `scaling * B @ A` added to the weight
+(`targets()` / `delta()`), or a full tensor that takes its place (`modules_to_save`, trained biases:
+`replaced()` / `replacement()`). The two sets never overlap.
+
+When PEFT targets an embedding it also saves an untouched copy of the base embedding
+(`<module>.base_layer.weight`). That copy is not an update: it is kept apart (`copied_base()` /
+`base_copy()`) so an audit can compare it with the claimed base, and a merge adds the delta to the base.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mergekit_lite.errors import InputError
+
+CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+PEFT_PREFIX = "base_model.model."
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig's default, which PEFT applies when a config omits lora_alpha
+
+LINEAR_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
+EMBEDDING_FACTOR = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<side>[AB])(?:\.[^.]+)?$")
+SAVED_MODULE_INFIX = re.compile(r"\.modules_to_save(?:\.[^.]+)?\.")
+BASE_LAYER_INFIX = ".base_layer."
+
+# Config options whose weights are not `scaling * B @ A`: refused rather than merged wrongly.
+UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora) adds a magnitude vector",
+    "lora_bias": "lora_bias adds a trained bias to B",
+    "target_parameters": "target_parameters adapts raw parameters (e.g. fused MoE experts)",
+    "trainable_token_indices": "trainable_token_indices stores sparse token rows",
+    "layer_replication": "layer_replication duplicates base layers",
+    "use_qalora": "QALoRA pools inputs in groups",
+}
+
+
+@dataclass(frozen=True)
+class _Factors:
+    """Where one module's A and B live, and how their product maps onto the base weight."""
+
+    a_key: str
+    b_key: str
+    embedding: bool
+
+
+class _TensorFile:
+    """The adapter's tensors by key: safetensors read lazily, or an opted-in pickle held in memory."""
+
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor] | None = None):
+        self.path = path
+        self._tensors = tensors
+        if tensors is None:
+            from safetensors import safe_open
+
+            try:
+                with safe_open(path, framework="pt") as handle:
+                    self._shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            except Exception as error:  # safetensors raises its own error type for bad headers
+                raise InputError(f"{path}: unreadable safetensors file ({error})") from None
+        else:
+            self._shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
+
+    def keys(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def load(self, key: str) -> torch.Tensor:
+        if self._tensors is not None:
+            return self._tensors[key].clone()
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as handle:
+            return handle.get_tensor(key)
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as error:
+        raise InputError(f"{path}: invalid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: not a JSON object")
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise InputError(f"{path}: peft_type {peft_type} is not LoRA")
+    for option, why in UNSUPPORTED_OPTIONS.items():
+        if config.get(option):
+            raise InputError(f"{path}: unsupported: {why}")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise InputError(f"{path}: no valid rank r (got {rank!r})")
+    return config
+
+
+def _open_weights(folder: Path, allow_pickle: bool) -> _TensorFile:
+    """Safetensors by default; a pickle only when allowed, and then with weights_only=True."""
+    if (folder / SAFETENSORS_FILE).is_file():
+        return _TensorFile(folder / SAFETENSORS_FILE)
+    pickle_path = folder / PICKLE_FILE
+    if not pickle_path.is_file():
+        raise InputError(f"{folder}: no {SAFETENSORS_FILE}")
+    if not allow_pickle:
+        raise InputError(f"{pickle_path}: pickle weights can run code when loaded; refused "
+                         "(convert to safetensors, or pass --allow-pickle)")
+    try:
+        tensors = torch.load(pickle_path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many types for a bad or unsafe pickle
+        raise InputError(f"{pickle_path}: cannot load pickle weights ({type(error).__name__})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise InputError(f"{pickle_path}: not a dict of tensors")
+    return _TensorFile(pickle_path, tensors)
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern/alpha_pattern rule: the first key that matches the end of the module name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _scaling(config: dict, module: str) -> tuple[int, float]:
+    """(rank, scaling) for one module: alpha/r, or alpha/sqrt(r) under rsLoRA."""
+    rank = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
+    root = math.sqrt(rank) if config.get("use_rslora") else rank
+    return rank, alpha / root
+
+
+def _strip_prefix(key: str) -> str:
+    return key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+
+
+@dataclass
+class LoraAdapter:
+    """A PEFT LoRA adapter folder; every name it exposes is a base-model tensor name."""
+
+    path: Path
+    config: dict
+    scaling: dict[str, float]
+    weights_file: Path
+    _file: _TensorFile = field(repr=False)
+    _factors: dict[str, _Factors] = field(repr=False)
+    _replacements: dict[str, str] = field(repr=False)
+    _base_copies: dict[str, str] = field(repr=False)
+
+    @staticmethod
+    def is_adapter_dir(path) -> bool:
+        return (Path(path) / CONFIG_FILE).is_file()
+
+    @classmethod
+    def open(cls, path, allow_pickle: bool = False) -> "LoraAdapter":
+        """Read config and tensor index (no factor data yet); refuse what would merge wrongly."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise InputError(f"{folder}: no such adapter folder")
+        if not cls.is_adapter_dir(folder):
+            raise InputError(f"{folder}: no {CONFIG_FILE} (not a PEFT adapter folder)")
+        config = _read_config(folder)
+        weights = _open_weights(folder, allow_pickle)
+        sides: dict[str, dict[str, str]] = {}
+        embedding: dict[str, bool] = {}
+        full_tensors: dict[str, str] = {}
+        for key in weights.keys():
+            name = _strip_prefix(key)
+            match = LINEAR_FACTOR.match(name) or EMBEDDING_FACTOR.match(name)
+            if match:
+                module_sides = sides.setdefault(match["module"], {})
+                if match["side"] in module_sides:
+                    raise InputError(f"{weights.path}: two lora_{match['side']} tensors for {match['module']} (several adapters in one file?)")
+                module_sides[match["side"]] = key
+                embedding[match["module"]] = match.re is EMBEDDING_FACTOR
+            elif ".lora_" in name:
+                raise InputError(f"{weights.path}: unsupported LoRA tensor {key}")
+            else:
+                full_tensors[SAVED_MODULE_INFIX.sub(".", name)] = key
+        factors, scaling = {}, {}
+        for module, module_sides in sides.items():
+            missing = {"A", "B"} - set(module_sides)
+            if missing:
+                raise InputError(f"{weights.path}: {module} has no lora_{missing.pop()} tensor")
+            factor = _Factors(module_sides["A"], module_sides["B"], embedding[module])
+            rank, scaling[f"{module}.weight"] = _scaling(config, module)
+            _check_factor_shapes(weights, module, factor, rank)
+            factors[f"{module}.weight"] = factor
+        replacements, base_copies = {}, {}
+        for name, key in full_tensors.items():
+            if BASE_LAYER_INFIX in name:
+                name = name.replace(BASE_LAYER_INFIX, ".")
+                (base_copies if name in factors else replacements)[name] = key
+            else:
+                replacements[name] = key
+        overlap = sorted(set(factors) & set(replacements))
+        if overlap:
+            raise InputError(f"{weights.path}: {overlap[0]} has both LoRA factors and a full replacement")
+        return cls(folder, config, scaling, weights.path, weights, factors, replacements, base_copies)
+
+    def targets(self) -> list[str]:
+        """Base weight names that get `scaling * B @ A` added."""
+        return sorted(self._factors)
+
+    def replaced(self) -> list[str]:
+        """Base tensor names the adapter replaces outright (modules_to_save, trained biases)."""
+        return sorted(self._replacements)
+
+    def copied_base(self) -> list[str]:
+        """Base weight names the adapter carries an untouched copy of (targeted embeddings)."""
+        return sorted(self._base_copies)
+
+    def rank(self, base_name: str) -> int:
+        return self._file.shape(self._factors[base_name].a_key)[0]
+
+    def factors(self, base_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(left, right), float32, with left @ right == delta(base_name): rank-r work stays cheap."""
+        factor = self._factors[base_name]
+        a = self._file.load(factor.a_key).to(torch.float32)
+        b = self._file.load(factor.b_key).to(torch.float32)
+        scale = self.scaling[base_name]
+        if factor.embedding or self.config.get("fan_in_fan_out"):
+            return a.T, b.T * scale
+        return b * scale, a
+
+    def delta(self, base_name: str) -> torch.Tensor:
+        """The dense update for one base weight, float32, in the base weight's shape."""
+        left, right = self.factors(base_name)
+        return left @ right
+
+    def replacement(self, base_name: str) -> torch.Tensor:
+        return self._file.load(self._replacements[base_name])
+
+    def base_copy(self, base_name: str) -> torch.Tensor:
+        return self._file.load(self._base_copies[base_name])
+
+
+def _check_factor_shapes(weights: _TensorFile, module: str, factor: _Factors, rank: int) -> None:
+    """A and B must be 2-D, agree on the rank, and that rank must be the config's (else scaling is wrong)."""
+    a_shape, b_shape = weights.shape(factor.a_key), weights.shape(factor.b_key)
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+        raise InputError(f"{weights.path}: {module} has mismatched LoRA factors A{list(a_shape)} and B{list(b_shape)}")
+    if a_shape[0] != rank:
+        raise InputError(f"{weights.path}: {module} has rank {a_shape[0]} but the config says r={rank} "
+                         "(rank_pattern missing?)")

@@ -1,0 +1,163 @@
+"""LoRA adapter reader: base + delta must equal PEFT's own merge_and_unload(), and bad adapters are refused."""
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.lora import LoraAdapter
+
+VOCAB = 100
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32))
+
+
+def train_and_merge(model, lora_config: LoraConfig, adapter_dir, steps: int = 4):
+    """Train a real adapter a few steps (so B is non-zero), save it, and return (base state, PEFT-merged state)."""
+    base_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    peft_model = get_peft_model(model, lora_config)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (2, 12))
+        peft_model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peft_model.save_pretrained(adapter_dir)
+    merged = peft_model.merge_and_unload().state_dict()
+    return base_state, merged
+
+
+def assert_matches_peft(adapter: LoraAdapter, base_state: dict, merged: dict) -> None:
+    assert adapter.targets(), "no LoRA targets read"
+    for name in adapter.targets():
+        assert adapter.delta(name).dtype == torch.float32
+        torch.testing.assert_close(base_state[name] + adapter.delta(name), merged[name], rtol=1e-5, atol=1e-6)
+    for name in adapter.replaced():
+        torch.testing.assert_close(adapter.replacement(name), merged[name])
+    untouched = set(base_state) - set(adapter.targets()) - set(adapter.replaced())
+    for name in untouched:
+        torch.testing.assert_close(base_state[name], merged[name])
+
+
+def test_plain_lora_matches_merge_and_unload(tmp_path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    base_state, merged = train_and_merge(tiny_llama(), config, tmp_path / "adapter")
+    adapter = LoraAdapter.open(tmp_path / "adapter")
+    assert len(adapter.targets()) == 6
+    assert set(adapter.scaling.values()) == {2.0}
+    assert adapter.replaced() == []
+    assert_matches_peft(adapter, base_state, merged)
+
+
+def test_rslora_scales_by_square_root_of_rank(tmp_path):
+    config = LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "up_proj"], use_rslora=True)
+    base_state, merged = train_and_merge(tiny_llama(), config, tmp_path / "adapter")
+    adapter = LoraAdapter.open(tmp_path / "adapter")
+    assert set(adapter.scaling.values()) == {3.0}
+    assert_matches_peft(adapter, base_state, merged)
+
+
+def test_rank_and_alpha_patterns(tmp_path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                        rank_pattern={"v_proj": 2, "layers.1.self_attn.o_proj": 8}, alpha_pattern={"o_proj": 4})
+    base_state, merged = train_and_merge(tiny_llama(), config, tmp_path / "adapter")
+    adapter = LoraAdapter.open(tmp_path / "adapter")
+    assert adapter.rank("model.layers.0.self_attn.v_proj.weight") == 2
+    assert adapter.rank("model.layers.1.self_attn.o_proj.weight") == 8
+    assert adapter.scaling["model.layers.0.self_attn.q_proj.weight"] == 2.0
+    assert adapter.scaling["model.layers.0.self_attn.v_proj.weight"] == 4.0
+    assert adapter.scaling["model.layers.0.self_attn.o_proj.weight"] == 1.0
+    assert adapter.scaling["model.layers.1.self_attn.o_proj.weight"] == 0.5
+    assert_matches_peft(adapter, base_state, merged)
+
+
+def test_embedding_lora_and_modules_to_save(tmp_path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "k_proj"], modules_to_save=["lm_head"])
+    base_state, merged = train_and_merge(tiny_llama(), config, tmp_path / "adapter")
+    adapter = LoraAdapter.open(tmp_path / "adapter")
+    assert "model.embed_tokens.weight" in adapter.targets()
+    assert adapter.replaced() == ["lm_head.weight"]
+    assert adapter.copied_base() == ["model.embed_tokens.weight"]
+    torch.testing.assert_close(adapter.base_copy("model.embed_tokens.weight"), base_state["model.embed_tokens.weight"])
+    assert_matches_peft(adapter, base_state, merged)
+
+
+def test_fan_in_fan_out_conv1d(tmp_path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    base_state, merged = train_and_merge(tiny_gpt2(), config, tmp_path / "adapter")
+    adapter = LoraAdapter.open(tmp_path / "adapter")
+    assert adapter.delta("transformer.h.0.attn.c_attn.weight").shape == base_state["transformer.h.0.attn.c_attn.weight"].shape
+    assert_matches_peft(adapter, base_state, merged)
+
+
+@pytest.fixture(scope="module")
+def saved_adapter(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora") / "adapter"
+    train_and_merge(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), folder, steps=2)
+    return folder
+
+
+def copy_adapter(source, target, edit_config=None, edit_weights=None, as_pickle=False):
+    """A copy of the saved adapter with its config and/or tensors changed."""
+    target.mkdir()
+    config = json.loads((source / "adapter_config.json").read_text())
+    (target / "adapter_config.json").write_text(json.dumps(edit_config(config) if edit_config else config))
+    tensors = load_file(source / "adapter_model.safetensors")
+    tensors = edit_weights(tensors) if edit_weights else tensors
+    if as_pickle:
+        torch.save(tensors, target / "adapter_model.bin")
+    else:
+        save_file(tensors, target / "adapter_model.safetensors")
+    return target
+
+
+def test_pickle_only_when_allowed(saved_adapter, tmp_path):
+    folder = copy_adapter(saved_adapter, tmp_path / "pickled", as_pickle=True)
+    with pytest.raises(InputError, match="--allow-pickle"):
+        LoraAdapter.open(folder)
+    adapter = LoraAdapter.open(folder, allow_pickle=True)
+    reference = LoraAdapter.open(saved_adapter)
+    assert adapter.weights_file.name == "adapter_model.bin"
+    for name in reference.targets():
+        torch.testing.assert_close(adapter.delta(name), reference.delta(name))
+
+
+def drop_lora_b(tensors):
+    return {key: value for key, value in tensors.items() if "layers.1.self_attn.q_proj.lora_B" not in key}
+
+
+@pytest.mark.parametrize("edit_config, edit_weights, message", [
+    (lambda c: {**c, "use_dora": True}, None, "DoRA"),
+    (lambda c: {k: v for k, v in c.items() if k != "r"}, None, "no valid rank r"),
+    (lambda c: {**c, "r": 8}, None, "config says r=8"),
+    (None, drop_lora_b, "layers.1.self_attn.q_proj has no lora_B"),
+])
+def test_refuses_what_it_cannot_merge(saved_adapter, tmp_path, edit_config, edit_weights, message):
+    folder = copy_adapter(saved_adapter, tmp_path / "edited", edit_config, edit_weights)
+    with pytest.raises(InputError, match=message):
+        LoraAdapter.open(folder)
+
+
+def test_not_an_adapter_folder(tmp_path):
+    assert not LoraAdapter.is_adapter_dir(tmp_path)
+    with pytest.raises(InputError, match="no adapter_config.json"):
+        LoraAdapter.open(tmp_path)
+    with pytest.raises(InputError, match="no such adapter folder"):
+        LoraAdapter.open(tmp_path / "missing")

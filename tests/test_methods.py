@@ -1,0 +1,112 @@
+"""The pure merge math against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from mergekit_lite import methods
+
+
+def t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_linear_normalizes_weights():
+    merged = methods.linear([t(0.0, 2.0), t(4.0, 6.0)], [1.0, 3.0])
+    assert torch.equal(merged, t(3.0, 5.0))
+
+
+def test_linear_without_normalization_is_a_plain_weighted_sum():
+    merged = methods.linear([t(1.0, 2.0), t(3.0, 4.0)], [2.0, -1.0], normalize=False)
+    assert torch.equal(merged, t(-1.0, 0.0))
+
+
+def test_linear_rejects_weights_summing_to_zero():
+    with pytest.raises(ValueError):
+        methods.linear([t(1.0), t(2.0)], [1.0, -1.0])
+
+
+def test_lerp_is_exact_at_the_ends_in_bf16():
+    start = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    end = torch.randn(64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(methods.lerp(start, end, 0.0).to(torch.bfloat16), start)
+    assert torch.equal(methods.lerp(start, end, 1.0).to(torch.bfloat16), end)
+    assert torch.allclose(methods.lerp(start, end, 0.25), 0.75 * start.float() + 0.25 * end.float())
+
+
+def test_slerp_on_orthogonal_unit_vectors_follows_the_arc():
+    merged = methods.slerp(t(1.0, 0.0), t(0.0, 1.0), 0.5)
+    assert torch.allclose(merged, t(math.sqrt(0.5), math.sqrt(0.5)), atol=1e-7)
+    third = methods.slerp(t(1.0, 0.0), t(0.0, 1.0), 1 / 3)
+    assert torch.allclose(third, t(math.cos(math.pi / 6), math.sin(math.pi / 6)), atol=1e-7)
+
+
+def test_slerp_falls_back_to_lerp_for_colinear_and_zero_vectors():
+    assert torch.allclose(methods.slerp(t(1.0, 1.0), t(2.0, 2.0), 0.5), t(1.5, 1.5))
+    assert torch.allclose(methods.slerp(t(0.0, 0.0), t(2.0, 4.0), 0.25), t(0.5, 1.0))
+
+
+def test_magnitude_trim_keeps_the_largest_share():
+    delta = t(0.1, -5.0, 0.3, 2.0, -0.2, 1.0)
+    assert torch.equal(methods.magnitude_trim(delta.clone(), 0.5), t(0.0, -5.0, 0.0, 2.0, 0.0, 1.0))
+    assert torch.equal(methods.magnitude_trim(delta.clone(), 1.0), delta)
+    assert torch.equal(methods.magnitude_trim(delta.clone(), 0.01), torch.zeros(6))
+
+
+def test_magnitude_threshold_equals_the_sorted_value():
+    values = torch.randn(10_001, generator=torch.Generator().manual_seed(3))
+    for keep in (1, 17, 5000, 10_001):
+        expected = values.abs().sort(descending=True).values[keep - 1].item()
+        assert methods.magnitude_threshold(values, keep) == expected
+
+
+def test_random_drop_rescales_survivors_and_is_seeded():
+    delta = torch.ones(10_000)
+    dropped = methods.random_drop(delta.clone(), 0.75, torch.Generator().manual_seed(7))
+    assert set(dropped.unique().tolist()) == {0.0, 4.0}
+    assert abs((dropped != 0).float().mean().item() - 0.25) < 0.02
+    again = methods.random_drop(delta.clone(), 0.75, torch.Generator().manual_seed(7))
+    assert torch.equal(dropped, again)
+
+
+def test_sign_consensus_elects_the_sign_with_more_mass():
+    stacked = torch.stack([t(1.0, -3.0, 0.0), t(-2.0, 1.0, 0.5), t(0.5, 1.0, 0.0)])
+    agree = methods.sign_consensus(stacked)
+    # column 0: 1 - 2 + 0.5 < 0 -> negative wins; column 1: -3 + 2 < 0; column 2: positive
+    assert agree.tolist() == [[False, True, False], [True, False, True], [False, False, False]]
+
+
+def test_ties_by_hand():
+    base = t(0.0, 0.0, 0.0, 0.0)
+    a = t(4.0, -1.0, 2.0, 0.5)
+    b = t(-1.0, -2.0, 3.0, 0.25)
+    merged = methods.task_vector_merge(base, [a, b], [1.0, 1.0], scale=1.0, sparsifier="magnitude",
+                                       densities=[0.5, 0.5], consensus=True, normalize=True)
+    # trimmed: a -> (4, 0, 2, 0), b -> (0, -2, 3, 0); all surviving entries agree with their column's sign
+    assert torch.equal(merged, t(4.0, -2.0, 2.5, 0.0))
+
+
+def test_ties_disjoint_mean_ignores_disagreeing_entries_and_applies_lambda():
+    base = t(1.0, 1.0)
+    a = t(3.0, 0.0)   # delta (2, -1)
+    b = t(-2.0, 4.0)  # delta (-3, 3)
+    c = t(4.0, 2.0)   # delta (3, 1)
+    merged = methods.task_vector_merge(base, [a, b, c], [1.0, 1.0, 1.0], scale=0.5, sparsifier="magnitude",
+                                       densities=[1.0, 1.0, 1.0], consensus=True, normalize=True)
+    # column 0: 2 - 3 + 3 > 0 -> mean(2, 3) = 2.5; column 1: -1 + 3 + 1 > 0 -> mean(3, 1) = 2
+    assert torch.allclose(merged, t(1.0 + 0.5 * 2.5, 1.0 + 0.5 * 2.0))
+
+
+def test_task_arithmetic_allows_negative_weights():
+    base, model = t(1.0, 2.0), t(3.0, 1.0)
+    merged = methods.task_vector_merge(base, [model], [-1.0], scale=1.0)
+    assert torch.equal(merged, t(-1.0, 3.0))
+
+
+def test_family_recipes_name_the_documented_combinations():
+    recipes = methods.TASK_VECTOR_METHODS
+    assert (recipes["ties"].sparsifier, recipes["ties"].consensus) == ("magnitude", True)
+    assert (recipes["dare_ties"].sparsifier, recipes["dare_ties"].consensus) == ("random", True)
+    assert (recipes["dare_linear"].sparsifier, recipes["dare_linear"].consensus) == ("random", False)
+    assert recipes["task_arithmetic"].sparsifier is None
