@@ -222,15 +222,28 @@ class LoraAdapter:
     def rank(self, base_name: str) -> int:
         return self._file.shape(self._factors[base_name].a_key)[0]
 
+    def shape(self, base_name: str) -> tuple[int, ...]:
+        """Shape of what the adapter holds for a base tensor (delta, replacement or copy), without reading it."""
+        factor = self._factors.get(base_name)
+        if factor is None:
+            return self._file.shape(self._replacements.get(base_name) or self._base_copies[base_name])
+        a_columns = self._file.shape(factor.a_key)[1]
+        b_rows = self._file.shape(factor.b_key)[0]
+        return (a_columns, b_rows) if self._transposed(factor) else (b_rows, a_columns)
+
     def factors(self, base_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(left, right), float32, with left @ right == delta(base_name): rank-r work stays cheap."""
         factor = self._factors[base_name]
         a = self._file.load(factor.a_key).to(torch.float32)
         b = self._file.load(factor.b_key).to(torch.float32)
         scale = self.scaling[base_name]
-        if factor.embedding or self.config.get("fan_in_fan_out"):
+        if self._transposed(factor):
             return a.T, b.T * scale
         return b * scale, a
+
+    def _transposed(self, factor: _Factors) -> bool:
+        """Embeddings store (num_embeddings, dim) and Conv1D (fan_in_fan_out) stores (in, out): B@A is flipped."""
+        return factor.embedding or bool(self.config.get("fan_in_fan_out"))
 
     def delta(self, base_name: str) -> torch.Tensor:
         """The dense update for one base weight, float32, in the base weight's shape."""

@@ -1,0 +1,466 @@
+"""What users can throw at `mergekit-lite merge`, through the real CLI in a subprocess.
+
+Every bad input must end in one line on stderr (`error: ...` naming the file / tensor / key), exit code 2,
+no traceback, and no output folder that looks complete: the output does not exist and no
+`.OUT.partial-PID` temp folder is left (except after SIGKILL, where the next run removes it).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+CLI = Path(sys.executable).parent / "mergekit-lite"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+TARGET = "model.layers.1.self_attn.q_proj.weight"  # the tensor the cases break
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def run_cli(*args, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CLI), "merge", *map(str, args)], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
+
+
+def partials(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.partial-*"))
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, out: Path, patterns=()) -> str:
+    """Exit 2, one `error:` line on stderr matching every pattern, no traceback, nothing left at `out`."""
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for pattern in patterns:
+        assert re.search(pattern, lines[0]), (pattern, lines[0])
+    assert not out.exists(), f"{out} was left behind"
+    assert partials(out) == [], f"temp folders left: {partials(out)}"
+    return lines[0]
+
+
+def tiny_llama(seed: int, folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").is_file()  # the inputs really are sharded
+    return folder
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def shard_of(folder: Path, name: str) -> Path:
+    return folder / weight_map(folder)[name]
+
+
+def load_state(folder: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for shard in sorted(set(weight_map(folder).values())):
+        state.update(load_file(folder / shard))
+    return state
+
+
+def save_single(folder: Path, state: dict[str, torch.Tensor], config_from: Path) -> Path:
+    """A one-file model folder (model.safetensors + config.json)."""
+    folder.mkdir(parents=True)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(config_from / "config.json", folder / "config.json")
+    return folder
+
+
+def edit_tensor(folder: Path, name: str, edit) -> None:
+    """Rewrite the shard holding `name` with edit(tensor) in its place (the index stays valid)."""
+    shard = shard_of(folder, name)
+    tensors = load_file(shard)
+    tensors[name] = edit(tensors[name].clone())
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"base": tiny_llama(0, root / "base"), "other": tiny_llama(1, root / "other")}
+
+
+def variant(models, tmp_path: Path, name: str = "bad") -> Path:
+    """A private copy of `other` to break."""
+    return Path(shutil.copytree(models["other"], tmp_path / name))
+
+
+def lerp_args(base, model) -> list:
+    return ["--method", "linear", "--base", base, "--model", model, "--alpha", "0.5"]
+
+
+# ------------------------------------------------------------------------------------------- the cases
+# Each builder gets (models, tmp_path) and returns the merge arguments (without --out);
+# the patterns must all occur in the one error line.
+
+
+def missing_tensor(models, tmp):
+    state = load_state(models["other"])
+    del state[TARGET]
+    return lerp_args(models["base"], save_single(tmp / "bad", state, models["other"]))
+
+
+def extra_tensor(models, tmp):
+    state = load_state(models["other"])
+    state["model.layers.1.extra.weight"] = torch.zeros(4)
+    return lerp_args(models["base"], save_single(tmp / "bad", state, models["other"]))
+
+
+def shape_mismatch(models, tmp):
+    state = load_state(models["other"])
+    state[TARGET] = torch.zeros(16, 32)
+    return lerp_args(models["base"], save_single(tmp / "bad", state, models["other"]))
+
+
+def other_config(**changes):
+    def build(models, tmp):
+        bad = variant(models, tmp)
+        config = json.loads((bad / "config.json").read_text())
+        config.update(changes)
+        (bad / "config.json").write_text(json.dumps(config))
+        return lerp_args(models["base"], bad)
+    return build
+
+
+def truncated_shard(models, tmp):
+    bad = variant(models, tmp)
+    shard = shard_of(bad, TARGET)
+    os.truncate(shard, shard.stat().st_size - 100)
+    return lerp_args(models["base"], bad)
+
+
+def header_length_garbage(models, tmp):
+    bad = variant(models, tmp)
+    with open(shard_of(bad, TARGET), "r+b") as handle:
+        handle.write((2**60).to_bytes(8, "little"))
+    return lerp_args(models["base"], bad)
+
+
+def header_json_garbage(models, tmp):
+    bad = variant(models, tmp)
+    with open(shard_of(bad, TARGET), "r+b") as handle:
+        handle.seek(8)
+        handle.write(b"\xff\xfe not json")
+    return lerp_args(models["base"], bad)
+
+
+def index_names_missing_shard(models, tmp):
+    bad = variant(models, tmp)
+    shard_of(bad, TARGET).unlink()
+    return lerp_args(models["base"], bad)
+
+
+def index_wrong_shard(models, tmp):
+    bad = variant(models, tmp)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    right = index["weight_map"][TARGET]
+    index["weight_map"][TARGET] = next(s for s in index["weight_map"].values() if s != right)
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    return lerp_args(models["base"], bad)
+
+
+def empty_folder(models, tmp):
+    (tmp / "bad").mkdir()
+    return lerp_args(models["base"], tmp / "bad")
+
+
+def no_such_folder(models, tmp):
+    return lerp_args(models["base"], tmp / "nowhere")
+
+
+def only_pickle(models, tmp):
+    return lerp_args(models["base"], pickle_model(models, tmp))
+
+
+def pickle_model(models, tmp) -> Path:
+    folder = tmp / "pickled"
+    folder.mkdir()
+    torch.save(load_state(models["other"]), folder / "pytorch_model.bin")
+    shutil.copy(models["other"] / "config.json", folder / "config.json")
+    return folder
+
+
+def nan_model(models, tmp):
+    bad = variant(models, tmp)
+    edit_tensor(bad, TARGET, lambda t: t.flatten().index_fill_(0, torch.tensor([3]), float("nan")).reshape(t.shape))
+    return bad
+
+
+def inf_model(models, tmp):
+    bad = variant(models, tmp)
+    edit_tensor(bad, TARGET, lambda t: t.fill_(float("-inf")))
+    return bad
+
+
+def nan_in_input(models, tmp):
+    return lerp_args(models["base"], nan_model(models, tmp))
+
+
+def inf_in_base(models, tmp):
+    return lerp_args(inf_model(models, tmp), models["base"])
+
+
+def flags(*extra):
+    return lambda models, tmp: ["--base", models["base"], "--model", models["other"], *extra]
+
+
+def yaml_config(text):
+    def build(models, tmp):
+        path = tmp / "merge.yaml"
+        path.write_text(text.format(base=models["base"], other=models["other"]))
+        return [path]
+    return build
+
+
+VALID_HEAD = "method: linear\nbase: {base}\nmodels:\n  - model: {other}\n"
+
+ERROR_CASES = [
+    pytest.param(missing_tensor, [r"/bad: missing tensor " + re.escape(TARGET)], id="missing-tensor"),
+    pytest.param(extra_tensor, [r"/bad: extra tensor model\.layers\.1\.extra\.weight"], id="extra-tensor"),
+    pytest.param(shape_mismatch, [r"tensor " + re.escape(TARGET) + r": shape \[16, 32\] in \S+/bad but \[32, 32\]"],
+                 id="shape-mismatch"),
+    pytest.param(other_config(architectures=["MistralForCausalLM"], model_type="mistral"),
+                 [r"different architectures: \S+/base .*llama.*, \S+/bad .*mistral"], id="different-model-type"),
+    pytest.param(other_config(architectures=["LlamaForSequenceClassification"]),
+                 [r"different architectures: \S+/base .*LlamaForCausalLM.*, \S+/bad .*LlamaForSequenceClassification"],
+                 id="different-architectures"),
+    pytest.param(truncated_shard, [r"/bad/model-\d+-of-\d+\.safetensors: truncated file \(tensor "], id="truncated-shard"),
+    pytest.param(header_length_garbage, [r"/bad/model-\d+-of-\d+\.safetensors: corrupted safetensors header"],
+                 id="header-length-garbage"),
+    pytest.param(header_json_garbage, [r"/bad/model-\d+-of-\d+\.safetensors: corrupted safetensors header"],
+                 id="header-json-garbage"),
+    pytest.param(index_names_missing_shard, [r"/bad/model\.safetensors\.index\.json: names shard model-\d+-of-\d+"
+                                             r"\.safetensors, which is missing"], id="index-missing-shard"),
+    pytest.param(index_wrong_shard, [r"index\.json: places tensor " + re.escape(TARGET) + r" in model-\d+-of-\d+"
+                                     r"\.safetensors, which does not hold it"], id="index-wrong-shard"),
+    pytest.param(empty_folder, [r"/bad: no weights found"], id="empty-folder"),
+    pytest.param(no_such_folder, [r"/nowhere: no such file or folder"], id="no-such-folder"),
+    pytest.param(only_pickle, [r"/pickled: only pickle weights \(pytorch_model\.bin\)", "--allow-pickle"],
+                 id="pickle-refused"),
+    pytest.param(nan_in_input, [r"tensor " + re.escape(TARGET) + r" in \S+/bad\b.*NaN or Inf", "--allow-nonfinite"],
+                 id="nan-in-model"),
+    pytest.param(inf_in_base, [r"tensor " + re.escape(TARGET) + r" in \S+/bad\b.*NaN or Inf"], id="inf-in-base"),
+    pytest.param(flags("--method", "linear", "--alpha", "1.5"), [r"alpha must be in \[0\.0, 1\.0\], got 1\.5"],
+                 id="alpha-above-1"),
+    pytest.param(flags("--method", "linear", "--alpha", "-0.1"), [r"alpha must be in \[0\.0, 1\.0\], got -0\.1"],
+                 id="alpha-below-0"),
+    pytest.param(flags("--method", "slerp", "--t", "2"), [r"t must be in \[0\.0, 1\.0\], got 2\.0"], id="t-above-1"),
+    pytest.param(flags("--method", "ties", "--density", "0"), [r"density must be in \(0\.0, 1\.0\], got 0\.0"],
+                 id="density-zero"),
+    pytest.param(flags("--method", "ties", "--density", "1.5"), [r"density must be in \(0\.0, 1\.0\], got 1\.5"],
+                 id="density-above-1"),
+    pytest.param(flags("--method", "dare_linear", "--drop", "1"), [r"drop must be in \[0\.0, 1\.0\), got 1\.0"],
+                 id="drop-one"),
+    pytest.param(flags("--method", "dare_ties", "--drop", "-0.5"), [r"drop must be in \[0\.0, 1\.0\), got -0\.5"],
+                 id="drop-negative"),
+    pytest.param(flags("--method", "task_arithmetic", "--alpha", "0.5"),
+                 [r"parameter 'alpha' does not apply to method task_arithmetic"], id="parameter-of-other-method"),
+    pytest.param(yaml_config("method: frankenmerge\nbase: {base}\nmodels: [{other}]\n"),
+                 [r"unknown method 'frankenmerge' \(choose from linear, slerp"], id="yaml-unknown-method"),
+    pytest.param(yaml_config(VALID_HEAD + "alpah: 0.3\n"), [r"merge\.yaml: unknown key 'alpah'"], id="yaml-unknown-key"),
+    pytest.param(yaml_config(VALID_HEAD + "    wieght: 2\n"), [r"merge\.yaml: models\[0\]: unknown key 'wieght'"],
+                 id="yaml-unknown-model-key"),
+    pytest.param(yaml_config(VALID_HEAD + "parameters:\n  alpah: 0.3\n"),
+                 [r"parameter 'alpah' does not apply to method linear"], id="yaml-unknown-parameter"),
+    pytest.param(yaml_config(VALID_HEAD + "parameters:\n  weight: [{{filter: mlp, valeu: 1}}]\n"),
+                 [r"parameter weight: unknown key 'valeu'"], id="yaml-unknown-filter-key"),
+    pytest.param(yaml_config("method: linear\nmodels: [a, b\n"), [r"merge\.yaml: invalid YAML"], id="yaml-invalid"),
+    pytest.param(yaml_config("method: linear\n  base: x\n"), [r"merge\.yaml: invalid YAML"], id="yaml-bad-indent"),
+    pytest.param(yaml_config("- linear\n- {base}\n"), [r"merge\.yaml: expected a mapping"], id="yaml-not-a-mapping"),
+]
+
+
+@pytest.mark.parametrize("build, patterns", ERROR_CASES)
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(models, tmp_path, build, patterns):
+    out = tmp_path / "merged"
+    result = run_cli(*build(models, tmp_path), "--out", out, "-q")
+    assert_clean_error(result, out, patterns)
+
+
+def test_unknown_method_flag_is_a_usage_error(models, tmp_path):
+    """click validates --method itself: its usage error (exit 2) names the value and the choices."""
+    out = tmp_path / "merged"
+    result = run_cli("--method", "frankenmerge", "--base", models["base"], "--model", models["other"], "--out", out)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert re.search(r"Error: Invalid value for '--method'.*'frankenmerge' is not one of 'linear'", result.stderr)
+    assert not out.exists() and partials(out) == []
+
+
+# ------------------------------------------------------------------------------ accepted with an opt-in
+
+
+def test_mixed_dtypes_upcast_with_a_note(models, tmp_path):
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in load_state(models["other"]).items()}
+    other_bf16 = save_single(tmp_path / "bf16", state, models["other"])
+    out = tmp_path / "merged"
+    dry = run_cli(*lerp_args(models["base"], other_bf16), "--out", out, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "note: inputs mix dtypes (bfloat16, float32): upcast to float32 for the math" in dry.stdout
+    assert not out.exists()
+    result = run_cli(*lerp_args(models["base"], other_bf16), "--out", out, "-q")
+    assert result.returncode == 0, result.stderr
+    merged = load_state(out) if (out / "model.safetensors.index.json").exists() else load_file(out / "model.safetensors")
+    expected = 0.5 * load_state(models["base"])[TARGET] + 0.5 * state[TARGET].float()
+    assert merged[TARGET].dtype == torch.float32  # stored like the base
+    torch.testing.assert_close(merged[TARGET], expected)
+
+
+def test_pickle_weights_merge_with_allow_pickle(models, tmp_path):
+    pickled = pickle_model(models, tmp_path)
+    out, reference = tmp_path / "merged", tmp_path / "reference"
+    result = run_cli(*lerp_args(models["base"], pickled), "--allow-pickle", "--out", out, "-q")
+    assert result.returncode == 0, result.stderr
+    assert run_cli(*lerp_args(models["base"], models["other"]), "--out", reference, "-q").returncode == 0
+    assert load_file(out / "model.safetensors").keys() == load_file(reference / "model.safetensors").keys()
+    for name, tensor in load_file(reference / "model.safetensors").items():
+        assert torch.equal(load_file(out / "model.safetensors")[name], tensor), name
+
+
+def test_nonfinite_merges_with_allow_nonfinite(models, tmp_path):
+    out = tmp_path / "merged"
+    result = run_cli(*lerp_args(models["base"], nan_model(models, tmp_path)), "--allow-nonfinite", "--out", out, "-q")
+    assert result.returncode == 0, result.stderr
+    merged = load_file(out / "model.safetensors")[TARGET]
+    assert merged.flatten()[3].isnan() and torch.isfinite(merged).sum() == merged.numel() - 1
+
+
+# ------------------------------------------------------------------------------------------ the output
+
+
+def test_existing_output_refused_without_overwrite_replaced_with_it(models, tmp_path):
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "-q")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: {out}: already exists (pass --overwrite to replace it)"
+    assert (out / "keep.txt").read_text() == "mine" and partials(out) == []
+
+    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
+    assert result.returncode == 0, result.stderr
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file() and partials(out) == []
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KiB tmpfs (the merged model is ~110 KB), or a skip where mounting is not allowed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(models, tiny_disk):
+    out = tiny_disk / "merged"
+    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "-q")
+    line = assert_clean_error(result, out, [r"No space left on device", r"merged\.partial-\d+/model\.safetensors"])
+    assert list(tiny_disk.iterdir()) == [], line
+
+
+def test_write_error_in_process_removes_temp_folder(models, tmp_path, monkeypatch):
+    """The same fault without root: the writer fails on its third tensor; run_merge re-raises, leaves nothing."""
+    from mergekit_lite.config import MergeConfig, ModelSpec
+    from mergekit_lite.io import ShardedWriter
+    from mergekit_lite.merge import run_merge
+
+    real_write, calls = ShardedWriter.write, []
+
+    def failing_write(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, name, tensor)
+
+    monkeypatch.setattr(ShardedWriter, "write", failing_write)
+    config = MergeConfig(method="linear", base=str(models["base"]), models=[ModelSpec(str(models["other"]))],
+                         parameters={"alpha": 0.5}, out_shard_size="20KB")
+    out = tmp_path / "merged"
+    with pytest.raises(OSError, match="No space left"):
+        run_merge(config, out)
+    assert len(calls) == 3 and not out.exists() and partials(out) == []
+
+
+# --------------------------------------------------------------------------------------- interruptions
+
+
+@pytest.fixture(scope="module")
+def big_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """Two ~50 MB single-file models of 200 tensors: a merge of them takes seconds, time to kill it midway."""
+    root = tmp_path_factory.mktemp("big")
+    paths = []
+    for seed, name in enumerate(("a", "b")):
+        generator = torch.Generator().manual_seed(seed)
+        (root / name).mkdir()
+        save_file({f"model.layers.{i}.mlp.weight": torch.randn(256, 256, generator=generator) for i in range(200)},
+                  root / name / "model.safetensors", metadata={"format": "pt"})
+        paths.append(root / name)
+    return paths[0], paths[1]
+
+
+def start_and_wait_for_partial(big_pair, out: Path, stderr_file: Path) -> tuple[subprocess.Popen, Path]:
+    """Start a big merge and return once its temp folder holds a shard (the merge is midway)."""
+    a, b = big_pair
+    with open(stderr_file, "w") as stderr:
+        process = subprocess.Popen([str(CLI), "merge", *map(str, lerp_args(a, b)), "--out", str(out), "-q",
+                                    "--out-shard-size", "2MB"], stdout=subprocess.DEVNULL, stderr=stderr, env=ENV)
+    partial = out.parent / f".{out.name}.partial-{process.pid}"
+    deadline = time.monotonic() + 120
+    while not (partial.is_dir() and any(partial.glob("*.safetensors"))):
+        if process.poll() is not None:
+            pytest.fail(f"merge ended (rc {process.returncode}) before it could be interrupted: {stderr_file.read_text()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("the merge never started writing")
+        time.sleep(0.01)
+    assert process.poll() is None, "the merge finished before the signal: make big_pair bigger"
+    return process, partial
+
+
+def test_sigterm_midway_removes_temp_folder(big_pair, tmp_path):
+    out = tmp_path / "merged"
+    process, partial = start_and_wait_for_partial(big_pair, out, tmp_path / "stderr")
+    process.send_signal(signal.SIGTERM)
+    returncode = process.wait(timeout=60)
+    stderr = (tmp_path / "stderr").read_text()
+    assert returncode != 0 and "Traceback" not in stderr, (returncode, stderr)
+    assert not out.exists() and not partial.exists() and partials(out) == []
+
+
+def test_sigkill_midway_leaves_only_a_partial_that_the_next_run_removes(models, big_pair, tmp_path):
+    out = tmp_path / "merged"
+    process, partial = start_and_wait_for_partial(big_pair, out, tmp_path / "stderr")
+    process.kill()
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    assert not out.exists()
+    assert partials(out) == [partial]  # named so no tool mistakes it for a model
+    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "-q")
+    assert result.returncode == 0, result.stderr
+    assert (out / "model.safetensors").is_file() and partials(out) == []
