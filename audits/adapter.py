@@ -41,11 +41,12 @@ class AuditThresholds:
     min_fingerprint_similarity 0.95: per module, the smaller of the spectrum and probe cosines against
         the fingerprint. The same base scores 1.0 (bf16 copies and light fine-tunes stay above 0.999);
         unrelated weights score ~0 on the probe. 0.95 leaves room for dtype noise only.
-    min_alignment 2.0: with no fingerprint, the share of the update's energy inside the base's top left
+    min_alignment 1.5: with no fingerprint, the share of the update's energy inside the base's top left
         singular subspace, over the share a random matrix has there (k/rows), median over modules.
-        Random is 1.0. Updates trained on a base tend to reuse directions already in it (LoRA paper,
-        section 7), so under 2x nothing shows the adapter was made on this base. It only ever warns:
-        a genuine update may live outside the top directions, and a weak signal must not reject.
+        Unrelated weights give ~1.0 (0.9-1.15 measured on same-recipe tiny bases); updates trained on a
+        base that has learned structure reuse its directions (LoRA paper, section 7): 1.7-2.8 measured
+        on tiny pretrained Llamas. A randomly initialised base has no such geometry (~1.0 even for its
+        own adapters). It only ever warns: a genuine update may live outside the top directions.
     top_k 8: singular directions per matrix (a fingerprint's own top_k wins). The alignment subspace is
         min(top_k, short side / 4), so it never spans more than a quarter of the space.
     min_delta 1e-4: the largest ||dW||_F / ||W||_F over modules below this is a no-op: storing the merge
@@ -55,7 +56,7 @@ class AuditThresholds:
     """
 
     min_fingerprint_similarity: float = 0.95
-    min_alignment: float = 2.0
+    min_alignment: float = 1.5
     top_k: int = DEFAULT_TOP_K
     min_delta: float = 1e-4
     ngram: int = 13
@@ -165,14 +166,14 @@ def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, Lo
     total = sum(bad.values())
     if bad:
         return CheckResult("format", FAIL, total, 0, f"NaN/Inf values in {len(bad)} tensors: {_names(list(bad))}"), None
-    description = describe_format(adapter)
-    mismatch = target_mismatch(adapter.config, [_module(name) for name in adapter.targets()])
+    warnings = []
     if adapter.weights_file.suffix == ".bin":
-        return CheckResult("format", WARN, 0, 0, f"pickle weights loaded because --allow-pickle was given "
-                                                 f"(weights_only=True); {description}"), adapter
+        warnings.append("pickle weights loaded because --allow-pickle was given (weights_only=True)")
+    mismatch = target_mismatch(adapter.config, [_module(name) for name in adapter.targets()])
     if mismatch:
-        return CheckResult("format", WARN, 0, 0, f"{mismatch}; {description}"), adapter
-    return CheckResult("format", PASS, 0, 0, description), adapter
+        warnings.append(mismatch)
+    detail = "; ".join(warnings + [f"no NaN/Inf; {describe_format(adapter)}"])
+    return CheckResult("format", WARN if warnings else PASS, 0, 0, detail), adapter
 
 
 def check_structure(adapter: LoraAdapter, base) -> CheckResult:
@@ -193,7 +194,7 @@ def check_structure(adapter: LoraAdapter, base) -> CheckResult:
     coverage = len(set(adapter.targets()) & set(matrices)) / len(matrices) if matrices else 0.0
     measurements = {"targeted": adapter.targets(), "replaced": adapter.replaced(), "base_matrices": len(matrices)}
     if problems:
-        return CheckResult("structure", FAIL, coverage, None, f"{len(problems)} mismatches: {'; '.join(problems[:SHOWN_NAMES])}",
+        return CheckResult("structure", FAIL, coverage, None, f"does not fit the base ({len(problems)} problems): {'; '.join(problems[:SHOWN_NAMES])}",
                            measurements)
     detail = (f"all {len(adapter.targets())} LoRA modules and {len(adapter.replaced())} replaced tensors match the base; "
               f"{len(adapter.targets())} of {len(matrices)} base weight matrices targeted ({coverage:.0%})")
@@ -331,7 +332,7 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
         raise InputError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter folder)")
     if (train_data is None) != (holdout is None):
         raise InputError("the leakage check needs both training data and a holdout (--train-data and --holdout)")
-    base = open_model(base_dir)
+    base = open_model(base_dir, allow_pickle=allow_pickle)
     fingerprint_data, fingerprint_source = _fingerprint_for(adapter_dir, fingerprint)
     top_k = fingerprint_data["top_k"] if fingerprint_data else thresholds.top_k
     format_check, adapter = check_format(adapter_dir, allow_pickle)
@@ -341,9 +342,9 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
         checks.append(structure)
         if structure.status != FAIL:
             entries = fingerprint_data["modules"] if fingerprint_data else {}
-            measures = [measure_module(adapter, base, name, top_k, entries.get(name) if fingerprint_data else None)
-                        for name in adapter.targets()]
-            checks.append(check_spectral(measures, fingerprint_source, thresholds))
+            measures = [measure_module(adapter, base, name, top_k, entries.get(name)) for name in adapter.targets()]
+            if measures:
+                checks.append(check_spectral(measures, fingerprint_source, thresholds))
             checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds))
     if train_data is not None:
         checks.append(check_leakage(train_data, holdout, thresholds.ngram, thresholds.max_contaminated_share))

@@ -29,7 +29,7 @@ FINGERPRINT_FILE = "base_fingerprint.json"
 DEFAULT_TOP_K = 8
 PROBE_DIM = 16
 PROBE_SEED = 0
-EXACT_SVD_MAX_DIM = 1024  # above this, exact SVD costs seconds per matrix; a seeded randomized one does not
+EXACT_SVD_MAX_DIM = 512  # above this, exact SVD costs seconds per matrix; a seeded randomized one does not
 OVERSAMPLE = 8
 POWER_ITERATIONS = 4
 

@@ -15,7 +15,13 @@ from pathlib import Path
 
 from mergekit_lite.errors import InputError
 
-MULTIPLE_CHOICE_ACC = "acc,none"
+# Everything is local; without these, lm-eval/datasets may wait on a network that isn't there.
+# Set at import because huggingface_hub reads them once, when it is first imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# The score reported as TaskScore.acc: accuracy for multiple choice, exact match for generation.
+SCORE_KEYS = ("acc,none", "exact_match,none")
 
 
 @dataclass
@@ -34,15 +40,25 @@ def choices_in_sample(sample: dict) -> float:
     return float(len(sample["arguments"]))
 
 
+def primary_score(task: str, metrics: dict) -> float:
+    """The one number a sweep compares: the first of SCORE_KEYS the task reports."""
+    for key in SCORE_KEYS:
+        if key in metrics:
+            return float(metrics[key])
+    reported = ", ".join(k for k in metrics if "," in k)
+    raise InputError(f"task {task} reports none of {', '.join(SCORE_KEYS)} (it reports {reported})")
+
+
 def task_score(task: str, results: dict) -> TaskScore:
-    """Pick one task's accuracy and samples out of simple_evaluate's results."""
+    """Pick one task's score and samples out of simple_evaluate's results."""
     samples = results["samples"][task]
-    metrics = results["results"][task]
-    if results["configs"][task]["output_type"] == "multiple_choice":
-        acc, n_choices = metrics[MULTIPLE_CHOICE_ACC], choices_in_sample(samples[0])
-    else:
-        acc, n_choices = next(v for k, v in metrics.items() if k.endswith(",none") and "stderr" not in k), math.inf
-    return TaskScore(task=task, acc=float(acc), n_choices=n_choices, samples=samples)
+    is_multiple_choice = results["configs"][task]["output_type"] == "multiple_choice"
+    return TaskScore(
+        task=task,
+        acc=primary_score(task, results["results"][task]),
+        n_choices=choices_in_sample(samples[0]) if is_multiple_choice else math.inf,
+        samples=samples,
+    )
 
 
 class Evaluator:
@@ -56,8 +72,6 @@ class Evaluator:
         batch_size: int = 16,
         device: str = "cpu",
     ):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         self.tasks = list(tasks)
         self.include_path = str(include_path) if include_path is not None else None
         self.limit = limit

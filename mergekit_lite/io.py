@@ -154,15 +154,16 @@ class PickleSource(ModelSource):
     """Legacy `pytorch_model*.bin` weights, loaded memory-mapped with weights_only=True; opt-in only."""
 
     def __init__(self, path: Path, files: Sequence[Path], config: dict | None):
-        tensors = {}
+        tensors, origin = {}, {}
         for file in files:
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as error:  # torch raises many types for a bad pickle
                 raise InputError(f"{file}: cannot load pickle weights ({type(error).__name__})") from None
             tensors.update(state)
+            origin.update(dict.fromkeys(state, file))
         entries = {
-            name: TensorEntry(name, files[0], t.dtype, tuple(t.shape), 0, t.numel() * t.element_size())
+            name: TensorEntry(name, origin[name], t.dtype, tuple(t.shape), 0, t.numel() * t.element_size())
             for name, t in tensors.items()
         }
         super().__init__(path, entries, config)
@@ -311,12 +312,24 @@ class ShardedWriter:
         shard_index, planned = self._queue[self._position]
         if name != planned.name or tuple(tensor.shape) != planned.shape or tensor.dtype != planned.dtype:
             raise RuntimeError(f"writer expected {planned}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
-        if shard_index != self._open_shard:
-            self._start_shard(shard_index)
-        if planned.nbytes:
-            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            self._handle.write(memoryview(data.numpy()))
+        with self._naming_failed_file():
+            if shard_index != self._open_shard:
+                self._start_shard(shard_index)
+            if planned.nbytes:
+                data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                self._handle.write(memoryview(data.numpy()))
         self._position += 1
+
+    @contextmanager
+    def _naming_failed_file(self):
+        """A failed write (a full disk) names the file being written: OSError from write() carries no filename."""
+        try:
+            yield
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            where = getattr(self._handle, "name", self.folder)
+            raise OSError(error.errno, error.strerror or str(error), str(where)) from None
 
     def _start_shard(self, shard_index: int) -> None:
         if self._handle is not None:
@@ -330,9 +343,10 @@ class ShardedWriter:
         if self._position != len(self._queue):
             raise RuntimeError(f"writer closed after {self._position} of {len(self._queue)} tensors")
         if self._handle is not None:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-            self._handle.close()
+            with self._naming_failed_file():
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+                self._handle.close()
             self._handle = None
         if len(self.shards) > 1:
             index = {

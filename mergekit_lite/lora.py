@@ -143,6 +143,59 @@ def _strip_prefix(key: str) -> str:
     return key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
 
 
+def _classify_keys(weights: _TensorFile) -> tuple[dict[str, dict[str, str]], set[str], dict[str, str]]:
+    """Stored keys as: A/B keys per module, the modules whose factors are embedding-style, full tensors by name."""
+    sides: dict[str, dict[str, str]] = {}
+    embeddings: set[str] = set()
+    full_tensors: dict[str, str] = {}
+    for key in weights.keys():
+        name = _strip_prefix(key)
+        match = LINEAR_FACTOR.match(name) or EMBEDDING_FACTOR.match(name)
+        if match:
+            module_sides = sides.setdefault(match["module"], {})
+            if match["side"] in module_sides:
+                raise InputError(f"{weights.path}: two lora_{match['side']} tensors for {match['module']} (several adapters in one file?)")
+            module_sides[match["side"]] = key
+            if match.re is EMBEDDING_FACTOR:
+                embeddings.add(match["module"])
+        elif ".lora_" in name:
+            raise InputError(f"{weights.path}: unsupported LoRA tensor {key}")
+        else:
+            full_tensors[SAVED_MODULE_INFIX.sub(".", name)] = key
+    return sides, embeddings, full_tensors
+
+
+def _module_factors(weights: _TensorFile, config: dict, sides: dict[str, dict[str, str]],
+                    embeddings: set[str]) -> tuple[dict[str, _Factors], dict[str, float]]:
+    """Factors and scaling per base weight name; every module needs both A and B at the config's rank."""
+    factors, scaling = {}, {}
+    for module, module_sides in sides.items():
+        missing = {"A", "B"} - set(module_sides)
+        if missing:
+            raise InputError(f"{weights.path}: {module} has no lora_{missing.pop()} tensor")
+        factor = _Factors(module_sides["A"], module_sides["B"], module in embeddings)
+        rank, scaling[f"{module}.weight"] = _scaling(config, module)
+        _check_factor_shapes(weights, module, factor, rank)
+        factors[f"{module}.weight"] = factor
+    return factors, scaling
+
+
+def _full_tensor_roles(weights: _TensorFile, full_tensors: dict[str, str],
+                       factors: dict[str, _Factors]) -> tuple[dict[str, str], dict[str, str]]:
+    """Split full tensors into replacements and untouched copies of a targeted module's base weight."""
+    replacements, base_copies = {}, {}
+    for name, key in full_tensors.items():
+        if BASE_LAYER_INFIX in name:
+            name = name.replace(BASE_LAYER_INFIX, ".")
+            (base_copies if name in factors else replacements)[name] = key
+        else:
+            replacements[name] = key
+    overlap = sorted(set(factors) & set(replacements))
+    if overlap:
+        raise InputError(f"{weights.path}: {overlap[0]} has both LoRA factors and a full replacement")
+    return replacements, base_copies
+
+
 @dataclass
 class LoraAdapter:
     """A PEFT LoRA adapter folder; every name it exposes is a base-model tensor name."""
@@ -170,41 +223,9 @@ class LoraAdapter:
             raise InputError(f"{folder}: no {CONFIG_FILE} (not a PEFT adapter folder)")
         config = _read_config(folder)
         weights = _open_weights(folder, allow_pickle)
-        sides: dict[str, dict[str, str]] = {}
-        embedding: dict[str, bool] = {}
-        full_tensors: dict[str, str] = {}
-        for key in weights.keys():
-            name = _strip_prefix(key)
-            match = LINEAR_FACTOR.match(name) or EMBEDDING_FACTOR.match(name)
-            if match:
-                module_sides = sides.setdefault(match["module"], {})
-                if match["side"] in module_sides:
-                    raise InputError(f"{weights.path}: two lora_{match['side']} tensors for {match['module']} (several adapters in one file?)")
-                module_sides[match["side"]] = key
-                embedding[match["module"]] = match.re is EMBEDDING_FACTOR
-            elif ".lora_" in name:
-                raise InputError(f"{weights.path}: unsupported LoRA tensor {key}")
-            else:
-                full_tensors[SAVED_MODULE_INFIX.sub(".", name)] = key
-        factors, scaling = {}, {}
-        for module, module_sides in sides.items():
-            missing = {"A", "B"} - set(module_sides)
-            if missing:
-                raise InputError(f"{weights.path}: {module} has no lora_{missing.pop()} tensor")
-            factor = _Factors(module_sides["A"], module_sides["B"], embedding[module])
-            rank, scaling[f"{module}.weight"] = _scaling(config, module)
-            _check_factor_shapes(weights, module, factor, rank)
-            factors[f"{module}.weight"] = factor
-        replacements, base_copies = {}, {}
-        for name, key in full_tensors.items():
-            if BASE_LAYER_INFIX in name:
-                name = name.replace(BASE_LAYER_INFIX, ".")
-                (base_copies if name in factors else replacements)[name] = key
-            else:
-                replacements[name] = key
-        overlap = sorted(set(factors) & set(replacements))
-        if overlap:
-            raise InputError(f"{weights.path}: {overlap[0]} has both LoRA factors and a full replacement")
+        sides, embeddings, full_tensors = _classify_keys(weights)
+        factors, scaling = _module_factors(weights, config, sides, embeddings)
+        replacements, base_copies = _full_tensor_roles(weights, full_tensors, factors)
         return cls(folder, config, scaling, weights.path, weights, factors, replacements, base_copies)
 
     def targets(self) -> list[str]:

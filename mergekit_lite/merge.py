@@ -22,7 +22,7 @@ import yaml
 from mergekit_lite import methods
 from mergekit_lite.config import MergeConfig, is_embedding, resolve
 from mergekit_lite.errors import InputError
-from mergekit_lite.io import PlannedTensor, ShardedWriter, atomic_output_dir, copy_side_files
+from mergekit_lite.io import ModelSource, PlannedTensor, ShardedWriter, atomic_output_dir, copy_side_files
 from mergekit_lite.sources import TensorSource, is_adapter, open_inputs
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
@@ -228,7 +228,8 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
 def _check_finite(name: str, tensors: list[torch.Tensor], sources: list[TensorSource]) -> None:
     for tensor, source in zip(tensors, sources):
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise InputError(f"tensor {name} in {source.path} has NaN or Inf values (pass --allow-nonfinite to merge anyway)")
+            where = source.entry(name).file if isinstance(source, ModelSource) else source.path  # the shard, if known
+            raise InputError(f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)")
 
 
 def _all_identical(tensors: list[torch.Tensor]) -> bool:
@@ -248,8 +249,8 @@ class MergeResult:
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False) -> MergeResult:
     """Plan and stream a merge into `out`, which appears only once complete."""
     started = time.perf_counter()
-    _audit_adapters(config)
     plan = plan_merge(config)
+    _audit_adapters(config)
     with atomic_output_dir(out, overwrite=overwrite) as folder:
         writer = ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                                config.out_shard_size)
@@ -274,7 +275,7 @@ def _audit_adapters(config: MergeConfig) -> None:
         from audits.adapter import require_verified
 
         for adapter in adapters:
-            require_verified(adapter, config.base, force=config.force)
+            require_verified(adapter, config.base, force=config.force, allow_pickle=config.allow_pickle)
 
 
 def _write_side_files(plan: MergePlan, folder: Path) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import gc
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -251,6 +251,16 @@ class RecallWeights:
         if embed_rule == "base":
             return one_hot(0, n_models)
         return one_hot(self.reference, n_models)
+
+    def with_temperature(self, temperature: float) -> RecallWeights:
+        """The same similarities re-weighted at another temperature: the similarities do not
+        depend on it, so a sweep over temperatures runs the models once."""
+        check_merge_settings(len(self.models), temperature)
+        weights = [
+            torch.softmax(torch.tensor(row, dtype=torch.float64) / temperature, dim=0).tolist()
+            for row in self.similarity
+        ]
+        return replace(self, temperature=temperature, weights=weights)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ import torch
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from mergekit_lite.errors import InputError
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, UNK, BOS, EOS]
@@ -59,7 +62,7 @@ class ToyConfig:
     n_heads: int = 4
     intermediate_size: int = 128
     pre_steps: int = 150
-    post_steps: int = 60
+    post_steps: int = 200
     learning_rate: float = 3e-3
     max_shard_size: str | None = None
 
@@ -82,7 +85,7 @@ def make_entities(n: int, rng: random.Random) -> list[str]:
     syllables = [c + v for c in consonants for v in vowels]
     names = sorted({a + b for a in syllables for b in syllables})
     if n > len(names):
-        raise ValueError(f"at most {len(names)} entities are available, asked for {n}")
+        raise InputError(f"the toy world has at most {len(names)} entities, asked for {n}")
     return rng.sample(names, n)
 
 
@@ -128,7 +131,8 @@ def build_model(vocab_size: int, config: ToyConfig) -> LlamaForCausalLM:
 
 @contextmanager
 def torch_threads(n: int):
-    """Tiny models train fastest on few threads; restore the caller's setting afterwards."""
+    """Tiny models train fastest on one thread: on a busy 2-core machine, two threads ran 10-20x
+    slower from contention. Restores the caller's setting afterwards."""
     previous = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -154,21 +158,17 @@ def train(
     skill: Skill,
     steps: int,
     learning_rate: float,
-    seed: int,
-) -> float:
-    """Full-batch AdamW on the answer token only (no data order, hence deterministic); returns the last loss."""
-    torch.manual_seed(seed)
+) -> None:
+    """Full-batch AdamW on the answer token only: no data order to shuffle, hence deterministic."""
     input_ids, labels = answer_batch(tokenizer, skill, sorted(skill.answers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     model.train()
-    loss = torch.tensor(float("nan"))
     for _ in range(steps):
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     model.eval()
-    return float(loss)
 
 
 def multiple_choice_docs(skill: Skill, other: Skill, rng: random.Random) -> list[dict]:
@@ -230,6 +230,14 @@ def cached_pair(out_dir: Path, config: ToyConfig) -> ToyPair | None:
     return None
 
 
+def clear_pair(out_dir: Path, paths: ToyPair) -> None:
+    """Drop the marker first (an interrupted rebuild must not look finished) and old model
+    folders (stale shards of an earlier build would mix with the new weights)."""
+    (out_dir / MARKER_FILE).unlink(missing_ok=True)
+    for folder in (paths.pre_dir, paths.post_dir):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def build_toy_pair(out_dir: str | Path, seed: int = 0, **options) -> ToyPair:
     """Build (or reuse) pre/post checkpoints, lm-eval tasks and typical texts under `out_dir`.
 
@@ -241,6 +249,7 @@ def build_toy_pair(out_dir: str | Path, seed: int = 0, **options) -> ToyPair:
     if cached is not None:
         return cached
     paths = pair_paths(out_dir)
+    clear_pair(out_dir, paths)
     paths.task_dir.mkdir(parents=True, exist_ok=True)
 
     rng = random.Random(seed)
@@ -248,15 +257,15 @@ def build_toy_pair(out_dir: str | Path, seed: int = 0, **options) -> ToyPair:
     old_skill, new_skill = make_skills(entities, rng)
     tokenizer = build_tokenizer(TEMPLATE_WORDS + [old_skill.relation, new_skill.relation] + COLORS + entities)
 
-    with torch_threads(2):
+    with torch_threads(1):
         model = build_model(len(tokenizer), config)
-        train(model, tokenizer, old_skill, config.pre_steps, config.learning_rate, seed)
+        train(model, tokenizer, old_skill, config.pre_steps, config.learning_rate)
         save_model(model, tokenizer, paths.pre_dir, config)
-        train(model, tokenizer, new_skill, config.post_steps, config.learning_rate, seed + 1)
+        train(model, tokenizer, new_skill, config.post_steps, config.learning_rate)
         save_model(model, tokenizer, paths.post_dir, config)
 
-    write_task(paths.task_dir, OLD_TASK, multiple_choice_docs(old_skill, new_skill, rng))
-    write_task(paths.task_dir, NEW_TASK, multiple_choice_docs(new_skill, old_skill, rng))
+    write_task(paths.task_dir, old_skill.task, multiple_choice_docs(old_skill, new_skill, rng))
+    write_task(paths.task_dir, new_skill.task, multiple_choice_docs(new_skill, old_skill, rng))
     sentences = [skill.sentence(e) for e in entities for skill in (old_skill, new_skill)]
     paths.typical_texts.write_text("\n".join(sentences) + "\n")
     (out_dir / MARKER_FILE).write_text(json.dumps(asdict(config), indent=2))

@@ -10,8 +10,16 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.lora import LoraAdapter
+from mergekit_lite.toy import torch_threads
 
 VOCAB = 100
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models train several times faster on one thread than on shared cores."""
+    with torch_threads(1):
+        yield
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:

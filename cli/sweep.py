@@ -1,0 +1,97 @@
+"""`mergekit-lite sweep`: merge pre and post at every alpha of a grid, score old and new skills, pick the best."""
+
+import os
+import signal
+import sys
+
+import click
+
+from mergekit_lite.config import METHODS
+
+EXAMPLES = """
+\b
+What alpha is, per --method (the method's main coefficient):
+  linear                 weight of post: 0 = pre, 1 = post
+  slerp                  t, spherical interpolation from pre (0) to post (1)
+  task_arithmetic, ties,
+  dare_linear, dare_ties lambda, scale of post's task vector (post - pre) added to pre
+  recall                 softmax temperature of the per-layer weights (> 0; the models run once)
+\b
+Pick: the alpha with the highest harmonic mean 2*old*new/(old+new) of the old-task and new-task
+scores (mean accuracy per group); ties go to the smallest alpha. "forgetting recovered" is
+(old_best - old_post) / (old_pre - old_post): the share of post's old-task loss the pick wins
+back (N/A when post lost nothing).
+\b
+The --out folder gets points/ (one JSON per finished model: rerunning the same command
+resumes), results.json, report.md and sweep.png.
+\b
+Examples:
+  mergekit-lite sweep --pre base/ --post instruct/ --alphas 0:1:0.1 \\
+      --old-tasks arc_easy,hellaswag --new-tasks gsm8k --limit 200 --out runs/lerp
+\b
+  mergekit-lite sweep examples/sweep.yaml --method ties --density 0.5 --alphas 0:1.5:0.25 --out runs/ties
+"""
+
+
+def _flag_values(data: dict, **flags) -> dict:
+    """Flags the user gave (None / empty means not given) override the config file's values."""
+    return {**data, **{name: value for name, value in flags.items() if value not in (None, ())}}
+
+
+@click.command(epilog=EXAMPLES)
+@click.argument("config_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--pre", help="Base (pre-trained) model folder: the reference for every forgetting comparison.")
+@click.option("--post", help="Post-trained model folder (same architecture as --pre).")
+@click.option("--method", "-m", type=click.Choice(METHODS), help="Merge method (default linear); see alpha below.")
+@click.option("--alphas", help="Grid: START:STOP:STEP (STOP included) or a comma list, e.g. 0:1:0.1 or 0,0.3,0.5.")
+@click.option("--old-tasks", multiple=True, help="lm-eval tasks of what pre could do; comma list or repeated.")
+@click.option("--new-tasks", multiple=True, help="lm-eval tasks of what post-training taught; comma list or repeated.")
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False), help="Folder of local task YAMLs.")
+@click.option("--limit", type=click.IntRange(min=1), help="Samples per task (default: all).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Evaluation batch size (default 16).")
+@click.option("--device", help="Where models run: cpu (default), cuda, cuda:N.")
+@click.option("--out", "-o", type=click.Path(file_okay=False), help="Run folder (created; reused to resume).")
+@click.option("--density", type=float, help="ties: share of the task vector kept by magnitude, in (0, 1].")
+@click.option("--drop", type=float, help="dare_*: drop probability of task-vector entries, in [0, 1).")
+@click.option("--seed", type=int, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
+@click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical texts, one per line.")
+@click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
+@click.option("--save-best", type=click.Path(file_okay=False), help="Write the picked merge to this new model folder.")
+@click.option("--stream", is_flag=True, default=None,
+              help="Always merge through a folder on disk (default: in memory when 3x the model fits in free RAM).")
+@click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
+def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
+          density, drop, seed, recall_texts, recall_samples, save_best, stream, quiet):
+    """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
+    alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
+    alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
+    same keys (flags win); see examples/sweep.yaml.
+    """
+    from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
+
+    if quiet:
+        os.environ["TQDM_DISABLE"] = "1"  # also the library bars that honour it (lm-eval's request bars do not)
+    data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
+    data = _flag_values(data, pre=pre, post=post, method=method, alphas=alphas, old_tasks=old_tasks,
+                        new_tasks=new_tasks, include_path=include_path, limit=limit, batch_size=batch_size,
+                        device=device, out=out, density=density, drop=drop, seed=seed, recall_texts=recall_texts,
+                        recall_samples=recall_samples, save_best=save_best, stream=stream)
+    settings = settings_from_dict(data)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result = run_sweep(settings, progress=not quiet)
+    click.echo(summary(result))
+
+
+def summary(result) -> str:
+    """Pre, post and the pick in a few lines, with how much of the forgetting the pick recovered."""
+    best, recovered = result.best, result.recovered
+    resumed = len(result.points) + 2 - len(result.evaluated)
+    return "\n".join([
+        f"pre   old {result.pre.old:.4f}  new {result.pre.new:.4f}",
+        f"post  old {result.post.old:.4f}  new {result.post.new:.4f}",
+        f"best  alpha={best.alpha!r} ({result.settings.coefficient} of {result.settings.method})  "
+        f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}",
+        "forgetting recovered "
+        + (f"{recovered:.1%}" if recovered is not None else "N/A (post lost no old-task accuracy)"),
+        f"evaluated {len(result.evaluated)} models, resumed {resumed}; report: {result.out / 'report.md'}",
+    ])

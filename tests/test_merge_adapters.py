@@ -1,0 +1,114 @@
+"""A LoRA adapter takes part in a merge as a task vector: streamed base + scaling*B@A, audited first."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.numpy import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mergekit_lite.config import MergeConfig
+from mergekit_lite.errors import InputError
+from mergekit_lite.merge import run_merge
+from mergekit_lite.toy import torch_threads
+
+CLI = str(Path(sys.executable).parent / "mergekit-lite")
+VOCAB = 64
+
+
+def tiny_llama(seed):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+
+
+def train_adapter(base_dir, adapter_dir, seed, targets):
+    """A real PEFT adapter: a few optimizer steps so B is non-zero."""
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(4):
+        tokens = torch.randint(0, VOCAB, (2, 12), generator=generator)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(adapter_dir)
+    return adapter_dir
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    with torch_threads(1):
+        tiny_llama(0).save_pretrained(root / "base", max_shard_size="40KB")
+        tiny_llama(5).save_pretrained(root / "other-base")
+        first = train_adapter(root / "base", root / "lora-a", 1, ["q_proj", "v_proj", "down_proj"])
+        second = train_adapter(root / "base", root / "lora-b", 2, ["q_proj", "up_proj"])
+    return root, first, second
+
+
+def peft_merged(base_dir, adapter_dir) -> dict[str, np.ndarray]:
+    merged = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base_dir), adapter_dir).merge_and_unload()
+    return {name: tensor.numpy() for name, tensor in merged.state_dict().items()}
+
+
+def read(folder):
+    state = {}
+    for shard in Path(folder).glob("*.safetensors"):
+        state.update(load_file(shard))
+    return state
+
+
+def test_adapter_merged_alone_equals_peft_merge_and_unload(setup, tmp_path):
+    root, first, _ = setup
+    result = subprocess.run([CLI, "merge", "--method", "linear", "--base", str(root / "base"), "--model", str(first),
+                             "--alpha", "1", "--out", str(tmp_path / "out"), "--quiet"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    merged, expected = read(tmp_path / "out"), peft_merged(root / "base", first)
+    assert set(merged) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(merged[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_two_adapters_as_task_vectors(setup, tmp_path):
+    root, first, second = setup
+    base = read(root / "base")
+    deltas = [{n: v - base[n] for n, v in peft_merged(root / "base", a).items()} for a in (first, second)]
+    run_merge(MergeConfig.from_dict({"method": "task_arithmetic", "base": str(root / "base"),
+                                     "models": [{"model": str(first), "weight": 0.5},
+                                                {"model": str(second), "weight": -1.0}]}), tmp_path / "ta")
+    merged = read(tmp_path / "ta")
+    for name in base:
+        np.testing.assert_allclose(merged[name], base[name] + 0.5 * deltas[0][name] - deltas[1][name],
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_rejected_adapter_stops_the_merge_unless_forced(setup, tmp_path):
+    root, first, _ = setup
+    (first / "adapter_model.safetensors").rename(first / "saved.safetensors")
+    try:
+        from safetensors.torch import load_file as load_torch, save_file
+
+        tensors = load_torch(first / "saved.safetensors")
+        save_file({n: torch.zeros_like(t) if "lora_B" in n else t for n, t in tensors.items()},
+                  str(first / "adapter_model.safetensors"))
+        config = {"method": "linear", "base": str(root / "base"), "models": [str(first)], "parameters": {"alpha": 1.0}}
+        with pytest.raises(InputError, match="REJECTED"):
+            run_merge(MergeConfig.from_dict(config), tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()
+        run_merge(MergeConfig.from_dict({**config, "force": True}), tmp_path / "forced")
+        assert (tmp_path / "forced" / "model.safetensors").is_file()
+    finally:
+        (first / "adapter_model.safetensors").unlink()
+        (first / "saved.safetensors").rename(first / "adapter_model.safetensors")
+
+
+def test_adapter_needs_a_base(setup, tmp_path):
+    _, first, _ = setup
+    with pytest.raises(InputError, match="needs the base model"):
+        run_merge(MergeConfig.from_dict({"method": "linear", "models": [str(first), str(first)]}), tmp_path / "x")

@@ -1,0 +1,230 @@
+"""The alpha sweep: grid parsing, the pick, RECALL re-weighting, and end to end on the toy pair
+(interior alpha recovers the old skill, report files agree, resume, lock, settings check, CLI)."""
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.recall import layer_weights
+from mergekit_lite.sweep import (
+    LOCK_FILE,
+    MERGE_TEMP,
+    PointResult,
+    SweepSettings,
+    load_sweep_file,
+    parse_alphas,
+    pareto_front,
+    pick,
+    point_file,
+    run_sweep,
+)
+
+ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
+TABLE_ROW = re.compile(r"^\| (pre|post|[-0-9.e]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|")
+
+
+def settings_for(pair, out, **changes) -> SweepSettings:
+    options = {"limit": None, **changes}
+    return SweepSettings(pair.pre_dir, pair.post_dir, options.pop("method", "linear"), options.pop("alphas", ALPHAS),
+                         pair.old_tasks, pair.new_tasks, pair.task_dir, out, **options)
+
+
+@pytest.fixture(scope="module")
+def linear_sweep(toy_pair, tmp_path_factory):
+    """One full linear sweep shared by the end-to-end tests (they copy its folder before changing it)."""
+    return run_sweep(settings_for(toy_pair, tmp_path_factory.mktemp("sweep") / "run"))
+
+
+def test_parse_alphas_ranges_lists_and_errors():
+    assert parse_alphas("0:1:0.25") == ALPHAS
+    grid = parse_alphas("0:1:0.1")
+    assert len(grid) == 11 and 0.3 in grid and grid[-1] == 1.0
+    assert parse_alphas("0.5, 0,0.5") == [0.0, 0.5]
+    assert parse_alphas([1, 0.5]) == [0.5, 1.0]
+    for bad in ("0:1", "1:0:0.1", "0:1:0", "a,b", "", [True]):
+        with pytest.raises(InputError):
+            parse_alphas(bad)
+
+
+def test_with_temperature_equals_computing_at_that_temperature():
+    torch.manual_seed(0)
+    representations = [torch.randn(3, 6, 8) + shift for shift in (0.0, 0.3, 1.0)]
+    similarity, sharp = layer_weights(representations, -1, 0.1)
+    _, soft = layer_weights(representations, -1, 2.0)
+    from mergekit_lite.recall import RecallWeights
+
+    weights = RecallWeights(["a", "b", "c"], 2, 0.1, similarity, sharp, [0, 1])
+    rescaled = weights.with_temperature(2.0)
+    assert rescaled.temperature == 2.0 and rescaled.similarity == similarity
+    assert torch.allclose(torch.tensor(rescaled.weights, dtype=torch.float64), torch.tensor(soft, dtype=torch.float64))
+    assert weights.weights == sharp  # the original is unchanged
+    with pytest.raises(InputError):
+        weights.with_temperature(0.0)
+
+
+def point(alpha, old, new):
+    hm = 0.0 if old + new == 0 else 2 * old * new / (old + new)
+    return PointResult(f"alpha={alpha}", alpha, [], old, new, hm)
+
+
+def test_pick_reports_ties_and_pareto_front():
+    points = [point(0.0, 1.0, 0.2), point(0.25, 0.9, 0.6), point(0.5, 0.6, 0.9), point(0.75, 0.5, 0.9),
+              point(1.0, 0.2, 1.0)]
+    best, ties = pick(points)
+    assert best.alpha == 0.25 and ties == [0.25, 0.5]  # 0.9/0.6 and 0.6/0.9 have the same harmonic mean
+    assert pareto_front(points) == [0.0, 0.25, 0.5, 1.0]  # 0.75 is beaten by 0.5 on old, equal on new
+
+
+def test_settings_are_checked_before_any_model_is_read(tmp_path):
+    common = (["old"], ["new"], None, tmp_path / "run")
+    with pytest.raises(InputError, match="alpha must be in"):
+        SweepSettings("pre", "post", "linear", [0.5, 1.5], *common)
+    with pytest.raises(InputError, match="temperature"):
+        SweepSettings("pre", "post", "recall", [0.0, 1.0], *common, recall_texts="texts.txt")
+    with pytest.raises(InputError, match="recall-texts"):
+        SweepSettings("pre", "post", "recall", [0.5], *common)
+    with pytest.raises(InputError, match="both an old and a new task"):
+        SweepSettings("pre", "post", "linear", [0.5], ["a,b"], ["b"], None, tmp_path / "run")
+    with pytest.raises(InputError, match="density"):
+        SweepSettings("pre", "post", "linear", [0.5], *common, density=0.5)
+    config = tmp_path / "sweep.yaml"
+    config.write_text("pre: a\nalpha: 0.5\n")
+    with pytest.raises(InputError, match="unknown key 'alpha'"):
+        load_sweep_file(config)
+
+
+def test_sweep_finds_an_interior_alpha_that_recovers_the_old_skill(linear_sweep):
+    result = linear_sweep
+    pre, post, best = result.pre, result.post, result.best
+    assert pre.old > post.old and post.new > pre.new  # the toy pair forgets
+    assert 0 < best.alpha < 1
+    assert best.old > post.old and best.new > pre.new
+    assert best.harmonic_mean > max(pre.harmonic_mean, post.harmonic_mean)
+    assert result.recovered > 0
+    assert post.groups["old"].F_true > best.groups["old"].F_true
+    assert best.alpha in result.pareto
+
+
+def parse_report_table(text: str) -> dict[str, list[float]]:
+    rows = {}
+    for line in text.splitlines():
+        match = TABLE_ROW.match(line)
+        if match:
+            rows[match[1]] = [float(value) for value in match.groups()[1:]]
+    return rows
+
+
+def json_row(data: dict) -> list[float]:
+    groups = data["forgetting"]["groups"]
+    return [data["old"], data["new"], data["harmonic_mean"], groups["old"]["F_true"], groups["new"]["BT_true"]]
+
+
+def test_report_md_and_results_json_agree(linear_sweep):
+    folder = linear_sweep.out
+    results = json.loads((folder / "results.json").read_text())
+    report = (folder / "report.md").read_text()
+    assert (folder / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = parse_report_table(report)
+    expected = {"pre": results["pre"], "post": results["post"], **{repr(p["alpha"]): p for p in results["points"]}}
+    assert set(table) == set(expected)
+    for label, data in expected.items():
+        assert table[label] == pytest.approx(json_row(data), abs=5e-5), label
+    assert f"**Pick: alpha = {results['pick']['alpha']!r}**" in report
+    assert results["pick"]["alpha"] == linear_sweep.best.alpha
+    assert f"Pareto front: {', '.join(map(repr, results['pareto']))}." in report
+    assert f"Forgetting recovered: {results['recovered']:.1%}" in report
+    post_old = results["post"]["forgetting"]["groups"]["old"]
+    assert post_old["forgotten"] > 0 and post_old["F_true"] > 0
+
+
+def test_rerun_evaluates_only_the_missing_alpha_and_streaming_gives_the_same_scores(
+    toy_pair, linear_sweep, tmp_path, monkeypatch
+):
+    from mergekit_lite.evaluation import Evaluator
+
+    folder = tmp_path / "run"
+    shutil.copytree(linear_sweep.out, folder)
+    missing = point_file(folder, "alpha=0.5")
+    missing.unlink()
+    others = {path: path.stat().st_mtime_ns for path in (folder / "points").iterdir()}
+    calls = []
+    evaluate = Evaluator.evaluate
+    monkeypatch.setattr(Evaluator, "evaluate", lambda self, *a: calls.append(self.tasks) or evaluate(self, *a))
+
+    result = run_sweep(settings_for(toy_pair, folder, stream=True))
+
+    assert result.evaluated == ["alpha=0.5"] and len(calls) == 2  # one call per group (old, new)
+    assert missing.is_file() and not (folder / MERGE_TEMP).exists()
+    assert {path: path.stat().st_mtime_ns for path in others} == others
+    before = next(p for p in linear_sweep.points if p.alpha == 0.5)
+    after = next(p for p in result.points if p.alpha == 0.5)
+    assert (after.old, after.new) == (before.old, before.new)
+    assert [run.outcomes for run in after.tasks] == [run.outcomes for run in before.tasks]
+
+
+def test_a_held_lock_stops_a_second_sweep(linear_sweep):
+    with open(linear_sweep.out / LOCK_FILE, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(InputError, match="another sweep is running"):
+            run_sweep(linear_sweep.settings)
+
+
+@pytest.mark.parametrize("changes", [{"limit": 16}, {"method": "ties", "alphas": [0.5]}], ids=["limit", "method"])
+def test_rerun_with_other_settings_into_the_same_folder_fails(toy_pair, linear_sweep, changes):
+    before = {path: path.stat().st_mtime_ns for path in (linear_sweep.out / "points").iterdir()}
+    with pytest.raises(InputError, match="other settings"):
+        run_sweep(settings_for(toy_pair, linear_sweep.out, **changes))
+    assert {path: path.stat().st_mtime_ns for path in (linear_sweep.out / "points").iterdir()} == before
+
+
+def cli(*args, cwd):
+    command = [str(Path(sys.executable).with_name("mergekit-lite")), "sweep", *map(str, args)]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=environment, timeout=300)
+
+
+def test_cli_sweeps_from_a_config_file_with_flag_overrides_and_saves_the_best(toy_pair, linear_sweep, tmp_path):
+    folder = tmp_path / "run"
+    (folder / "points").mkdir(parents=True)
+    for label in ("pre", "post"):  # the endpoints are already scored: the CLI resumes them
+        shutil.copy(point_file(linear_sweep.out, label), point_file(folder, label))
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump({
+        "pre": str(toy_pair.pre_dir), "post": str(toy_pair.post_dir), "alphas": [0.5, 0.9],
+        "old_tasks": ",".join(toy_pair.old_tasks), "new_tasks": toy_pair.new_tasks,
+        "include-path": str(toy_pair.task_dir), "out": str(tmp_path / "elsewhere")}))
+
+    best = tmp_path / "best"
+    done = cli(config, "--alphas", "0.25,0.5", "--out", folder, "--save-best", best, "--quiet", cwd=tmp_path)
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((folder / "results.json").read_text())
+    assert [p["alpha"] for p in results["points"]] == [0.25, 0.5]
+    assert not (tmp_path / "elsewhere").exists()
+    summary = done.stdout
+    assert f"best  alpha={results['pick']['alpha']!r} (alpha of linear)" in summary
+    assert f"pre   old {results['pre']['old']:.4f}  new {results['pre']['new']:.4f}" in summary
+    assert f"forgetting recovered {results['recovered']:.1%}" in summary
+    assert "evaluated 2 models, resumed 2" in summary
+    provenance = yaml.safe_load((best / "mergekit_lite_config.yaml").read_text())
+    assert provenance["parameters"]["alpha"] == results["pick"]["alpha"]
+    assert list(best.glob("*.safetensors"))
+
+
+def test_cli_bad_config_key_is_one_line_error(tmp_path):
+    config = tmp_path / "sweep.yaml"
+    config.write_text("pre: a\nlamda: 0.5\n")
+    done = cli(config, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "unknown key 'lamda'" in done.stderr
