@@ -117,6 +117,8 @@ def timed_run(command: list[str], log_file: Path, env: dict | None = None) -> di
             field = lambda label: re.search(rf"{re.escape(label)}: (.+)", text).group(1).strip()
             result = {"rc": rc, "wall_s": wall, "peak_rss_mb": int(field("Maximum resident set size (kbytes)")) / 1024,
                       "user_s": float(field("User time (seconds)")), "sys_s": float(field("System time (seconds)")),
+                      "minor_page_faults": int(field("Minor (reclaiming a frame) page faults")),
+                      "involuntary_switches": int(field("Involuntary context switches")),
                       "measured_by": "/usr/bin/time -v"}
         else:
             rc = subprocess.call([sys.executable, "-c", WRAPPER, str(stats_file), *command], stdout=out,

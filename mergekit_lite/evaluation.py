@@ -7,6 +7,8 @@ to import and the CLI must start fast.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import math
 import os
@@ -71,8 +73,10 @@ class Evaluator:
         limit: int | None = None,
         batch_size: int = 16,
         device: str = "cpu",
+        quiet: bool = False,
     ):
         self.tasks = list(tasks)
+        self.quiet = quiet
         self.include_path = str(include_path) if include_path is not None else None
         self.limit = limit
         self.batch_size = batch_size
@@ -110,12 +114,14 @@ class Evaluator:
 
         model.to(self.device)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device)
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=self.tasks,
-            task_manager=self.task_manager,
-            limit=self.limit,
-            log_samples=True,
-            bootstrap_iters=0,
-        )
+        # lm-eval passes disable=False to its own progress bars; `quiet` silences them at the stream.
+        with contextlib.redirect_stderr(io.StringIO()) if self.quiet else contextlib.nullcontext():
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=self.tasks,
+                task_manager=self.task_manager,
+                limit=self.limit,
+                log_samples=True,
+                bootstrap_iters=0,
+            )
         return {task: task_score(task, results) for task in results["samples"]}

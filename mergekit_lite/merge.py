@@ -264,7 +264,9 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:
     """The same merge, kept in memory: for models that fit, e.g. each point of a sweep."""
     state = {}
-    execute(plan_merge(config, sources), state.__setitem__)
+    plan = plan_merge(config, sources)
+    _audit_adapters(config)
+    execute(plan, state.__setitem__)
     return state
 
 

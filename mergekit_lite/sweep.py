@@ -414,7 +414,7 @@ class PointEvaluator:
         self.tokenizer = AutoTokenizer.from_pretrained(find_tokenizer_dir([settings.pre, settings.post], 0))
         self.evaluators = {
             group: Evaluator(tasks, include_path=settings.include_path, limit=settings.limit,
-                             batch_size=settings.batch_size, device=settings.device)
+                             batch_size=settings.batch_size, device=settings.device, quiet=True)
             for group, tasks in (("old", settings.old_tasks), ("new", settings.new_tasks))
         }
 

@@ -8,7 +8,7 @@ import yaml
 from mergekit_lite.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-MERGE_EXAMPLES = sorted(p for p in EXAMPLES.glob("*.yaml") if "method" in yaml.safe_load(p.read_text()))
+MERGE_EXAMPLES = sorted(p for p in EXAMPLES.glob("*.yaml") if "models" in yaml.safe_load(p.read_text()))
 
 
 def test_there_is_an_example_for_every_method():
