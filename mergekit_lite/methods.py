@@ -59,9 +59,9 @@ def slerp(start: torch.Tensor, end: torch.Tensor, t: float) -> torch.Tensor:
     return merged
 
 
-def magnitude_threshold(values: torch.Tensor, keep: int) -> float:
-    """The `keep`-th largest absolute value: a linear-time selection (kthvalue), not a sort."""
-    flat = values.reshape(-1).abs()
+def magnitude_threshold(magnitudes: torch.Tensor, keep: int) -> float:
+    """The `keep`-th largest value of a non-negative tensor: a linear-time selection (kthvalue), not a sort."""
+    flat = magnitudes.reshape(-1)
     return torch.kthvalue(flat, flat.numel() - keep + 1).values.item()
 
 
@@ -72,8 +72,9 @@ def magnitude_trim(delta: torch.Tensor, density: float) -> torch.Tensor:
     keep = round(density * delta.numel())
     if keep == 0:
         return torch.zeros_like(delta)
-    threshold = magnitude_threshold(delta, keep)
-    return delta.masked_fill_(delta.abs() < threshold, 0.0)
+    magnitudes = delta.abs()
+    threshold = magnitude_threshold(magnitudes, keep)
+    return delta.masked_fill_(magnitudes < threshold, 0.0)
 
 
 def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator) -> torch.Tensor:

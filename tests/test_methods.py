@@ -54,11 +54,19 @@ def test_magnitude_trim_keeps_the_largest_share():
     assert torch.equal(methods.magnitude_trim(delta.clone(), 0.01), torch.zeros(6))
 
 
-def test_magnitude_threshold_equals_the_sorted_value():
-    values = torch.randn(10_001, generator=torch.Generator().manual_seed(3))
-    for keep in (1, 17, 5000, 10_001):
-        expected = values.abs().sort(descending=True).values[keep - 1].item()
-        assert methods.magnitude_threshold(values, keep) == expected
+@pytest.mark.parametrize("size", [10_001, 300_007])
+def test_magnitude_threshold_equals_the_sorted_value(size):
+    generator = torch.Generator().manual_seed(3)
+    samples = {
+        "gaussian": torch.randn(size, generator=generator),
+        "heavy tail": torch.randn(size, generator=generator) ** 5,
+        "many ties": torch.randint(0, 7, (size,), generator=generator).float(),
+        "sorted rows": torch.randn(size, generator=generator).sort().values,
+    }
+    for label, values in samples.items():
+        ordered = values.abs().sort(descending=True).values
+        for keep in (1, 17, size // 10, size // 2, size - 3, size):
+            assert methods.magnitude_threshold(values.abs(), keep) == ordered[keep - 1].item(), (label, keep)
 
 
 def test_random_drop_rescales_survivors_and_is_seeded():
