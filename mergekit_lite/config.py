@@ -242,13 +242,17 @@ def is_embedding(tensor_name: str) -> bool:
     return any(part in tensor_name for part in ("embed", "wte", "wpe"))
 
 
-def load_config(path: str | Path) -> MergeConfig:
-    """Read a YAML merge config; unknown keys and bad values are named in a one-line error."""
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's content; unreadable or invalid files become a one-line error naming the file."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as error:
         raise InputError(f"{path}: cannot read ({error.strerror})") from None
     except yaml.YAMLError as error:
         raise InputError(f"{path}: invalid YAML ({str(error).splitlines()[0]})") from None
-    return MergeConfig.from_dict(data, where=str(path))
+
+
+def load_config(path: str | Path) -> MergeConfig:
+    """Read a YAML merge config; unknown keys and bad values are named in a one-line error."""
+    return MergeConfig.from_dict(read_yaml(path), where=str(path))

@@ -25,9 +25,8 @@ from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
-import yaml
 
-from mergekit_lite.config import MAIN_COEFFICIENT, METHODS, MergeConfig
+from mergekit_lite.config import MAIN_COEFFICIENT, METHODS, MergeConfig, read_yaml
 from mergekit_lite.errors import InputError
 from mergekit_lite.forgetting import SampleOutcomes, TaskForgetting, aggregate, compare, outcomes_from_lm_eval
 
@@ -167,12 +166,7 @@ SETTINGS_KEYS = tuple(SweepSettings.__dataclass_fields__)
 def load_sweep_file(path: str | Path) -> dict:
     """A YAML sweep config with SweepSettings' keys (dashes or underscores); unknown keys are an error."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
-    except yaml.YAMLError as error:
-        raise InputError(f"{path}: invalid YAML ({str(error).splitlines()[0]})") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a mapping of sweep settings")
     settings = {}

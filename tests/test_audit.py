@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from audits import fingerprint as fingerprint_module
 from audits.adapter import audit_adapter, require_verified, target_mismatch
@@ -17,29 +17,14 @@ from audits.leakage import check_leakage, find_contamination
 from cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.toy import torch_threads
-
-VOCAB = 100
-
-
-def tiny_llama(seed: int, hidden: int = 32) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+from tiny_models import VOCAB, tiny_llama, train_lora
 
 
 def make_adapter(base_dir, out_dir, target_modules, steps: int, **save_options):
     """A real PEFT adapter on the saved base, trained `steps` Adam steps on random tokens (0 steps: B stays zero)."""
     peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
                                 LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
-    optimizer = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
-    torch.manual_seed(2)
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (4, 16))
-        peft_model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_lora(peft_model, steps, seed=2, batch=(4, 16))
     peft_model.save_pretrained(out_dir, **save_options)
     return out_dir
 
@@ -57,7 +42,7 @@ def zoo(tmp_path_factory):
     root = tmp_path_factory.mktemp("zoo")
     tiny_llama(0).save_pretrained(root / "base", safe_serialization=True)
     tiny_llama(1).save_pretrained(root / "other_base", safe_serialization=True)
-    tiny_llama(0, hidden=48).save_pretrained(root / "wide_base", safe_serialization=True)
+    tiny_llama(0, hidden_size=48).save_pretrained(root / "wide_base", safe_serialization=True)
     write_fingerprint(compute_fingerprint(root / "base"), root / "base_fingerprint.json")
     targets = ["q_proj", "v_proj", "up_proj"]
     adapters = root / "adapters"
@@ -136,10 +121,7 @@ def pretrained_pair(tmp_path_factory):
     """Two bases pretrained alike from different seeds, and an adapter trained on the first, with no fingerprint."""
     root = tmp_path_factory.mktemp("pretrained")
     for name, seed in (("base", 0), ("twin", 1)):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                                             tie_word_embeddings=False))
+        model = tiny_llama(seed, hidden_size=64, num_key_value_heads=4, max_position_embeddings=32)
         fit(model, markov_batches(100, 150), 3e-3)
         model.save_pretrained(root / name, safe_serialization=True)
     peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"), LoraConfig(

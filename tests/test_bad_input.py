@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mergekit_lite.methods import lerp
+from tiny_models import save_tiny_llama
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -53,18 +54,6 @@ def assert_clean_error(result: subprocess.CompletedProcess, out: Path, patterns=
     assert not out.exists(), f"{out} was left behind"
     assert partials(out) == [], f"temp folders left: {partials(out)}"
     return lines[0]
-
-
-def tiny_llama(seed: int, folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="20KB")
-    assert (folder / "model.safetensors.index.json").is_file()  # the inputs really are sharded
-    return folder
 
 
 def weight_map(folder: Path) -> dict[str, str]:
@@ -101,7 +90,7 @@ def edit_tensor(folder: Path, name: str, edit) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {"base": tiny_llama(0, root / "base"), "other": tiny_llama(1, root / "other")}
+    return {"base": save_tiny_llama(0, root / "base"), "other": save_tiny_llama(1, root / "other")}
 
 
 def variant(models, tmp_path: Path, name: str = "bad") -> Path:

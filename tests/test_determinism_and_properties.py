@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from cli.main import main
 from mergekit_lite.methods import lerp, linear, slerp, task_vector_merge
+from tiny_models import save_tiny_llama
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 EPS32 = torch.finfo(torch.float32).eps
@@ -29,21 +30,10 @@ EPS32 = torch.finfo(torch.float32).eps
 # ------------------------------------------------------------------------------- determinism (CLI, CPU)
 
 
-def tiny_llama(seed: int, folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="20KB")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def trio(tmp_path_factory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("trio")
-    return tiny_llama(0, root / "base"), tiny_llama(1, root / "a"), tiny_llama(2, root / "b")
+    return save_tiny_llama(0, root / "base"), save_tiny_llama(1, root / "a"), save_tiny_llama(2, root / "b")
 
 
 def merge_args(method: str, trio, extra=()) -> list[str]:

@@ -6,13 +6,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.lora import LoraAdapter
 from mergekit_lite.toy import torch_threads
-
-VOCAB = 100
+from tiny_models import VOCAB, tiny_llama, train_lora
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,14 +19,6 @@ def one_thread():
     """Tiny models train several times faster on one thread than on shared cores."""
     with torch_threads(1):
         yield
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
 
 
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
@@ -39,14 +30,7 @@ def train_and_merge(model, lora_config: LoraConfig, adapter_dir, steps: int = 4)
     """Train a real adapter a few steps (so B is non-zero), save it, and return (base state, PEFT-merged state)."""
     base_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     peft_model = get_peft_model(model, lora_config)
-    trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=1e-2)
-    torch.manual_seed(1)
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (2, 12))
-        peft_model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_lora(peft_model, steps, seed=1)
     peft_model.save_pretrained(adapter_dir)
     merged = peft_model.merge_and_unload().state_dict()
     return base_state, merged

@@ -9,35 +9,22 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.numpy import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from mergekit_lite.config import MergeConfig
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge import run_merge
 from mergekit_lite.toy import torch_threads
+from tiny_models import save_tiny_llama, train_lora
 
 CLI = str(Path(sys.executable).parent / "mergekit-lite")
-VOCAB = 64
-
-
-def tiny_llama(seed):
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
 
 
 def train_adapter(base_dir, adapter_dir, seed, targets):
     """A real PEFT adapter: a few optimizer steps so B is non-zero."""
     model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
                            LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(4):
-        tokens = torch.randint(0, VOCAB, (2, 12), generator=generator)
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(adapter_dir)
+    train_lora(model, steps=4, seed=seed).save_pretrained(adapter_dir)
     return adapter_dir
 
 
@@ -45,8 +32,7 @@ def train_adapter(base_dir, adapter_dir, seed, targets):
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     with torch_threads(1):
-        tiny_llama(0).save_pretrained(root / "base", max_shard_size="40KB")
-        tiny_llama(5).save_pretrained(root / "other-base")
+        save_tiny_llama(0, root / "base", max_shard_size="40KB")
         first = train_adapter(root / "base", root / "lora-a", 1, ["q_proj", "v_proj", "down_proj"])
         second = train_adapter(root / "base", root / "lora-b", 2, ["q_proj", "up_proj"])
     return root, first, second
