@@ -316,8 +316,25 @@ def output_bytes(folder: Path) -> int:
 
 # ---------------------------------------------------------------- main
 
+def source_digest(root: Path) -> str:
+    """sha256 over mergekit-lite's merge-path sources, to tell which code a result measured."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(list((root / "mergekit_lite").glob("*.py")) + list((root / "cli").glob("*.py"))):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        info["mergekit_lite_commit"] = subprocess.check_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                                               text=True).strip()
+        info["mergekit_lite_dirty"] = bool(subprocess.check_output(
+            ["git", "-C", str(REPO), "status", "--porcelain", "mergekit_lite", "cli"], text=True).strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
     try:
         cpu = Path("/proc/cpuinfo").read_text()
         info["cpu_model"] = re.search(r"model name\s*:\s*(.+)", cpu).group(1).strip()
@@ -346,6 +363,9 @@ def main(argv=None) -> int:
                         help="mergekit's compute dtype (default float32, as mergekit-lite computes; output is bf16)")
     parser.add_argument("--mergekit-shard", default="500M",
                         help="mergekit --out-shard-size (PARAMETERS, not bytes: 500M = 1 GB of bf16; default 500M)")
+    parser.add_argument("--lite-src", type=Path,
+                        help="run mergekit-lite from this copy of the source (a folder holding mergekit_lite/ and cli/, "
+                             "put first on PYTHONPATH), to pin the code while others edit the tree")
     parser.add_argument("--keep-outputs", action="store_true", help="keep the merged folders in benchmarks/work")
     parser.add_argument("--json", type=Path, help="raw results file (default benchmarks/results-SIZE.json)")
     args = parser.parse_args(argv)
@@ -366,6 +386,14 @@ def main(argv=None) -> int:
     import torch
     results["torch"] = torch.__version__
     log(f"mergekit: {'version ' + mergekit_note if mergekit_ok else 'skipped (' + mergekit_note + ')'}; torch {torch.__version__}")
+
+    lite_env = None
+    if args.lite_src:
+        lite_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.lite_src.resolve()), os.environ.get("PYTHONPATH", "")])}
+        results["lite_src"] = {"path": str(args.lite_src), "sha256": source_digest(args.lite_src)}
+    else:
+        results["lite_src"] = {"path": str(REPO), "sha256": source_digest(REPO)}
+    log(f"mergekit-lite source: {results['lite_src']}")
 
     ckpt = make_checkpoints(args.size)
     results["checkpoint_gb"] = round(sum(output_bytes(ckpt / "base") for _ in [0]) / 1e9, 3)
@@ -398,7 +426,7 @@ def main(argv=None) -> int:
                 shutil.rmtree(out, ignore_errors=True)
                 command = lite_command(method, ckpt, out) if tool == "lite" else \
                     mergekit_command(config_file, out, args.mergekit_shard)
-                run = timed_run(command, WORK / f"{tool}-{method}-{rep}.log")
+                run = timed_run(command, WORK / f"{tool}-{method}-{rep}.log", env=lite_env if tool == "lite" else None)
                 run["command"] = " ".join(command)
                 runs.append(run)
                 log(f"{method:<16} {tool:<8} rep {rep}: wall {run.get('wall_s')} s  rss {run.get('peak_rss_mb')} MB  "

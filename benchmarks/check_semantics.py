@@ -74,7 +74,7 @@ def main(ckpt: Path):
         lite_kept, at_threshold = [], []
         for d in deltas:
             keep = round(0.5 * n)
-            thr = methods.magnitude_threshold(d, keep)
+            thr = methods.magnitude_threshold(d.abs(), keep)
             lite_kept.append(float((d.abs() >= thr).double().mean()))
             at_threshold.append(float((d.abs() == thr).double().mean()))
         lite_ties = methods.task_vector_merge(b32, [ft1, ft2], [1.0, 1.0], sparsifier="magnitude", densities=[0.5, 0.5],

@@ -16,6 +16,7 @@ import torch
 
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
+CHUNK = 1 << 20  # elements per chunk: a few MB of float32 temporaries, few enough calls to amortize
 
 
 def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True) -> torch.Tensor:
@@ -25,7 +26,7 @@ def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize:
         if total == 0:
             raise ValueError("linear weights sum to zero; cannot normalize")
         weights = [w / total for w in weights]
-    merged = tensors[0].to(torch.float32) * weights[0]
+    merged = tensors[0].to(torch.float32, copy=True).mul_(weights[0])
     for tensor, weight in zip(tensors[1:], weights[1:]):
         merged.add_(tensor, alpha=weight)
     return merged
@@ -36,27 +37,36 @@ def lerp(start: torch.Tensor, end: torch.Tensor, alpha: float) -> torch.Tensor:
     return linear([start, end], [1.0 - alpha, alpha], normalize=False)
 
 
-def slerp(start: torch.Tensor, end: torch.Tensor, t: float) -> torch.Tensor:
-    """Spherical interpolation of two flattened tensors; linear where the angle is degenerate.
+def slerp_weights(start: torch.Tensor, end: torch.Tensor, t: float) -> tuple[float, float]:
+    """The two coefficients SLERP puts on `start` and `end`: sin((1-t)θ)/sinθ and sin(tθ)/sinθ.
 
     The angle comes from the normalized vectors, the interpolation uses the raw ones (as mergekit and
     the original SLERP merges do), so norms are interpolated too. Nearly colinear vectors and zero
-    vectors fall back to `lerp`, where the spherical formula loses precision or is undefined.
+    vectors get the linear coefficients (1-t, t), where the spherical formula loses precision or is
+    undefined. Reductions run chunk by chunk in float32 and accumulate in float64.
     """
-    start32, end32 = start.to(torch.float32), end.to(torch.float32)
-    start_norm = torch.linalg.vector_norm(start32).item()
-    end_norm = torch.linalg.vector_norm(end32).item()
+    start_flat, end_flat = start.reshape(-1), end.reshape(-1)
+    dot = start_sq = end_sq = 0.0
+    for begin in range(0, start_flat.numel(), CHUNK):
+        a = start_flat[begin:begin + CHUNK].to(torch.float32)
+        b = end_flat[begin:begin + CHUNK].to(torch.float32)
+        dot += torch.dot(a, b).item()
+        start_sq += torch.dot(a, a).item()
+        end_sq += torch.dot(b, b).item()
+    start_norm, end_norm = math.sqrt(start_sq), math.sqrt(end_sq)
     if start_norm < NORM_EPS or end_norm < NORM_EPS:
-        return lerp(start32, end32, t)
-    cosine = torch.dot(start32.reshape(-1), end32.reshape(-1)).item() / (start_norm * end_norm)
-    cosine = max(-1.0, min(1.0, cosine))
+        return 1.0 - t, t
+    cosine = max(-1.0, min(1.0, dot / (start_norm * end_norm)))
     if abs(cosine) > COLINEAR_DOT:
-        return lerp(start32, end32, t)
+        return 1.0 - t, t
     theta = math.acos(cosine)
     sin_theta = math.sin(theta)
-    merged = start32 * (math.sin((1.0 - t) * theta) / sin_theta)
-    merged.add_(end32, alpha=math.sin(t * theta) / sin_theta)
-    return merged
+    return math.sin((1.0 - t) * theta) / sin_theta, math.sin(t * theta) / sin_theta
+
+
+def slerp(start: torch.Tensor, end: torch.Tensor, t: float) -> torch.Tensor:
+    """Spherical interpolation of two tensors seen as flat vectors (see `slerp_weights`)."""
+    return linear([start, end], slerp_weights(start, end, t), normalize=False)
 
 
 def magnitude_threshold(magnitudes: torch.Tensor, keep: int) -> float:
@@ -65,16 +75,18 @@ def magnitude_threshold(magnitudes: torch.Tensor, keep: int) -> float:
     return torch.kthvalue(flat, flat.numel() - keep + 1).values.item()
 
 
-def magnitude_trim(delta: torch.Tensor, density: float) -> torch.Tensor:
-    """TIES's trim: keep the top `density` share of entries by magnitude, zero the rest."""
+def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float) -> float:
+    """The magnitude below which TIES's trim zeroes entries of model - base, keeping the top `density` share.
+
+    A per-tensor statistic: computed once on the whole task vector, then applied chunk by chunk.
+    """
     if density >= 1.0:
-        return delta
-    keep = round(density * delta.numel())
+        return 0.0
+    keep = round(density * base.numel())
     if keep == 0:
-        return torch.zeros_like(delta)
-    magnitudes = delta.abs()
-    threshold = magnitude_threshold(magnitudes, keep)
-    return delta.masked_fill_(magnitudes < threshold, 0.0)
+        return math.inf
+    magnitudes = (model.to(torch.float32) - base.to(torch.float32)).abs_()
+    return magnitude_threshold(magnitudes, keep)
 
 
 def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator) -> torch.Tensor:
@@ -121,6 +133,7 @@ def task_vector_merge(
     scale: float = 1.0,
     sparsifier: str | None = None,
     densities: Sequence[float] | None = None,
+    thresholds: Sequence[float] | None = None,
     drops: Sequence[float] | None = None,
     generators: Sequence[torch.Generator] | None = None,
     consensus: bool = False,
@@ -130,15 +143,19 @@ def task_vector_merge(
 
     combine is a plain sum, or with `consensus` the sum of the entries agreeing with the elected sign.
     `normalize` divides by the sum of the weights that contributed to each entry (TIES's disjoint mean).
+    The magnitude trim takes `thresholds` (from `trim_threshold`, so a tensor can be merged in chunks),
+    or computes them here from `densities`.
     """
     base32 = base.to(torch.float32)
+    if sparsifier == "magnitude" and thresholds is None:
+        thresholds = [trim_threshold(base32, model, density) for model, density in zip(models, densities)]
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
-        delta = model.to(torch.float32) - base32
+        delta = model.to(torch.float32).sub(base32)
         if sparsifier == "magnitude":
-            delta = magnitude_trim(delta, densities[index])
+            delta.masked_fill_(delta.abs() < thresholds[index], 0.0)
         elif sparsifier == "random":
             delta = random_drop(delta, drops[index], generators[index])
         delta.mul_(weight)
@@ -155,7 +172,7 @@ def task_vector_merge(
             weight_column = torch.tensor(weights, dtype=torch.float32, device=base32.device)
             weight_column = weight_column.reshape(-1, *([1] * base32.dim()))
             divisor = (agree * weight_column).sum(dim=0)
-            divisor[divisor.abs() < NORM_EPS] = 1.0
+            divisor.masked_fill_(divisor.abs() < NORM_EPS, 1.0)
             merged.div_(divisor)
     elif normalize:
         total = math.fsum(weights)

@@ -47,11 +47,19 @@ def test_slerp_falls_back_to_lerp_for_colinear_and_zero_vectors():
     assert torch.allclose(methods.slerp(t(0.0, 0.0), t(2.0, 4.0), 0.25), t(0.5, 1.0))
 
 
-def test_magnitude_trim_keeps_the_largest_share():
-    delta = t(0.1, -5.0, 0.3, 2.0, -0.2, 1.0)
-    assert torch.equal(methods.magnitude_trim(delta.clone(), 0.5), t(0.0, -5.0, 0.0, 2.0, 0.0, 1.0))
-    assert torch.equal(methods.magnitude_trim(delta.clone(), 1.0), delta)
-    assert torch.equal(methods.magnitude_trim(delta.clone(), 0.01), torch.zeros(6))
+def test_trim_threshold_keeps_the_largest_share():
+    base = t(1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    model = base + t(0.1, -5.0, 0.3, 2.0, -0.2, 1.0)
+    assert methods.trim_threshold(base, model, 0.5) == pytest.approx(1.0)
+    assert methods.trim_threshold(base, model, 1.0) == 0.0
+    assert methods.trim_threshold(base, model, 0.01) == math.inf
+    trimmed = methods.task_vector_merge(base, [model], [1.0], sparsifier="magnitude", densities=[0.5])
+    assert torch.allclose(trimmed, base + t(0.0, -5.0, 0.0, 2.0, 0.0, 1.0))
+
+
+def test_slerp_weights_are_linear_for_colinear_and_zero_vectors():
+    assert methods.slerp_weights(t(1.0, 1.0), t(2.0, 2.0), 0.3) == (0.7, 0.3)
+    assert methods.slerp_weights(t(0.0, 0.0), t(2.0, 1.0), 0.3) == (0.7, 0.3)
 
 
 @pytest.mark.parametrize("size", [10_001, 300_007])
