@@ -17,6 +17,7 @@ import torch
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
 CHUNK = 1 << 20  # elements per chunk: a few MB of float32 temporaries, few enough calls to amortize
+THRESHOLD_SAMPLE = 1 << 16  # strided sample that brackets TIES's trim threshold on large tensors
 
 
 def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True) -> torch.Tensor:
@@ -78,15 +79,39 @@ def magnitude_threshold(magnitudes: torch.Tensor, keep: int) -> float:
 def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float) -> float:
     """The magnitude below which TIES's trim zeroes entries of model - base, keeping the top `density` share.
 
-    A per-tensor statistic: computed once on the whole task vector, then applied chunk by chunk.
+    Exact, without materializing the task vector: a strided sample brackets the threshold between two
+    sample quantiles a few binomial standard deviations apart, one chunked pass counts the entries above
+    the bracket and gathers the few inside it, and the answer is selected among those. When the bracket
+    misses (rare), it falls back to kthvalue over all magnitudes. Same value as a full selection either way.
     """
+    total = base.numel()
+    keep = round(density * total)
     if density >= 1.0:
         return 0.0
-    keep = round(density * base.numel())
     if keep == 0:
         return math.inf
-    magnitudes = (model.to(torch.float32) - base.to(torch.float32)).abs_()
-    return magnitude_threshold(magnitudes, keep)
+    base_flat, model_flat = base.reshape(-1), model.reshape(-1)
+
+    def magnitudes(part: slice) -> torch.Tensor:
+        return (model_flat[part].to(torch.float32) - base_flat[part].to(torch.float32)).abs_()
+
+    if total <= CHUNK:
+        return magnitude_threshold(magnitudes(slice(None)), keep)
+    sample = magnitudes(slice(None, None, max(total // THRESHOLD_SAMPLE, 1))).sort().values
+    quantile = 1.0 - keep / total
+    margin = 6.0 * math.sqrt(sample.numel() * quantile * (1.0 - quantile)) + 8
+    low = sample[max(int(quantile * sample.numel() - margin), 0)].item()
+    high = sample[min(int(quantile * sample.numel() + margin), sample.numel() - 1)].item()
+    above, band = 0, []
+    for begin in range(0, total, CHUNK):
+        chunk = magnitudes(slice(begin, begin + CHUNK))
+        above += int(torch.count_nonzero(chunk > high))
+        band.append(chunk[(chunk >= low) & (chunk <= high)])
+    band = torch.cat(band)
+    rank_in_band = keep - above
+    if 1 <= rank_in_band <= band.numel():
+        return torch.kthvalue(band, band.numel() - rank_in_band + 1).values.item()
+    return magnitude_threshold(magnitudes(slice(None)), keep)
 
 
 def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator) -> torch.Tensor:

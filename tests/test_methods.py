@@ -57,6 +57,25 @@ def test_trim_threshold_keeps_the_largest_share():
     assert torch.allclose(trimmed, base + t(0.0, -5.0, 0.0, 2.0, 0.0, 1.0))
 
 
+@pytest.mark.parametrize("shape", [(1000, 3001)])
+def test_trim_threshold_on_large_tensors_equals_a_full_selection(shape):
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    deltas = {
+        "gaussian": torch.randn(shape, generator=generator) * 0.01,
+        "heavy tail": (torch.randn(shape, generator=generator) * 0.3) ** 5,
+        "few distinct values": torch.randint(-3, 4, shape, generator=generator).float() * 0.01,
+        "sorted": torch.randn(shape, generator=generator).reshape(-1).sort().values.reshape(shape) * 0.01,
+    }
+    for label, delta in deltas.items():
+        model = (base.float() + delta).to(torch.bfloat16)
+        magnitudes = (model.float() - base.float()).abs().reshape(-1)
+        for density in (0.001, 0.2, 0.5, 0.9):
+            keep = round(density * magnitudes.numel())
+            exact = torch.kthvalue(magnitudes, magnitudes.numel() - keep + 1).values.item()
+            assert methods.trim_threshold(base, model, density) == exact, (label, density)
+
+
 def test_slerp_weights_are_linear_for_colinear_and_zero_vectors():
     assert methods.slerp_weights(t(1.0, 1.0), t(2.0, 2.0), 0.3) == (0.7, 0.3)
     assert methods.slerp_weights(t(0.0, 0.0), t(2.0, 1.0), 0.3) == (0.7, 0.3)
