@@ -298,10 +298,24 @@ import resource, subprocess, sys
 subprocess.run(sys.argv[1:], check=True)
 print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 """
+IMPORTS_ONLY = "import torch, tqdm, yaml, mergekit_lite.merge, cli.merge"
+
+
+def peak_rss(command: list[str]) -> int:
+    """Peak RSS in bytes of `command` as a whole process (the children of a fresh wrapper)."""
+    result = subprocess.run([sys.executable, "-c", RSS_SCRIPT, *command], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.strip().splitlines()[-1])
 
 
 def test_peak_memory_stays_bounded_by_a_few_tensors(tmp_path):
-    """Two ~320 MB models of 40 tensors each: peak RSS must stay near (inputs + 2) x largest + 300 MB."""
+    """Two ~320 MB models of 40 tensors each: the merge adds at most (inputs + 2) x largest + 100 MB of RSS
+    to what importing torch and the package costs in the same environment, and stays under the absolute
+    (inputs + 2) x largest + 300 MB budget plus that import cost's excess over 220 MB.
+
+    The import cost is measured, not assumed: torch's shared libraries count in RSS by how many of their
+    pages happen to be resident, which varied from 218 to 276 MB between two identical venvs here.
+    """
     from safetensors.torch import save_file
 
     n_tensors, rows, cols = 40, 1024, 2048
@@ -321,10 +335,11 @@ def test_peak_memory_stays_bounded_by_a_few_tensors(tmp_path):
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     command = [CLI, "merge", "--method", "linear", "--base", str(tmp_path / "pre"), "--model", str(tmp_path / "post"),
                "--alpha", "0.5", "--out", str(tmp_path / "out"), "--out-shard-size", "100MB", "--quiet"]
-    result = subprocess.run([sys.executable, "-c", RSS_SCRIPT, *command], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    peak = int(result.stdout.strip().splitlines()[-1])
+    peak = peak_rss(command)
+    imports = peak_rss([sys.executable, "-c", IMPORTS_ONLY])
     total_input = 2 * n_tensors * largest
-    bound = (2 + 2) * largest + 300 * 2**20
-    assert peak < bound, f"peak RSS {peak / 2**20:.0f} MB over bound {bound / 2**20:.0f} MB (inputs {total_input / 2**20:.0f} MB)"
+    streaming_budget = (2 + 2) * largest + 100 * 2**20
+    assert peak - imports < streaming_budget, \
+        f"merge added {(peak - imports) / 2**20:.0f} MB to {imports / 2**20:.0f} MB of imports (inputs {total_input / 2**20:.0f} MB)"
+    assert peak < (2 + 2) * largest + 300 * 2**20 + max(imports - 220 * 2**20, 0)
     assert math.isclose(sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors")), total_input / 2, rel_tol=0.01)
