@@ -366,6 +366,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lite-src", type=Path,
                         help="run mergekit-lite from this copy of the source (a folder holding mergekit_lite/ and cli/, "
                              "put first on PYTHONPATH), to pin the code while others edit the tree")
+    parser.add_argument("--skip-compare", action="store_true", help="do not compare the outputs (saves minutes at 4 GB)")
     parser.add_argument("--keep-outputs", action="store_true", help="keep the merged folders in benchmarks/work")
     parser.add_argument("--json", type=Path, help="raw results file (default benchmarks/results-SIZE.json)")
     args = parser.parse_args(argv)
@@ -439,7 +440,7 @@ def main(argv=None) -> int:
             entry[f"{tool}_best_wall_s"] = best(entry[tool], "wall_s")
             entry[f"{tool}_best_cpu_s"] = best(entry[tool], "cpu_s")
             entry[f"{tool}_peak_rss_mb"] = best(entry[tool], "peak_rss_mb")
-        if mergekit_ok and entry["lite"] and entry["mergekit"] and entry["lite"][0]["rc"] == 0 and entry["mergekit"][0]["rc"] == 0:
+        if not args.skip_compare and mergekit_ok and entry["lite"] and entry["mergekit"] and entry["lite"][0]["rc"] == 0 and entry["mergekit"][0]["rc"] == 0:
             log(f"{method}: comparing outputs")
             entry["agreement"] = compare_outputs(method, outs["lite"], outs["mergekit"], ckpt / "base")
             summary = {k: v for k, v in entry["agreement"].items() if k not in ("per_tensor",)}
