@@ -144,11 +144,6 @@ class ModelSource:
             self._handles[file] = open(file, "rb", buffering=0)
         return self._handles[file]
 
-    def close(self) -> None:
-        for handle in self._handles.values():
-            handle.close()
-        self._handles.clear()
-
 
 class PickleSource(ModelSource):
     """Legacy `pytorch_model*.bin` weights, loaded memory-mapped with weights_only=True; opt-in only."""

@@ -24,7 +24,8 @@ from mergekit_lite import methods
 from mergekit_lite.config import MergeConfig, is_embedding, resolve
 from mergekit_lite.errors import InputError
 from mergekit_lite.io import ModelSource, PlannedTensor, ShardedWriter, atomic_output_dir, copy_side_files
-from mergekit_lite.sources import TensorSource, is_adapter, open_inputs
+from mergekit_lite.lora import LoraAdapter
+from mergekit_lite.sources import TensorSource, open_inputs
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 RECALL_WEIGHTS_FILE = "recall_weights.json"
@@ -170,7 +171,7 @@ def _recall_weights(config: MergeConfig):
             return recall.RecallWeights.from_json(json.load(handle))
     if not settings.texts:
         raise InputError("recall needs typical samples: recall.texts (a text file, one sample per line) or --recall-texts")
-    if any(is_adapter(path) for path in config.inputs):
+    if any(LoraAdapter.is_adapter_dir(path) for path in config.inputs):
         raise InputError("recall runs the models to compare representations: give model folders, not adapters")
     return recall.compute_recall_weights(
         config.inputs, recall.read_texts(settings.texts), n_typical=settings.samples,
@@ -263,7 +264,7 @@ def _check_finite(name: str, tensors: list[torch.Tensor], sources: list[TensorSo
     """min and max propagate NaN and reach Inf, so one aminmax pass (much faster than isfinite) decides."""
     for tensor, source in zip(tensors, sources):
         if tensor.is_floating_point() and tensor.numel() and not all(map(math.isfinite, torch.aminmax(tensor))):
-            where = source.entry(name).file if hasattr(source, "entry") else source.path
+            where = source.entry(name).file if isinstance(source, ModelSource) else source.path
             raise InputError(f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)")
 
 
@@ -307,7 +308,7 @@ def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = N
 
 def _audit_adapters(config: MergeConfig) -> None:
     """Adapters are audited against the base before they take part; REJECTED ones stop the merge."""
-    adapters = [path for path in config.inputs if is_adapter(path)]
+    adapters = [path for path in config.inputs if LoraAdapter.is_adapter_dir(path)]
     if adapters:
         from audits.adapter import require_verified
 
@@ -320,7 +321,7 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
     donor = config.copy_files_from or config.base or config.inputs[0]
     if donor == "base":
         donor = config.base or config.inputs[0]
-    if is_adapter(donor):
+    if LoraAdapter.is_adapter_dir(donor):
         donor = config.base
     copy_side_files(Path(donor), folder)
     config_file = folder / "config.json"

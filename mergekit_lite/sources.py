@@ -14,6 +14,7 @@ import torch
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io import open_model
+from mergekit_lite.lora import LoraAdapter
 
 KNOWN_PREFIXES = ("model.", "base_model.model.", "module.", "_orig_mod.", "transformer.")
 TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
@@ -80,20 +81,14 @@ class AdapterSource:
         return self.base.load(name)
 
 
-def is_adapter(path: str | Path) -> bool:
-    return (Path(path) / "adapter_config.json").is_file()
-
-
 def open_inputs(paths: list[str], base: str | None, allow_pickle: bool) -> list[TensorSource]:
     """Open every input (adapters on top of the base) and map all names onto the first input's names."""
     opened: list[TensorSource] = []
     base_source = None
     for path in paths:
-        if is_adapter(path):
+        if LoraAdapter.is_adapter_dir(path):
             if base is None:
                 raise InputError(f"{path}: a LoRA adapter needs the base model it was trained on (--base)")
-            from mergekit_lite.lora import LoraAdapter
-
             base_source = base_source or open_model(base, allow_pickle=allow_pickle)
             opened.append(AdapterSource(LoraAdapter.open(path, allow_pickle=allow_pickle), base_source))
         else:
