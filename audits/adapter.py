@@ -23,12 +23,27 @@ from pathlib import Path
 
 import torch
 
-from audits.fingerprint import (DEFAULT_TOP_K, FINGERPRINT_FILE, is_weight_matrix, load_fingerprint,
-                                module_similarity, probe, top_singular)
+from audits.fingerprint import (
+    DEFAULT_TOP_K,
+    FINGERPRINT_FILE,
+    is_weight_matrix,
+    load_fingerprint,
+    module_similarity,
+    probe,
+    top_singular,
+)
 from audits.leakage import check_leakage
-from audits.report import FAIL, PASS, REJECTED, WARN, AuditReport, CheckResult, make_report
+from audits.report import (
+    FAIL,
+    PASS,
+    REJECTED,
+    WARN,
+    AuditReport,
+    CheckResult,
+    make_report,
+)
 from mergekit_lite.errors import InputError
-from mergekit_lite.lora import PEFT_DEFAULT_ALPHA, LoraAdapter
+from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, LoraAdapter
 
 BASE_COPY_TOLERANCE = 1e-2  # relative; a bf16 copy of the same tensor differs by ~4e-3, another base by ~1
 SHOWN_NAMES = 3
@@ -325,7 +340,7 @@ def _fingerprint_for(adapter_dir: Path, fingerprint) -> tuple[dict | None, str |
 def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, holdout=None,
                   thresholds: AuditThresholds = AuditThresholds(), allow_pickle: bool = False) -> AuditReport:
     """Run every applicable check on one adapter; unusable input (no adapter, bad base) raises InputError."""
-    from mergekit_lite.io import open_model
+    from mergekit_lite.io.safetensors import open_model
 
     adapter_dir = Path(adapter_dir)
     if not LoraAdapter.is_adapter_dir(adapter_dir):

@@ -72,7 +72,7 @@ def _rounded(values: torch.Tensor) -> list[float]:
 
 def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K) -> dict:
     """Fingerprint every 2-D floating tensor of a base model, one tensor in memory at a time."""
-    from mergekit_lite.io import open_model
+    from mergekit_lite.io.safetensors import open_model
 
     if top_k < 1:
         raise InputError(f"--top-k must be at least 1 (got {top_k})")
@@ -99,7 +99,7 @@ def write_fingerprint(fingerprint: dict, path) -> None:
 
 def load_fingerprint(path) -> dict:
     """Read a fingerprint file; anything that is not one of ours is unusable input."""
-    from mergekit_lite.io import read_json
+    from mergekit_lite.io.safetensors import read_json
 
     path = Path(path)
     if not path.is_file():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Explain where mergekit-lite and mergekit disagree (slerp, ties), on a few tensors, with both libraries' own math.
 
-Runs in the mergekit venv (it imports mergekit; mergekit_lite.methods needs only torch):
+Runs in the mergekit venv (it imports mergekit; mergekit_lite.merge.methods needs only torch):
 
     benchmarks/.venv-mergekit/bin/python benchmarks/check_semantics.py benchmarks/work/ckpt-1gb
 
@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mergekit_lite import methods  # noqa: E402
+from mergekit_lite.merge import methods  # noqa: E402
 from mergekit.merge_methods.slerp import slerp as mk_slerp  # noqa: E402
 from mergekit.sparsify import SparsificationMethod, sparsify  # noqa: E402
 from mergekit.merge_methods.generalized_task_arithmetic import get_mask  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mergekit_lite.io import open_model  # noqa: E402
+from mergekit_lite.io.safetensors import open_model  # noqa: E402
 
 
 def faults():

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from mergekit_lite import merge as M
-from mergekit_lite.config import MergeConfig
-from mergekit_lite.io import PlannedTensor, ShardedWriter
+from mergekit_lite.merge import engine as M
+from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter
 
 CONFIGS = {
     "linear": lambda c: dict(method="linear", models=[{"model": f"{c}/base", "weight": 0.5}, {"model": f"{c}/ft1", "weight": 0.5}]),

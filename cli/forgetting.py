@@ -6,7 +6,13 @@ import json
 import click
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.forgetting import TaskForgetting, aggregate, compare, format_table, load_lm_eval_samples
+from mergekit_lite.evaluate.forgetting import (
+    TaskForgetting,
+    aggregate,
+    compare,
+    format_table,
+    load_lm_eval_samples,
+)
 
 
 def parse_group(spec: str) -> tuple[str, list[str]]:

@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from mergekit_lite.config import DTYPES, METHODS
+from mergekit_lite.merge.config import DTYPES, METHODS
 
 EXAMPLES = """
 \b
@@ -73,8 +73,9 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     recall (layer-wise weights from hidden-representation similarity). Give either a YAML CONFIG_FILE or
     flags; flags win where both say something.
     """
-    from mergekit_lite.config import MergeConfig, load_config
-    from mergekit_lite.merge import plan_merge, run_merge
+    from mergekit_lite.merge.config import MergeConfig, load_config
+    from mergekit_lite.merge.engine import run_merge
+    from mergekit_lite.merge.plan import plan_merge
 
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
     parameters = {"alpha": alpha, "t": t, "lambda": scale, "density": density, "drop": drop,

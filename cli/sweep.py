@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from mergekit_lite.config import METHODS
+from mergekit_lite.merge.config import METHODS
 
 EXAMPLES = """
 \b
@@ -67,7 +67,11 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
     same keys (flags win); see examples/sweep.yaml.
     """
-    from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
+    from mergekit_lite.evaluate.sweep import (
+        load_sweep_file,
+        run_sweep,
+        settings_from_dict,
+    )
 
     if quiet:
         os.environ["TQDM_DISABLE"] = "1"  # also the library bars that honour it (lm-eval's request bars do not)

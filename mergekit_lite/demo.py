@@ -13,8 +13,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from mergekit_lite.extract import extract_lora
-from mergekit_lite.sweep import SweepResult, SweepSettings, run_sweep
+from mergekit_lite.evaluate.sweep import SweepResult, SweepSettings, run_sweep
+from mergekit_lite.merge.extract import extract_lora
 from mergekit_lite.toy import ToyPair, build_toy_pair
 
 # method -> (grid of its main coefficient, extra settings)
@@ -37,7 +37,11 @@ class DemoResult:
 
 def make_adapters(pair: ToyPair, folder: Path) -> list[Path]:
     """A rank-8 LoRA of the fine-tune shipping its base's fingerprint, and a copy with B zeroed (a no-op)."""
-    from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
+    from audits.fingerprint import (
+        FINGERPRINT_FILE,
+        compute_fingerprint,
+        write_fingerprint,
+    )
 
     real, no_op = folder / "post-lora", folder / "no-op-lora"
     if not real.exists():

@@ -8,16 +8,22 @@ import torch
 from click.testing import CliRunner
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
+from tiny_models import VOCAB, tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
 from audits import fingerprint as fingerprint_module
 from audits.adapter import audit_adapter, require_verified, target_mismatch
-from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, load_fingerprint, top_singular, write_fingerprint
+from audits.fingerprint import (
+    FINGERPRINT_FILE,
+    compute_fingerprint,
+    load_fingerprint,
+    top_singular,
+    write_fingerprint,
+)
 from audits.leakage import check_leakage, find_contamination
 from cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.toy import torch_threads
-from tiny_models import VOCAB, tiny_llama, train_lora
 
 
 def make_adapter(base_dir, out_dir, target_modules, steps: int, **save_options):

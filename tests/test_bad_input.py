@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from mergekit_lite.methods import lerp
 from tiny_models import save_tiny_llama
+
+from mergekit_lite.merge.methods import lerp
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -401,9 +401,9 @@ def test_full_disk_is_one_line_and_leaves_nothing(models, tiny_disk):
 
 def test_write_error_in_process_removes_temp_folder(models, tmp_path, monkeypatch):
     """The same fault without root: the writer fails on its third tensor; run_merge re-raises, leaves nothing."""
-    from mergekit_lite.config import MergeConfig, ModelSpec
-    from mergekit_lite.io import ShardedWriter
-    from mergekit_lite.merge import run_merge
+    from mergekit_lite.io.safetensors import ShardedWriter
+    from mergekit_lite.merge.config import MergeConfig, ModelSpec
+    from mergekit_lite.merge.engine import run_merge
 
     real_write, calls = ShardedWriter.write, []
 

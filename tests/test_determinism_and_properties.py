@@ -1,5 +1,5 @@
 """Determinism of the real CLI (same command, same bytes; another DARE seed, other bytes) and
-hypothesis properties of the pure merge math in `mergekit_lite.methods`."""
+hypothesis properties of the pure merge math in `mergekit_lite.merge.methods`."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from safetensors.torch import load_file
+from tiny_models import save_tiny_llama
 
 from cli.main import main
-from mergekit_lite.methods import lerp, linear, slerp, task_vector_merge
-from tiny_models import save_tiny_llama
+from mergekit_lite.merge.methods import lerp, linear, slerp, task_vector_merge
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 EPS32 = torch.finfo(torch.float32).eps

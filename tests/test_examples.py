@@ -5,14 +5,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergekit_lite.config import load_config
+from mergekit_lite.merge.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MERGE_EXAMPLES = sorted(p for p in EXAMPLES.glob("*.yaml") if "models" in yaml.safe_load(p.read_text()))
 
 
 def test_there_is_an_example_for_every_method():
-    from mergekit_lite.config import METHODS
+    from mergekit_lite.merge.config import METHODS
 
     assert {load_config(p).method for p in MERGE_EXAMPLES} == set(METHODS)
 
@@ -27,7 +27,7 @@ def test_ties_example_runs_on_tiny_models(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mergekit_lite.merge import run_merge
+    from mergekit_lite.merge.engine import run_merge
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)

@@ -4,7 +4,7 @@ import torch
 from peft import PeftModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mergekit_lite.extract import extract_lora, low_rank_factors
+from mergekit_lite.merge.extract import extract_lora, low_rank_factors
 
 
 def test_low_rank_factors_are_the_best_rank_r_approximation():

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from cli.main import main
 from mergekit_lite.errors import InputError
-from mergekit_lite.forgetting import (
+from mergekit_lite.evaluate.forgetting import (
     SampleOutcomes,
     aggregate,
     compare,
-    format_table,
     forgetting_metrics,
+    format_table,
     load_lm_eval_samples,
     outcomes_from_lm_eval,
 )

@@ -6,12 +6,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
+from tiny_models import VOCAB, tiny_llama, train_lora
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.lora import LoraAdapter
+from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.toy import torch_threads
-from tiny_models import VOCAB, tiny_llama, train_lora
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,9 +13,10 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from mergekit_lite.config import MergeConfig, load_config
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge import merge_state_dict, plan_merge, run_merge
+from mergekit_lite.merge.config import MergeConfig, load_config
+from mergekit_lite.merge.engine import merge_state_dict, run_merge
+from mergekit_lite.merge.plan import plan_merge
 
 CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
@@ -162,7 +163,7 @@ def test_dare_linear_without_drop_equals_task_arithmetic(models, tmp_path):
 
 
 def test_recall_uses_layer_weights_from_its_weights_file(models, tmp_path):
-    from mergekit_lite.recall import RecallWeights
+    from mergekit_lite.merge.recall import RecallWeights
 
     weights = [[0.5, 0.5], [0.6, 0.4], [0.3, 0.7], [0.1, 0.9]]  # rows: embeddings, layer 0, 1, 2
     recall = RecallWeights(models=[str(models["base"]), str(models["a"])], reference=1, temperature=0.5,
@@ -298,7 +299,7 @@ import resource, subprocess, sys
 subprocess.run(sys.argv[1:], check=True)
 print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 """
-IMPORTS_ONLY = "import torch, tqdm, yaml, mergekit_lite.merge, cli.merge"
+IMPORTS_ONLY = "import torch, tqdm, yaml, mergekit_lite.merge.engine, cli.merge"
 
 
 def peak_rss(command: list[str]) -> int:

@@ -9,13 +9,13 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.numpy import load_file
+from tiny_models import save_tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
-from mergekit_lite.config import MergeConfig
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge import run_merge
+from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.toy import torch_threads
-from tiny_models import save_tiny_llama, train_lora
 
 CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
@@ -78,7 +78,8 @@ def test_rejected_adapter_stops_the_merge_unless_forced(setup, tmp_path):
     root, first, _ = setup
     (first / "adapter_model.safetensors").rename(first / "saved.safetensors")
     try:
-        from safetensors.torch import load_file as load_torch, save_file
+        from safetensors.torch import load_file as load_torch
+        from safetensors.torch import save_file
 
         tensors = load_torch(first / "saved.safetensors")
         save_file({n: torch.zeros_like(t) if "lora_B" in n else t for n, t in tensors.items()},

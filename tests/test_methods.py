@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mergekit_lite import methods
+from mergekit_lite.merge import methods
 
 
 def t(*values):

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.recall import (
+from mergekit_lite.merge.recall import (
     RecallWeights,
     compute_recall_weights,
     find_tokenizer_dir,

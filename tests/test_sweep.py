@@ -15,19 +15,19 @@ import torch
 import yaml
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.recall import layer_weights
-from mergekit_lite.sweep import (
+from mergekit_lite.evaluate.sweep import (
     LOCK_FILE,
     MERGE_TEMP,
     PointResult,
     SweepSettings,
     load_sweep_file,
-    parse_alphas,
     pareto_front,
+    parse_alphas,
     pick,
     point_file,
     run_sweep,
 )
+from mergekit_lite.merge.recall import layer_weights
 
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 TABLE_ROW = re.compile(r"^\| (pre|post|[-0-9.e]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|")
@@ -61,7 +61,7 @@ def test_with_temperature_equals_computing_at_that_temperature():
     representations = [torch.randn(3, 6, 8) + shift for shift in (0.0, 0.3, 1.0)]
     similarity, sharp = layer_weights(representations, -1, 0.1)
     _, soft = layer_weights(representations, -1, 2.0)
-    from mergekit_lite.recall import RecallWeights
+    from mergekit_lite.merge.recall import RecallWeights
 
     weights = RecallWeights(["a", "b", "c"], 2, 0.1, similarity, sharp, [0, 1])
     rescaled = weights.with_temperature(2.0)
@@ -150,7 +150,7 @@ def test_report_md_and_results_json_agree(linear_sweep):
 def test_rerun_evaluates_only_the_missing_alpha_and_streaming_gives_the_same_scores(
     toy_pair, linear_sweep, tmp_path, monkeypatch
 ):
-    from mergekit_lite.evaluation import Evaluator
+    from mergekit_lite.evaluate.lm_harness import Evaluator
 
     folder = tmp_path / "run"
     shutil.copytree(linear_sweep.out, folder)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluation import Evaluator
+from mergekit_lite.evaluate.lm_harness import Evaluator
 from mergekit_lite.toy import MARKER_FILE, N_CHOICES, ToyConfig, build_toy_pair
 
 

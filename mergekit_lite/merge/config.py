@@ -19,8 +19,8 @@ import numpy as np
 import yaml
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io import parse_size
-from mergekit_lite.methods import TASK_VECTOR_METHODS
+from mergekit_lite.io.safetensors import parse_size
+from mergekit_lite.merge.methods import TASK_VECTOR_METHODS
 
 METHOD_PARAMETERS = {
     "linear": {"alpha", "weight", "normalize"},

@@ -25,10 +25,15 @@ from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
-
-from mergekit_lite.config import MAIN_COEFFICIENT, METHODS, MergeConfig, read_yaml
 from mergekit_lite.errors import InputError
-from mergekit_lite.forgetting import SampleOutcomes, TaskForgetting, aggregate, compare, outcomes_from_lm_eval
+from mergekit_lite.evaluate.forgetting import (
+    SampleOutcomes,
+    TaskForgetting,
+    aggregate,
+    compare,
+    outcomes_from_lm_eval,
+)
+from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, MergeConfig, read_yaml
 
 POINTS_DIR = "points"
 RECALL_DIR = "recall"
@@ -357,7 +362,7 @@ class MergeConfigs:
         return self.settings.merge_config(alpha, recall_weights_file=str(path))
 
     def _similarity(self):
-        from mergekit_lite.recall import compute_recall_weights, read_texts
+        from mergekit_lite.merge.recall import compute_recall_weights, read_texts
 
         if self.similarity is None:
             settings = self.settings
@@ -394,9 +399,9 @@ class PointEvaluator:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        from mergekit_lite.evaluation import Evaluator
-        from mergekit_lite.recall import find_tokenizer_dir
-        from mergekit_lite.sources import open_inputs
+        from mergekit_lite.evaluate.lm_harness import Evaluator
+        from mergekit_lite.io.sources import open_inputs
+        from mergekit_lite.merge.recall import find_tokenizer_dir
 
         if not (Path(settings.pre) / "config.json").is_file():
             raise InputError(f"{settings.pre}: --pre must be a model folder with a config.json")
@@ -419,8 +424,8 @@ class PointEvaluator:
 
     def merged(self, config: MergeConfig) -> list[TaskRun]:
         """A merge evaluated from memory, or streamed to a folder in the run folder when it would not fit."""
-        from mergekit_lite.io import open_model
-        from mergekit_lite.merge import merge_state_dict, run_merge
+        from mergekit_lite.io.safetensors import open_model
+        from mergekit_lite.merge.engine import merge_state_dict, run_merge
 
         if self.in_memory:
             return self.evaluate(merge_state_dict(config, self.sources))
@@ -448,7 +453,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     """Evaluate pre, post and every alpha (resuming saved points), pick the best, write the report."""
     from tqdm import tqdm
 
-    from mergekit_lite.report import write_report
+    from mergekit_lite.evaluate.report import write_report
 
     folder = Path(settings.out)
     if settings.save_best and Path(settings.save_best).exists():
@@ -475,7 +480,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         result = _result(settings, folder, plan, runs, [label for label, _ in todo])
         write_report(result)
         if settings.save_best:
-            from mergekit_lite.merge import run_merge
+            from mergekit_lite.merge.engine import run_merge
 
             run_merge(configs(result.best.alpha), settings.save_best, progress=progress)
     return result

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mergekit_lite.forgetting import format_table
-from mergekit_lite.sweep import PointResult, SweepResult, write_atomic
+from mergekit_lite.evaluate.forgetting import format_table
+from mergekit_lite.evaluate.sweep import PointResult, SweepResult, write_atomic
 
 RESULTS_FILE, REPORT_FILE, PLOT_FILE = "results.json", "report.md", "sweep.png"
 ALPHA_MEANING = {

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io import atomic_output_dir
-from mergekit_lite.merge import layer_index
-from mergekit_lite.sources import open_inputs
+from mergekit_lite.io.outputs import atomic_output_dir
+from mergekit_lite.io.sources import open_inputs
+from mergekit_lite.merge.plan import layer_index
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io import open_model
-from mergekit_lite.lora import LoraAdapter
+from mergekit_lite.io.lora import LoraAdapter
+from mergekit_lite.io.safetensors import open_model
 
 KNOWN_PREFIXES = ("model.", "base_model.model.", "module.", "_orig_mod.", "transformer.")
 TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")

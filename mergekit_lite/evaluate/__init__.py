@@ -1,0 +1,1 @@
+"""Evaluation: lm-eval runs, the sample-level forgetting map, coefficient sweeps and their reports."""
