@@ -30,14 +30,17 @@ METHOD_PARAMETERS = {
     "dare_linear": {"lambda", "weight", "drop", "normalize"},
     "dare_ties": {"lambda", "weight", "drop", "normalize"},
     "recall": {"temperature"},
+    "recall_lerp": {"alpha"},
 }
 METHODS = tuple(METHOD_PARAMETERS)
 PER_MODEL_PARAMETERS = {"weight", "density", "drop"}
 MAIN_COEFFICIENT = {
     "linear": "alpha", "slerp": "t", "task_arithmetic": "lambda", "ties": "lambda",
     "dare_linear": "lambda", "dare_ties": "lambda", "recall": "temperature",
+    "recall_lerp": "alpha",
 }
-DEFAULTS = {"weight": 1.0, "lambda": 1.0, "t": 0.5, "density": 0.5, "drop": 0.5, "temperature": 0.5}
+RECALL_METHODS = ("recall", "recall_lerp")
+DEFAULTS = {"weight": 1.0, "lambda": 1.0, "t": 0.5, "density": 0.5, "drop": 0.5, "temperature": 1.0}
 # (low, high, low inclusive, high inclusive); None = unbounded
 RANGES = {
     "alpha": (0.0, 1.0, True, True),
@@ -52,7 +55,8 @@ EMBED_RULES = ("nearest", "average", "base", "reference")
 CONFIG_KEYS = {"method", "base", "models", "parameters", "dtype", "seed", "out_shard_size", "copy_files_from",
                "skip", "recall", "allow_pickle", "allow_nonfinite", "force", "device"}
 MODEL_KEYS = {"model", "parameters", *PER_MODEL_PARAMETERS}
-RECALL_KEYS = {"texts", "samples", "embed_rule", "reference", "weights_file", "max_length"}
+RECALL_KEYS = {"texts", "samples", "embed_rule", "reference", "weights_file", "max_length", "bandwidth",
+               "special_tokens"}
 
 
 @dataclass
@@ -73,6 +77,8 @@ class RecallSettings:
     reference: int = -1
     weights_file: str | None = None
     max_length: int = 256
+    bandwidth: str | float = "median"  # RBF sigma: "median" heuristic per layer, or a fixed number
+    special_tokens: bool = False  # include BOS/EOS in the token mean
 
 
 @dataclass
@@ -136,7 +142,15 @@ class MergeConfig:
             raise InputError(f"{self.method} needs a base model (--base)")
         if self.method == "recall" and count < 2:
             raise InputError(f"recall merges at least two models, got {count}")
-        if self.method == "recall" and self.recall.embed_rule not in EMBED_RULES:
+        if self.method == "recall_lerp" and (count != 2 or not self.base):
+            raise InputError(f"recall_lerp interpolates exactly two models, a base (pre) and one model (post), got {count}")
+        if self.method == "recall_lerp" and not isinstance(self.parameters.get("alpha"), (int, float)):
+            raise InputError("recall_lerp needs one number alpha (the global weight of post the layer profile centres on)")
+        if self.method in RECALL_METHODS:
+            from mergekit_lite.merge.recall import check_bandwidth
+
+            check_bandwidth(self.recall.bandwidth)
+        if self.method in RECALL_METHODS and self.recall.embed_rule not in EMBED_RULES:
             raise InputError(f"recall embed_rule must be one of {', '.join(EMBED_RULES)}, got {self.recall.embed_rule!r}")
         if self.dtype is not None:
             if str(self.dtype).lower() not in DTYPES:

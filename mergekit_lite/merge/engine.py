@@ -57,7 +57,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     """The elementwise part of the method, with its per-tensor statistics bound in."""
     parameters = step.parameters
     method = config.method
-    if method == "linear" and "alpha" in parameters:
+    if method in ("linear", "recall_lerp") and "alpha" in parameters:
         return lambda chunk: methods.lerp(chunk[0], chunk[1], parameters["alpha"])
     if method in ("linear", "recall"):
         return lambda chunk: methods.linear(chunk, parameters["weights"], normalize=parameters.get("normalize", True))

@@ -17,7 +17,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, open_inputs
 from mergekit_lite.merge import methods
-from mergekit_lite.merge.config import MergeConfig, is_embedding, resolve
+from mergekit_lite.merge.config import RECALL_METHODS, MergeConfig, is_embedding, resolve
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 RECALL_WEIGHTS_FILE = "recall_weights.json"
@@ -88,7 +88,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
     reference = sources[0]
     names = reference.names
     n_layers = _layer_count(reference, names)
-    recall_weights = _recall_weights(config) if config.method == "recall" else None
+    recall_weights = _recall_weights(config) if config.method in RECALL_METHODS else None
     notes, mixed = [], set()
     steps = []
     for name in names:
@@ -141,8 +141,10 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
         return {"weights": weights, "normalize": config.parameters.get("normalize", True)}
     if method == "slerp":
         return {"t": value("t")}
-    if method == "recall":
+    if method in RECALL_METHODS:
         part = "layer" if layer is not None else ("embed" if is_embedding(name) else "head")
+        if method == "recall_lerp":
+            return {"alpha": recall_weights.lerp_alpha(value("alpha"), layer, part, config.recall.embed_rule)}
         return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
     recipe = methods.TASK_VECTOR_METHODS[method]
     parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
@@ -168,4 +170,5 @@ def _recall_weights(config: MergeConfig):
     return recall.compute_recall_weights(
         config.inputs, recall.read_texts(settings.texts), n_typical=settings.samples,
         temperature=float(config.parameter("temperature")), reference=settings.reference,
-        device=config.device, seed=config.seed, max_length=settings.max_length)
+        device=config.device, seed=config.seed, max_length=settings.max_length, bandwidth=settings.bandwidth,
+        special_tokens=settings.special_tokens)
