@@ -41,12 +41,12 @@ def _model_option(value: str) -> dict:
 @click.option("--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors.")
 @click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
               help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.")
-@click.option("--alpha", type=float, help="linear: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1].")
+@click.option("--alpha", type=float, help="linear, recall_lerp: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1].")
 @click.option("--t", "t", type=float, help="slerp: interpolation factor in [0, 1].")
 @click.option("--lambda", "scale", type=float, help="Task-vector methods: scale of the combined task vector (negative subtracts).")
 @click.option("--density", type=float, help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5).")
 @click.option("--drop", type=float, help="dare_*: drop probability of task-vector entries, in [0, 1) (default 0.5).")
-@click.option("--temperature", type=float, help="recall: softmax temperature over similarities (> 0, default 0.5).")
+@click.option("--temperature", type=float, help="recall: softmax temperature over similarities (> 0, default 1 = plain softmax).")
 @click.option("--normalize/--no-normalize", default=None, help="Divide by the sum of weights (defaults depend on the method).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical samples, one per line.")
 @click.option("--recall-samples", type=int, help="recall: how many typical samples k-means picks (default 8).")
@@ -70,7 +70,8 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP/EMA, weighted average), slerp, task_arithmetic, ties, dare_linear, dare_ties,
-    recall (layer-wise weights from hidden-representation similarity). Give either a YAML CONFIG_FILE or
+    recall (layer-wise weights from hidden-representation similarity), recall_lerp (our layer-wise LERP
+    from the same measurements). Give either a YAML CONFIG_FILE or
     flags; flags win where both say something.
     """
     from mergekit_lite.merge.config import MergeConfig, load_config
@@ -98,7 +99,16 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
         click.echo(plan_merge(config).describe())
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if quiet:
+        _quiet_transformers()
     result = run_merge(config, out, overwrite=overwrite, progress=not quiet)
     if not quiet:
         click.echo(f"wrote {result.out} ({result.plan.total_bytes / 1e6:.1f} MB, {len(result.plan.steps)} tensors, "
                    f"{result.seconds:.1f} s)")
+
+
+def _quiet_transformers() -> None:
+    """-q also silences the bars transformers draws while RECALL loads each model."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()

@@ -16,6 +16,7 @@ What alpha is, per --method (the method's main coefficient):
   task_arithmetic, ties,
   dare_linear, dare_ties lambda, scale of post's task vector (post - pre) added to pre
   recall                 softmax temperature of the per-layer weights (> 0; the models run once)
+  recall_lerp            global weight of post; each layer takes alpha ** (its drift / mean drift)
 \b
 Pick: the alpha with the highest harmonic mean 2*old*new/(old+new) of the old-task and new-task
 scores (mean accuracy per group); ties go to the smallest alpha. "forgetting recovered" is
@@ -75,6 +76,9 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
 
     if quiet:
         os.environ["TQDM_DISABLE"] = "1"  # also the library bars that honour it (lm-eval's request bars do not)
+        from cli.merge import _quiet_transformers
+
+        _quiet_transformers()
     data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
     data = _flag_values(data, pre=pre, post=post, method=method, alphas=alphas, old_tasks=old_tasks,
                         new_tasks=new_tasks, include_path=include_path, limit=limit, batch_size=batch_size,

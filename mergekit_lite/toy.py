@@ -65,6 +65,7 @@ class ToyConfig:
     post_steps: int = 200
     learning_rate: float = 3e-3
     max_shard_size: str | None = None
+    post_layers: list[int] | None = None  # post-train only these decoder layers (None: the whole model)
 
 
 @dataclass(frozen=True)
@@ -158,10 +159,14 @@ def train(
     skill: Skill,
     steps: int,
     learning_rate: float,
+    layers: list[int] | None = None,
 ) -> None:
-    """Full-batch AdamW on the answer token only: no data order to shuffle, hence deterministic."""
+    """Full-batch AdamW on the answer token only: no data order to shuffle, hence deterministic.
+    `layers` limits training to those decoder layers: the rest of the model stays bit-identical,
+    which gives a pair whose forgetting is concentrated in a few layers."""
     input_ids, labels = answer_batch(tokenizer, skill, sorted(skill.answers))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    trained = model.parameters() if layers is None else [p for i in layers for p in model.model.layers[i].parameters()]
+    optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=0.0)
     model.train()
     for _ in range(steps):
         loss = model(input_ids=input_ids, labels=labels).loss
@@ -261,7 +266,7 @@ def build_toy_pair(out_dir: str | Path, seed: int = 0, **options) -> ToyPair:
         model = build_model(len(tokenizer), config)
         train(model, tokenizer, old_skill, config.pre_steps, config.learning_rate)
         save_model(model, tokenizer, paths.pre_dir, config)
-        train(model, tokenizer, new_skill, config.post_steps, config.learning_rate)
+        train(model, tokenizer, new_skill, config.post_steps, config.learning_rate, config.post_layers)
         save_model(model, tokenizer, paths.post_dir, config)
 
     write_task(paths.task_dir, old_skill.task, multiple_choice_docs(old_skill, new_skill, rng))

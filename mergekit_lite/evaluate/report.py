@@ -13,6 +13,7 @@ from mergekit_lite.evaluate.forgetting import format_table
 from mergekit_lite.evaluate.sweep import PointResult, SweepResult, write_atomic
 
 RESULTS_FILE, REPORT_FILE, PLOT_FILE = "results.json", "report.md", "sweep.png"
+LAYERS_PLOT_FILE = "layers.png"
 ALPHA_MEANING = {
     "linear": "weight of post (0 = pre, 1 = post)",
     "slerp": "t, spherical interpolation from pre (0) to post (1)",
@@ -21,6 +22,7 @@ ALPHA_MEANING = {
     "dare_linear": "lambda, the scale of post's DARE-dropped task vector added to pre",
     "dare_ties": "lambda, the scale of post's DARE-dropped, sign-elected task vector added to pre",
     "recall": "softmax temperature of RECALL's per-layer weights (low = each layer follows the closer model)",
+    "recall_lerp": "global weight of post; layer l takes alpha ** (its drift / mean drift), flat drift = linear",
 }
 DEFINITIONS = {
     "old": "mean accuracy over the old tasks (what pre could do)",
@@ -156,12 +158,47 @@ def plot(result: SweepResult, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def layer_profile(result: SweepResult, folder: Path) -> str:
+    """RECALL methods only: post's coefficient per layer at the pick, plotted into layers.png, and the
+    report section that shows it (empty for the other methods, whose coefficient is one number)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from mergekit_lite.evaluate.sweep import RECALL_DIR, SIMILARITY_FILE
+    from mergekit_lite.merge.recall import RecallWeights, post_coefficients
+
+    similarity_file = folder / RECALL_DIR / SIMILARITY_FILE
+    if not similarity_file.is_file():
+        return ""
+    method, alpha = result.settings.method, result.best.alpha
+    coefficients = post_coefficients(RecallWeights.from_json(json.loads(similarity_file.read_text())), method, alpha)
+    labels = ["embed"] + [str(layer) for layer in range(len(coefficients) - 1)]
+    figure = Figure(figsize=(7, 3.5))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.plot(range(len(coefficients)), coefficients, "o-", color="tab:purple", label=f"{method} at alpha={alpha!r}")
+    if method == "recall_lerp":
+        axes.axhline(alpha, color="gray", linestyle="--", linewidth=1, label="linear at the same alpha")
+    axes.set_xticks(range(len(coefficients)), labels)
+    axes.set_xlabel("layer (the head follows the last layer)")
+    axes.set_ylabel("weight of post (0 = pre)")
+    axes.set_ylim(-0.02, 1.02)
+    axes.legend(fontsize=8, loc="best")
+    figure.tight_layout()
+    temp = folder / f".{LAYERS_PLOT_FILE}.tmp.png"
+    figure.savefig(temp, dpi=120)
+    temp.replace(folder / LAYERS_PLOT_FILE)
+    values = ", ".join(f"{label}: {value:.3f}" for label, value in zip(labels, coefficients))
+    return (f"\n## Per-layer coefficients of the pick\n\nWeight of post per layer at alpha = {alpha!r} "
+            f"({values}).\n\n![layers]({LAYERS_PLOT_FILE})\n")
+
+
 def write_report(result: SweepResult) -> None:
     """results.json, report.md and sweep.png in the run folder, each replaced atomically."""
     folder = Path(result.out)
     results = results_json(result)
     write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
-    write_atomic(folder / REPORT_FILE, report_markdown(result, results))
+    write_atomic(folder / REPORT_FILE, report_markdown(result, results) + layer_profile(result, folder))
     temp = folder / f".{PLOT_FILE}.tmp.png"
     plot(result, temp)
     temp.replace(folder / PLOT_FILE)

@@ -8,7 +8,8 @@ maximising one of them.
 What alpha is depends on the method (its main coefficient, `config.MAIN_COEFFICIENT`):
 linear -> weight of post (0 = pre, 1 = post); slerp -> t; task_arithmetic, ties, dare_* -> lambda,
 the scale of post's task vector (post - pre) added to pre; recall -> the softmax temperature of its
-layer weights (the similarities are computed once per sweep and re-weighted per temperature).
+layer weights; recall_lerp -> the global weight of post its per-layer profile centres on (for both, the
+similarities are computed once per sweep).
 
 A run folder keeps one JSON per finished point (`points/`), written atomically, so a killed sweep
 loses at most the point in progress and a rerun of the same command picks up where it stopped.
@@ -33,10 +34,11 @@ from mergekit_lite.evaluate.forgetting import (
     compare,
     outcomes_from_lm_eval,
 )
-from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, MergeConfig, read_yaml
+from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, RECALL_METHODS, MergeConfig, read_yaml
 
 POINTS_DIR = "points"
 RECALL_DIR = "recall"
+SIMILARITY_FILE = "similarity.json"
 LOCK_FILE = ".sweep.lock"
 MERGE_TEMP = ".merging"
 GROUPS = ("old", "new")
@@ -133,8 +135,8 @@ class SweepSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
-        if self.method == "recall" and not self.recall_texts:
-            raise InputError("a recall sweep needs typical samples: --recall-texts (one text per line)")
+        if self.method in RECALL_METHODS and not self.recall_texts:
+            raise InputError(f"a {self.method} sweep needs typical samples: --recall-texts (one text per line)")
         for alpha in self.alphas:
             self.merge_config(alpha)  # every point's merge is valid before any model is read
 
@@ -145,13 +147,13 @@ class SweepSettings:
 
     def merge_config(self, alpha: float, recall_weights_file: str | None = None) -> MergeConfig:
         """The merge at one point: pre is the base (input 0), post the one model, alpha the main coefficient."""
-        parameters = {name: value for name, value in (("density", self.density), ("drop", self.drop))
-                      if value is not None}
+        parameters = {name: value for name, value in (("density", self.density), ("drop", self.drop),
+                                                      (self.coefficient, alpha)) if value is not None}
         data = {"method": self.method, "base": self.pre, "models": [self.post], "parameters": parameters,
                 "seed": self.seed, "device": self.device if self.device.startswith("cuda") else "cpu",
                 "recall": {"texts": self.recall_texts, "samples": self.recall_samples,
                            "weights_file": recall_weights_file}}
-        return MergeConfig.from_dict(data, where="sweep").with_parameter(self.coefficient, alpha)
+        return MergeConfig.from_dict(data, where="sweep")
 
     def identity(self) -> dict:
         """What a saved point depends on; paths absolute so `pre/` and `./pre` are the same model."""
@@ -346,31 +348,45 @@ def run_lock(folder: Path):
 
 
 class MergeConfigs:
-    """The merge config of each alpha. RECALL's similarities are computed once (running both models)
-    and re-weighted per temperature into a weights file in the run folder."""
+    """The merge config of each alpha. RECALL's similarities are computed once per run folder (running
+    both models), kept in recall/similarity.json, and re-weighted per temperature (recall) or turned
+    into per-layer alphas by the plan (recall_lerp)."""
 
     def __init__(self, settings: SweepSettings, folder: Path):
         self.settings, self.folder = settings, folder
         self.similarity = None
 
     def __call__(self, alpha: float) -> MergeConfig:
-        if self.settings.method != "recall":
+        if self.settings.method not in RECALL_METHODS:
             return self.settings.merge_config(alpha)
+        if self.settings.method == "recall_lerp":
+            return self.settings.merge_config(alpha, recall_weights_file=str(self.similarity_file()))
         path = self.folder / RECALL_DIR / f"temperature_{alpha!r}.json"
-        path.parent.mkdir(exist_ok=True)
-        write_atomic(path, json.dumps(self._similarity().with_temperature(alpha).to_json(), indent=2) + "\n")
+        write_atomic(path, json.dumps(self.weights().with_temperature(alpha).to_json(), indent=2) + "\n")
         return self.settings.merge_config(alpha, recall_weights_file=str(path))
 
-    def _similarity(self):
+    def similarity_file(self) -> Path:
+        """recall/similarity.json, computed on first use; the run folder's identity check guards its settings."""
         from mergekit_lite.merge.recall import compute_recall_weights, read_texts
 
-        if self.similarity is None:
+        path = self.folder / RECALL_DIR / SIMILARITY_FILE
+        if not path.is_file():
             settings = self.settings
             config = settings.merge_config(settings.alphas[0])
-            self.similarity = compute_recall_weights(
+            weights = compute_recall_weights(
                 config.inputs, read_texts(settings.recall_texts), n_typical=settings.recall_samples,
-                temperature=settings.alphas[0], reference=config.recall.reference, device=config.device,
-                seed=settings.seed, max_length=config.recall.max_length)
+                reference=config.recall.reference, device=config.device, seed=settings.seed,
+                max_length=config.recall.max_length, bandwidth=config.recall.bandwidth,
+                special_tokens=config.recall.special_tokens)
+            path.parent.mkdir(exist_ok=True)
+            write_atomic(path, json.dumps(weights.to_json(), indent=2) + "\n")
+        return path
+
+    def weights(self):
+        from mergekit_lite.merge.recall import RecallWeights
+
+        if self.similarity is None:
+            self.similarity = RecallWeights.from_json(json.loads(self.similarity_file().read_text()))
         return self.similarity
 
 
