@@ -1,4 +1,5 @@
-"""RECALL layer-wise weights: clustering, similarity, softmax weights, per-tensor lookup, end to end on tiny Llamas."""
+"""RECALL layer-wise weights (clustering, RBF similarity to the reference, softmax weights, per-tensor lookup)
+checked against values computed by hand, our recall_lerp profile, and both end to end on tiny Llamas."""
 
 import copy
 import json
@@ -14,11 +15,15 @@ from mergekit_lite.merge.recall import (
     RecallWeights,
     compute_recall_weights,
     find_tokenizer_dir,
+    layer_alphas,
     layer_weights,
+    median_heuristic_sigma,
+    post_coefficients,
     rbf_similarity,
     read_texts,
     select_typical_samples,
     token_mean_hidden_states,
+    uniform_warning,
 )
 
 WORDS = "the a cat dog bird fish runs sleeps eats sings red blue green small big old new fast slow happy".split()
@@ -104,7 +109,7 @@ def test_rbf_similarity_identical_distance_and_scale():
 
 
 def test_layer_weights_hand_computed():
-    reference_layer = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]])  # squared gaps 1, 4, 5: gamma 1/4
+    reference_layer = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]])  # squared gaps 1, 4, 5: sigma^2 = 4/2
     reference = torch.stack([reference_layer, reference_layer])
     other = torch.stack([reference_layer, reference_layer + torch.tensor([1.0, 1.0])])  # drift^2 = 2 in layer 1
     similarity, weights = layer_weights([other, reference], reference=-1, temperature=0.5)
@@ -244,3 +249,203 @@ def test_read_texts(tmp_path):
         read_texts(empty)
     with pytest.raises(InputError, match="not found"):
         read_texts(tmp_path / "missing.txt")
+
+
+def test_paper_weights_three_models_median_bandwidth_by_hand():
+    """Fig. 4 stages 2-3: every model against M_N (M_N included), RBF kernel, softmax per layer.
+    Reference samples (0,0), (2,0), (0,2): squared gaps 4, 4, 8, median 4, so sigma^2 = 2 and the
+    kernel is exp(-d^2 / 4). Model a is shifted by (1, 0) (d^2 = 1), model b by (0, 2) (d^2 = 4)."""
+    reference = torch.tensor([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
+    a, b = reference + torch.tensor([1.0, 0.0]), reference + torch.tensor([0.0, 2.0])
+    assert median_heuristic_sigma(reference) == pytest.approx(math.sqrt(2))
+    similarity, weights = layer_weights([a[None], b[None], reference[None]], reference=-1, temperature=1.0)
+    s_a, s_b = math.exp(-1 / 4), math.exp(-4 / 4)
+    assert similarity[0] == pytest.approx([s_a, s_b, 1.0])
+    total = math.exp(s_a) + math.exp(s_b) + math.exp(1.0)
+    assert weights[0] == pytest.approx([math.exp(s_a) / total, math.exp(s_b) / total, math.e / total])
+
+
+def test_paper_weights_fixed_bandwidth_sample_pairs_by_hand():
+    """Sample i is compared with sample i and the kernels averaged: with sigma = 1 and per-sample
+    squared drifts 0, 2, 4 the similarity is (1 + e^-1 + e^-2) / 3; two layers, the first undrifted."""
+    reference = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
+    drift = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    pre = torch.stack([reference, reference + drift])
+    post = torch.stack([reference, reference])
+    similarity, weights = layer_weights([pre, post], reference=1, temperature=1.0, bandwidth=1.0)
+    s = (1 + math.exp(-1) + math.exp(-2)) / 3
+    assert similarity[0] == [1.0, 1.0] and similarity[1] == pytest.approx([s, 1.0])
+    assert weights[1] == pytest.approx([math.exp(s) / (math.exp(s) + math.e), math.e / (math.exp(s) + math.e)])
+
+
+def test_two_models_pre_never_gets_more_than_half():
+    """The reference scores 1 against itself, the top similarity: pre's weight is
+    1 / (1 + exp((1 - s) / T)) <= 0.5 at every temperature, smallest where s (drift) is lowest (largest)."""
+    for s in (1.0, 0.9, 0.5, 0.0):
+        for temperature in (0.05, 1.0, 10.0):
+            row = RecallWeights(["pre", "post"], 1, 1.0, [[s, 1.0]], [[0.5, 0.5]], [0]).with_temperature(temperature)
+            expected = 1 / (1 + math.exp((1 - s) / temperature))
+            assert row.weights[0][0] == pytest.approx(expected) and row.weights[0][0] <= 0.5
+
+
+def test_bandwidth_errors_and_uniform_warning():
+    reps = [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)]
+    for bad in (0.0, -1.0, "mean", True):
+        with pytest.raises(InputError, match="bandwidth"):
+            layer_weights(reps, reference=-1, temperature=1.0, bandwidth=bad)
+    assert uniform_warning([[0.995, 1.0], [0.999, 1.0]]) is not None
+    assert uniform_warning([[0.95, 1.0], [0.999, 1.0]]) is None
+
+
+def test_layer_alphas_by_hand():
+    """drift = 1 - s = (0.1, 0.4, 0.1), mean 0.2, so r = (0.5, 2, 0.5) and alpha_l = alpha ** r."""
+    similarity = [[0.9, 1.0], [0.6, 1.0], [0.9, 1.0]]
+    assert layer_alphas(similarity, 0.64) == pytest.approx([0.8, 0.64**2, 0.8])
+    assert layer_alphas(similarity, 0.0) == [0.0, 0.0, 0.0]
+    assert layer_alphas(similarity, 1.0) == [1.0, 1.0, 1.0]
+    flat = [[0.7, 1.0]] * 3
+    assert layer_alphas(flat, 0.3) == [0.3, 0.3, 0.3]
+    assert layer_alphas([[1.0, 1.0]] * 3, 0.3) == [0.3, 0.3, 0.3]  # no drift at all: linear
+    with pytest.raises(InputError):
+        layer_alphas(similarity, 1.5)
+    weights = RecallWeights(["pre", "post"], 1, 1.0, similarity, similarity, [0])
+    assert post_coefficients(weights, "recall_lerp", 0.64) == layer_alphas(similarity, 0.64)
+    assert weights.lerp_alpha(0.64, 0, "layer") == pytest.approx(0.64**2)
+    assert weights.lerp_alpha(0.64, None, "head") == pytest.approx(0.8)
+    assert weights.lerp_alpha(0.64, None, "embed", embed_rule="base") == 0.0
+
+
+def test_bos_is_left_out_of_the_token_mean():
+    from mergekit_lite.toy import build_tokenizer
+
+    tokenizer = build_tokenizer(WORDS)
+    config = tiny_config(n_layers=2)
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    texts = ["the cat runs", "a dog"]
+    without = token_mean_hidden_states(model, tokenizer, texts, batch_size=2)
+    with_special = token_mean_hidden_states(model, tokenizer, texts, batch_size=2, special_tokens=True)
+    for index, text in enumerate(texts):
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        assert ids[0, 0] == tokenizer.bos_token_id
+        with torch.inference_mode():
+            hidden = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        for row, states in enumerate(hidden):
+            assert torch.allclose(without[row, index], states[0, 1:].mean(dim=0), atol=1e-5)
+            assert torch.allclose(with_special[row, index], states[0].mean(dim=0), atol=1e-5)
+
+
+def test_bandwidth_rule_is_recorded_and_a_wide_one_warns(base_and_last_layer_tuned):
+    base_dir, tuned_dir = base_and_last_layer_tuned
+    median = compute_recall_weights([base_dir, tuned_dir], TEXTS, n_typical=5)
+    assert median.temperature == 1.0 and median.bandwidth["rule"] == "median"
+    assert len(median.bandwidth["sigma"]) == median.n_layers + 1
+    with pytest.warns(UserWarning, match="nearly uniform"):
+        wide = compute_recall_weights([base_dir, tuned_dir], TEXTS, n_typical=5, bandwidth=1e6)
+    assert wide.bandwidth["rule"] == "fixed" and wide.bandwidth["sigma"] == [1e6] * (wide.n_layers + 1)
+    assert RecallWeights.from_json(json.loads(json.dumps(wide.to_json()))) == wide
+
+
+def lerp_merge(base_dir, tuned_dir, tmp_path, similarity, alpha, method="recall_lerp"):
+    from mergekit_lite.io.safetensors import open_model
+    from mergekit_lite.merge.config import MergeConfig
+    from mergekit_lite.merge.engine import run_merge
+
+    weights = RecallWeights([base_dir, tuned_dir], 1, 1.0, similarity, similarity, [0])
+    weights_file = tmp_path / f"{method}-{alpha}.json"
+    weights_file.write_text(json.dumps(weights.to_json()))
+    parameters = {"alpha": alpha}
+    config = MergeConfig.from_dict({"method": method, "base": base_dir, "models": [tuned_dir], "parameters": parameters,
+                                    "recall": {"weights_file": str(weights_file)}})
+    out = tmp_path / f"{method}-{alpha}-{len(list(tmp_path.iterdir()))}"
+    run_merge(config, out)
+    source = open_model(out)
+    return {name: source.load(name) for name in source.names}
+
+
+def test_recall_lerp_flat_profile_is_byte_identical_to_linear(base_and_last_layer_tuned, tmp_path):
+    from mergekit_lite.io.safetensors import open_model
+    from mergekit_lite.merge.config import MergeConfig
+    from mergekit_lite.merge.engine import run_merge
+
+    base_dir, tuned_dir = base_and_last_layer_tuned
+    layerwise = lerp_merge(base_dir, tuned_dir, tmp_path, [[0.8, 1.0]] * 4, 0.3)
+    config = MergeConfig.from_dict({"method": "linear", "base": base_dir, "models": [tuned_dir],
+                                    "parameters": {"alpha": 0.3}})
+    run_merge(config, tmp_path / "linear")
+    linear = open_model(tmp_path / "linear")
+    for name, tensor in layerwise.items():
+        assert torch.equal(tensor, linear.load(name)), name
+
+
+def test_recall_lerp_merges_each_layer_at_its_alpha(base_and_last_layer_tuned, tmp_path):
+    from mergekit_lite.io.safetensors import open_model
+    from mergekit_lite.merge.plan import layer_index
+
+    base_dir, tuned_dir = base_and_last_layer_tuned
+    similarity = [[1.0, 1.0], [0.9, 1.0], [0.9, 1.0], [0.2, 1.0]]  # rows: embeddings, layers 0-2
+    merged = lerp_merge(base_dir, tuned_dir, tmp_path, similarity, 0.5)
+    alphas = layer_alphas(similarity, 0.5)
+    assert alphas[-1] < 0.5 < alphas[1]
+    pre, post = open_model(base_dir), open_model(tuned_dir)
+    for name, tensor in merged.items():
+        layer = layer_index(name)
+        row = layer + 1 if layer is not None else (0 if "embed" in name else len(similarity) - 1)
+        expected = (1 - alphas[row]) * pre.load(name) + alphas[row] * post.load(name)
+        assert torch.allclose(tensor, expected, atol=1e-6), name
+
+
+def test_recall_lerp_config_errors(base_and_last_layer_tuned):
+    from mergekit_lite.merge.config import MergeConfig
+
+    base_dir, tuned_dir = base_and_last_layer_tuned
+    common = {"method": "recall_lerp", "base": base_dir, "recall": {"texts": "t.txt"}}
+    with pytest.raises(InputError, match="alpha"):
+        MergeConfig.from_dict({**common, "models": [tuned_dir]})
+    with pytest.raises(InputError, match="exactly two"):
+        MergeConfig.from_dict({**common, "models": [tuned_dir, tuned_dir], "parameters": {"alpha": 0.5}})
+    with pytest.raises(InputError, match="bandwidth"):
+        MergeConfig.from_dict({**common, "models": [tuned_dir], "parameters": {"alpha": 0.5},
+                               "recall": {"texts": "t.txt", "bandwidth": "wide"}})
+
+
+def test_quiet_merge_draws_no_loading_bars(base_and_last_layer_tuned, tmp_path):
+    """-q: no transformers 'Loading weights' bars while RECALL runs the models (the CLI, as users call it)."""
+    import os
+    import subprocess
+    import sys
+
+    base_dir, tuned_dir = base_and_last_layer_tuned
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    from pathlib import Path
+
+    command = [str(Path(sys.executable).parent / "mergekit-lite"), "merge", "--method", "recall", "--base", base_dir, "--model",
+               tuned_dir, "--recall-texts", str(texts), "--recall-samples", "4"]
+    loud = subprocess.run(command + ["--out", str(tmp_path / "loud")], capture_output=True, text=True, env=os.environ)
+    quiet = subprocess.run(command + ["--out", str(tmp_path / "quiet"), "-q"], capture_output=True, text=True,
+                           env=os.environ)
+    assert loud.returncode == 0 and quiet.returncode == 0, quiet.stderr
+    assert "Loading weights" in loud.stderr
+    assert "Loading weights" not in quiet.stderr and "%|" not in quiet.stderr
+    written = json.loads((tmp_path / "quiet" / "recall_weights.json").read_text())
+    assert written["bandwidth"]["rule"] == "median" and written["special_tokens"] is False
+
+
+def test_recall_lerp_sweep_reports_the_picks_layer_profile(toy_pair, tmp_path):
+    """The sweep computes the similarities once (recall/similarity.json) and the report plots the pick's
+    per-layer coefficients, the same numbers layer_alphas gives for that file."""
+    from mergekit_lite.evaluate.sweep import SweepSettings, run_sweep
+
+    settings = SweepSettings(pre=str(toy_pair.pre_dir), post=str(toy_pair.post_dir), method="recall_lerp",
+                             alphas=[0.3, 0.6], old_tasks=toy_pair.old_tasks, new_tasks=toy_pair.new_tasks,
+                             include_path=str(toy_pair.task_dir), out=str(tmp_path / "sweep"), limit=8,
+                             recall_texts=str(toy_pair.typical_texts))
+    result = run_sweep(settings)
+    similarity = RecallWeights.from_json(json.loads((tmp_path / "sweep" / "recall" / "similarity.json").read_text()))
+    assert similarity.models == [str(toy_pair.pre_dir), str(toy_pair.post_dir)]
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "## Per-layer coefficients of the pick" in report and (tmp_path / "sweep" / "layers.png").is_file()
+    expected = layer_alphas(similarity.similarity, result.best.alpha)
+    assert f"embed: {expected[0]:.3f}, 0: {expected[1]:.3f}, 1: {expected[2]:.3f}" in report
