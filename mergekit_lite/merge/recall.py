@@ -127,7 +127,8 @@ def select_typical_samples(embeddings: torch.Tensor, k: int, seed: int = 0) -> l
     """Indices (sorted) of k typical samples: k-means (k-means++ init, seeded,
     KMEANS_ITERATIONS Lloyd steps) on [n, d], then per cluster the sample nearest
     its centroid. A sample already picked for another cluster is skipped, so the
-    k indices are distinct. k >= n returns every index."""
+    k indices are distinct. k >= n returns every index. Clustering is the paper's
+    ("clustered typical samples"); this algorithm and the representative rule are ours."""
     if embeddings.ndim != 2 or len(embeddings) == 0:
         raise InputError(f"expected a non-empty [n, d] tensor to cluster, got shape {tuple(embeddings.shape)}")
     if k < 1:
