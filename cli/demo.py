@@ -22,6 +22,10 @@ def demo(out, seed, methods, quiet):
     from mergekit_lite.demo import DEMO_SWEEPS, run_demo, summary_lines
     from mergekit_lite.errors import InputError
 
+    if quiet:
+        from cli.merge import _quiet_transformers
+
+        _quiet_transformers()
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
     unknown = [m for m in chosen if m not in DEMO_SWEEPS]
     if unknown or not chosen:
