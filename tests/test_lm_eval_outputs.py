@@ -197,6 +197,7 @@ def test_sweep_cli_end_to_end_on_a_gsm8k_style_task_scores_like_the_lm_eval_file
         for task in point["tasks"]:
             [outcomes] = from_files[task["task"]].values()
             assert task["correct"] == outcomes.correct and task["filter"] == outcomes.filter, (label, task["task"])
+            assert (task["n_choices"] or math.inf) == outcomes.n_choices  # k = 4 for genmc_old, inf for gen_new
     assert results["post"]["tasks"]["gen_new"]["filter"] == "flexible-extract"
     assert results["post"]["new"] > results["pre"]["new"]
     docs = results["selection"]["docs"]

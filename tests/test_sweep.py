@@ -235,3 +235,34 @@ def test_cli_bad_config_key_is_one_line_error(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "unknown key 'lamda'" in done.stderr
+
+
+def test_demo_summary_shows_the_split_and_the_intervals(linear_sweep):
+    from mergekit_lite.demo import summary_lines, summary_markdown
+
+    summary = summary_markdown({"linear": linear_sweep}, [])
+    low, high = linear_sweep.best.intervals["harmonic_mean"]
+    assert "selection split" in summary and "report split" in summary
+    assert f"{linear_sweep.best.harmonic_mean:.3f} [{low:.3f}, {high:.3f}]" in summary
+    assert any("picked on 50% of each task's docs" in line for line in summary_lines({"linear": linear_sweep}))
+
+
+def test_sweep_example_config_is_valid(tmp_path):
+    from mergekit_lite.evaluate.sweep import settings_from_dict
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "sweep.yaml"
+    settings = settings_from_dict({**load_sweep_file(example), "out": str(tmp_path / "run")})
+    assert settings.scoring().rule("gsm8k").filter == "flexible-extract"
+    assert (settings.selection, settings.aggregation) == ("docs", "paper")
+
+
+def test_a_task_with_a_non_binary_metric_is_skipped_with_a_warning_not_thresholded():
+    from mergekit_lite.evaluate.forgetting import Scoring
+    from mergekit_lite.evaluate.lm_harness import TaskScore
+    from mergekit_lite.evaluate.sweep import score_task
+
+    records = [{"doc_id": i, "doc_hash": f"h{i}", "arguments": [("Q", " a"), ("Q", " b")], "acc": value,
+                "filter": "none", "metrics": ["acc"]} for i, value in enumerate([0.8, 0.1])]
+    with pytest.warns(UserWarning, match="'truthfulqa_mc2' skipped: metric 'acc' is not 0/1"):
+        run = score_task("truthfulqa_mc2", "old", TaskScore("truthfulqa_mc2", records, {}), Scoring())
+    assert run.outcomes is None and "not 0/1" in run.skipped

@@ -8,10 +8,11 @@ report.md is rendered from the same dict that results.json stores, so the two ca
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from mergekit_lite.evaluate.forgetting import format_table
-from mergekit_lite.evaluate.sweep import PointResult, SweepResult, write_atomic
+from mergekit_lite.evaluate.sweep import PointResult, SweepResult, task_accuracy, write_atomic
 
 RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE = "results.json", "report.md", "sweep.png", "forgetting_map.png"
 ALPHA_MEANING = {
@@ -44,7 +45,7 @@ DEFINITIONS = {
 }
 
 
-def point_json(point: PointResult) -> dict:
+def point_json(point: PointResult, splits: dict[str, tuple[list[str], list[str]]]) -> dict:
     return {
         "label": point.label,
         "alpha": point.alpha,
@@ -54,8 +55,11 @@ def point_json(point: PointResult) -> dict:
         "selection": {"old": point.selection.old, "new": point.selection.new,
                       "harmonic_mean": point.selection.harmonic_mean},
         "intervals": point.intervals,
-        "tasks": {run.task: {"group": run.group, "acc": run.acc, "metric": run.outcomes.metric,
-                             "filter": run.outcomes.filter} for run in point.tasks if run.outcomes is not None},
+        "tasks": {run.task: {"group": run.group, "acc_report": task_accuracy(run.outcomes, splits[run.task][1]),
+                             "acc_selection": task_accuracy(run.outcomes, splits[run.task][0]),
+                             "metric": run.outcomes.metric, "filter": run.outcomes.filter,
+                             "k": None if math.isinf(run.outcomes.n_choices) else run.outcomes.n_choices}
+                  for run in point.tasks if run.outcomes is not None},
         "forgetting": {
             "tasks": [row.to_dict() for row in point.forgetting],
             "groups": {group: row.to_dict() for group, row in point.groups.items()},
@@ -75,9 +79,9 @@ def results_json(result: SweepResult) -> dict:
                                for task, keys in result.splits.items()},
                       "bootstrap": settings.bootstrap, "confidence": settings.confidence},
         "skipped": result.skipped,
-        "pre": point_json(result.pre),
-        "post": point_json(result.post),
-        "points": [point_json(point) for point in result.points],
+        "pre": point_json(result.pre, result.splits),
+        "post": point_json(result.post, result.splits),
+        "points": [point_json(point, result.splits) for point in result.points],
         "pick": {"alpha": best.alpha, "old": best.old, "new": best.new, "harmonic_mean": best.harmonic_mean,
                  "selection_harmonic_mean": best.selection.harmonic_mean, "ties": result.ties,
                  "indistinguishable": result.indistinguishable},
