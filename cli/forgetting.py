@@ -91,6 +91,7 @@ def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, agg
             "groups": [row.to_dict() for row in group_results],
             "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()],
             "seeds": sorted(result.rows_by_seed),
+            "models": {"pre": pre.model, "post": post.model},
         }
         click.echo(json.dumps(payload, indent=2))
         return

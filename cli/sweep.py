@@ -66,7 +66,8 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--save-best", type=click.Path(file_okay=False), help="Write the picked merge to this new model folder.")
 @click.option("--stream", is_flag=True, default=None,
               help="Always merge through a folder on disk (default: in memory when 3x the model fits in free RAM).")
-@click.option("--metric", multiple=True, metavar="[TASK=]METRIC", help="0/1 metric to score by (default: the task's first).")
+@click.option("--metric", multiple=True, metavar="[TASK=]METRIC",
+              help="0/1 metric to score by (default: the task's first).")
 @click.option("--filter", "filter_", multiple=True, metavar="[TASK=]FILTER",
               help="lm-eval filter to score (default: the first the task logs), e.g. gsm8k=flexible-extract.")
 @click.option("--choices", multiple=True, metavar="TASK=K", help="Options of a generative multiple-choice task.")
@@ -75,7 +76,8 @@ def _flag_values(data: dict, **flags) -> dict:
               help="docs (default): pick alpha on a seeded doc_hash split, report on the rest; none: same docs.")
 @click.option("--selection-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True),
               help="Share of each task's docs that picks alpha (default 0.5).")
-@click.option("--bootstrap", type=click.IntRange(min=0), help="Bootstrap resamples for intervals (default 1000; 0: none).")
+@click.option("--bootstrap", type=click.IntRange(min=0),
+              help="Bootstrap resamples for intervals (default 1000; 0: none).")
 @click.option("--confidence", type=click.FloatRange(0, 1, min_open=True, max_open=True),
               help="Interval confidence (default 0.95).")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")

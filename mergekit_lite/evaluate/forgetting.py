@@ -113,10 +113,6 @@ class Scoring:
         return ScoringRule(metric=metric or self.metric, filter=filter_ or self.filter,
                            choices=_match(task, self.task_choices), required=bool(metric or filter_))
 
-    def to_dict(self) -> dict:
-        return {"metric": self.metric, "filter": self.filter, "task_metric": dict(self.task_metric),
-                "task_filter": dict(self.task_filter), "task_choices": dict(self.task_choices)}
-
 
 def _split_specs(option: str, specs: Iterable[str]) -> tuple[str | None, tuple[tuple[str, str], ...]]:
     """(global value or None, ((task pattern, value), ...)); at most one global value."""
@@ -480,7 +476,6 @@ class SamplesFile:
 class LoadedRun:
     """One model's lm-eval outputs: outcomes per task and seed, and the tasks that could not be scored."""
 
-    path: Path
     model: str
     outcomes: dict[str, dict[str, SampleOutcomes]]
     skipped: dict[str, str] = field(default_factory=dict)
@@ -559,7 +554,7 @@ def read_samples_file(path: Path) -> tuple[list[dict], list[str]]:
 def load_lm_eval_run(path, scoring: Scoring = Scoring()) -> LoadedRun:
     """One model's outcomes per task and seed from a samples file or a folder searched recursively."""
     files = find_samples_files(path)
-    run = LoadedRun(Path(path), files[0].model, {})
+    run = LoadedRun(files[0].model, {})
     for entry in files:
         samples, labels = read_samples_file(entry.path)
         try:

@@ -677,11 +677,13 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
 
 def _result(settings, folder, plan, runs, evaluated) -> SweepResult:
     """Split every task's docs, summarise every model on both splits, pick on selection, bootstrap on report."""
+    skipped = {run.task: f"{label}: {run.skipped}" for label, _ in plan for run in runs[label] if run.outcomes is None}
+    runs = {label: [TaskRun(run.task, run.group, None, skipped[run.task]) if run.task in skipped else run
+                    for run in runs[label]] for label, _ in plan}  # a task skipped for one model is for all
     baseline = runs["pre"]
-    splits, skipped = {}, {}
+    splits = {}
     for run in baseline:
         if run.outcomes is None:
-            skipped[run.task] = run.skipped
             continue
         keys = list(run.outcomes.correct)
         selection, report = split_docs(keys, settings.seed, settings.selection_fraction) \
