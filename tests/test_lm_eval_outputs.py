@@ -182,7 +182,7 @@ def test_sweep_cli_end_to_end_on_a_gsm8k_style_task_scores_like_the_lm_eval_file
     in-process; its pre/post outcomes must equal what the forgetting map reads from lm-eval's CLI files."""
     out = tmp_path / "run"
     command = [str(Path(sys.executable).with_name("mergekit-lite")), "sweep", "--pre", str(toy_pair.pre_dir),
-               "--post", str(toy_pair.post_dir), "--alphas", "0.5,1.0", "--old-tasks", "toy_old,genmc_old",
+               "--post", str(toy_pair.post_dir), "--alphas", "0.5", "--old-tasks", "toy_old,genmc_old",
                "--new-tasks", "gen_new", "--filter", "gen_new=flexible-extract", "--include-path",
                str(lm_eval_runs.include_path), "--limit", str(lm_eval_runs.limit), "--bootstrap", "200",
                "--out", str(out), "--quiet"]
