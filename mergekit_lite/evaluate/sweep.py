@@ -115,6 +115,7 @@ class SweepSettings:
     recall_samples: int = 8
     save_best: str | None = None
     stream: bool | None = None  # None: merge in memory when the model fits, else through a folder on disk
+    ray: str | None = None  # None: points one after another here; "local" or a cluster address: Ray actors
 
     def __post_init__(self):
         self.alphas = parse_alphas(self.alphas)
@@ -429,7 +430,7 @@ class PointEvaluator:
 
         if self.in_memory:
             return self.evaluate(merge_state_dict(config, self.sources))
-        temp = self.folder / MERGE_TEMP
+        temp = self.folder / f"{MERGE_TEMP}-{os.getpid()}"  # one per process: Ray actors share the run folder
         run_merge(config, temp, overwrite=True)
         try:
             source = open_model(temp)
@@ -447,6 +448,18 @@ class PointEvaluator:
                 runs.append(TaskRun(task, group, score.acc, outcomes_from_lm_eval(task, score.samples)))
             self.bar.update(len(evaluator.tasks))
         return runs
+
+
+def evaluate_point(evaluator: PointEvaluator, settings: SweepSettings, label: str, alpha: float | None,
+                   config: MergeConfig | None) -> list[TaskRun]:
+    """Evaluate one point (pre or post themselves when alpha is None, else the merge `config`) and save
+    its point file: the one step a local sweep and a Ray actor share."""
+    if alpha is None:
+        runs = evaluator.endpoint(0 if label == "pre" else 1)
+    else:
+        runs = evaluator.merged(config)
+    save_point(point_file(Path(settings.out), label), settings.identity(), label, alpha, runs)
+    return runs
 
 
 def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
@@ -469,14 +482,19 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         configs = MergeConfigs(settings, folder)
         with tqdm(total=len(plan) * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
                   desc="sweep", disable=not progress) as bar:
-            evaluator = PointEvaluator(settings, folder, bar) if todo else None
-            for label, alpha in todo:
-                bar.set_postfix_str(label)
-                if alpha is None:
-                    runs[label] = evaluator.endpoint(0 if label == "pre" else 1)
-                else:
-                    runs[label] = evaluator.merged(configs(alpha))
-                save_point(point_file(folder, label), identity, label, alpha, runs[label])
+            if settings.ray is not None and todo:
+                from mergekit_lite.evaluate.distributed import run_points_on_ray
+
+                points = [(label, alpha, None if alpha is None else configs(alpha).to_dict()) for label, alpha in todo]
+                for _ in run_points_on_ray(settings, points, settings.ray):
+                    bar.update(n_tasks)
+                runs = load_points(folder, identity)
+            else:
+                evaluator = PointEvaluator(settings, folder, bar) if todo else None
+                for label, alpha in todo:
+                    bar.set_postfix_str(label)
+                    runs[label] = evaluate_point(evaluator, settings, label, alpha,
+                                                 None if alpha is None else configs(alpha))
         result = _result(settings, folder, plan, runs, [label for label, _ in todo])
         write_report(result)
         if settings.save_best:
