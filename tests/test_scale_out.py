@@ -89,6 +89,28 @@ def test_golden_section_stops_when_the_bracket_is_flat_within_noise():
     assert "indistinguishable" in flat.reason
 
 
+def test_golden_search_sweep_evaluates_fewer_points_and_a_grid_run_resumes_from_them(toy_pair, tmp_path):
+    """On the toy pair: the golden search evaluates a subset of the grid; its pick is the grid's pick or one
+    the grid cannot tell from it; the full grid in the same folder resumes the searched points."""
+    out = tmp_path / "run"
+    grid = [round(i / 8, 3) for i in range(9)]
+
+    def sweep(search):
+        return run_sweep(SweepSettings(toy_pair.pre_dir, toy_pair.post_dir, "linear", grid, toy_pair.old_tasks,
+                                       toy_pair.new_tasks, toy_pair.task_dir, str(out), limit=32, search=search))
+
+    golden = sweep("golden")
+    searched = [point.alpha for point in golden.points]
+    assert 3 <= len(searched) < len(grid) and set(searched) <= set(grid)
+    assert golden.best.selection.harmonic_mean == max(point.selection.harmonic_mean for point in golden.points)
+    results = json.loads((out / "results.json").read_text())
+    assert results["search"]["method"] == "golden" and results["search"]["evaluated"] == searched
+    assert "golden section" in (out / "report.md").read_text()
+    full = sweep("grid")
+    assert len(full.evaluated) == len(grid) - len(searched)
+    assert golden.best.alpha in [full.best.alpha, *full.ties, *full.indistinguishable]
+
+
 # --- probe mode ------------------------------------------------------------------------------------
 
 def test_probe_estimate_is_exact_when_every_sample_is_scored_and_unbiased_otherwise():
