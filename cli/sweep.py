@@ -80,10 +80,16 @@ def _flag_values(data: dict, **flags) -> dict:
               help="Bootstrap resamples for intervals (default 1000; 0: none).")
 @click.option("--confidence", type=click.FloatRange(0, 1, min_open=True, max_open=True),
               help="Interval confidence (default 0.95).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Evaluate points in parallel as Ray actors (one per GPU on cuda, else per CPU): alone, a local "
+                   "Ray cluster; with ADDRESS (e.g. auto, ray://head:10001), that cluster. Needs mergekit-lite[ray].")
+@click.option("--search", type=click.Choice(("grid", "golden")),
+              help="grid (default): every alpha; golden: golden-section search for the best harmonic mean over the "
+                   "grid, stopping once the points left are indistinguishable (fewer evaluations).")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
 def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
-          selection, selection_fraction, bootstrap, confidence, quiet):
+          selection, selection_fraction, bootstrap, confidence, ray_address, search, quiet):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -103,7 +109,8 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
                         device=device, out=out, density=density, drop=drop, seed=seed, recall_texts=recall_texts,
                         recall_samples=recall_samples, save_best=save_best, stream=stream, metric=metric,
                         filter=filter_, choices=choices, aggregation=aggregation, selection=selection,
-                        selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence)
+                        selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence, ray=ray_address,
+                        search=search)
     settings = settings_from_dict(data)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run_sweep(settings, progress=not quiet)

@@ -87,6 +87,8 @@ def results_json(result: SweepResult) -> dict:
                  "indistinguishable": result.indistinguishable},
         "pareto": result.pareto,
         "recovered": result.recovered,
+        "search": {"method": settings.search, "evaluated": [point.alpha for point in result.points],
+                   "grid": settings.alphas, "stopped": result.search.reason if result.search else None},
     }
 
 
@@ -137,6 +139,10 @@ def split_lines(results: dict) -> list[str]:
     if selection["bootstrap"]:
         lines.append(f"- intervals: {selection['confidence']:.0%} paired bootstrap, "
                      f"{selection['bootstrap']} resamples of the report docs")
+    search = results["search"]
+    if search["method"] == "golden":
+        lines.append(f"- search: golden section over the grid, {len(search['evaluated'])} of {len(search['grid'])} "
+                     f"alphas evaluated ({search['stopped']}); the others are not in the table")
     if results["skipped"]:
         lines.append("- skipped tasks: " + "; ".join(f"{task} ({why})" for task, why in results["skipped"].items()))
     return lines

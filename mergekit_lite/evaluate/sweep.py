@@ -37,6 +37,7 @@ from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.search import SearchTrace
 from mergekit_lite.evaluate.forgetting import (
     AGGREGATIONS,
     GroupForgetting,
@@ -58,6 +59,7 @@ TIE_TOLERANCE = 1e-9
 MEMORY_COPIES = 3  # model skeleton + merged state + working tensors, all float32
 IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
                    "density", "drop", "seed", "recall_texts", "recall_samples", "metric", "filter", "choices")
+SEARCHES = ("grid", "golden")
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 
@@ -130,6 +132,8 @@ class SweepSettings:
     recall_samples: int = 8
     save_best: str | None = None
     stream: bool | None = None  # None: merge in memory when the model fits, else through a folder on disk
+    ray: str | None = None  # None: points one after another here; "local" or a cluster address: Ray actors
+    search: str = "grid"  # grid: every alpha; golden: golden-section search over the grid (fewer points)
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -149,6 +153,10 @@ class SweepSettings:
         self.scoring()  # bad --metric/--filter/--choices fail before any model is read
         if self.aggregation not in AGGREGATIONS:
             raise InputError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.search not in SEARCHES:
+            raise InputError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
+        if self.search == "golden" and self.ray is not None:
+            raise InputError("--search golden evaluates one point after another: run it without --ray")
         if self.selection not in SELECTIONS:
             raise InputError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if not 0 < self.selection_fraction < 1:
@@ -411,6 +419,7 @@ class SweepResult:
     splits: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)  # task -> (selection, report) keys
     indistinguishable: list[float] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    search: SearchTrace | None = None  # the golden-section search's trace; None for a full grid
 
     @property
     def recovered(self) -> float | None:
@@ -429,10 +438,10 @@ def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
 
 
 def paired_bootstrap(models: list[PointResult], splits: dict[str, tuple[list[str], list[str]]], aggregation: str,
-                     iterations: int, seed: int):
-    """Resampled (old, new, harmonic mean) of every model: array [iterations, models, 3]. Each task's report
-    docs are resampled with replacement, the same draw for every model (paired: they answered the same
-    samples), independently per task (stratified). [ours]"""
+                     iterations: int, seed: int, split: int = 1):
+    """Resampled (old, new, harmonic mean) of every model: array [iterations, models, 3]. Each task's docs
+    of `split` (0 selection, 1 report) are resampled with replacement, the same draw for every model
+    (paired: they answered the same samples), independently per task (stratified). [ours]"""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -441,7 +450,7 @@ def paired_bootstrap(models: list[PointResult], splits: dict[str, tuple[list[str
     for run in models[0].tasks:
         if run.outcomes is None:
             continue
-        keys = splits[run.task][1]
+        keys = splits[run.task][split]
         correct = np.array([[model_run.outcomes.correct[key] for key in keys]
                             for model in models for model_run in model.tasks if model_run.task == run.task], float)
         weights = rng.multinomial(len(keys), np.full(len(keys), 1 / len(keys)), size=iterations)
@@ -618,7 +627,7 @@ class PointEvaluator:
 
         if self.in_memory:
             return self.evaluate(merge_state_dict(config, self.sources))
-        temp = self.folder / MERGE_TEMP
+        temp = self.folder / f"{MERGE_TEMP}-{os.getpid()}"  # one per process: Ray actors share the run folder
         run_merge(config, temp, overwrite=True)
         try:
             source = open_model(temp)
@@ -638,6 +647,18 @@ class PointEvaluator:
         return runs
 
 
+def evaluate_point(evaluator: PointEvaluator, settings: SweepSettings, label: str, alpha: float | None,
+                   config: MergeConfig | None) -> list[TaskRun]:
+    """Evaluate one point (pre or post themselves when alpha is None, else the merge `config`) and save
+    its point file: the one step a local sweep and a Ray actor share."""
+    if alpha is None:
+        runs = evaluator.endpoint(0 if label == "pre" else 1)
+    else:
+        runs = evaluator.merged(config)
+    save_point(point_file(Path(settings.out), label), settings.identity(), label, alpha, runs)
+    return runs
+
+
 def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     """Evaluate pre, post and every alpha (resuming saved points), pick the best, write the report."""
     from tqdm import tqdm
@@ -652,21 +673,44 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     identity = settings.identity()
     plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
+    search = None
     with run_lock(folder):
         runs = load_points(folder, identity)
         todo = [(label, alpha) for label, alpha in plan if label not in runs]
         configs = MergeConfigs(settings, folder)
+        evaluated = []
         with tqdm(total=len(plan) * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
                   desc="sweep", disable=not progress) as bar:
-            evaluator = PointEvaluator(settings, folder, bar) if todo else None
-            for label, alpha in todo:
-                bar.set_postfix_str(label)
-                if alpha is None:
-                    runs[label] = evaluator.endpoint(0 if label == "pre" else 1)
-                else:
-                    runs[label] = evaluator.merged(configs(alpha))
-                save_point(point_file(folder, label), identity, label, alpha, runs[label])
-        result = _result(settings, folder, plan, runs, [label for label, _ in todo])
+            if settings.ray is not None and todo:
+                from mergekit_lite.evaluate.distributed import run_points_on_ray
+
+                points = [(label, alpha, None if alpha is None else configs(alpha).to_dict()) for label, alpha in todo]
+                for _ in run_points_on_ray(settings, points, settings.ray):
+                    bar.update(n_tasks)
+                runs.update(load_points(folder, identity))
+                evaluated = [label for label, _ in todo]
+            else:
+                evaluator = None
+
+                def evaluate(label: str, alpha: float | None) -> None:
+                    nonlocal evaluator
+                    if label in runs:
+                        return
+                    evaluator = evaluator or PointEvaluator(settings, folder, bar)
+                    bar.set_postfix_str(label)
+                    runs[label] = evaluate_point(evaluator, settings, label, alpha,
+                                                 None if alpha is None else configs(alpha))
+                    evaluated.append(label)
+
+                for label, alpha in plan if settings.search == "grid" else plan[:2]:
+                    evaluate(label, alpha)
+                if settings.search == "golden":
+                    search = golden_search(settings, runs, evaluate)
+                    bar.total = (len(search.evaluated) + 2) * n_tasks
+                    bar.refresh()
+        plan = [(label, alpha) for label, alpha in plan if label in runs]
+        result = _result(settings, folder, plan, runs, evaluated)
+        result.search = search
         write_report(result)
         if settings.save_best:
             from mergekit_lite.merge.engine import run_merge
@@ -681,6 +725,19 @@ def _result(settings, folder, plan, runs, evaluated) -> SweepResult:
     runs = {label: [TaskRun(run.task, run.group, None, skipped[run.task]) if run.task in skipped else run
                     for run in runs[label]] for label, _ in plan}  # a task skipped for one model is for all
     baseline = runs["pre"]
+    splits = doc_splits(settings, baseline)
+    results = {label: summarise(label, alpha, runs[label], baseline, splits, settings.aggregation)
+               for label, alpha in plan}
+    points = [results[label] for label, alpha in plan if alpha is not None]
+    best, ties = pick(points)
+    result = SweepResult(settings, results["pre"], results["post"], points, best, ties, pareto_front(points),
+                         evaluated, folder, splits, skipped=skipped)
+    add_intervals(result)
+    return result
+
+
+def doc_splits(settings: SweepSettings, baseline: list[TaskRun]) -> dict[str, tuple[list[str], list[str]]]:
+    """Every scored task's (selection, report) doc keys, from pre's samples."""
     splits = {}
     for run in baseline:
         if run.outcomes is None:
@@ -692,11 +749,35 @@ def _result(settings, folder, plan, runs, evaluated) -> SweepResult:
             raise InputError(f"task {run.task!r}: {len(keys)} doc(s) cannot be split into selection and report "
                              "docs (raise --limit, or use --selection none)")
         splits[run.task] = (selection, report)
-    results = {label: summarise(label, alpha, runs[label], baseline, splits, settings.aggregation)
-               for label, alpha in plan}
-    points = [results[alpha_label(alpha)] for alpha in settings.alphas]
-    best, ties = pick(points)
-    result = SweepResult(settings, results["pre"], results["post"], points, best, ties, pareto_front(points),
-                         evaluated, folder, splits, skipped=skipped)
-    add_intervals(result)
-    return result
+    return splits
+
+
+def golden_search(settings: SweepSettings, runs: dict[str, list[TaskRun]], evaluate) -> SearchTrace:
+    """Golden-section search for the best selection-split harmonic mean over the grid's alphas (pre and post
+    already in `runs`); two points are indistinguishable when the paired bootstrap interval of their
+    difference on the selection docs holds 0. `evaluate(label, alpha)` adds a point to `runs`."""
+    import numpy as np
+
+    from mergekit_lite.evaluate.search import golden_section
+
+    baseline = runs["pre"]
+    splits = doc_splits(settings, baseline)
+    summaries: dict[int, PointResult] = {}
+
+    def at(index: int) -> PointResult:
+        if index not in summaries:
+            alpha = settings.alphas[index]
+            evaluate(alpha_label(alpha), alpha)
+            summaries[index] = summarise(alpha_label(alpha), alpha, runs[alpha_label(alpha)], baseline, splits,
+                                         settings.aggregation)
+        return summaries[index]
+
+    def indistinguishable(i: int, j: int) -> bool:
+        draws = paired_bootstrap([at(i), at(j)], splits, settings.aggregation, settings.bootstrap, settings.seed,
+                                 split=0)
+        tail = (1 - settings.confidence) / 2 * 100
+        low, high = np.percentile(draws[:, 0, 2] - draws[:, 1, 2], [tail, 100 - tail])
+        return low <= 0 <= high
+
+    return golden_section(len(settings.alphas), lambda i: at(i).selection.harmonic_mean,
+                          indistinguishable if settings.bootstrap else None)
