@@ -147,12 +147,11 @@ def test_probe_plan_is_seeded_and_keeps_every_disagreement():
 
 # --- Ray end to end --------------------------------------------------------------------------------
 
-ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'mergekit-lite[ray]'")
 ALPHAS = [0.0, 0.5, 1.0]
 
 
 def scores(folder: Path) -> dict:
-    return {path.name: [(t["task"], t["acc"], t["correct"]) for t in json.loads(path.read_text())["tasks"]]
+    return {path.name: [(t["task"], t["correct"]) for t in json.loads(path.read_text())["tasks"]]
             for path in sorted((folder / POINTS_DIR).glob("*.json"))}
 
 
@@ -174,6 +173,7 @@ def sweep_command(pair, out: Path) -> list[str]:
 def test_ray_sweep_gives_the_same_points_and_resumes_after_a_kill(toy_pair, local_points, tmp_path):
     """On a local 2-CPU Ray cluster: the points equal the local sweep's; a run killed midway (driver and
     workers) leaves finished points, and the rerun evaluates only the rest."""
+    pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'mergekit-lite[ray]'")
     out = tmp_path / "ray-run"
     first = subprocess.Popen(sweep_command(toy_pair, out), start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
