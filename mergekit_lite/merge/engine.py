@@ -67,14 +67,15 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
-        thresholds = [methods.trim_threshold(tensors[0], model, density)
+        thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
                       for model, density in zip(tensors[1:], parameters["densities"])]
     if recipe.sparsifier == "random":
         generators = [dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)]
     return lambda chunk: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
         thresholds=thresholds, drops=parameters.get("drops"), generators=generators,
-        consensus=recipe.consensus, normalize=parameters["normalize"])
+        consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
+        mergekit_rules=parameters.get("mergekit_rules", False))
 
 
 def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress: bool = False) -> None:

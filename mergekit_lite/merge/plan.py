@@ -130,15 +130,18 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
     """Resolve the method's parameters for one tensor (gradients and filters applied)."""
 
     def value(parameter, model_index=None):
-        return resolve(parameter, config.parameter(parameter, model_index), name, layer, n_layers)
+        return resolve(parameter, config.parameter(parameter, model_index), name, layer, n_layers,
+                       config.mergekit_compat)
 
     models = range(len(config.models))
     method = config.method
     if method == "linear":
         if "alpha" in config.parameters:
             return {"alpha": value("alpha")}
-        weights = ([1.0] if config.base else []) + [value("weight", i) for i in models]
-        return {"weights": weights, "normalize": config.parameters.get("normalize", True)}
+        base_weight = config.base_parameters.get("weight", config.parameter("weight") if config.mergekit_compat else 1.0)
+        weights = ([resolve("weight", base_weight, name, layer, n_layers, config.mergekit_compat)] if config.base else []) \
+            + [value("weight", i) for i in models]
+        return {"weights": weights, "normalize": config.parameter("normalize")}
     if method == "slerp":
         return {"t": value("t")}
     if method == "recall":
@@ -146,11 +149,14 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
         return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
     recipe = methods.TASK_VECTOR_METHODS[method]
     parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
-                  "normalize": config.parameters.get("normalize", recipe.normalize)}
+                  "normalize": config.parameter("normalize")}
     if recipe.sparsifier == "magnitude":
         parameters["densities"] = [value("density", i) for i in models]
     if recipe.sparsifier == "random":
         parameters["drops"] = [value("drop", i) for i in models]
+        parameters["rescale"] = config.parameter("rescale")
+    if config.mergekit_compat and (recipe.sparsifier == "magnitude" or recipe.consensus):
+        parameters["mergekit_rules"] = True
     return parameters
 
 
