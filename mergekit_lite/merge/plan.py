@@ -18,6 +18,7 @@ from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, open_inputs
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig, is_embedding, resolve
+from mergekit_lite.merge.vocab import align_vocabularies
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 RECALL_WEIGHTS_FILE = "recall_weights.json"
@@ -53,6 +54,7 @@ class MergePlan:
     n_layers: int
     notes: list[str]
     recall_weights: object | None = None
+    vocabulary: object | None = None  # vocab.Vocabulary when tokenizer_source is set
 
     @property
     def total_bytes(self) -> int:
@@ -85,6 +87,7 @@ def _format_parameters(parameters: dict) -> str:
 def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -> MergePlan:
     """Check the inputs against each other and resolve every tensor's step, reading headers only."""
     sources = sources or open_inputs(config.inputs, config.base, config.allow_pickle)
+    sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, 0, config.pad_to_multiple_of)
     reference = sources[0]
     names = reference.names
     n_layers = _layer_count(reference, names)
@@ -104,7 +107,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
         steps.append(_plan_step(config, name, shape, dtypes[0], n_layers, recall_weights))
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
-    return MergePlan(config, sources, steps, n_layers, notes, recall_weights)
+    return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary)
 
 
 def _layer_count(reference: TensorSource, names: list[str]) -> int:
