@@ -34,6 +34,7 @@ def resolve_model(reference: str) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HfHubHTTPError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -55,3 +56,5 @@ def resolve_model(reference: str) -> str:
                              "HF_HUB_OFFLINE=1; download it once online") from None
         raise InputError(f"{reference}: no such folder, and the Hugging Face Hub cannot be reached "
                          "(set HF_HUB_OFFLINE=1 to use the cache)") from None
+    except HfHubHTTPError as error:
+        raise InputError(f"{reference}: the Hugging Face Hub refused it ({str(error).splitlines()[0]})") from None

@@ -187,7 +187,6 @@ class MergeConfig:
         if bool(self.models) == bool(self.slices):
             raise InputError("no models to merge (give --model, or models: in the config)" if not self.slices
                              else "give models: or slices:, not both")
-        self._resolve_references()
         allowed = METHOD_PARAMETERS[self.method]
         self._check_parameters(self.parameters, allowed, "parameter", per_model=False)
         for spec in self.models:
@@ -219,8 +218,9 @@ class MergeConfig:
         if self.pad_to_multiple_of is not None and (self.pad_to_multiple_of < 1 or not self.tokenizer_source):
             raise InputError("tokenizer pad_to_multiple_of must be a positive integer, with a tokenizer source")
 
-    def _resolve_references(self) -> None:
-        """Hub ids become snapshot folders in the Hugging Face cache (io/hub.py); local paths stay as they are."""
+    def resolve_references(self) -> None:
+        """Hub ids become snapshot folders in the Hugging Face cache (io/hub.py); local paths stay as they are.
+        Called by the plan, so a config can be read and checked without fetching anything."""
         self.base = resolve_model(self.base) if self.base else None
         self.models = [ModelSpec(resolve_model(spec.path), spec.parameters) for spec in self.models]
         self.slices = [Slice([SliceSource(resolve_model(s.model), s.layer_range, s.parameters) for s in part.sources],

@@ -86,6 +86,7 @@ def _format_parameters(parameters: dict) -> str:
 
 def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -> MergePlan:
     """Check the inputs against each other and resolve every tensor's step, reading headers only."""
+    config.resolve_references()
     sources = sources or open_inputs(config.inputs, config.base, config.allow_pickle)
     sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, 0, config.pad_to_multiple_of)
     reference = sources[0]
