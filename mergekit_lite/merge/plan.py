@@ -87,6 +87,8 @@ def _format_parameters(parameters: dict) -> str:
 def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -> MergePlan:
     """Check the inputs against each other and resolve every tensor's step, reading headers only."""
     config.resolve_references()
+    if config.slices:
+        raise InputError("slices: not executed by this version (comes with the slices/passthrough work)")
     sources = sources or open_inputs(config.inputs, config.base, config.allow_pickle)
     sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, 0, config.pad_to_multiple_of)
     reference = sources[0]
