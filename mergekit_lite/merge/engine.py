@@ -21,6 +21,7 @@ from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWrit
 from mergekit_lite.io.sources import TensorSource
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.vocab import write_tokenizer
 from mergekit_lite.merge.plan import (
     PROVENANCE_FILE,
     RECALL_WEIGHTS_FILE,
@@ -67,14 +68,15 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
-        thresholds = [methods.trim_threshold(tensors[0], model, density)
+        thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
                       for model, density in zip(tensors[1:], parameters["densities"])]
     if recipe.sparsifier == "random":
         generators = [dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)]
     return lambda chunk: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
         thresholds=thresholds, drops=parameters.get("drops"), generators=generators,
-        consensus=recipe.consensus, normalize=parameters["normalize"])
+        consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
+        mergekit_rules=parameters.get("mergekit_rules", False))
 
 
 def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress: bool = False) -> None:
@@ -181,6 +183,7 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
         key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
         model_config[key] = config.dtype
         config_file.write_text(json.dumps(model_config, indent=2) + "\n")
+    write_tokenizer(folder, plan.vocabulary, config.chat_template, plan.sources)
     (folder / PROVENANCE_FILE).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if plan.recall_weights is not None:
         (folder / RECALL_WEIGHTS_FILE).write_text(json.dumps(plan.recall_weights.to_json(), indent=2) + "\n")

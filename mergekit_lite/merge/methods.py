@@ -76,8 +76,12 @@ def magnitude_threshold(magnitudes: torch.Tensor, keep: int) -> float:
     return torch.kthvalue(flat, flat.numel() - keep + 1).values.item()
 
 
-def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float) -> float:
+def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, mergekit_rules: bool = False) -> float:
     """The magnitude below which TIES's trim zeroes entries of model - base, keeping the top `density` share.
+
+    The share is round(density * n) entries (TIES §3, "keep the top-k% values"), plus any entries tied at
+    the threshold, so equal magnitudes are treated alike; with `mergekit_rules`, max(1, int(density * n)) as
+    mergekit's sparsify.magnitude counts (it then breaks ties by sort order, which is not reproducible).
 
     Exact, without materializing the task vector: a strided sample brackets the threshold between two
     sample quantiles a few binomial standard deviations apart, one chunked pass counts the entries above
@@ -85,7 +89,7 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float) -> f
     misses (rare), it falls back to kthvalue over all magnitudes. Same value as a full selection either way.
     """
     total = base.numel()
-    keep = round(density * total)
+    keep = max(1, int(density * total)) if mergekit_rules else round(density * total)
     if density >= 1.0:
         return 0.0
     if keep == 0:
@@ -114,8 +118,9 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float) -> f
     return magnitude_threshold(magnitudes(slice(None)), keep)
 
 
-def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator) -> torch.Tensor:
-    """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation.
+def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
+    """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation
+    (DARE §3; `rescale=False` keeps them as they are).
 
     The mask is drawn on the CPU from the caller's seeded generator, so the same seed gives the same
     mask on any device.
@@ -123,13 +128,19 @@ def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator) ->
     if drop <= 0.0:
         return delta
     keep_mask = torch.rand(delta.shape, generator=generator, dtype=torch.float32) >= drop
-    delta.mul_(1.0 / (1.0 - drop))
+    if rescale:
+        delta.mul_(1.0 / (1.0 - drop))
     return delta.masked_fill_(~keep_mask.to(delta.device), 0.0)
 
 
-def sign_consensus(weighted_deltas: torch.Tensor) -> torch.Tensor:
-    """TIES's elect step: the sign with the larger total mass wins per entry; True where a delta agrees."""
-    elected = weighted_deltas.sum(dim=0).sign()
+def sign_consensus(weighted_deltas: torch.Tensor, zero_sum_positive: bool = False) -> torch.Tensor:
+    """TIES's elect step (§3): the sign with the larger total mass wins per entry; True where a delta agrees.
+
+    An exact tie elects no sign, so nothing is kept there; `zero_sum_positive` elects + as mergekit does.
+    Zero deltas never agree with an elected sign.
+    """
+    total = weighted_deltas.sum(dim=0)
+    elected = torch.where(total >= 0, 1.0, -1.0).to(total.dtype) if zero_sum_positive else total.sign()
     return weighted_deltas.sign() == elected
 
 
@@ -163,17 +174,20 @@ def task_vector_merge(
     generators: Sequence[torch.Generator] | None = None,
     consensus: bool = False,
     normalize: bool = False,
+    rescale: bool = True,
+    mergekit_rules: bool = False,
 ) -> torch.Tensor:
     """base + scale * combine(weight_i * sparsify(model_i - base)).
 
     combine is a plain sum, or with `consensus` the sum of the entries agreeing with the elected sign.
     `normalize` divides by the sum of the weights that contributed to each entry (TIES's disjoint mean).
     The magnitude trim takes `thresholds` (from `trim_threshold`, so a tensor can be merged in chunks),
-    or computes them here from `densities`.
+    or computes them here from `densities`. `rescale` is DARE's 1/(1-drop); `mergekit_rules` selects
+    mergekit's trim count and sign vote (see `trim_threshold`, `sign_consensus`).
     """
     base32 = base.to(torch.float32)
     if sparsifier == "magnitude" and thresholds is None:
-        thresholds = [trim_threshold(base32, model, density) for model, density in zip(models, densities)]
+        thresholds = [trim_threshold(base32, model, density, mergekit_rules) for model, density in zip(models, densities)]
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
     merged = None
@@ -182,7 +196,7 @@ def task_vector_merge(
         if sparsifier == "magnitude":
             delta.masked_fill_(delta.abs() < thresholds[index], 0.0)
         elif sparsifier == "random":
-            delta = random_drop(delta, drops[index], generators[index])
+            delta = random_drop(delta, drops[index], generators[index], rescale)
         delta.mul_(weight)
         if consensus:
             stacked[index] = delta
@@ -191,7 +205,7 @@ def task_vector_merge(
         else:
             merged.add_(delta)
     if consensus:
-        agree = sign_consensus(stacked)
+        agree = sign_consensus(stacked, zero_sum_positive=mergekit_rules)
         merged = stacked.mul_(agree).sum(dim=0)
         if normalize:
             weight_column = torch.tensor(weights, dtype=torch.float32, device=base32.device)

@@ -18,6 +18,7 @@ from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, open_inputs
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import RECALL_METHODS, MergeConfig, is_embedding, resolve
+from mergekit_lite.merge.vocab import align_vocabularies
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 RECALL_WEIGHTS_FILE = "recall_weights.json"
@@ -53,6 +54,7 @@ class MergePlan:
     n_layers: int
     notes: list[str]
     recall_weights: object | None = None
+    vocabulary: object | None = None  # vocab.Vocabulary when tokenizer_source is set
 
     @property
     def total_bytes(self) -> int:
@@ -84,7 +86,11 @@ def _format_parameters(parameters: dict) -> str:
 
 def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -> MergePlan:
     """Check the inputs against each other and resolve every tensor's step, reading headers only."""
+    config.resolve_references()
+    if config.slices:
+        raise InputError("slices: not executed by this version (comes with the slices/passthrough work)")
     sources = sources or open_inputs(config.inputs, config.base, config.allow_pickle)
+    sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, 0, config.pad_to_multiple_of)
     reference = sources[0]
     names = reference.names
     n_layers = _layer_count(reference, names)
@@ -104,7 +110,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
         steps.append(_plan_step(config, name, shape, dtypes[0], n_layers, recall_weights))
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
-    return MergePlan(config, sources, steps, n_layers, notes, recall_weights)
+    return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary)
 
 
 def _layer_count(reference: TensorSource, names: list[str]) -> int:
@@ -130,15 +136,18 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
     """Resolve the method's parameters for one tensor (gradients and filters applied)."""
 
     def value(parameter, model_index=None):
-        return resolve(parameter, config.parameter(parameter, model_index), name, layer, n_layers)
+        return resolve(parameter, config.parameter(parameter, model_index), name, layer, n_layers,
+                       config.mergekit_compat)
 
     models = range(len(config.models))
     method = config.method
     if method == "linear":
         if "alpha" in config.parameters:
             return {"alpha": value("alpha")}
-        weights = ([1.0] if config.base else []) + [value("weight", i) for i in models]
-        return {"weights": weights, "normalize": config.parameters.get("normalize", True)}
+        base_weight = config.base_parameters.get("weight", config.parameter("weight") if config.mergekit_compat else 1.0)
+        weights = ([resolve("weight", base_weight, name, layer, n_layers, config.mergekit_compat)] if config.base else []) \
+            + [value("weight", i) for i in models]
+        return {"weights": weights, "normalize": config.parameter("normalize")}
     if method == "slerp":
         return {"t": value("t")}
     if method in RECALL_METHODS:
@@ -148,11 +157,14 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
         return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
     recipe = methods.TASK_VECTOR_METHODS[method]
     parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
-                  "normalize": config.parameters.get("normalize", recipe.normalize)}
+                  "normalize": config.parameter("normalize")}
     if recipe.sparsifier == "magnitude":
         parameters["densities"] = [value("density", i) for i in models]
     if recipe.sparsifier == "random":
         parameters["drops"] = [value("drop", i) for i in models]
+        parameters["rescale"] = config.parameter("rescale")
+    if config.mergekit_compat and (recipe.sparsifier == "magnitude" or recipe.consensus):
+        parameters["mergekit_rules"] = True
     return parameters
 
 
