@@ -8,6 +8,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -54,14 +55,10 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     if out is None:
         out = torch.empty(step.shape, dtype=step.out_dtype, device=flats[0].device)
     out_flat = out.view(-1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(math_threads())
-    try:
+    with _math_threads():
         for begin in range(0, out_flat.numel(), methods.CHUNK):
             chunk = slice(begin, begin + methods.CHUNK)
             out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -79,8 +76,9 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
-        thresholds = [methods.trim_threshold(tensors[0], model, density)
-                      for model, density in zip(tensors[1:], parameters["densities"])]
+        with _math_threads():  # a chunked pass too; counts and selections do not depend on threads
+            thresholds = [methods.trim_threshold(tensors[0], model, density)
+                          for model, density in zip(tensors[1:], parameters["densities"])]
     if recipe.sparsifier == "random":
         generators = [dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)]
     return lambda chunk: methods.task_vector_merge(
@@ -144,10 +142,20 @@ def math_threads() -> int:
 
     On 2 cores this is 1, which also keeps the loop's thousands of parallel regions from waiting on a worker
     that another process has descheduled (5x slower runs on a busy machine, benchmarks/RESULTS.md). Only the
-    elementwise loop changes threads: whole-tensor reductions such as SLERP's dot products round differently
-    with another thread count, and keeping them as they were keeps the merged bytes as they were.
+    chunked loops change threads: whole-tensor reductions such as SLERP's dot products round differently with
+    another thread count, and keeping them as they were keeps the merged bytes as they were.
     """
     return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)) - 1))
+
+
+@contextmanager
+def _math_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(math_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _input_bytes(plan: MergePlan, step: TensorStep) -> int:
