@@ -60,8 +60,8 @@ def lite_command(method: str, ckpt: Path, out: Path) -> list[str]:
         "dare_ties": ["--method", "dare_ties", "--base", b, "--model", f"{f1}:1", "--model", f"{f2}:1",
                       "--drop", "0.5", "--normalize"],
     }[method]
-    return [str(Path(sys.executable).parent / "mergekit-lite"), "merge", *args, "--out", str(out), "--out-shard-size", LITE_SHARD,
-            "--quiet"]
+    return [str(Path(sys.executable).parent / "mergekit-lite"), "merge", *args, "--out", str(out),
+            "--out-shard-size", LITE_SHARD, "--quiet"]
 
 
 def mergekit_config(method: str, ckpt: Path, dtype: str) -> dict:

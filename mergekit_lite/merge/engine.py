@@ -47,8 +47,8 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     elementwise rest runs in cache-sized chunks: each chunk is converted to float32, combined, and cast
     straight into its slice of `out`, so no whole-tensor float32 temporary exists. `out` may overlay the first
     input when its dtype is no wider (a chunk is read before its slot is written), and may live on the host
-    while the inputs are on a GPU: each chunk is cast there and copied back asynchronously. DARE draws its masks chunk by chunk from one seeded CPU generator per model,
-    so the bytes do not depend on the device.
+    while the inputs are on a GPU: each chunk is cast there and copied back asynchronously. DARE draws its
+    masks chunk by chunk from one seeded CPU generator per model, so the bytes do not depend on the device.
     """
     combine = _chunk_combiner(config, step, tensors)
     flats = [tensor.reshape(-1) for tensor in tensors]
