@@ -431,13 +431,13 @@ def test_write_error_in_process_removes_temp_folder(models, tmp_path, monkeypatc
 
 @pytest.fixture(scope="module")
 def big_pair(tmp_path_factory) -> tuple[Path, Path]:
-    """Two ~50 MB single-file models of 200 tensors: a merge of them takes seconds, time to kill it midway."""
+    """Two ~200 MB single-file models of 200 tensors: a merge of them takes seconds, time to kill it midway."""
     root = tmp_path_factory.mktemp("big")
     paths = []
     for seed, name in enumerate(("a", "b")):
         generator = torch.Generator().manual_seed(seed)
         (root / name).mkdir()
-        save_file({f"model.layers.{i}.mlp.weight": torch.randn(256, 256, generator=generator) for i in range(200)},
+        save_file({f"model.layers.{i}.mlp.weight": torch.randn(256, 1024, generator=generator) for i in range(200)},
                   root / name / "model.safetensors", metadata={"format": "pt"})
         paths.append(root / name)
     return paths[0], paths[1]

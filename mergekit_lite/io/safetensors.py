@@ -127,10 +127,11 @@ class ModelSource:
     def dtype(self, name: str) -> torch.dtype:
         return self.entry(name).dtype
 
-    def load(self, name: str) -> torch.Tensor:
-        """Read one tensor into fresh CPU memory (its own bytes, nothing more)."""
+    def load(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Read one tensor straight into `into` (a uint8 block of at least its bytes, e.g. from a BufferRing),
+        or into fresh CPU memory (its own bytes, nothing more)."""
         entry = self.entry(name)
-        buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+        buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into[:entry.nbytes]
         if entry.nbytes:
             handle = self._handle(entry.file)
             handle.seek(entry.offset)
@@ -163,7 +164,7 @@ class PickleSource(ModelSource):
         super().__init__(path, entries, config)
         self._tensors = tensors
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         self.entry(name)
         return self._tensors[name].clone()
 

@@ -28,7 +28,8 @@ class TensorSource(Protocol):
     def names(self) -> list[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> torch.dtype: ...
-    def load(self, name: str) -> torch.Tensor: ...
+    def load(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor; a source may read it into `into` (a uint8 block of at least its bytes) instead of new memory."""
 
 
 class RenamedSource:
@@ -48,8 +49,8 @@ class RenamedSource:
     def dtype(self, name):
         return self.source.dtype(self.name_map[name])
 
-    def load(self, name):
-        return self.source.load(self.name_map[name])
+    def load(self, name, into=None):
+        return self.source.load(self.name_map[name], into)
 
 
 class AdapterSource:
@@ -73,12 +74,12 @@ class AdapterSource:
     def dtype(self, name):
         return torch.float32 if name in self._changed else self.base.dtype(name)
 
-    def load(self, name):
+    def load(self, name, into=None):
         if name in self.adapter.replaced():
             return self.adapter.replacement(name).to(torch.float32)
         if name in self._changed:
             return self.base.load(name).to(torch.float32).add_(self.adapter.delta(name))
-        return self.base.load(name)
+        return self.base.load(name, into)
 
 
 def open_inputs(paths: list[str], base: str | None, allow_pickle: bool) -> list[TensorSource]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -15,6 +17,7 @@ import torch
 import yaml
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.buffers import BufferRing, aligned
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.outputs import atomic_output_dir, copy_side_files
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
@@ -37,21 +40,27 @@ def dare_generator(seed: int, tensor_name: str, model_index: int) -> torch.Gener
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
-def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Apply the method to one tensor's inputs (input 0 is the base where the method has one).
+def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the method to one tensor's inputs (input 0 is the base where the method has one), into `out`.
 
     Per-tensor statistics (SLERP's angle, TIES's trim thresholds) come from the whole tensors; the
-    elementwise rest runs in cache-sized chunks written straight into the output, which is several
-    times faster than whole-tensor float32 temporaries. DARE draws its masks chunk by chunk from one
-    seeded generator per model, so the bytes do not depend on the device.
+    elementwise rest runs in cache-sized chunks: each chunk is converted to float32, combined, and cast
+    straight into its slice of `out`, so no whole-tensor float32 temporary exists. `out` may overlay the first
+    input when its dtype is no wider (a chunk is read before its slot is written), and may live on the host
+    while the inputs are on a GPU: each chunk is cast there and copied back asynchronously. DARE draws its
+    masks chunk by chunk from one seeded CPU generator per model, so the bytes do not depend on the device.
     """
     combine = _chunk_combiner(config, step, tensors)
     flats = [tensor.reshape(-1) for tensor in tensors]
-    out = torch.empty(flats[0].numel(), dtype=step.out_dtype, device=flats[0].device)
-    for begin in range(0, out.numel(), methods.CHUNK):
-        chunk = slice(begin, begin + methods.CHUNK)
-        out[chunk] = combine([flat[chunk] for flat in flats])
-    return out.view(step.shape)
+    if out is None:
+        out = torch.empty(step.shape, dtype=step.out_dtype, device=flats[0].device)
+    out_flat = out.view(-1)
+    with _math_threads():
+        for begin in range(0, out_flat.numel(), methods.CHUNK):
+            chunk = slice(begin, begin + methods.CHUNK)
+            out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
+    return out
 
 
 def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]):
@@ -68,8 +77,9 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
-        thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
-                      for model, density in zip(tensors[1:], parameters["densities"])]
+        with _math_threads():  # a chunked pass too; counts and selections do not depend on threads
+            thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
+                          for model, density in zip(tensors[1:], parameters["densities"])]
     if recipe.sparsifier == "random":
         generators = [dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)]
     return lambda chunk: methods.task_vector_merge(
@@ -79,38 +89,122 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         mergekit_rules=parameters.get("mergekit_rules", False))
 
 
-def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress: bool = False) -> None:
+def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress: bool = False,
+            sink_keeps_tensors: bool = False) -> None:
     """Stream every step: read its inputs, check them, merge (or copy), hand the result to `sink`.
 
-    `sink` runs on a background thread for one step at a time, so writing step i overlaps reading and
-    merging step i+1 while at most one finished tensor waits in memory.
+    Three threads overlap: a reader fills step i+1's inputs while step i is merged, and a writer hands step
+    i-1 to `sink`. Inputs are read into one reused ring of the largest step's size, and each result is cast
+    chunk by chunk over its first input's bytes (every chunk is read before its slot is written), so memory
+    stays bounded by that ring and no tensor pays for fresh pages. Math gets the cores minus one (the reader
+    and writer mostly wait on the kernel's copies). With `sink_keeps_tensors` (an in-memory merge) each result
+    is given its own memory.
+
+    On a GPU the ring is pinned: inputs go up with non-blocking copies while the reader fills the next block,
+    results come back cast to the output dtype, and the host waits for the device once per step.
     """
     from tqdm import tqdm
 
     config = plan.config
     device = torch.device(config.device)
+    ring = BufferRing(max((_input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
     with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
-            ThreadPoolExecutor(max_workers=1) as writer:
-        pending = None
-        for step in plan.steps:
-            if step.action == "copy":
-                tensors = [plan.sources[0].load(step.name)]
-            else:
-                tensors = [source.load(step.name) for source in plan.sources]
-            if not config.allow_nonfinite:
-                _check_finite(step.name, tensors, plan.sources)
-            if step.action == "copy" or _all_identical(tensors):
-                merged = tensors[0]
-            else:
-                merged = merge_tensor(config, step, [t.to(device) for t in tensors])
-            merged = merged.to(step.out_dtype).cpu()
-            del tensors
+            ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
+        try:
+            steps = plan.steps
+            next_read = reader.submit(_read_inputs, plan, steps[0], ring) if steps else None
+            pending = None
+            for position, step in enumerate(steps):
+                block, tensors = next_read.result()
+                if position + 1 < len(steps):
+                    next_read = reader.submit(_read_inputs, plan, steps[position + 1], ring)
+                if not config.allow_nonfinite:
+                    _check_finite(step.name, tensors, plan.sources)
+                if step.action == "copy" or _all_identical(tensors):
+                    merged = tensors[0].to(step.out_dtype)
+                else:
+                    merged = merge_tensor(config, step, [t.to(device, non_blocking=True) for t in tensors],
+                                          _output_slot(step, tensors[0], block))
+                _wait_for(device)
+                del tensors
+                if sink_keeps_tensors and _within(merged, block):
+                    merged = merged.clone()
+                if pending is not None:
+                    pending.result()
+                pending = writer.submit(_write, sink, step.name, merged, ring, block)
+                bar.update(step.nbytes)
             if pending is not None:
                 pending.result()
-            pending = writer.submit(sink, step.name, merged)
-            bar.update(step.nbytes)
-        if pending is not None:
-            pending.result()
+        finally:
+            ring.close()
+
+
+def math_threads() -> int:
+    """Intra-op threads for the chunk loop: the cores this process may use, minus one for reading and writing.
+
+    On 2 cores this is 1, which also keeps the loop's thousands of parallel regions from waiting on a worker
+    that another process has descheduled (5x slower runs on a busy machine, benchmarks/RESULTS.md). Only the
+    chunked loops change threads: whole-tensor reductions such as SLERP's dot products round differently with
+    another thread count, and keeping them as they were keeps the merged bytes as they were.
+    """
+    return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)) - 1))
+
+
+@contextmanager
+def _math_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(math_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _input_bytes(plan: MergePlan, step: TensorStep) -> int:
+    return sum(_block_sizes(plan, step))
+
+
+def _block_sizes(plan: MergePlan, step: TensorStep) -> list[int]:
+    """Each input's share of the step's ring block, page-aligned so every tensor view is aligned."""
+    sources = plan.sources[:1] if step.action == "copy" else plan.sources
+    return [aligned(math.prod(step.shape) * source.dtype(step.name).itemsize) for source in sources]
+
+
+def _read_inputs(plan: MergePlan, step: TensorStep, ring: BufferRing) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The reader thread's job: one ring block holding every input of `step` (waits while the ring is full)."""
+    sizes = _block_sizes(plan, step)
+    block = ring.take(sum(sizes))
+    tensors, offset = [], 0
+    for source, size in zip(plan.sources, sizes):
+        tensors.append(source.load(step.name, block[offset:offset + size]))
+        offset += size
+    return block, tensors
+
+
+def _output_slot(step: TensorStep, first: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """Where a merged result goes: over its first input's bytes when that input was read into the ring block
+    and the output dtype is no wider, else new host memory (e.g. a float32 output of bf16 inputs)."""
+    if first.data_ptr() == block.data_ptr() and step.out_dtype.itemsize <= first.dtype.itemsize:
+        return block[:step.nbytes].view(step.out_dtype).view(step.shape)
+    return torch.empty(step.shape, dtype=step.out_dtype)
+
+
+def _within(tensor: torch.Tensor, block: torch.Tensor) -> bool:
+    return block.data_ptr() <= tensor.data_ptr() < block.data_ptr() + max(block.numel(), 1)
+
+
+def _write(sink, name: str, tensor: torch.Tensor, ring: BufferRing, block: torch.Tensor) -> None:
+    """The writer thread's job; the step's ring block is free again once `sink` is done with it."""
+    try:
+        sink(name, tensor)
+    finally:
+        ring.release(block)
+
+
+def _wait_for(device: torch.device) -> None:
+    """Asynchronous copies to and from a GPU must land before their ring blocks are reused."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _check_finite(name: str, tensors: list[torch.Tensor], sources: list[TensorSource]) -> None:
@@ -155,7 +249,7 @@ def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = N
     state = {}
     plan = plan_merge(config, sources)
     _audit_adapters(config)
-    execute(plan, state.__setitem__)
+    execute(plan, state.__setitem__, sink_keeps_tensors=True)
     return state
 
 

@@ -118,6 +118,15 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, merg
     return magnitude_threshold(magnitudes(slice(None)), keep)
 
 
+def trim(delta: torch.Tensor, threshold: float) -> torch.Tensor:
+    """TIES's trim in place: zero the entries of magnitude below `threshold` (Yadav et al. 2023, section 3).
+
+    A multiply by the keep mask is about twice as fast as masked_fill; adding +0.0 turns the -0.0 it leaves
+    for trimmed negative entries into +0.0, so the bytes equal a masked_fill's (trimmed entries are finite).
+    """
+    return delta.mul_(delta.abs() >= threshold).add_(0.0)
+
+
 def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
     """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation
     (DARE §3; `rescale=False` keeps them as they are).
@@ -127,10 +136,10 @@ def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator, re
     """
     if drop <= 0.0:
         return delta
-    keep_mask = torch.rand(delta.shape, generator=generator, dtype=torch.float32) >= drop
+    drop_mask = torch.rand(delta.shape, generator=generator, dtype=torch.float32) < drop
     if rescale:
         delta.mul_(1.0 / (1.0 - drop))
-    return delta.masked_fill_(~keep_mask.to(delta.device), 0.0)
+    return delta.masked_fill_(drop_mask.to(delta.device), 0.0)
 
 
 def sign_consensus(weighted_deltas: torch.Tensor, zero_sum_positive: bool = False) -> torch.Tensor:
@@ -194,7 +203,7 @@ def task_vector_merge(
     for index, (model, weight) in enumerate(zip(models, weights)):
         delta = model.to(torch.float32).sub(base32)
         if sparsifier == "magnitude":
-            delta.masked_fill_(delta.abs() < thresholds[index], 0.0)
+            trim(delta, thresholds[index])
         elif sparsifier == "random":
             delta = random_drop(delta, drops[index], generators[index], rescale)
         delta.mul_(weight)

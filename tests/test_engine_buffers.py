@@ -1,0 +1,151 @@
+"""The streaming engine's reused buffers and threads: bounded, aligned, never hanging, same bytes as plain tensors.
+
+The `--device cuda` path is this same code (rings, reader thread, non-blocking copies into the output block);
+only pinning and the per-step device wait differ, so running it on CPU tensors covers it here.
+"""
+
+import shutil
+import threading
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
+from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.engine import execute, math_threads, merge_tensor
+from mergekit_lite.merge.plan import plan_merge
+from tiny_models import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trio")
+    return [save_tiny_llama(seed, root / f"m{seed}", max_shard_size="30KB") for seed in range(3)]
+
+
+def test_ring_blocks_are_aligned_reused_and_wrap():
+    ring = BufferRing(3 * ALIGNMENT)
+    first = ring.take(10)
+    second = ring.take(ALIGNMENT + 1)
+    assert first.data_ptr() % ALIGNMENT == 0 and second.data_ptr() - first.data_ptr() == ALIGNMENT
+    ring.release(first)
+    wrapped = ring.take(ALIGNMENT)  # no room after `second` (ends at 3 pages): goes to the freed start
+    assert wrapped.data_ptr() == first.data_ptr()
+    with pytest.raises(RuntimeError, match="oldest first"):
+        ring.release(wrapped)
+    ring.release(second)
+    ring.release(wrapped)
+    assert ring.take(3 * ALIGNMENT).data_ptr() == first.data_ptr()
+    with pytest.raises(ValueError, match="exceeds"):
+        ring.take(3 * ALIGNMENT + 1)
+
+
+def test_a_full_ring_waits_for_a_release_and_close_wakes_waiters():
+    ring = BufferRing(ALIGNMENT)
+    held = ring.take(ALIGNMENT)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ring.take(ALIGNMENT)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got
+    ring.release(held)
+    waiter.join(5)
+    assert got and got[0].data_ptr() == held.data_ptr()
+
+    errors = []
+
+    def blocked():
+        try:
+            ring.take(ALIGNMENT)
+        except RingClosed as error:
+            errors.append(error)
+
+    waiter = threading.Thread(target=blocked)
+    waiter.start()
+    waiter.join(0.2)
+    ring.close()
+    waiter.join(5)
+    assert not waiter.is_alive() and errors
+
+
+@pytest.fixture(scope="module")
+def trio_bf16(trio, tmp_path_factory):
+    """The same models stored in bf16, in one file each."""
+    root = tmp_path_factory.mktemp("trio_bf16")
+    folders = []
+    for folder in trio:
+        target = root / folder.name
+        target.mkdir()
+        shutil.copy(folder / "config.json", target)
+        tensors = {}
+        for file in folder.glob("*.safetensors"):
+            tensors.update(load_file(file))
+        save_file({name: tensor.to(torch.bfloat16) for name, tensor in tensors.items()}, target / "model.safetensors")
+        folders.append(target)
+    return folders
+
+
+@pytest.mark.parametrize("method, parameters, stored, out_dtype", [
+    ("linear", {"weight": 0.3}, "float32", "bfloat16"), ("slerp", {"t": 0.3}, "float32", "bfloat16"),
+    ("task_arithmetic", {"lambda": 0.7}, "float32", "float32"), ("ties", {"density": 0.4}, "float32", "bfloat16"),
+    ("dare_ties", {"drop": 0.3}, "float32", "float16"), ("ties", {"density": 0.4}, "bfloat16", "bfloat16"),
+    ("linear", {"weight": 0.3}, "bfloat16", "float32"),
+])
+def test_streamed_outputs_equal_the_math_on_whole_tensors(trio, trio_bf16, method, parameters, stored, out_dtype):
+    """Reader thread, reused ring, results cast chunk by chunk over their first input's bytes (narrower or
+    equal output dtype) or into new memory (wider): the same bytes as merge_tensor on tensors read by the
+    safetensors library into fresh memory, for every tensor."""
+    models = trio_bf16 if stored == "bfloat16" else trio
+    inputs = models[:2] if method in ("linear", "slerp") else models
+    based = method != "linear"
+    config = MergeConfig.from_dict({
+        "method": method, "base": str(inputs[0]) if based else None,
+        "models": [str(path) for path in (inputs[1:] if based else inputs)], "parameters": parameters,
+        "dtype": out_dtype})
+    plan = plan_merge(config)
+    streamed = {}
+    execute(plan, lambda name, tensor: streamed.__setitem__(name, tensor.clone()))
+
+    def whole(folder, name):
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as handle:
+                if name in handle.keys():
+                    return handle.get_tensor(name)
+
+    assert [step.name for step in plan.steps] == list(streamed)
+    merged_steps = 0
+    for step in plan.steps:
+        tensors = [whole(folder, step.name) for folder in inputs]
+        if step.action == "copy" or all(torch.equal(t, tensors[0]) for t in tensors[1:]):
+            expected = tensors[0].to(step.out_dtype)
+        else:
+            expected = merge_tensor(config, step, tensors)
+            merged_steps += 1
+        assert streamed[step.name].dtype == getattr(torch, out_dtype)
+        as_bytes = lambda tensor: tensor.reshape(-1).view(torch.uint8)
+        assert as_bytes(streamed[step.name]).equal(as_bytes(expected)), step.name
+    assert merged_steps > 5
+
+
+def test_a_read_failure_in_the_reader_thread_surfaces_and_nothing_hangs(trio, tmp_path):
+    """A shard truncated after planning: the reader's InputError reaches the caller, and the rings are closed so
+    the reader and writer threads finish (the call returns)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(trio[1], copy)
+    config = MergeConfig.from_dict({"method": "linear", "models": [str(trio[0]), str(copy)]})
+    plan = plan_merge(config)
+    last_shard = sorted(copy.glob("*.safetensors"))[-1]
+    last_shard.write_bytes(last_shard.read_bytes()[:-64])
+    with pytest.raises(InputError, match="truncated"):
+        execute(plan, lambda name, tensor: None)
+
+
+def test_math_leaves_a_core_for_reading_and_restores_the_thread_count(trio):
+    before = torch.get_num_threads()
+    assert 1 <= math_threads() <= max(before, 1)
+    plan = plan_merge(MergeConfig.from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
+    execute(plan, lambda name, tensor: None)
+    assert torch.get_num_threads() == before
