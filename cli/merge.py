@@ -1,8 +1,5 @@
 """`mergekit-lite merge`: flags or a YAML config in, a merged model folder out."""
 
-import signal
-import sys
-
 import click
 
 from mergekit_lite.merge.config import DTYPES, METHODS
@@ -97,7 +94,6 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     if dry_run:
         click.echo(plan_merge(config).describe())
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run_merge(config, out, overwrite=overwrite, progress=not quiet)
     if not quiet:
         click.echo(f"wrote {result.out} ({result.plan.total_bytes / 1e6:.1f} MB, {len(result.plan.steps)} tensors, "

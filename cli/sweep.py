@@ -1,8 +1,6 @@
 """`mergekit-lite sweep`: merge pre and post at every alpha of a grid, score old and new skills, pick the best."""
 
 import os
-import signal
-import sys
 
 import click
 
@@ -81,7 +79,6 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
                         device=device, out=out, density=density, drop=drop, seed=seed, recall_texts=recall_texts,
                         recall_samples=recall_samples, save_best=save_best, stream=stream)
     settings = settings_from_dict(data)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
 

@@ -24,7 +24,11 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import (
     SampleOutcomes,
@@ -33,7 +37,9 @@ from mergekit_lite.evaluate.forgetting import (
     compare,
     outcomes_from_lm_eval,
 )
-from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, MergeConfig, read_yaml
+from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder
+from mergekit_lite.io.validation import read_json, read_yaml, validate
+from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, MergeConfig
 
 POINTS_DIR = "points"
 RECALL_DIR = "recall"
@@ -168,6 +174,30 @@ class SweepSettings:
 SETTINGS_KEYS = tuple(SweepSettings.__dataclass_fields__)
 
 
+class SweepFile(BaseModel):
+    """The types a sweep YAML may give each setting (strict: a quoted "false" is not a boolean)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    pre: str | None = None
+    post: str | None = None
+    method: str | None = None
+    alphas: str | float | list[float] | None = None
+    old_tasks: str | list[str] | None = None
+    new_tasks: str | list[str] | None = None
+    include_path: str | None = None
+    out: str | None = None
+    limit: int | None = Field(None, ge=1)
+    batch_size: int | None = Field(None, ge=1)
+    device: str | None = None
+    density: float | None = None
+    drop: float | None = None
+    seed: int | None = None
+    recall_texts: str | None = None
+    recall_samples: int | None = Field(None, ge=1)
+    save_best: str | None = None
+    stream: bool | None = None
+
+
 def load_sweep_file(path: str | Path) -> dict:
     """A YAML sweep config with SweepSettings' keys (dashes or underscores); unknown keys are an error."""
     path = Path(path)
@@ -180,7 +210,8 @@ def load_sweep_file(path: str | Path) -> dict:
         if name not in SETTINGS_KEYS:
             raise InputError(f"{path}: unknown key {key!r} (known: {', '.join(SETTINGS_KEYS)})")
         settings[name] = value
-    return settings
+    validate(SweepFile, settings, path)
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def settings_from_dict(data: dict) -> SweepSettings:
@@ -305,17 +336,36 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(temp, path)
 
 
+class SavedTask(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    task: str
+    group: Literal["old", "new"]
+    acc: float = Field(ge=0, le=1)
+    n_choices: int | float | None
+    correct: dict[str, bool]
+
+
+class PointFile(BaseModel):
+    """One finished point as `save_point` writes it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    identity: dict[str, Any]
+    label: str
+    alpha: float | None
+    tasks: list[SavedTask]
+
+
 def load_points(folder: Path, identity: dict) -> dict[str, list[TaskRun]]:
     """Every finished point in the run folder by label. One saved under other settings -> InputError,
     whether or not this grid includes it: the folder belongs to one sweep."""
     points = {}
     for path in sorted((folder / POINTS_DIR).glob("*.json")):
         try:
-            data = json.loads(path.read_text())
-            label, saved = data["label"], data["identity"]
-            runs = [TaskRun.from_json(entry) for entry in data["tasks"]]
-        except (ValueError, KeyError, TypeError):
-            raise InputError(f"{path}: not a sweep point file (delete it to evaluate that point again)") from None
+            point = validate(PointFile, read_json(path), path)
+        except InputError as error:
+            raise InputError(f"{error} (not a sweep point file; delete it to evaluate that point again)") from None
+        label, saved = point.label, point.identity
+        runs = [TaskRun.from_json(entry.model_dump()) for entry in point.tasks]
         changed = next((key for key in identity if saved.get(key) != identity[key]), None)
         if changed:
             raise InputError(f"{folder} holds a sweep with other settings ({changed}: {saved.get(changed)!r} "
@@ -455,10 +505,10 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
 
     from mergekit_lite.evaluate.report import write_report
 
-    folder = Path(settings.out)
-    if settings.save_best and Path(settings.save_best).exists():
-        raise InputError(f"{settings.save_best}: already exists (--save-best writes a new folder)")
-    folder.mkdir(parents=True, exist_ok=True)
+    inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
+    if settings.save_best:
+        check_output_folder(settings.save_best, inputs)
+    folder = prepare_run_folder(settings.out, inputs)
     (folder / POINTS_DIR).mkdir(exist_ok=True)
     identity = settings.identity()
     plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
@@ -471,6 +521,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                   desc="sweep", disable=not progress) as bar:
             evaluator = PointEvaluator(settings, folder, bar) if todo else None
             for label, alpha in todo:
+                interrupts.check()
                 bar.set_postfix_str(label)
                 if alpha is None:
                     runs[label] = evaluator.endpoint(0 if label == "pre" else 1)
@@ -482,6 +533,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         if settings.save_best:
             from mergekit_lite.merge.engine import run_merge
 
+            check_output_folder(settings.save_best, inputs)
             run_merge(configs(result.best.alpha), settings.save_best, progress=progress)
     return result
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.safetensors import parse_size
@@ -244,13 +243,9 @@ def is_embedding(tensor_name: str) -> bool:
 
 def read_yaml(path: str | Path) -> Any:
     """A YAML file's content; unreadable or invalid files become a one-line error naming the file."""
-    path = Path(path)
-    try:
-        return yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
-    except yaml.YAMLError as error:
-        raise InputError(f"{path}: invalid YAML ({str(error).splitlines()[0]})") from None
+    from mergekit_lite.io.validation import read_yaml as read_limited_yaml  # size, depth and alias limits
+
+    return read_limited_yaml(path)
 
 
 def load_config(path: str | Path) -> MergeConfig:

@@ -14,9 +14,10 @@ from typing import Callable
 import torch
 import yaml
 
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import LoraAdapter
-from mergekit_lite.io.outputs import atomic_output_dir, copy_side_files
+from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder, copy_side_files
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource
 from mergekit_lite.merge import methods
@@ -86,11 +87,13 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
     from tqdm import tqdm
 
     config = plan.config
-    device = torch.device(config.device)
-    with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
+    device = usable_device(config.device)
+    with interrupts.deferred(), \
+            tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as writer:
         pending = None
         for step in plan.steps:
+            interrupts.check()  # signals are handled here, never inside the executor's locks
             if step.action == "copy":
                 tensors = [plan.sources[0].load(step.name)]
             else:
@@ -101,6 +104,8 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
                 merged = tensors[0]
             else:
                 merged = merge_tensor(config, step, [t.to(device) for t in tensors])
+                if not config.allow_nonfinite:
+                    _check_merged_finite(step.name, merged)
             merged = merged.to(step.out_dtype).cpu()
             del tensors
             if pending is not None:
@@ -111,12 +116,37 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
             pending.result()
 
 
+def usable_device(name: str) -> torch.device:
+    """The device the math runs on, refused in one line when this machine lacks it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"device {name!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise InputError(f"device {name!r} is not available here (torch sees {torch.cuda.device_count()} CUDA devices)")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    return device
+
+
 def _check_finite(name: str, tensors: list[torch.Tensor], sources: list[TensorSource]) -> None:
     """min and max propagate NaN and reach Inf, so one aminmax pass (much faster than isfinite) decides."""
     for tensor, source in zip(tensors, sources):
-        if tensor.is_floating_point() and tensor.numel() and not all(map(math.isfinite, torch.aminmax(tensor))):
+        if tensor.is_floating_point() and tensor.numel() and not all(map(math.isfinite, _aminmax(tensor))):
             where = source.entry(name).file if isinstance(source, ModelSource) else source.path
             raise InputError(f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)")
+
+
+def _check_merged_finite(name: str, merged: torch.Tensor) -> None:
+    """Finite inputs can still overflow (a huge --lambda, a sum beyond float16's range): never write Inf/NaN."""
+    if merged.is_floating_point() and merged.numel() and not all(map(math.isfinite, _aminmax(merged))):
+        raise InputError(f"merged tensor {name} has NaN or Inf values (overflow in the merge or the output dtype "
+                         f"{str(merged.dtype).removeprefix('torch.')}; pass --allow-nonfinite to write it anyway)")
+
+
+def _aminmax(tensor: torch.Tensor):
+    """aminmax has no float8 kernel: those (1-byte) tensors are upcast, which is exact."""
+    return torch.aminmax(tensor.float() if tensor.element_size() == 1 else tensor)
 
 
 def _all_identical(tensors: list[torch.Tensor]) -> bool:
@@ -136,9 +166,12 @@ class MergeResult:
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False) -> MergeResult:
     """Plan and stream a merge into `out`, which appears only once complete."""
     started = time.perf_counter()
+    inputs = [*config.inputs, config.copy_files_from, config.recall.texts, config.recall.weights_file]
+    check_output_folder(out, inputs, overwrite)
+    usable_device(config.device)
     plan = plan_merge(config)
     _audit_adapters(config)
-    with atomic_output_dir(out, overwrite=overwrite) as folder:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
         writer = ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                                config.out_shard_size)
         execute(plan, writer.write, progress=progress)
