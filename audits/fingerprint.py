@@ -116,10 +116,10 @@ class FingerprintFile(BaseModel):
 
 def write_fingerprint(fingerprint: dict, path, base_dir=None) -> None:
     """Write where asked, unless that is inside the base or replaces a file that is not a fingerprint of ours."""
-    from mergekit_lite.io.outputs import check_output_file, write_file_atomic
+    from mergekit_lite.io.outputs import check_output_file, write_atomic
 
     path = check_output_file(path, [base_dir], recognise=_is_our_fingerprint)
-    write_file_atomic(path, json.dumps(fingerprint, indent=1) + "\n")
+    write_atomic(path, json.dumps(fingerprint, indent=1) + "\n")
 
 
 def _is_our_fingerprint(path: Path) -> bool:

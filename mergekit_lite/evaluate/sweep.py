@@ -37,7 +37,7 @@ from mergekit_lite.evaluate.forgetting import (
     compare,
     outcomes_from_lm_eval,
 )
-from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder
+from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder, write_atomic
 from mergekit_lite.io.validation import read_json, read_yaml, validate
 from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, MergeConfig
 
@@ -327,32 +327,6 @@ def point_file(folder: Path, label: str) -> Path:
 
 def alpha_label(alpha: float) -> str:
     return f"alpha={alpha!r}"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write beside the target, then rename: readers see the old file or the new one, never half of one."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temp.write_text(text)
-    os.replace(temp, path)
-
-
-class SavedTask(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    task: str
-    group: Literal["old", "new"]
-    acc: float = Field(ge=0, le=1)
-    n_choices: int | float | None
-    correct: dict[str, bool]
-
-
-class PointFile(BaseModel):
-    """One finished point as `save_point` writes it."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    identity: dict[str, Any]
-    label: str
-    alpha: float | None
-    tasks: list[SavedTask]
 
 
 def load_points(folder: Path, identity: dict) -> dict[str, list[TaskRun]]:

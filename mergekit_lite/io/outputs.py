@@ -211,7 +211,7 @@ def check_output_file(out: str | os.PathLike, inputs: Iterable[str | os.PathLike
     return out
 
 
-def write_file_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Write beside the target, then rename over it: readers see the old file or the new one, never half."""
     path = Path(path)
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
