@@ -329,6 +329,27 @@ def alpha_label(alpha: float) -> str:
     return f"alpha={alpha!r}"
 
 
+class SavedTask(BaseModel):
+    """One task of a saved point, as `TaskRun.to_json` writes it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    task: str
+    group: Literal["old", "new"]
+    acc: float = Field(ge=0, le=1)
+    n_choices: int | float | None
+    correct: dict[str, bool]
+
+
+class PointFile(BaseModel):
+    """One finished point as `save_point` writes it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    identity: dict[str, Any]
+    label: str
+    alpha: float | None
+    tasks: list[SavedTask]
+
+
 def load_points(folder: Path, identity: dict) -> dict[str, list[TaskRun]]:
     """Every finished point in the run folder by label. One saved under other settings -> InputError,
     whether or not this grid includes it: the folder belongs to one sweep."""
