@@ -395,9 +395,9 @@ def test_sweep_point_files_are_typed(fresh):
     points.mkdir(parents=True)
     (fresh / "runs" / ".mergekit-lite-output").write_text("")
     (points / "pre.json").write_text(json.dumps({"identity": {}, "label": "pre", "alpha": None, "tasks": [
-        {"task": "a", "group": "old", "acc": "0.5", "n_choices": 4, "correct": {}}]}))
+        {"task": "a", "group": "old", "metric": "acc", "filter": "none", "n_choices": "4", "correct": {}}]}))
     one_error_line(run(*sweep_args("pre", "post", "runs"), cwd=fresh), 2,
-                   r"pre\.json: tasks\.0\.acc: expected a valid number \(got a string\)", "not a sweep point file")
+                   r"pre\.json: tasks\.0\.n_choices", r"\(got a string\)", "not a sweep point file")
 
 
 @pytest.mark.parametrize("change, pattern", [
