@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from mergekit_lite.errors import InputError
 
@@ -93,13 +94,45 @@ def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K) -> dict:
             "probe_seed": PROBE_SEED, "probe_dim": PROBE_DIM, "modules": modules}
 
 
-def write_fingerprint(fingerprint: dict, path) -> None:
-    Path(path).write_text(json.dumps(fingerprint, indent=1) + "\n")
+class FingerprintModule(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    shape: list[int]
+    singular_values: list[float]
+    probe: list[float]
+
+
+class FingerprintFile(BaseModel):
+    """The fingerprint file `compute_fingerprint` writes, typed."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    format: str
+    version: int
+    base: str
+    top_k: int = Field(ge=1)
+    probe_seed: int
+    probe_dim: int
+    modules: dict[str, FingerprintModule]
+
+
+def write_fingerprint(fingerprint: dict, path, base_dir=None) -> None:
+    """Write where asked, unless that is inside the base or replaces a file that is not a fingerprint of ours."""
+    from mergekit_lite.io.outputs import check_output_file, write_atomic
+
+    path = check_output_file(path, [base_dir], recognise=_is_our_fingerprint)
+    write_atomic(path, json.dumps(fingerprint, indent=1) + "\n")
+
+
+def _is_our_fingerprint(path: Path) -> bool:
+    try:
+        load_fingerprint(path)
+    except InputError:
+        return False
+    return True
 
 
 def load_fingerprint(path) -> dict:
     """Read a fingerprint file; anything that is not one of ours is unusable input."""
-    from mergekit_lite.io.safetensors import read_json
+    from mergekit_lite.io.validation import read_json, validate
 
     path = Path(path)
     if not path.is_file():
@@ -108,9 +141,9 @@ def load_fingerprint(path) -> dict:
     if not isinstance(fingerprint, dict) or fingerprint.get("format") != FORMAT:
         raise InputError(f"{path}: not a mergekit-lite base fingerprint (write one with `mergekit-lite audit fingerprint BASE`)")
     if fingerprint.get("version") != VERSION:
-        raise InputError(f"{path}: fingerprint version {fingerprint.get('version')} is not supported (expected {VERSION})")
-    if not isinstance(fingerprint.get("modules"), dict) or not isinstance(fingerprint.get("top_k"), int):
-        raise InputError(f"{path}: fingerprint has no modules or top_k")
+        raise InputError(f"{path}: fingerprint version {str(fingerprint.get('version'))[:20]} is not supported "
+                         f"(expected {VERSION})")
+    validate(FingerprintFile, fingerprint, path)
     return fingerprint
 
 

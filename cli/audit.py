@@ -132,5 +132,5 @@ def fingerprint(base, out, top_k):
     from audits.fingerprint import compute_fingerprint, write_fingerprint
 
     result = compute_fingerprint(base, top_k)
-    write_fingerprint(result, out)
+    write_fingerprint(result, out, base_dir=base)
     click.echo(f"wrote {out}: {len(result['modules'])} weight matrices (top-{top_k} singular values and a probe each)")

@@ -1,11 +1,28 @@
 """The `mergekit-lite` command: a group whose subcommands load on demand, so `--help` stays fast."""
 
-import importlib
-import sys
+import signal  # noqa: I001  (handlers go in first, so Ctrl-C during the imports is handled too)
 
-import click
+from mergekit_lite import interrupts
 
-from mergekit_lite.errors import InputError
+interrupts.install()
+
+import datetime  # noqa: E402
+import importlib  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+
+from mergekit_lite.errors import InputError  # noqa: E402
+
+BAD_INPUT_ERRORS = {
+    RecursionError: "input nested too deeply",
+    MemoryError: "out of memory (an input far larger than it should be?)",
+    OverflowError: "a number too large",
+}
 
 SUBCOMMANDS = {
     "merge": ("cli.merge", "merge", "Merge checkpoints (streamed, tensor by tensor)."),
@@ -34,7 +51,11 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
     def invoke(self, ctx):
+        """The last line of defence: every failure ends in one line on stderr and a fixed exit code."""
+        if {"-q", "--quiet"} & set(sys.argv[1:]):
+            quiet_third_party()
         try:
+            interrupts.started()
             return super().invoke(ctx)
         except InputError as error:
             click.echo(f"error: {error}", err=True)
@@ -43,9 +64,49 @@ class LazyGroup(click.Group):
             where = f" ({error.filename})" if getattr(error, "filename", None) else ""
             click.echo(f"error: {error.strerror or error}{where}", err=True)
             sys.exit(2)
+        except interrupts.Interrupted as interrupt:
+            click.echo(f"interrupted ({signal.Signals(interrupt.signum).name})", err=True)
+            sys.exit(interrupt.exit_code)
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+            click.echo("interrupted (SIGINT)", err=True)
             sys.exit(130)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except tuple(BAD_INPUT_ERRORS) as error:
+            click.echo(f"error: {BAD_INPUT_ERRORS[type(error)] if type(error) in BAD_INPUT_ERRORS else error} "
+                       f"({type(error).__name__}{_saved_traceback()})", err=True)
+            sys.exit(2)
+        except Exception as error:  # a bug: one line for the user, the traceback in a file for the report
+            message = " ".join(str(error).split())[:300]
+            click.echo(f"error: internal error: {type(error).__name__}: {message}{_saved_traceback()}", err=True)
+            sys.exit(1)
+
+
+def _saved_traceback() -> str:
+    """Write the current exception's traceback under the user cache (or the temp folder); say where."""
+    candidates = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mergekit-lite",
+                  Path(tempfile.gettempdir())]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for folder in candidates:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"crash-{stamp}-{os.getpid()}.txt"
+            with open(path, "x") as handle:
+                handle.write(f"mergekit-lite {' '.join(sys.argv[1:])}\n\n{traceback.format_exc()}")
+            return f"; traceback saved to {path}"
+        except OSError:
+            continue
+    return ""
+
+
+def quiet_third_party() -> None:
+    """-q: no loading bars or info logs from transformers / huggingface_hub / lm-eval / datasets on stderr."""
+    import logging
+
+    os.environ.update({"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                       "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "DATASETS_VERBOSITY": "error"})
+    for name in ("transformers", "huggingface_hub", "lm-eval", "lm_eval", "datasets", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

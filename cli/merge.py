@@ -1,8 +1,5 @@
 """`mergekit-lite merge`: flags or a YAML config in, a merged model folder out."""
 
-import signal
-import sys
-
 import click
 
 from mergekit_lite.merge.config import DTYPES, METHODS
@@ -105,7 +102,6 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     if dry_run:
         click.echo(plan_merge(config).describe())
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if quiet:
         _quiet_transformers()
     result = run_merge(config, out, overwrite=overwrite, progress=not quiet)

@@ -1,8 +1,6 @@
 """`mergekit-lite sweep`: merge pre and post at every alpha of a grid, score old and new skills, pick the best."""
 
 import os
-import signal
-import sys
 
 import click
 
@@ -116,7 +114,6 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
                         selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence, ray=ray_address,
                         search=search)
     settings = settings_from_dict(data)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from mergekit_lite.evaluate.sweep import SweepResult, SweepSettings, run_sweep
+from mergekit_lite.io.outputs import prepare_run_folder
 from mergekit_lite.merge.extract import extract_lora
 from mergekit_lite.toy import ToyPair, build_toy_pair
 
@@ -47,7 +48,7 @@ def make_adapters(pair: ToyPair, folder: Path) -> list[Path]:
     real, no_op = folder / "post-lora", folder / "no-op-lora"
     if not real.exists():
         extract_lora(str(pair.pre_dir), str(pair.post_dir), str(real), rank=ADAPTER_RANK)
-        write_fingerprint(compute_fingerprint(pair.pre_dir), real / FINGERPRINT_FILE)
+        write_fingerprint(compute_fingerprint(pair.pre_dir), real / FINGERPRINT_FILE, base_dir=pair.pre_dir)
     if not no_op.exists():
         no_op.mkdir(parents=True)
         tensors = load_file(real / "adapter_model.safetensors")
@@ -62,7 +63,7 @@ def run_demo(out: str | Path, seed: int = 0, methods: tuple[str, ...] = tuple(DE
     """Run every stage; finished stages in `out` are reused, so a rerun is quick."""
     from audits.adapter import audit_adapter
 
-    out = Path(out)
+    out = prepare_run_folder(out)
     echo(f"[1/4] building and training the tiny pre/post models in {out / 'models'}")
     pair = build_toy_pair(out / "models", seed=seed, max_shard_size="100KB")
     echo("[2/4] auditing LoRA adapters extracted from the fine-tune")

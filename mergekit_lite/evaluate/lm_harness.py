@@ -103,7 +103,7 @@ class Evaluator:
         model.to(self.device)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device)
         # lm-eval passes disable=False to its own progress bars; `quiet` silences them at the stream.
-        with contextlib.redirect_stderr(io.StringIO()) if self.quiet else contextlib.nullcontext():
+        with _silenced_stderr() if self.quiet else contextlib.nullcontext():
             results = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=self.tasks,
@@ -114,3 +114,19 @@ class Evaluator:
             )
         return {task: TaskScore(task, samples, results["configs"].get(task, {}))
                 for task, samples in results["samples"].items()}
+
+
+@contextlib.contextmanager
+def _silenced_stderr():
+    """Python's stderr and file descriptor 2: lm-eval runs `git describe`, whose complaint bypasses sys.stderr."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(io.StringIO()):
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

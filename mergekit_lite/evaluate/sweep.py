@@ -36,7 +36,11 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.search import SearchTrace
 from mergekit_lite.evaluate.forgetting import (
@@ -49,7 +53,9 @@ from mergekit_lite.evaluate.forgetting import (
     aggregate,
     compare,
 )
-from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, RECALL_METHODS, MergeConfig, read_yaml
+from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder, write_atomic
+from mergekit_lite.io.validation import read_json, read_yaml, validate
+from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, RECALL_METHODS, MergeConfig
 
 POINTS_DIR = "points"
 RECALL_DIR = "recall"
@@ -228,6 +234,43 @@ def _spec_list(value) -> list[str]:
     return [str(item) for item in ([value] if isinstance(value, (str, int, float)) else value)]
 
 
+Spec = str | int | float  # a scoring spec value as YAML may write it
+
+
+class SweepFile(BaseModel):
+    """The types a sweep YAML may give each setting (strict: a quoted "false" is not a boolean)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    pre: str | None = None
+    post: str | None = None
+    method: str | None = None
+    alphas: str | float | list[float] | None = None
+    old_tasks: str | list[str] | None = None
+    new_tasks: str | list[str] | None = None
+    include_path: str | None = None
+    out: str | None = None
+    limit: int | None = Field(None, ge=1)
+    batch_size: int | None = Field(None, ge=1)
+    device: str | None = None
+    density: float | None = None
+    drop: float | None = None
+    seed: int | None = None
+    recall_texts: str | None = None
+    recall_samples: int | None = Field(None, ge=1)
+    save_best: str | None = None
+    stream: bool | None = None
+    ray: str | None = None
+    search: str | None = None
+    metric: Spec | list[Spec] | dict[str, Spec] | None = None
+    filter: Spec | list[Spec] | dict[str, Spec] | None = None
+    choices: Spec | list[Spec] | dict[str, Spec] | None = None
+    aggregation: str | None = None
+    selection: str | None = None
+    selection_fraction: float | None = None
+    bootstrap: int | None = Field(None, ge=0)
+    confidence: float | None = None
+
+
 def load_sweep_file(path: str | Path) -> dict:
     """A YAML sweep config with SweepSettings' keys (dashes or underscores); unknown keys are an error."""
     path = Path(path)
@@ -240,7 +283,8 @@ def load_sweep_file(path: str | Path) -> dict:
         if name not in SETTINGS_KEYS:
             raise InputError(f"{path}: unknown key {key!r} (known: {', '.join(SETTINGS_KEYS)})")
         settings[name] = value
-    return settings
+    validate(SweepFile, settings, path)
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def settings_from_dict(data: dict) -> SweepSettings:
@@ -498,11 +542,27 @@ def alpha_label(alpha: float) -> str:
     return f"alpha={alpha!r}"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write beside the target, then rename: readers see the old file or the new one, never half of one."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temp.write_text(text)
-    os.replace(temp, path)
+class SavedTask(BaseModel):
+    """One task of a saved point, as `TaskRun.to_json` writes it: per-sample outcomes, or why it was skipped."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    task: str
+    group: Literal["old", "new"]
+    metric: str | None = None
+    filter: str | None = None
+    n_choices: int | float | None = None
+    correct: dict[str, bool] | None = None
+    skipped: str | None = None
+
+
+class PointFile(BaseModel):
+    """One finished point as `save_point` writes it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    identity: dict[str, Any]
+    label: str
+    alpha: float | None
+    tasks: list[SavedTask]
 
 
 def load_points(folder: Path, identity: dict) -> dict[str, list[TaskRun]]:
@@ -511,11 +571,11 @@ def load_points(folder: Path, identity: dict) -> dict[str, list[TaskRun]]:
     points = {}
     for path in sorted((folder / POINTS_DIR).glob("*.json")):
         try:
-            data = json.loads(path.read_text())
-            label, saved = data["label"], data["identity"]
-            runs = [TaskRun.from_json(entry) for entry in data["tasks"]]
-        except (ValueError, KeyError, TypeError):
-            raise InputError(f"{path}: not a sweep point file (delete it to evaluate that point again)") from None
+            point = validate(PointFile, read_json(path), path)
+        except InputError as error:
+            raise InputError(f"{error} (not a sweep point file; delete it to evaluate that point again)") from None
+        label, saved = point.label, point.identity
+        runs = [TaskRun.from_json(entry.model_dump(exclude_unset=True)) for entry in point.tasks]
         changed = next((key for key in identity if saved.get(key) != identity[key]), None)
         if changed:
             raise InputError(f"{folder} holds a sweep with other settings ({changed}: {saved.get(changed)!r} "
@@ -681,10 +741,10 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
 
     from mergekit_lite.evaluate.report import write_report
 
-    folder = Path(settings.out)
-    if settings.save_best and Path(settings.save_best).exists():
-        raise InputError(f"{settings.save_best}: already exists (--save-best writes a new folder)")
-    folder.mkdir(parents=True, exist_ok=True)
+    inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
+    if settings.save_best:
+        check_output_folder(settings.save_best, inputs)
+    folder = prepare_run_folder(settings.out, inputs)
     (folder / POINTS_DIR).mkdir(exist_ok=True)
     identity = settings.identity()
     plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
@@ -712,6 +772,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                     nonlocal evaluator
                     if label in runs:
                         return
+                    interrupts.check()
                     evaluator = evaluator or PointEvaluator(settings, folder, bar)
                     bar.set_postfix_str(label)
                     runs[label] = evaluate_point(evaluator, settings, label, alpha,
@@ -731,6 +792,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         if settings.save_best:
             from mergekit_lite.merge.engine import run_merge
 
+            check_output_folder(settings.save_best, inputs)
             run_merge(configs(result.best.alpha), settings.save_best, progress=progress)
     return result
 

@@ -1,27 +1,90 @@
-"""Output folders: written beside their destination under a temporary name, renamed only when complete."""
+"""Output rules shared by every command that writes (merge, sweep, --save-best, audit fingerprint, demo).
+
+- An output never is, contains, or sits inside-out of what the user asked to read: `--out` may not be an
+  input, a folder holding an input, or the working folder or one of its ancestors.
+- `--overwrite` replaces only what mergekit-lite wrote itself, recognised by the marker file it puts in
+  every output folder (`OUTPUT_MARKER`), and says so when it refuses.
+- A folder is written beside its destination under a temporary name and renamed with RENAME_NOREPLACE
+  (RENAME_EXCHANGE for --overwrite), so a folder that appears meanwhile, e.g. from a concurrent run, is
+  never replaced: the later run fails and keeps its result out of the way instead.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import INDEX_FILE, WEIGHT_SUFFIXES
+from mergekit_lite.io.safetensors import INDEX_FILE, WEIGHT_SUFFIXES, is_regular_inside
+
+OUTPUT_MARKER = ".mergekit-lite-output"
+LEGACY_MARKERS = ("mergekit_lite_config.yaml", ".sweep.lock")  # outputs written before the marker existed
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
 
 
 def _temp_name(out: Path) -> str:
     return f".{out.name}.partial-{os.getpid()}"
 
 
+def written_by_us(folder: Path) -> bool:
+    """A folder mergekit-lite wrote: it holds the output marker (or a provenance file of older versions)."""
+    return any((Path(folder) / name).is_file() for name in (OUTPUT_MARKER, *LEGACY_MARKERS))
+
+
+def check_output_path(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
+    """Refuse an output that is an input, contains one, lies inside an input folder, or is the working folder
+    or an ancestor of it (paths compared after resolving links)."""
+    out = Path(out)
+    target = Path(os.path.realpath(out))
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if target == cwd or target in cwd.parents:
+        raise InputError(f"{out}: is the working folder or one of its parents; choose a new folder for the output")
+    for source in inputs:
+        if source is None or str(source) == "":
+            continue
+        source_path = Path(os.path.realpath(source))
+        if target == source_path:
+            raise InputError(f"{out}: is also an input ({source}); choose a new folder for the output")
+        if target in source_path.parents:
+            raise InputError(f"{out}: contains the input {source}; choose a new folder for the output")
+        if source_path in target.parents and source_path.is_dir():
+            raise InputError(f"{out}: is inside the input {source}; choose a folder outside the inputs")
+    return out
+
+
+def _refuse_existing(out: Path, overwrite: bool) -> None:
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise InputError(f"{out}: exists and is not a folder mergekit-lite wrote; not replacing it")
+    if not out.exists():
+        return
+    if not written_by_us(out):
+        raise InputError(f"{out}: already exists and was not written by mergekit-lite (no {OUTPUT_MARKER}); "
+                         "--overwrite replaces only mergekit-lite outputs, choose a new folder")
+    if not overwrite:
+        raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
+
+
+def check_output_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                        overwrite: bool = False) -> Path:
+    """All the output rules that can be checked before any work: where `out` is, and what is there now."""
+    out = check_output_path(out, inputs)
+    _refuse_existing(out, overwrite)
+    return out
+
+
 def stale_partials(out: Path) -> list[Path]:
-    """Temporary folders left next to `out` by merges that were killed (their process is gone)."""
+    """Temporary folders left next to `out` by runs that were killed (their process is gone, the marker is ours)."""
     stale = []
     for candidate in out.parent.glob(f".{out.name}.partial-*"):
         pid = candidate.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if pid.isdigit() and not _process_alive(int(pid)) and written_by_us(candidate):
             stale.append(candidate)
     return stale
 
@@ -36,42 +99,147 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _renameat2(source: Path, target: Path, flags: int) -> None:
+    """Linux renameat2(2): RENAME_NOREPLACE fails with EEXIST if target exists, checked by the kernel atomically."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(target))
+
+
+def rename_no_clobber(source: Path, target: Path) -> None:
+    """Move `source` to `target` only if nothing is at `target`, atomically where the kernel allows it."""
+    try:
+        _renameat2(source, target, _RENAME_NOREPLACE)
+        return
+    except OSError as error:
+        if error.errno == errno.EEXIST:
+            raise InputError(f"{target}: appeared while this run was writing (another run?); "
+                             "left it untouched, this run's result is discarded") from None
+        if error.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise
+    # No renameat2 (old kernel, macOS, some network filesystems): link-free fallback that still never
+    # replaces a non-empty folder (rename(2) fails with ENOTEMPTY), and checks for an empty one first.
+    if os.path.lexists(target):
+        raise InputError(f"{target}: appeared while this run was writing; left it untouched")
+    os.rename(source, target)
+
+
+def _replace_own_output(temp: Path, out: Path) -> None:
+    """--overwrite: swap the new folder in, the old one out (which must still be ours), then delete the old."""
+    if not out.exists():
+        rename_no_clobber(temp, out)
+        return
+    _refuse_existing(out, overwrite=True)
+    try:
+        _renameat2(temp, out, _RENAME_EXCHANGE)
+        shutil.rmtree(temp)  # `temp` now holds the replaced output
+        return
+    except OSError as error:
+        if error.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise
+    retired = out.parent / f".{out.name}.replaced-{os.getpid()}"
+    rename_no_clobber(out, retired)
+    rename_no_clobber(temp, out)
+    shutil.rmtree(retired)
+
+
 @contextmanager
-def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False,
+                      inputs: Iterable[str | os.PathLike | None] = ()) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; rename it to `out` only if the block finishes.
 
     A failed or interrupted run removes its temporary folder; a killed one (SIGKILL) leaves a
     `.NAME.partial-PID` folder that no tool mistakes for a model, and the next run removes it.
+    Signals are deferred throughout (the block calls `interrupts.check()` at its safe points), so the
+    cleanup itself is never cut short.
     """
+    out = check_output_folder(out, inputs, overwrite)
+    with interrupts.deferred():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in stale_partials(out):
+            shutil.rmtree(stale, ignore_errors=True)
+        temp = out.parent / _temp_name(out)
+        if temp.exists() and written_by_us(temp):
+            shutil.rmtree(temp)
+        temp.mkdir()
+        try:
+            (temp / OUTPUT_MARKER).write_text("written by mergekit-lite; --overwrite may replace this folder\n")
+            yield temp
+            interrupts.check()
+            if overwrite:
+                _replace_own_output(temp, out)
+            else:
+                rename_no_clobber(temp, out)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+
+
+def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
+    """A run folder (sweep, demo) that later runs resume: it must be new, empty, or one mergekit-lite made."""
+    out = check_output_path(out, inputs)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise InputError(f"{out}: exists and is not a folder; choose a new run folder")
+    if out.is_dir() and any(out.iterdir()) and not written_by_us(out):
+        raise InputError(f"{out}: is a non-empty folder that mergekit-lite did not create (no {OUTPUT_MARKER}); "
+                         "choose a new or empty run folder")
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / OUTPUT_MARKER
+    if not marker.exists():
+        marker.write_text("a mergekit-lite run folder; reruns resume here\n")
+    return out
+
+
+def check_output_file(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                      recognise=lambda path: False) -> Path:
+    """A file output (e.g. a fingerprint): never an input or inside one's folder tree, never replacing a
+    file that `recognise` does not identify as mergekit-lite's own."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in stale_partials(out):
-        shutil.rmtree(stale, ignore_errors=True)
-    temp = out.parent / _temp_name(out)
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
+    target = Path(os.path.realpath(out))
+    for source in inputs:
+        if source is None:
+            continue
+        source_path = Path(os.path.realpath(source))
+        if target == source_path or (source_path.is_dir() and source_path in target.parents):
+            raise InputError(f"{out}: is inside the input {source}; write the output elsewhere")
+    if os.path.lexists(out) and (out.is_symlink() or not out.is_file() or not recognise(out)):
+        raise InputError(f"{out}: already exists and is not a file mergekit-lite wrote; not replacing it")
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write beside the target, then rename over it: readers see the old file or the new one, never half."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        yield temp
+        temp.write_text(text)
+        os.replace(temp, path)
     except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
+        temp.unlink(missing_ok=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(temp, out)
 
 
 def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
-    """Copy config, tokenizer and generation files (everything that is not weights) from a model folder."""
+    """Copy config, tokenizer and generation files (everything that is not weights) from a model folder.
+
+    Only regular files inside the folder are copied: a symlink that leaves it (to a secret, say) is not.
+    """
     copied = []
-    if not Path(source_folder).is_dir():
-        return copied
-    for item in sorted(Path(source_folder).iterdir()):
-        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name != INDEX_FILE \
-                and not item.name.startswith("adapter_"):
-            shutil.copy2(item, out_folder / item.name)
+    source_folder = Path(source_folder)
+    if not source_folder.exists():
+        raise InputError(f"{source_folder}: no such folder to copy config and tokenizer files from")
+    if not source_folder.is_dir():
+        return copied  # a bare .safetensors file has no side files
+    for item in sorted(source_folder.iterdir()):
+        if item.name.endswith(WEIGHT_SUFFIXES) or item.name in (INDEX_FILE, OUTPUT_MARKER) \
+                or item.name.startswith("adapter_"):
+            continue
+        if is_regular_inside(item, source_folder):
+            shutil.copyfile(item, out_folder / item.name)
+            shutil.copymode(item, out_folder / item.name)
             copied.append(item.name)
     return copied

@@ -10,15 +10,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.validation import parse_json, read_json, validate
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -34,6 +37,7 @@ SAFETENSORS_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -53,49 +57,111 @@ class TensorEntry:
     nbytes: int
 
 
+def is_regular_inside(path: Path, folder: Path) -> bool:
+    """A regular file (after links) whose real path stays inside `folder`.
+
+    Links inside a Hugging Face cache snapshot (`.../snapshots/REV/x -> ../../blobs/HASH`) point into the
+    repository's own `blobs/` folder, which counts as inside: that is how every hub download is laid out.
+    """
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return any(real == allowed or allowed in real.parents for allowed in roots)
+
+
+def open_regular(path: Path):
+    """Open for reading only if it is a regular file: a FIFO or device is refused without blocking on it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise InputError(f"{path}: cannot read ({error.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"{path}: not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb", buffering=0)
+
+
 def read_header(path: Path) -> dict[str, TensorEntry]:
     """Parse and validate a safetensors header without touching tensor data.
 
-    Every entry is checked against the file size here, so a truncated download fails at open,
-    naming the file and the first tensor that does not fit, instead of halfway through a merge.
+    At least as strict as the `safetensors` library (`tests/test_safety.py` runs crafted headers through
+    both): known dtypes, whole-number shapes, offsets that tile the data area exactly (no gaps, overlaps or
+    aliases, nothing after the last tensor), string metadata; and stricter on duplicate names, which the
+    library resolves silently (last wins). Every entry is checked
+    against the file size here, so a truncated download fails at open, naming the file and the first tensor
+    that does not fit, instead of halfway through a merge. Nothing of a file that fails is echoed.
     """
     path = Path(path)
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise InputError(f"{path}: not a safetensors file (only {size} bytes)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
+            raise InputError(f"{path}: corrupted safetensors header (its declared length exceeds the file)")
+        raw = handle.read(header_len)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise InputError(f"{path}: not a safetensors file (only {size} bytes)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(size - 8, MAX_HEADER_BYTES):
-                raise InputError(f"{path}: corrupted safetensors header (declares {header_len} header bytes, file has {size})")
-            raw = handle.read(header_len)
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not an object")
-    except ValueError as error:
-        raise InputError(f"{path}: corrupted safetensors header ({error})") from None
+        header = parse_json(raw.decode("utf-8"), path)
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path}: corrupted safetensors header (not UTF-8 at byte {error.start})") from None
+    except InputError as error:
+        raise InputError(f"{path}: corrupted safetensors header ({str(error).removeprefix(f'{path}: ')})") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: corrupted safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError(f"{path}: corrupted safetensors header (__metadata__ must map names to strings)")
     data_start = 8 + header_len
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(dim) for dim in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: corrupted safetensors header (bad entry for tensor {name})") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
-            raise InputError(f"{path}: corrupted safetensors header (tensor {name} has {end - begin} bytes for shape {list(shape)})")
-        if data_start + end > size:
-            raise InputError(f"{path}: truncated file (tensor {name} ends at byte {data_start + end}, file has {size})")
-        entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, nbytes)
+    entries = {name: _header_entry(path, name, info, data_start) for name, info in header.items()}
+    _check_layout(path, list(entries.values()), data_start, size)
     return entries
+
+
+def _header_entry(path: Path, name: str, info, data_start: int) -> TensorEntry:
+    def bad(reason: str) -> InputError:
+        return InputError(f"{path}: corrupted safetensors header (tensor {name[:200]!r}: {reason})")
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise bad("needs dtype, shape and data_offsets")
+    if not isinstance(info["dtype"], str) or info["dtype"] not in SAFETENSORS_DTYPES:
+        raise bad(f"unsupported dtype {str(info['dtype'])[:20]!r}")
+    dtype = SAFETENSORS_DTYPES[info["dtype"]]
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(_whole(dim) for dim in shape):
+        raise bad("shape must be a list of whole numbers >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(x) for x in offsets) \
+            or offsets[0] > offsets[1]:
+        raise bad("data_offsets must be [begin, end] with 0 <= begin <= end")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise bad(f"{offsets[1] - offsets[0]} bytes for shape {shape}")
+    return TensorEntry(name, path, dtype, tuple(shape), data_start + offsets[0], nbytes)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _check_layout(path: Path, entries: list[TensorEntry], data_start: int, size: int) -> None:
+    """The tensors tile the data area: each starts where the previous one ends, the last one ends the file."""
+    position = data_start
+    for entry in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+        if entry.offset != position:
+            what = "overlaps the previous tensor" if entry.offset < position else "leaves a gap before it"
+            raise InputError(f"{path}: corrupted safetensors header (tensor {entry.name[:200]!r} {what})")
+        position += entry.nbytes
+        if position > size:
+            raise InputError(f"{path}: truncated file (tensor {entry.name[:200]} ends at byte {position}, file has {size})")
+    if position != size:
+        raise InputError(f"{path}: corrupted safetensors header ({size - position} bytes after the last tensor)")
 
 
 class ModelSource:
@@ -129,7 +195,10 @@ class ModelSource:
 
     def load(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """Read one tensor straight into `into` (a uint8 block of at least its bytes, e.g. from a BufferRing),
-        or into fresh CPU memory (its own bytes, nothing more)."""
+        or into fresh CPU memory (its own bytes, nothing more).
+
+        float8 tensors come back upcast to float32 (exact): torch has almost no float8 kernels, and the
+        merge stores them back in the planned dtype (`dtype(name)` still reports the stored one)."""
         entry = self.entry(name)
         buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into[:entry.nbytes]
         if entry.nbytes:
@@ -137,11 +206,12 @@ class ModelSource:
             handle.seek(entry.offset)
             if handle.readinto(memoryview(buffer.numpy())) != entry.nbytes:
                 raise InputError(f"{entry.file}: truncated file (tensor {name})")
-        return buffer.view(entry.dtype).reshape(entry.shape)
+        tensor = buffer.view(entry.dtype).reshape(entry.shape)
+        return tensor.float() if entry.dtype in FLOAT8 else tensor
 
     def _handle(self, file: Path):
         if file not in self._handles:
-            self._handles[file] = open(file, "rb", buffering=0)
+            self._handles[file] = open_regular(file)
         return self._handles[file]
 
 
@@ -169,63 +239,111 @@ class PickleSource(ModelSource):
         return self._tensors[name].clone()
 
 
-def read_json(path: Path) -> dict:
-    try:
-        with open(path) as handle:
-            return json.load(handle)
-    except ValueError as error:
-        raise InputError(f"{path}: invalid JSON ({error})") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
+class ShardIndex(BaseModel):
+    """model.safetensors.index.json: tensor name -> shard file name (a plain name inside the model folder)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    metadata: dict[str, Any] | None = None
+    weight_map: dict[str, str]
+
+
+class ModelConfigFile(BaseModel):
+    """The keys of a model's config.json that mergekit-lite reads, typed; the rest passes through."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model_type: str | None = None
+    architectures: list[str] | None = None
+    num_hidden_layers: int | None = None
+    tie_word_embeddings: bool | None = None
+    torch_dtype: str | None = None
+    dtype: str | None = None
+
+
+def read_model_config(folder: Path) -> dict | None:
+    """config.json of a model folder (a regular file inside it), checked for the keys the merge reads."""
+    path = folder / "config.json"
+    if not os.path.lexists(path):
+        return None
+    if not is_regular_inside(path, folder):
+        raise InputError(f"{path}: not a regular file inside {folder}")
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object (got {type(data).__name__})")
+    validate(ModelConfigFile, data, path)
+    return data
+
+
+def _weight_file(folder: Path, name: str, where: Path) -> Path:
+    """A shard named by an index or found in the folder: a plain name, a regular file inside the folder."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise InputError(f"{where}: shard name {name[:200]!r} is not a plain file name in {folder}")
+    path = folder / name
+    if not os.path.lexists(path):
+        raise InputError(f"{where}: names shard {name}, which is missing")
+    if not is_regular_inside(path, folder):
+        raise InputError(f"{path}: not a regular file inside {folder} (a link out of the folder, a FIFO or a device)")
+    return path
 
 
 def _indexed_entries(folder: Path) -> dict[str, TensorEntry]:
-    index = read_json(folder / INDEX_FILE)
-    weight_map = index.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise InputError(f"{folder / INDEX_FILE}: no weight_map")
+    index_path = folder / INDEX_FILE
+    if not is_regular_inside(index_path, folder):
+        raise InputError(f"{index_path}: not a regular file inside {folder}")
+    index = validate(ShardIndex, read_json(index_path), index_path)
+    if not index.weight_map:
+        raise InputError(f"{index_path}: no weight_map")
     headers: dict[str, dict[str, TensorEntry]] = {}
     entries = {}
-    for name, shard in weight_map.items():
+    for name, shard in index.weight_map.items():
         if shard not in headers:
-            shard_path = folder / shard
-            if not shard_path.is_file():
-                raise InputError(f"{folder / INDEX_FILE}: names shard {shard}, which is missing")
-            headers[shard] = read_header(shard_path)
+            headers[shard] = read_header(_weight_file(folder, shard, index_path))
         if name not in headers[shard]:
-            raise InputError(f"{folder / INDEX_FILE}: places tensor {name} in {shard}, which does not hold it")
+            raise InputError(f"{index_path}: places tensor {name} in {shard}, which does not hold it")
         entries[name] = headers[shard][name]
+    for shard, header in headers.items():
+        unlisted = next((name for name in header if index.weight_map.get(name) != shard), None)
+        if unlisted is not None:
+            raise InputError(f"{index_path}: tensor {unlisted} in {shard} is not in the index (an incomplete index?)")
     return entries
 
 
 def open_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelSource:
-    """Open a HF model folder (single or sharded safetensors) or one .safetensors file, lazily."""
+    """Open a HF model folder (single or sharded safetensors) or one .safetensors file, lazily.
+
+    Reads stay inside what the user named: shards and config.json are regular files inside the folder.
+    """
     path = Path(path)
-    if path.is_file():
+    if os.path.lexists(path) and not path.is_dir():
         if path.suffix != ".safetensors":
             raise InputError(f"{path}: not a .safetensors file")
-        return ModelSource(path, read_header(path), None)
+        return _nonempty(ModelSource(path, read_header(path), None))
     if not path.is_dir():
         raise InputError(f"{path}: no such file or folder")
-    config = read_json(path / "config.json") if (path / "config.json").is_file() else None
-    if (path / INDEX_FILE).is_file():
-        return ModelSource(path, _indexed_entries(path), config)
+    config = read_model_config(path)
+    if os.path.lexists(path / INDEX_FILE):
+        return _nonempty(ModelSource(path, _indexed_entries(path), config))
     shards = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("adapter_model"))
     if shards:
         entries: dict[str, TensorEntry] = {}
         for shard in shards:
-            for name, entry in read_header(shard).items():
+            for name, entry in read_header(_weight_file(path, shard.name, path)).items():
                 if name in entries:
                     raise InputError(f"{path}: tensor {name} is in both {entries[name].file.name} and {shard.name}, and there is no index")
                 entries[name] = entry
-        return ModelSource(path, entries, config)
+        return _nonempty(ModelSource(path, entries, config))
     pickles = sorted(path.glob("pytorch_model*.bin"))
     if pickles:
         if not allow_pickle:
             raise InputError(f"{path}: only pickle weights ({pickles[0].name}); refusing to unpickle untrusted files "
                              "(convert to safetensors, or pass --allow-pickle)")
-        return PickleSource(path, pickles, config)
+        return _nonempty(PickleSource(path, [_weight_file(path, p.name, path) for p in pickles], config))
     raise InputError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE})")
+
+
+def _nonempty(source: ModelSource) -> ModelSource:
+    if not source.names:
+        raise InputError(f"{source.path}: holds no tensors (an empty safetensors header)")
+    return source
 
 
 def parse_size(text: str | int) -> int:
@@ -239,7 +357,7 @@ def parse_size(text: str | int) -> int:
     unit = cleaned[len(number):]
     try:
         value = int(float(number) * units[unit])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):
         raise InputError(f"bad size {text!r} (use e.g. 500MB, 2GB, 5GiB)") from None
     if value <= 0:
         raise InputError(f"bad size {text!r} (must be positive)")

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
-import yaml
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
 
 from mergekit_lite.errors import InputError
@@ -640,13 +639,9 @@ def is_embedding(tensor_name: str) -> bool:
 
 def read_yaml(path: str | Path) -> Any:
     """A YAML file's content; unreadable or invalid files become a one-line error naming the file."""
-    path = Path(path)
-    try:
-        return yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
-    except yaml.YAMLError as error:
-        raise InputError(f"{path}: invalid YAML ({str(error).splitlines()[0]})") from None
+    from mergekit_lite.io.validation import read_yaml as read_limited_yaml  # size, depth and alias limits
+
+    return read_limited_yaml(path)
 
 
 def load_config(path: str | Path) -> MergeConfig:

@@ -16,10 +16,11 @@ from typing import Callable
 import torch
 import yaml
 
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import BufferRing, aligned
 from mergekit_lite.io.lora import LoraAdapter
-from mergekit_lite.io.outputs import atomic_output_dir, copy_side_files
+from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder, copy_side_files
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource
 from mergekit_lite.merge import methods
@@ -106,15 +107,17 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
     from tqdm import tqdm
 
     config = plan.config
-    device = torch.device(config.device)
+    device = usable_device(config.device)
     ring = BufferRing(max((_input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
-    with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
+    with interrupts.deferred(), \
+            tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
         try:
             steps = plan.steps
             next_read = reader.submit(_read_inputs, plan, steps[0], ring) if steps else None
             pending = None
             for position, step in enumerate(steps):
+                interrupts.check()  # signals are handled here, never inside the executors' locks
                 block, tensors = next_read.result()
                 if position + 1 < len(steps):
                     next_read = reader.submit(_read_inputs, plan, steps[position + 1], ring)
@@ -125,6 +128,8 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
                 else:
                     merged = merge_tensor(config, step, [t.to(device, non_blocking=True) for t in tensors],
                                           _output_slot(step, tensors[0], block))
+                    if not config.allow_nonfinite:
+                        _check_merged_finite(step.name, merged)
                 _wait_for(device)
                 del tensors
                 if sink_keeps_tensors and _within(merged, block):
@@ -207,12 +212,37 @@ def _wait_for(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def usable_device(name: str) -> torch.device:
+    """The device the math runs on, refused in one line when this machine lacks it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"device {name!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise InputError(f"device {name!r} is not available here (torch sees {torch.cuda.device_count()} CUDA devices)")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    return device
+
+
 def _check_finite(name: str, tensors: list[torch.Tensor], sources: list[TensorSource]) -> None:
     """min and max propagate NaN and reach Inf, so one aminmax pass (much faster than isfinite) decides."""
     for tensor, source in zip(tensors, sources):
-        if tensor.is_floating_point() and tensor.numel() and not all(map(math.isfinite, torch.aminmax(tensor))):
+        if tensor.is_floating_point() and tensor.numel() and not all(map(math.isfinite, _aminmax(tensor))):
             where = source.entry(name).file if isinstance(source, ModelSource) else source.path
             raise InputError(f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)")
+
+
+def _check_merged_finite(name: str, merged: torch.Tensor) -> None:
+    """Finite inputs can still overflow (a huge --lambda, a sum beyond float16's range): never write Inf/NaN."""
+    if merged.is_floating_point() and merged.numel() and not all(map(math.isfinite, _aminmax(merged))):
+        raise InputError(f"merged tensor {name} has NaN or Inf values (overflow in the merge or the output dtype "
+                         f"{str(merged.dtype).removeprefix('torch.')}; pass --allow-nonfinite to write it anyway)")
+
+
+def _aminmax(tensor: torch.Tensor):
+    """aminmax has no float8 kernel: those (1-byte) tensors are upcast, which is exact."""
+    return torch.aminmax(tensor.float() if tensor.element_size() == 1 else tensor)
 
 
 def _all_identical(tensors: list[torch.Tensor]) -> bool:
@@ -232,9 +262,12 @@ class MergeResult:
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False) -> MergeResult:
     """Plan and stream a merge into `out`, which appears only once complete."""
     started = time.perf_counter()
+    inputs = [*config.inputs, config.copy_files_from, config.recall.texts, config.recall.weights_file]
+    check_output_folder(out, inputs, overwrite)
+    usable_device(config.device)
     plan = plan_merge(config)
     _audit_adapters(config)
-    with atomic_output_dir(out, overwrite=overwrite) as folder:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
         writer = ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                                config.out_shard_size)
         execute(plan, writer.write, progress=progress)

@@ -1,0 +1,75 @@
+"""Ctrl-C and SIGTERM by design: a flag set by the handler, acted on at safe points.
+
+Python raises KeyboardInterrupt wherever the main thread happens to be, including inside
+ThreadPoolExecutor's locks, which can leave a worker waiting forever on a lock the main thread held.
+Inside `deferred()` sections (the merge loop, writing and removing output folders) the handlers only
+record the signal, and the code calls `check()` between tensors, where nothing is locked. Elsewhere
+(loading models, lm-eval) they raise at once, as Ctrl-C normally does. Either way the exception is
+`Interrupted`, which the CLI turns into one line and exit 128 + signal number (130 / 143).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+_received: int | None = None
+_deferring = 0
+_starting = False
+
+
+class Interrupted(KeyboardInterrupt):
+    """A handled SIGINT / SIGTERM; a KeyboardInterrupt so libraries stop as they would on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def _handler(signum, frame) -> None:
+    global _received
+    _received = signum
+    if not _deferring and not _starting:
+        raise Interrupted(signum)
+
+
+def install() -> None:
+    """Route SIGINT and SIGTERM through the flag (main thread only, as `signal` requires).
+
+    Signals stay deferred until `started()`: while the CLI imports its modules, nothing could catch them.
+    A signal the parent set to be ignored (`nohup`, a background job of a script) stays ignored."""
+    global _starting
+    if threading.current_thread() is threading.main_thread():
+        _starting = True
+        for signum in HANDLED:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, _handler)
+
+
+def started() -> None:
+    """End the start-up deferral of `install()`: from here on a signal outside `deferred()` raises at once."""
+    global _starting
+    _starting = False
+    check()
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Within this block a signal only sets the flag; it is raised at the next `check()` or at the end."""
+    global _deferring
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    check()
+
+
+def check() -> None:
+    """A safe point: raise `Interrupted` if a handled signal arrived."""
+    if _received is not None:
+        raise Interrupted(_received)

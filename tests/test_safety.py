@@ -1,0 +1,745 @@
+"""Never lose, leak or hang: outputs, reads, typed input, signals and the last line of defence, through the real CLI.
+
+Every destructive case hashes the inputs (and the folder around them) before and after: unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import save_tiny_llama
+
+from mergekit_lite.merge.methods import lerp
+
+CLI = Path(sys.executable).parent / "mergekit-lite"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run(*args, cwd=None, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CLI), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env=env or ENV, timeout=timeout)
+
+
+def one_error_line(result: subprocess.CompletedProcess, code: int = 2, *patterns: str) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for pattern in patterns:
+        assert re.search(pattern, lines[0]), (pattern, lines[0])
+    return lines[0]
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    """Every path under root (links not followed) with its content hash, or its link target."""
+    hashes = {}
+    for path in sorted(Path(root).rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            hashes[key] = "link:" + os.readlink(path)
+        elif path.is_file():
+            hashes[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            hashes[key] = "dir"
+    return hashes
+
+
+def lerp_args(base, model, alpha=0.5) -> list:
+    return ["merge", "--method", "linear", "--base", base, "--model", model, "--alpha", alpha, "-q"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A user's working folder holding two tiny models, pre/ and post/ (sharded, with an index)."""
+    root = tmp_path_factory.mktemp("work")
+    save_tiny_llama(0, root / "pre")
+    save_tiny_llama(1, root / "post")
+    return root
+
+
+@pytest.fixture
+def fresh(work, tmp_path) -> Path:
+    """A private copy of the working folder, for cases that could destroy it."""
+    return Path(shutil.copytree(work, tmp_path / "work", symlinks=True))
+
+
+# ------------------------------------------------------------------------------------------- output rules
+
+@pytest.mark.parametrize("out, cwd, patterns", [
+    ("pre", ".", [r"pre: is also an input"]),
+    (".", ".", [r"\.: is the working folder or one of its parents"]),
+    ("..", ".", [r"\.\.: is the working folder or one of its parents"]),
+    ("work", "..", [r"work: contains the input"]),
+    ("pre/merged", ".", [r"pre/merged: is inside the input"]),
+], ids=["out-is-base", "out-is-cwd", "out-is-cwd-parent", "out-contains-inputs", "out-inside-input"])
+def test_overwrite_never_deletes_inputs_or_the_working_folder(fresh, out, cwd, patterns):
+    """The data-loss findings: --out ., --out pre, --out (the parent of the inputs), all with --overwrite."""
+    before = tree_hash(fresh.parent)
+    folder = (fresh / cwd).resolve()
+    pre, post = os.path.relpath(fresh / "pre", folder), os.path.relpath(fresh / "post", folder)
+    result = run(*lerp_args(pre, post), "--out", out, "--overwrite", cwd=folder)
+    one_error_line(result, 2, *patterns)
+    assert tree_hash(fresh.parent) == before
+
+
+def test_overwrite_replaces_only_mergekit_lite_outputs(fresh):
+    """A folder of the user's is refused with --overwrite and says why; one of ours is replaced."""
+    mine = fresh / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    before = tree_hash(fresh)
+    result = run(*lerp_args("pre", "post"), "--out", "mine", "--overwrite", cwd=fresh)
+    one_error_line(result, 2, r"mine: already exists and was not written by mergekit-lite",
+                   r"--overwrite replaces only mergekit-lite outputs")
+    assert tree_hash(fresh) == before
+
+    assert run(*lerp_args("pre", "post", 0.2), "--out", "merged", cwd=fresh).returncode == 0
+    refused = run(*lerp_args("pre", "post", 0.7), "--out", "merged", cwd=fresh)
+    one_error_line(refused, 2, r"merged: already exists \(pass --overwrite to replace it\)")
+    replaced = run(*lerp_args("pre", "post", 0.7), "--out", "merged", "--overwrite", cwd=fresh)
+    assert replaced.returncode == 0, replaced.stderr
+    assert "alpha: 0.7" in (fresh / "merged" / "mergekit_lite_config.yaml").read_text()
+    assert sorted(p.name for p in fresh.iterdir()) == ["merged", "mine", "post", "pre"]  # no temp folder left
+
+
+def test_fingerprint_out_never_overwrites_a_file_it_did_not_write(fresh):
+    shard = sorted((fresh / "pre").glob("*.safetensors"))[0]
+    before = tree_hash(fresh)
+    one_error_line(run("audit", "fingerprint", "pre", "--out", shard.relative_to(fresh), cwd=fresh), 2,
+                   r"is inside the input pre")
+    (fresh / "notes.json").write_text("{}")
+    one_error_line(run("audit", "fingerprint", "pre", "--out", "notes.json", cwd=fresh), 2,
+                   r"notes\.json: already exists and is not a file mergekit-lite wrote")
+    assert tree_hash(fresh) == {**before, "notes.json": hashlib.sha256(b"{}").hexdigest()}
+    assert run("audit", "fingerprint", "pre", "--out", "fp.json", cwd=fresh).returncode == 0
+    again = run("audit", "fingerprint", "pre", "--out", "fp.json", "--top-k", "2", cwd=fresh)
+    assert again.returncode == 0, again.stderr  # its own fingerprint is replaced
+    assert json.loads((fresh / "fp.json").read_text())["top_k"] == 2
+
+
+def sweep_args(pre, post, out, *extra) -> list:
+    return ["sweep", "--pre", pre, "--post", post, "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b",
+            "--out", out, *extra]
+
+
+def test_sweep_run_folder_is_new_empty_or_its_own(fresh):
+    """sweep --out a folder holding someone's report.md / results.json: refused before any evaluation."""
+    theirs = fresh / "reports"
+    theirs.mkdir()
+    (theirs / "report.md").write_text("my report")
+    (theirs / "results.json").write_text("[]")
+    before = tree_hash(fresh)
+    one_error_line(run(*sweep_args("pre", "post", "reports"), cwd=fresh), 2,
+                   r"reports: is a non-empty folder that mergekit-lite did not create")
+    one_error_line(run(*sweep_args("pre", "post", "."), cwd=fresh), 2, r"is the working folder")
+    one_error_line(run(*sweep_args("pre", "post", "runs", "--save-best", "pre"), cwd=fresh), 2, r"pre: is also an input")
+    one_error_line(run("demo", "--out", "reports", cwd=fresh), 2, r"reports: is a non-empty folder")
+    assert tree_hash(fresh) == before
+
+
+def test_concurrent_merges_to_one_out_never_lose_a_result(fresh):
+    """Four merges race to one --out: exactly one wins, the others fail in one line, the winner is complete."""
+    def merge(alpha):
+        return alpha, run(*lerp_args("pre", "post", alpha), "--out", "merged", cwd=fresh)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = dict(pool.map(merge, [0.1, 0.3, 0.6, 0.9]))
+    winners = [alpha for alpha, result in results.items() if result.returncode == 0]
+    assert len(winners) == 1, {a: (r.returncode, r.stderr) for a, r in results.items()}
+    for alpha, result in results.items():
+        if alpha not in winners:
+            one_error_line(result, 2, r"merged: (already exists|appeared while this run was writing)")
+    merged = load_file(fresh / "merged" / "model.safetensors")
+    pre, post = load_state(fresh / "pre"), load_state(fresh / "post")
+    assert all(torch.equal(merged[name], lerp(pre[name], post[name], winners[0])) for name in pre)
+    assert sorted(p.name for p in fresh.iterdir()) == ["merged", "post", "pre"]
+
+
+def test_folder_created_at_out_during_a_merge_is_left_untouched(big_pair, tmp_path):
+    out = tmp_path / "merged"
+    process = start_big_merge(big_pair, out)
+    wait_for_partial(process, out)
+    out.mkdir()
+    (out / "theirs.txt").write_text("created meanwhile")
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2 and "appeared while this run was writing" in stderr, stderr
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and not list(tmp_path.glob(".merged.partial-*"))
+
+
+# -------------------------------------------------------------------------------- reads stay in the folder
+
+
+def load_state(folder: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(shard))
+    return state
+
+
+def first_shard(folder: Path) -> Path:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / sorted(set(index["weight_map"].values()))[0]
+
+
+def retarget_index(folder: Path, shard_name: str, new_name: str) -> None:
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"] = {k: (new_name if v == shard_name else v) for k, v in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+
+
+def traversal_index(fresh):
+    shard = first_shard(fresh / "post")
+    (fresh / "elsewhere").mkdir()
+    shutil.move(shard, fresh / "elsewhere" / shard.name)
+    retarget_index(fresh / "post", shard.name, f"../elsewhere/{shard.name}")
+    return r"shard name '\.\./elsewhere/model-\S+' is not a plain file name"
+
+
+def absolute_index(fresh):
+    shard = first_shard(fresh / "post")
+    target = fresh / "elsewhere.safetensors"
+    shutil.move(shard, target)
+    retarget_index(fresh / "post", shard.name, str(target))
+    return r"shard name '/\S+elsewhere\.safetensors' is not a plain file name"
+
+
+def symlinked_shard_out_of_folder(fresh):
+    (fresh / "secret.txt").write_text("password=hunter2 " * 4)
+    shard = first_shard(fresh / "post")
+    shard.unlink()
+    shard.symlink_to(fresh / "secret.txt")
+    return r"post/model-\S+\.safetensors: not a regular file inside post \(a link out of the folder"
+
+
+def fifo_shard(fresh):
+    shard = first_shard(fresh / "post")
+    shard.unlink()
+    os.mkfifo(shard)
+    return r"not a regular file inside"
+
+
+def fifo_single_file(fresh):
+    folder = fresh / "post"
+    for path in folder.iterdir():
+        if path.name != "config.json":
+            path.unlink()
+    os.mkfifo(folder / "model.safetensors")
+    return r"post/model\.safetensors: not a regular file inside"
+
+
+def unlisted_tensor(fresh):
+    index_file = fresh / "post" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    index_file.write_text(json.dumps(index))
+    return r"tensor model\.layers\.1\.mlp\.up_proj\.weight in model-\S+ is not in the index"
+
+
+@pytest.mark.parametrize("build", [traversal_index, absolute_index, symlinked_shard_out_of_folder, fifo_shard,
+                                   fifo_single_file, unlisted_tensor])
+def test_reads_stay_inside_the_model_folder(fresh, build):
+    pattern = build(fresh)
+    before = tree_hash(fresh)
+    result = run(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh, timeout=60)  # a FIFO must not hang
+    line = one_error_line(result, 2, pattern)
+    assert "hunter2" not in line and not (fresh / "merged").exists() and tree_hash(fresh) == before
+
+
+def test_side_file_linking_out_of_the_base_is_not_copied(fresh):
+    (fresh / "secret.txt").write_text("password=hunter2")
+    (fresh / "pre" / "tokenizer.json").symlink_to(fresh / "secret.txt")
+    (fresh / "pre" / "special_tokens_map.json").write_text("{}")
+    result = run(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh)
+    assert result.returncode == 0, result.stderr
+    copied = sorted(p.name for p in (fresh / "merged").iterdir())
+    assert "tokenizer.json" not in copied and "special_tokens_map.json" in copied
+    assert not any("hunter2" in p.read_text(errors="replace") for p in (fresh / "merged").iterdir())
+
+
+def test_copy_files_from_a_missing_folder_is_refused(fresh):
+    one_error_line(run(*lerp_args("pre", "post"), "--copy-files-from", "prre", "--out", "merged", cwd=fresh), 2,
+                   r"prre: no such folder to copy config and tokenizer files from")
+    assert not (fresh / "merged").exists()
+
+
+def test_hugging_face_cache_snapshot_links_are_read(work, tmp_path):
+    """A hub download: snapshots/REV/* are links into ../../blobs; that is inside the repository, so it is read."""
+    repo = tmp_path / "models--tiny--post"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for path in (work / "post").iterdir():
+        blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copy(path, blob)
+        (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    result = run(*lerp_args(work / "pre", snapshot), "--out", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------------------------------------------- non-finite output
+
+
+@pytest.mark.parametrize("args, tensor", [
+    (["--method", "task_arithmetic", "--lambda", "1e300"], r"model\.\S+"),
+    (["--method", "task_arithmetic", "--lambda", "1e7", "--dtype", "float16"], r"model\.\S+"),
+], ids=["lambda-1e300", "float16-overflow"])
+def test_overflow_is_never_written(fresh, args, tensor):
+    result = run("merge", "--base", "pre", "--model", "post", *args, "--out", "merged", "-q", cwd=fresh)
+    one_error_line(result, 2, r"merged tensor " + tensor + r" has NaN or Inf values", r"--allow-nonfinite")
+    assert not (fresh / "merged").exists()
+    allowed = run("merge", "--base", "pre", "--model", "post", *args, "--allow-nonfinite", "--out", "merged", "-q",
+                  cwd=fresh)
+    assert allowed.returncode == 0, allowed.stderr
+    assert not all(torch.isfinite(t).all() for t in load_file(fresh / "merged" / "model.safetensors").values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_inputs_are_merged_upcast(work, tmp_path, dtype):
+    folders = []
+    for name in ("pre", "post"):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({k: v.to(dtype) for k, v in load_state(work / name).items()}, folder / "model.safetensors")
+        folders.append(folder)
+    result = run(*lerp_args(*folders, 0.25), "--out", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    pre, post = load_file(folders[0] / "model.safetensors"), load_file(folders[1] / "model.safetensors")
+    for name, tensor in merged.items():
+        assert tensor.dtype == dtype
+        expected = lerp(pre[name].float(), post[name].float(), 0.25).to(dtype)
+        assert torch.equal(tensor.float(), expected.float()), name
+
+
+# --------------------------------------------------------------------------------------- typed input
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def index_of(fresh) -> dict:
+    return json.loads((fresh / "post" / "model.safetensors.index.json").read_text())
+
+
+TYPED_CASES = [
+    ("post/model.safetensors.index.json", lambda f: [1, 2], r"index\.json: top level: expected a mapping"),
+    ("post/model.safetensors.index.json", lambda f: {**index_of(f), "weight_map": dict.fromkeys(index_of(f)["weight_map"], 3)},
+     r"index\.json: weight_map\.\S+: expected a valid string \(got an integer\)"),
+    ("post/model.safetensors.index.json", lambda f: '{"weight_map": {"a": "x", "a": "y"}}', r"duplicate key 'a'"),
+    ("post/model.safetensors.index.json", lambda f: "[" * 5000 + "]" * 5000, r"index\.json: nested too deeply"),
+    ("post/config.json", lambda f: [1], r"config\.json: expected a JSON object \(got list\)"),
+    ("post/config.json", lambda f: {"model_type": 7}, r"config\.json: model_type: expected a valid string \(got an integer\)"),
+    ("post/config.json", lambda f: {"tie_word_embeddings": "false"},
+     r"config\.json: tie_word_embeddings: expected a valid boolean \(got a string\)"),
+    ("post/config.json", lambda f: '{"a": NaN}', r"config\.json: invalid JSON \(NaN is not valid JSON\)"),
+]
+
+
+@pytest.mark.parametrize("relative, content, pattern", TYPED_CASES)
+def test_json_inputs_are_typed(fresh, relative, content, pattern):
+    write_json(fresh / relative, content(fresh))
+    before = tree_hash(fresh)
+    one_error_line(run(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh), 2, pattern)
+    assert tree_hash(fresh) == before
+
+
+def test_non_utf8_config_names_the_offset_not_the_bytes(fresh):
+    (fresh / "post" / "config.json").write_bytes(b'{"model_type": "ll\xffama"}')
+    one_error_line(run(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh), 2,
+                   r"post/config\.json: not UTF-8 text \(bad byte at offset 18\)")
+
+
+SWEEP_YAML_CASES = [
+    ("stream: 'false'\n", r"sweep\.yaml: stream: expected a valid boolean \(got a string\)"),
+    ("limit: '5'\n", r"sweep\.yaml: limit: expected a valid integer \(got a string\)"),
+    ("limit: 0\n", r"sweep\.yaml: limit: expected greater than or equal to 1"),
+    ("old_tasks: {a: 1}\n", r"sweep\.yaml: old_tasks"),
+    ("a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+     "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n",
+     r"sweep\.yaml: YAML expands to more than 100000 values through its aliases"),
+    ("x: " + "[" * 3000 + "]" * 3000 + "\n", r"sweep\.yaml: nested too deeply"),
+]
+
+
+@pytest.mark.parametrize("text, pattern", SWEEP_YAML_CASES, ids=["quoted-false", "quoted-int", "limit-0", "tasks-mapping",
+                                                                 "anchor-bomb", "deep-nesting"])
+def test_sweep_config_is_typed(fresh, text, pattern):
+    head = "pre: pre\npost: post\nalphas: [0, 1]\nold_tasks: a\nnew_tasks: b\nout: runs\n"
+    lines = [line for line in head.splitlines() if line.split(":")[0] != text.split(":")[0]]
+    (fresh / "sweep.yaml").write_text("\n".join(lines) + "\n" + text)
+    started = time.monotonic()
+    one_error_line(run("sweep", "sweep.yaml", cwd=fresh), 2, pattern)
+    assert time.monotonic() - started < 30 and not (fresh / "runs").exists()
+
+
+def test_sweep_point_files_are_typed(fresh):
+    points = fresh / "runs" / "points"
+    points.mkdir(parents=True)
+    (fresh / "runs" / ".mergekit-lite-output").write_text("")
+    (points / "pre.json").write_text(json.dumps({"identity": {}, "label": "pre", "alpha": None, "tasks": [
+        {"task": "a", "group": "old", "metric": "acc", "filter": "none", "n_choices": "4", "correct": {}}]}))
+    one_error_line(run(*sweep_args("pre", "post", "runs"), cwd=fresh), 2,
+                   r"pre\.json: tasks\.0\.n_choices", r"\(got a string\)", "not a sweep point file")
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (lambda fp: fp["modules"].update({"x": {"shape": "32x32", "singular_values": [1.0], "probe": [1.0]}}),
+     r"modules\.x\.shape: expected a valid list \(got a string\)"),
+    (lambda fp: fp.update(top_k="8"), r"top_k: expected a valid integer \(got a string\)"),
+    (lambda fp: fp.update(modules=[]), r"modules: expected a mapping"),
+])
+def test_fingerprint_files_are_typed(work, tmp_path, change, pattern):
+    from audits.fingerprint import compute_fingerprint, load_fingerprint
+
+    from mergekit_lite.errors import InputError
+
+    fingerprint = compute_fingerprint(work / "pre", top_k=2)
+    change(fingerprint)
+    path = tmp_path / "fp.json"
+    path.write_text(json.dumps(fingerprint))
+    with pytest.raises(InputError, match=pattern):
+        load_fingerprint(path)
+
+
+# ------------------------------------------------------------------ safetensors headers vs the library
+
+
+def safetensors_file(header, data: bytes = b"", raw_header: bytes | None = None, length: int | None = None) -> bytes:
+    raw = raw_header if raw_header is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+A = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+B = {"dtype": "F16", "shape": [4], "data_offsets": [16, 24]}
+DATA = bytes(range(24))
+
+
+def with_b(**changes) -> dict:
+    return {"a": A, "b": {**B, **changes}}
+
+
+def crafted_headers() -> dict[str, bytes]:
+    """Valid files and every way we know to break one: layout, types, names, metadata, framing."""
+    cases = {
+        "valid": safetensors_file({"a": A, "b": B}, DATA),
+        "valid-metadata": safetensors_file({"__metadata__": {"format": "pt"}, "a": A, "b": B}, DATA),
+        "valid-padded": safetensors_file({}, raw_header=json.dumps({"a": A, "b": B}).encode() + b"   ", data=DATA),
+        "valid-zero-size": safetensors_file({"z": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}}),
+        "empty-header": safetensors_file({}),
+        "empty-header-with-data": safetensors_file({}, DATA),
+        "overlap": safetensors_file(with_b(data_offsets=[8, 16]), DATA[:16]),
+        "alias": safetensors_file({"a": A, "b": {**A}}, DATA[:16]),
+        "gap": safetensors_file(with_b(data_offsets=[20, 28]), DATA + b"\0" * 4),
+        "trailing-data": safetensors_file({"a": A, "b": B}, DATA + b"\0" * 8),
+        "truncated-data": safetensors_file({"a": A, "b": B}, DATA[:20]),
+        "offsets-reversed": safetensors_file(with_b(data_offsets=[24, 16]), DATA),
+        "offsets-negative": safetensors_file(with_b(data_offsets=[-8, 0]), DATA),
+        "offsets-float": safetensors_file(with_b(data_offsets=[16.0, 24.0]), DATA),
+        "offsets-strings": safetensors_file(with_b(data_offsets=["16", "24"]), DATA),
+        "offsets-three": safetensors_file(with_b(data_offsets=[16, 24, 32]), DATA),
+        "offsets-missing": safetensors_file({"a": A, "b": {"dtype": "F16", "shape": [4]}}, DATA),
+        "size-mismatch": safetensors_file(with_b(shape=[3]), DATA),
+        "shape-float": safetensors_file(with_b(shape=[4.0]), DATA),
+        "shape-half": safetensors_file(with_b(shape=[2.5]), DATA),
+        "shape-string": safetensors_file(with_b(shape=["4"]), DATA),
+        "shape-negative": safetensors_file(with_b(shape=[-4]), DATA),
+        "shape-bool": safetensors_file(with_b(shape=[True, 4]), DATA),
+        "shape-not-list": safetensors_file(with_b(shape=4), DATA),
+        "shape-2^64": safetensors_file(with_b(shape=[2**64, 0]), DATA),
+        "shape-overflow": safetensors_file(with_b(shape=[2**62, 2**62]), DATA),
+        "dtype-unknown": safetensors_file(with_b(dtype="F9"), DATA),
+        "dtype-lowercase": safetensors_file(with_b(dtype="f16"), DATA),
+        "dtype-number": safetensors_file(with_b(dtype=16), DATA),
+        "entry-not-object": safetensors_file({"a": A, "b": [1, 2]}, DATA),
+        "entry-extra-key": safetensors_file(with_b(extra=1), DATA),
+        "duplicate-key": safetensors_file({}, raw_header=b'{"a":' + json.dumps(A).encode() + b',"a":'
+                                          + json.dumps(A).encode() + b"}", data=DATA[:16]),
+        "metadata-number": safetensors_file({"__metadata__": {"format": 1}, "a": A, "b": B}, DATA),
+        "metadata-list": safetensors_file({"__metadata__": ["pt"], "a": A, "b": B}, DATA),
+        "header-list": safetensors_file([A]),
+        "header-string": safetensors_file("a"),
+        "header-leading-space": safetensors_file({}, raw_header=b" " + json.dumps({"a": A, "b": B}).encode(), data=DATA),
+        "header-not-json": safetensors_file({}, raw_header=b"{not json}", data=DATA),
+        "header-not-utf8": safetensors_file({}, raw_header=b'{"\xff": 1}', data=DATA),
+        "header-nan": safetensors_file({}, raw_header=b'{"a": NaN}', data=DATA),
+        "header-deep": safetensors_file({}, raw_header=b'{"a":' + b"[" * 10000 + b"]" * 10000 + b"}"),
+        "length-beyond-file": safetensors_file({"a": A, "b": B}, DATA, length=10**6),
+        "length-zero": safetensors_file({"a": A, "b": B}, DATA, length=0),
+        "length-huge": safetensors_file({"a": A, "b": B}, DATA, length=2**63),
+        "too-short": b"\x01\x02",
+        "empty-file": b"",
+        "name-empty": safetensors_file({"": A}, DATA[:16]),
+    }
+    return cases
+
+
+def library_refuses(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                handle.get_tensor(name)
+    except Exception:
+        return True
+    return False
+
+
+def we_refuse(path: Path) -> bool:
+    """read_header's verdict; anything but a clean InputError fails the test."""
+    from mergekit_lite.errors import InputError
+    from mergekit_lite.io.safetensors import read_header
+
+    try:
+        read_header(path)
+    except InputError as error:
+        assert "\n" not in str(error)
+        return True
+    return False
+
+
+def test_headers_at_least_as_strict_as_the_safetensors_library(tmp_path):
+    refused_by_library, stricter = [], []
+    for name, content in crafted_headers().items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(content)
+        theirs, ours = library_refuses(path), we_refuse(path)
+        if theirs:
+            refused_by_library.append(name)
+            assert ours, f"{name}: the safetensors library refuses it, mergekit-lite accepted it"
+        elif ours:
+            stricter.append(name)
+    assert {"overlap", "alias", "gap", "shape-half", "trailing-data", "empty-header-with-data"} <= set(refused_by_library)
+    assert not {"valid", "valid-metadata", "valid-padded", "valid-zero-size"} & set(refused_by_library + stricter)
+    assert stricter == ["duplicate-key"]  # the library keeps the last of two same-named tensors; we refuse
+
+
+def test_empty_header_model_is_refused(tmp_path, work):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(safetensors_file({}))
+    one_error_line(run(*lerp_args(work / "pre", folder), "--out", tmp_path / "merged"), 2,
+                   r"/empty: holds no tensors \(an empty safetensors header\)")
+
+
+def test_corrupt_shard_error_never_echoes_its_bytes(fresh):
+    shard = first_shard(fresh / "post")
+    shard.write_bytes(b"password=hunter2\n" * 10)
+    line = one_error_line(run(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh), 2, r"corrupted safetensors header")
+    assert "hunter2" not in line and str(int.from_bytes(b"password", "little")) not in line
+
+
+# ------------------------------------------------------------------------- property: never a traceback
+
+
+@pytest.fixture(scope="module")
+def header_seed(tmp_path_factory) -> bytes:
+    folder = tmp_path_factory.mktemp("seed")
+    save_file({"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.float16)},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    return (folder / "model.safetensors").read_bytes()
+
+
+def json_values():
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8)
+    return st.recursive(scalars, lambda children: st.lists(children, max_size=4)
+                        | st.dictionaries(st.text(max_size=6), children, max_size=4), max_leaves=12)
+
+
+def mutate_json(data, path, value):
+    """Replace the value at a (wrapped) path of keys / indices with `value`."""
+    if not path or not isinstance(data, (dict, list)) or not data:
+        return value
+    keys = list(data) if isinstance(data, dict) else list(range(len(data)))
+    key = keys[path[0] % len(keys)]
+    data[key] = mutate_json(data[key], path[1:], value)
+    return data
+
+
+def test_mutated_headers_and_indices_never_raise_anything_but_one_line(header_seed, work, tmp_path_factory):
+    """Random byte edits and JSON-value swaps in a header, an index or a config: an InputError or a model."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from mergekit_lite.errors import InputError
+    from mergekit_lite.io.safetensors import open_model
+
+    length = struct.unpack("<Q", header_seed[:8])[0]
+    header = json.loads(header_seed[8:8 + length])
+    folder = tmp_path_factory.mktemp("mutated")
+    shutil.copytree(work / "post", folder / "model")
+    model = folder / "model"
+    pristine = {name: (model / name).read_text() for name in ("model.safetensors.index.json", "config.json")}
+
+    def verdict(target: Path) -> None:
+        try:
+            open_model(target)
+        except InputError as error:
+            assert "\n" not in str(error)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data):
+        kind = data.draw(st.sampled_from(["bytes", "header-json", "index-json", "config-json"]))
+        if kind == "bytes":
+            content = bytearray(header_seed)
+            for _ in range(data.draw(st.integers(1, 4))):
+                content[data.draw(st.integers(0, len(content) - 1))] = data.draw(st.integers(0, 255))
+            (folder / "x.safetensors").write_bytes(bytes(content))
+            if library_refuses(folder / "x.safetensors"):
+                assert we_refuse(folder / "x.safetensors")
+            verdict(folder / "x.safetensors")
+        elif kind == "header-json":
+            path = data.draw(st.lists(st.integers(0, 5), max_size=3))
+            mutated = json.dumps(mutate_json(json.loads(json.dumps(header)), path, data.draw(json_values())))
+            (folder / "x.safetensors").write_bytes(safetensors_file({}, header_seed[8 + length:], mutated.encode()))
+            if library_refuses(folder / "x.safetensors"):
+                assert we_refuse(folder / "x.safetensors")
+            verdict(folder / "x.safetensors")
+        else:
+            name = "model.safetensors.index.json" if kind == "index-json" else "config.json"
+            path = data.draw(st.lists(st.integers(0, 100), max_size=3))
+            mutated = mutate_json(json.loads(pristine[name]), path, data.draw(json_values()))
+            (model / name).write_text(json.dumps(mutated))
+            try:
+                verdict(model)
+            finally:
+                (model / name).write_text(pristine[name])
+
+    check()
+
+
+# ---------------------------------------------------------------------------------------------- signals
+
+
+@pytest.fixture(scope="module")
+def big_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """Two ~13 MB single-file models of 50 tensors: a merge of them takes about a second."""
+    root = tmp_path_factory.mktemp("big")
+    paths = []
+    for seed, name in enumerate(("a", "b")):
+        generator = torch.Generator().manual_seed(seed)
+        (root / name).mkdir()
+        save_file({f"model.layers.{i}.mlp.weight": torch.randn(256, 256, generator=generator) for i in range(50)},
+                  root / name / "model.safetensors", metadata={"format": "pt"})
+        paths.append(root / name)
+    return paths[0], paths[1]
+
+
+def start_big_merge(big_pair, out: Path) -> subprocess.Popen:
+    a, b = big_pair
+    return subprocess.Popen([str(CLI), *map(str, lerp_args(a, b)), "--out", str(out), "--out-shard-size", "1MB"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def wait_for_partial(process: subprocess.Popen, out: Path) -> Path:
+    partial = out.parent / f".{out.name}.partial-{process.pid}"
+    deadline = time.monotonic() + 120
+    while not (partial.is_dir() and any(partial.glob("*.safetensors"))):
+        assert process.poll() is None, f"the merge ended before it was interrupted: {process.stderr.read()}"
+        assert time.monotonic() < deadline, "the merge never started writing"
+        time.sleep(0.005)
+    return partial
+
+
+STRESS_TRIES = 32
+
+
+def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp_path):
+    """SIGINT or SIGTERM at 32 random moments, from interpreter start-up to the final rename.
+
+    Each run must end within 90 s of its signal (a deadlock is forever; this machine may be loaded):
+    interrupted (exit 130/143, one line, no output, no temp folder) or finished (a complete output). A signal that lands while the interpreter itself starts, before
+    any of our code runs, gets Python's default action (death by SIGTERM, KeyboardInterrupt in start-up):
+    nothing was written then either.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # run as a background job: children would ignore SIGINT
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    rng = random.Random(20261203)
+    plans = [(index, rng.choice([signal.SIGINT, signal.SIGTERM]), rng.uniform(0.0, 4.0)) for index in range(STRESS_TRIES)]
+
+    def attempt(plan):
+        index, signum, delay = plan
+        out = tmp_path / f"out{index}"
+        process = start_big_merge(big_pair, out)
+        time.sleep(delay)
+        process.send_signal(signum)
+        try:
+            _, stderr = process.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            return index, "hang", signum, delay, ""
+        return index, process.returncode, signum, delay, stderr
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outcomes = list(pool.map(attempt, plans))
+    interrupted = 0
+    for index, code, signum, delay, stderr in outcomes:
+        out = tmp_path / f"out{index}"
+        assert code != "hang", f"try {index}: still running 90 s after {signum.name} at {delay:.2f} s"
+        assert not list(tmp_path.glob(f".out{index}.partial-*")), f"try {index}: temp folder left"
+        if code == 0:
+            assert len(load_file(out / "model.safetensors")) == 50 and stderr == ""
+        elif code == -signum or "KeyboardInterrupt" in stderr and "Interrupted" not in stderr:
+            assert not out.exists()  # Python's own start-up, before our handlers existed
+        else:
+            interrupted += 1
+            assert code == 128 + signum and stderr.strip() == f"interrupted ({signum.name})", (code, stderr)
+            assert not out.exists()
+    assert interrupted >= STRESS_TRIES // 3, outcomes
+
+
+# ------------------------------------------------------------------------------- the last line of defence
+
+
+def test_unexpected_exception_is_one_line_with_the_traceback_saved(tmp_path, work):
+    """A bug (injected: plan_merge raising a ZeroDivisionError) is exit 1, one line, the traceback in a file."""
+    program = ("import sys, cli.main, mergekit_lite.merge.engine as engine\n"
+               "def broken(*args, **kwargs):\n    return 1 / 0\n"
+               "engine.plan_merge = broken\nsys.argv[0] = 'mergekit-lite'\ncli.main.main()\n")
+    env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
+                             "--out", tmp_path / "merged"], capture_output=True, text=True, env=env, timeout=120)
+    line = one_error_line(result, 1, r"^error: internal error: ZeroDivisionError: division by zero; traceback saved to ")
+    saved = Path(line.rsplit("traceback saved to ", 1)[1])
+    assert saved.parent == tmp_path / "cache" / "mergekit-lite"
+    assert "Traceback" in saved.read_text() and "in broken\nZeroDivisionError" in saved.read_text()
+    assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--out-shard-size", "inf"], r"bad size 'inf'"),
+    (["--device", "cuda:7"], r"device 'cuda:7' is not available here"),
+])
+def test_huge_numbers_and_missing_devices_are_one_line(fresh, args, pattern):
+    one_error_line(run(*lerp_args("pre", "post"), *args, "--out", "merged", cwd=fresh), 2, pattern)
+
+
+def test_merge_config_anchor_bomb_is_refused_at_once(fresh):
+    bomb = SWEEP_YAML_CASES[4][0]
+    (fresh / "merge.yaml").write_text("method: linear\nbase: pre\nmodels: [post]\n" + bomb)
+    started = time.monotonic()
+    one_error_line(run("merge", "merge.yaml", "--out", "merged", cwd=fresh), 2,
+                   r"merge\.yaml: YAML expands to more than 100000 values through its aliases")
+    assert time.monotonic() - started < 30 and not (fresh / "merged").exists()
