@@ -29,7 +29,7 @@ from mergekit_lite.toy import torch_threads
 def make_adapter(base_dir, out_dir, target_modules, steps: int, **save_options):
     """A real PEFT adapter on the saved base, trained `steps` Adam steps on random tokens (0 steps: B stays zero)."""
     peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+                                LoraConfig(r=4, lora_alpha=16, target_modules=target_modules))
     train_lora(peft_model, steps, seed=2, batch=(4, 16))
     peft_model.save_pretrained(out_dir, **save_options)
     return out_dir
@@ -78,12 +78,14 @@ def statuses(report) -> dict[str, str]:
 def test_good_adapter_is_verified(zoo):
     report = audit_adapter(zoo["good"], zoo["base"])
     assert report.verdict == "VERIFIED", report.reasons
-    assert statuses(report) == {"format": "pass", "structure": "pass", "spectral": "pass", "delta": "pass"}
+    assert statuses(report) == {"format": "pass", "base-id": "pass", "structure": "pass", "tokenizer": "pass",
+                                "signature": "pass", "spectral": "pass", "delta": "pass"}
     checks = {check.name: check for check in report.checks}
     assert checks["spectral"].value > 0.999
     assert checks["structure"].value == pytest.approx(6 / 16)
-    assert "scaling 2 (alpha/r)" in checks["format"].detail
-    assert 1.0 <= checks["delta"].measurements["model.layers.0.self_attn.q_proj.weight"]["effective_rank"] <= 4.0
+    assert "scaling 4 (alpha/r)" in checks["format"].detail
+    assert "declares this base folder" in checks["base-id"].detail
+    assert 1.0 <= checks["delta"].measurements["modules"]["model.layers.0.self_attn.q_proj.weight"]["effective_rank"] <= 4.0
     assert json.loads(json.dumps(report.to_dict()))["verdict"] == "VERIFIED"
 
 
@@ -92,7 +94,10 @@ def test_adapter_made_on_another_base_is_rejected(zoo):
     assert report.verdict == "REJECTED"
     assert statuses(report)["spectral"] == "fail"
     assert statuses(report)["structure"] == "pass", "same architecture: only the fingerprint can tell"
-    assert "does not match the adapter's base fingerprint" in report.reasons[0]
+    assert statuses(report)["base-id"] == "warn", "declares another local folder: not verifiable by name"
+    assert "not the base in the signature" in report.reasons[0]
+    assert "16 of 21 signed tensors hold other values" in report.reasons[0], "the 5 norm weights are all ones in both"
+    assert "does not match the adapter's base fingerprint" in report.reasons[1]
 
 
 def test_without_fingerprint_alignment_only_warns(zoo):
@@ -142,7 +147,7 @@ def test_without_fingerprint_alignment_tells_a_learned_base(pretrained_pair):
     twin = audit_adapter(pretrained_pair / "adapter", pretrained_pair / "twin")
     assert (own.verdict, statuses(own)["spectral"]) == ("VERIFIED", "pass")
     assert (twin.verdict, statuses(twin)["spectral"]) == ("WARN", "warn")
-    alignment = {report.base: report.checks[2].value for report in (own, twin)}
+    alignment = {report.base: next(c.value for c in report.checks if c.name == "spectral") for report in (own, twin)}
     assert alignment[str(pretrained_pair / "base")] > 2 * alignment[str(pretrained_pair / "twin")]
 
 
@@ -167,7 +172,8 @@ def test_pickle_is_refused_unless_allowed(zoo):
     assert "--allow-pickle" in refused.reasons[0]
     allowed = audit_adapter(zoo["pickled"], zoo["base"], allow_pickle=True)
     assert allowed.verdict == "WARN"
-    assert statuses(allowed) == {"format": "warn", "structure": "pass", "spectral": "pass", "delta": "pass"}
+    assert statuses(allowed) == {"format": "warn", "base-id": "pass", "structure": "pass", "tokenizer": "pass",
+                                 "signature": "pass", "spectral": "pass", "delta": "pass"}
 
 
 def test_nan_adapter_is_rejected(zoo):
@@ -180,7 +186,8 @@ def test_nan_adapter_is_rejected(zoo):
 def test_shape_mismatch_is_a_structural_failure(zoo):
     report = audit_adapter(zoo["unshipped"], zoo["wide_base"])
     assert report.verdict == "REJECTED"
-    assert statuses(report) == {"format": "pass", "structure": "fail"}
+    assert statuses(report) == {"format": "pass", "base-id": "warn", "structure": "fail"}
+    assert "another model size" in report.reasons[0]
 
 
 def test_carried_base_embedding_must_equal_the_base(zoo):
@@ -252,7 +259,7 @@ def test_unusable_input_raises(zoo, tmp_path):
 
 def test_require_verified_gates_the_merge(zoo):
     assert require_verified(zoo["good"], zoo["base"]).verdict == "VERIFIED"
-    with pytest.raises(InputError, match="REJECTED: spectral: .*use --force"):
+    with pytest.raises(InputError, match="REJECTED: signature: .*spectral: .*use --force"):
         require_verified(zoo["good"], zoo["other_base"])
     assert require_verified(zoo["good"], zoo["other_base"], force=True).verdict == "REJECTED"
 

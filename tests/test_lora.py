@@ -137,7 +137,7 @@ def drop_lora_b(tensors):
 
 @pytest.mark.parametrize("edit_config, edit_weights, message", [
     (lambda c: {**c, "use_dora": True}, None, "DoRA"),
-    (lambda c: {k: v for k, v in c.items() if k != "r"}, None, "no valid rank r"),
+    (lambda c: {k: v for k, v in c.items() if k != "r"}, None, "no r \\(required\\)"),
     (lambda c: {**c, "r": 8}, None, "config says r=8"),
     (None, drop_lora_b, "layers.1.self_attn.q_proj has no lora_B"),
 ])

@@ -23,7 +23,7 @@ CLI = str(Path(sys.executable).parent / "mergekit-lite")
 def train_adapter(base_dir, adapter_dir, seed, targets):
     """A real PEFT adapter: a few optimizer steps so B is non-zero."""
     model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+                           LoraConfig(r=4, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
     train_lora(model, steps=4, seed=seed).save_pretrained(adapter_dir)
     return adapter_dir
 

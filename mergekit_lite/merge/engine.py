@@ -18,7 +18,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.outputs import atomic_output_dir, copy_side_files
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
-from mergekit_lite.io.sources import TensorSource
+from mergekit_lite.io.sources import TensorSource, UntiedHeadSource
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.plan import (
@@ -176,10 +176,14 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
         donor = config.base
     copy_side_files(Path(donor), folder)
     config_file = folder / "config.json"
-    if config_file.is_file() and config.dtype:
+    own_head = any(isinstance(source, UntiedHeadSource) for source in plan.sources)
+    if config_file.is_file() and (config.dtype or own_head):
         model_config = json.loads(config_file.read_text())
-        key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
-        model_config[key] = config.dtype
+        if config.dtype:
+            key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
+            model_config[key] = config.dtype
+        if own_head:
+            model_config["tie_word_embeddings"] = False  # an adapter's own head (modules_to_save) on a tied base
         config_file.write_text(json.dumps(model_config, indent=2) + "\n")
     (folder / PROVENANCE_FILE).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if plan.recall_weights is not None:
