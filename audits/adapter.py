@@ -92,8 +92,10 @@ class AuditThresholds:
     min_kl 1e-3, min_noop_top1 0.95, max_kl 20: the paper's reading of the output divergence (App. I):
         KL below 1e-3 with the greedy token kept on more than 95% of probes is a no-op, KL above 20 nats
         is "likely wrong base".
-    max_base_kl 1e-2 (ours): the given base's KL from the fingerprinted base's recorded outputs. The same
-        weights give ~0 (float32 on CPU both times); a bf16 copy stays far below; another base gives ~1.
+    max_base_kl 1e-3 (ours): the given base's KL from the fingerprinted base's recorded outputs, held to the
+        paper's no-op scale: a base that far from the recorded one is not behaviourally the same. Measured on
+        tiny pretrained Llamas: the same weights 3e-8, a bf16 copy 2e-6, a twin pretrained alike from another
+        seed 1.8e-2.
     ngram 13, max_contaminated_share 0.01: the usual decontamination n-gram length; more than 1% of the
         holdout seen in training makes scores on it untrustworthy (any contamination warns).
     """
@@ -106,7 +108,7 @@ class AuditThresholds:
     min_kl: float = 1e-3
     min_noop_top1: float = 0.95
     max_kl: float = 20.0
-    max_base_kl: float = 1e-2
+    max_base_kl: float = 1e-3
     ngram: int = 13
     max_contaminated_share: float = 0.01
 
