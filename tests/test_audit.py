@@ -502,3 +502,12 @@ def test_cli_json_carries_every_measure_and_threshold(hub_named):
     assert checks["behaviour"]["measurements"]["max_kl"] == 20.0 and checks["behaviour"]["measurements"]["mean_kl"] > 0
     table = run_cli(hub_named / "version", "--base", hub_named / "base")
     assert "BASE-ID" in table.stdout and "PER-MOD" in table.stdout and "fail" in table.stdout.splitlines()[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_behaviour_on_cuda_measures_what_cpu_does(behaviour_zoo, pretrained_pair):
+    on = {device: next(c for c in audit_adapter(behaviour_zoo / "real", pretrained_pair / "base", behaviour=True,
+                                                  device=device).checks if c.name == "behaviour")
+          for device in ("cpu", "cuda")}
+    assert on["cuda"].status == "pass"
+    assert on["cuda"].measurements["mean_kl"] == pytest.approx(on["cpu"].measurements["mean_kl"], rel=1e-2)
