@@ -138,14 +138,14 @@ def apply_adapter_(model, adapter) -> list[str]:
     return skipped
 
 
-def measure_divergence(base_dir, adapter, device: str = "cpu", reference: dict | None = None,
-                       vocab_size: int | None = None) -> tuple[Divergence, str, list[str]]:
+def measure_divergence(base_dir, adapter, device: str = "cpu",
+                       reference: dict | None = None) -> tuple[Divergence, str, list[str]]:
     """Base and base+adapter on the same probes (the fingerprint's ids when it has them); also base vs reference."""
     model = load_causal_lm(base_dir, device)
     if reference is not None:
         probes, how = reference["probe_ids"], "the fingerprint's probe token ids"
     else:
-        probes, how = probe_ids(base_dir, vocab_size or model.config.get_text_config().vocab_size)
+        probes, how = probe_ids(base_dir, model.config.get_text_config().vocab_size)
     base = first_token_logprobs(model, probes)
     base_vs_reference = kl_to_reference(base, reference) if reference is not None else None
     skipped = apply_adapter_(model, adapter)

@@ -146,8 +146,7 @@ def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K, behaviour: bool = 
     signature = {"config_sha256": sha256_file(folder / "config.json"), "tensor_table_sha256": tensor_table_hash(source),
                  "samples": samples}
     signature["digest"] = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
-    fingerprint = {"format": FORMAT, "version": VERSION, "base": base_dir.name,
-                   "base_id": (source.config or {}).get("_name_or_path"), "top_k": top_k,
+    fingerprint = {"format": FORMAT, "version": VERSION, "base": base_dir.name, "top_k": top_k,
                    "probe_seed": PROBE_SEED, "probe_dim": PROBE_DIM, "modules": modules, "signature": signature,
                    "tokenizer": tokenizer_info(folder, source.config)}
     if behaviour and base_dir.is_dir():
