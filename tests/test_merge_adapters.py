@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from tiny_models import save_tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
@@ -124,3 +124,17 @@ def test_modules_to_save_head_on_a_tied_base_merges_untied(tmp_path):
         torch.testing.assert_close(merged(input_ids=tokens).logits, reference(input_ids=tokens).logits,
                                    rtol=1e-5, atol=1e-5)
         assert not torch.allclose(reference.lm_head.weight, reference.model.embed_tokens.weight)
+
+
+def test_a_refused_merge_names_the_real_cause(setup, tmp_path):
+    """An adapter saved from a vision-language model's text tower: the merge says so, not 'not in the base'."""
+    root, first, _ = setup
+    vlm = tmp_path / "vlm-lora"
+    vlm.mkdir()
+    (vlm / "adapter_config.json").write_text((first / "adapter_config.json").read_text())
+    tensors = load_file(first / "adapter_model.safetensors")
+    save_file({k.replace("base_model.model.model.", "base_model.model.model.language_model."): v for k, v in tensors.items()},
+              str(vlm / "adapter_model.safetensors"))
+    config = {"method": "linear", "base": str(root / "base"), "models": [str(vlm)], "parameters": {"alpha": 1.0}}
+    with pytest.raises(InputError, match="REJECTED: structure: .*different vision-language layouts"):
+        run_merge(MergeConfig.from_dict(config), tmp_path / "out")

@@ -136,8 +136,8 @@ class MergeResult:
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False) -> MergeResult:
     """Plan and stream a merge into `out`, which appears only once complete."""
     started = time.perf_counter()
-    plan = plan_merge(config)
     _audit_adapters(config)
+    plan = plan_merge(config)
     with atomic_output_dir(out, overwrite=overwrite) as folder:
         writer = ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                                config.out_shard_size)
@@ -151,16 +151,17 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:
     """The same merge, kept in memory: for models that fit, e.g. each point of a sweep."""
     state = {}
-    plan = plan_merge(config, sources)
     _audit_adapters(config)
+    plan = plan_merge(config, sources)
     execute(plan, state.__setitem__)
     return state
 
 
 def _audit_adapters(config: MergeConfig) -> None:
-    """Adapters are audited against the base before they take part; REJECTED ones stop the merge."""
+    """Adapters are audited against the base before anything else reads them, so a refusal names the real cause;
+    REJECTED ones stop the merge. Without a base, planning says an adapter needs one."""
     adapters = [path for path in config.inputs if LoraAdapter.is_adapter_dir(path)]
-    if adapters:
+    if adapters and config.base:
         from audits.adapter import require_verified
 
         for adapter in adapters:
