@@ -511,3 +511,9 @@ def test_behaviour_on_cuda_measures_what_cpu_does(behaviour_zoo, pretrained_pair
           for device in ("cpu", "cuda")}
     assert on["cuda"].status == "pass"
     assert on["cuda"].measurements["mean_kl"] == pytest.approx(on["cpu"].measurements["mean_kl"], rel=1e-2)
+
+
+def test_another_vocabulary_is_named(zoo, tmp_path):
+    tiny_llama(0, vocab_size=VOCAB + 28).save_pretrained(tmp_path / "bigger_vocab")
+    report = audit_adapter(zoo["embedding"], tmp_path / "bigger_vocab")
+    assert "vocabulary of 100 rows in the adapter, 128 in the base (vocab_size 128)" in report.reasons[0]
