@@ -1,21 +1,34 @@
 """Audit a LoRA adapter against the base it claims, before anything is merged.
 
-Checks, in order; one that cannot run because an earlier one failed is left out of the report:
+Checks, in order (source in brackets: the paper is Aharon et al., "Audit Before You Merge", OpenReview
+vgsNcwf81w; sections as its authors' code maps them). A check that cannot run because an earlier one
+failed is left out of the report:
 
-1. format     safetensors (a pickle only when allowed, and then a warning); config, rank, alpha,
-              target_modules and scaling read and consistent with the tensors; no NaN/Inf.
-2. structure  every adapted tensor exists in the base with the same shape; copies of base tensors the
-              adapter carries (targeted embeddings) equal the base's.
-3. spectral   the base is the one the adapter was made on: its fingerprint matches (fail if not). With no
-              fingerprint, whether the update lives in the base's top singular subspace: a warning at most.
-4. delta      the update is not a no-op; its size relative to the base and its effective rank.
-5. leakage    only with training data and a holdout: holdout items found in the training data.
+1. format     [ours] safetensors (a pickle only when allowed, then a warning); config typed and every
+              option known (mergekit_lite/io/lora.py); no NaN/Inf; a negative lora_alpha warns.
+2. base-id    [paper Table 2, App. F] the declared base_model_name_or_path against the given base's id
+              (--base-id or its config's _name_or_path), aliases normalised (audits/declared_base.py).
+3. structure  [ours] every adapted tensor exists in the base with the same shape, with the real cause when
+              not (vision-language layout, module names of another revision, tied head, vocabulary size).
+4. tokenizer  [paper App. I, stronger] tokenizer files and vocabulary size against the base's and the
+              fingerprint's; only when there is something to compare.
+5. signature  [paper App. I, stronger] the base's config, tensor table and sampled weights against the
+              signature in the base fingerprint (audits/fingerprint.py); only with a v2 fingerprint.
+6. spectral   [ours] the base's spectra and probes against the fingerprint; without one, whether the
+              update lives in the base's top singular subspace (a warning at most).
+7. delta      [paper Table 2, App. G] total norm sqrt(sum ||scaling*B@A||_F^2) >= 1.0 and its per-module
+              mean; [ours] the largest relative update ||dW||/||W|| >= 1e-4; effective rank.
+8. behaviour  [paper App. I, stronger] only when asked: first-token KL(base+adapter || base) on probes,
+              and the base's divergence from the fingerprint's recorded outputs (audits/behaviour.py).
+9. leakage    [ours] only with training data and a holdout: holdout items found in the training data.
 
 Verdict: REJECTED if any check fails, WARN if any warns, else VERIFIED.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import statistics
 from dataclasses import dataclass
@@ -23,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from audits.declared_base import compare, given_base_id, is_local_path
 from audits.fingerprint import (
     DEFAULT_TOP_K,
     FINGERPRINT_FILE,
@@ -30,8 +44,11 @@ from audits.fingerprint import (
     load_fingerprint,
     module_similarity,
     probe,
+    sha256_file,
+    tokenizer_info,
     top_singular,
 )
+
 from audits.leakage import check_leakage
 from audits.report import (
     FAIL,
@@ -44,6 +61,8 @@ from audits.report import (
 )
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, LoraAdapter
+from mergekit_lite.io.sources import TIED_HEAD as TIED_HEAD_NAMES
+from mergekit_lite.merge.plan import layer_index
 
 BASE_COPY_TOLERANCE = 1e-2  # relative; a bf16 copy of the same tensor differs by ~4e-3, another base by ~1
 SHOWN_NAMES = 3
@@ -66,6 +85,17 @@ class AuditThresholds:
         min(top_k, short side / 4), so it never spans more than a quarter of the space.
     min_delta 1e-4: the largest ||dW||_F / ||W||_F over modules below this is a no-op: storing the merge
         in bf16 rounds every weight by ~4e-3 relative, which swallows an update 40x smaller.
+    min_total_norm 1.0: the paper's no-op rule (Table 2; calibrated in App. G, where audited Llama-3.1
+        adapters measured 1.07-16.6 and the excluded no-op 0.016). An absolute Frobenius norm: it grows
+        with model width and the number of adapted modules, so it is the paper's rule for 7-8B models
+        and can be lowered (--min-total-norm) for small ones.
+    min_kl 1e-3, min_noop_top1 0.95, max_kl 20: the paper's reading of the output divergence (App. I):
+        KL below 1e-3 with the greedy token kept on more than 95% of probes is a no-op, KL above 20 nats
+        is "likely wrong base".
+    max_base_kl 1e-3 (ours): the given base's KL from the fingerprinted base's recorded outputs, held to the
+        paper's no-op scale: a base that far from the recorded one is not behaviourally the same. Measured on
+        tiny pretrained Llamas: the same weights 3e-8, a bf16 copy 2e-6, a twin pretrained alike from another
+        seed 1.8e-2.
     ngram 13, max_contaminated_share 0.01: the usual decontamination n-gram length; more than 1% of the
         holdout seen in training makes scores on it untrustworthy (any contamination warns).
     """
@@ -74,6 +104,11 @@ class AuditThresholds:
     min_alignment: float = 1.5
     top_k: int = DEFAULT_TOP_K
     min_delta: float = 1e-4
+    min_total_norm: float = 1.0
+    min_kl: float = 1e-3
+    min_noop_top1: float = 0.95
+    max_kl: float = 20.0
+    max_base_kl: float = 1e-3
     ngram: int = 13
     max_contaminated_share: float = 0.01
 
@@ -187,18 +222,75 @@ def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, Lo
     mismatch = target_mismatch(adapter.config, [_module(name) for name in adapter.targets()])
     if mismatch:
         warnings.append(mismatch)
+    negative = sorted(name for name, scale in adapter.scaling.items() if scale < 0)
+    if negative:
+        warnings.append(f"negative lora_alpha (scaling {adapter.scaling[negative[0]]:g} on {_names(negative)}): "
+                        "the merge subtracts what the adapter learned")
     detail = "; ".join(warnings + [f"no NaN/Inf; {describe_format(adapter)}"])
     return CheckResult("format", WARN if warnings else PASS, 0, 0, detail), adapter
 
 
+# Where vision-language checkpoints put the text model, and the text-only name each stands for.
+VLM_LAYOUTS = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""),
+               ("model.text_model.", "model."), ("text_model.", ""))
+TIED_HEAD, TIED_EMBEDDING = TIED_HEAD_NAMES
+
+
+def _text_model_name(name: str) -> str:
+    for segment, text_only in VLM_LAYOUTS:
+        if name.startswith(segment):
+            return text_only + name[len(segment):]
+    return name
+
+
+def is_tied(base) -> bool:
+    """The base shares its head with the input embeddings and stores no lm_head.weight."""
+    config = base.config or {}
+    tied = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings"))
+    return TIED_HEAD not in base and TIED_EMBEDDING in base and tied is not False
+
+
+def why_absent(name: str, base, replaced: bool) -> str | None:
+    """The real reason a name the adapter adapts is not in the base (None: it is fine, a tied head replaced)."""
+    if name == TIED_HEAD and is_tied(base):
+        if replaced:
+            return None
+        return (f"{name}: the base ties lm_head to {TIED_EMBEDDING} (tie_word_embeddings) and stores no lm_head.weight; "
+                "a LoRA on a tied head would change the input embeddings too")
+    bare = _text_model_name(name)
+    if any(_text_model_name(other) == bare for other in base.names):
+        return (f"{name}: the adapter and the base use different vision-language layouts (language_model. inside or "
+                "outside model.): it was made for the VLM checkpoint, or for its text model, not this one")
+    leaf = _module(name).rsplit(".", 1)[-1]
+    base_leaves = sorted({_module(other).rsplit(".", 1)[-1] for other in base.names if layer_index(other) is not None})
+    if layer_index(name) is not None and leaf not in base_leaves:
+        return (f"{name}: this base has no module named {leaf} (its layer modules: {', '.join(base_leaves[:8])}): "
+                "module names of another architecture or of an older revision of this model's code")
+    return f"{name} is not in the base"
+
+
+def why_shapes_differ(name: str, adapter_shape, base_shape, base) -> str:
+    vocab = (base.config or {}).get("vocab_size")
+    if ("embed" in name or name == TIED_HEAD) and adapter_shape[1:] == base_shape[1:]:
+        return (f"{name}: vocabulary of {adapter_shape[0]} rows in the adapter, {base_shape[0]} in the base"
+                f"{f' (vocab_size {vocab})' if vocab else ''}: made with another tokenizer or resized embeddings")
+    return f"{name} is {list(adapter_shape)} in the adapter, {list(base_shape)} in the base (another model size?)"
+
+
 def check_structure(adapter: LoraAdapter, base) -> CheckResult:
     """Every adapted tensor maps onto a base tensor of the same shape; value = share of base matrices targeted."""
-    problems = []
+    problems, notes = [], []
     for name in adapter.targets() + adapter.replaced() + adapter.copied_base():
+        base_name = TIED_EMBEDDING if name == TIED_HEAD and name not in base and is_tied(base) else name
         if name not in base:
-            problems.append(f"{name} is not in the base")
-        elif tuple(base.shape(name)) != tuple(adapter.shape(name)):
-            problems.append(f"{name} is {list(adapter.shape(name))} in the adapter, {list(base.shape(name))} in the base")
+            problem = why_absent(name, base, replaced=name in adapter.replaced())
+            if problem:
+                problems.append(problem)
+                continue
+            notes.append(f"{name} (modules_to_save) replaces the head the base ties to {TIED_EMBEDDING}: "
+                         "the merge writes an untied lm_head (tie_word_embeddings false)")
+        if tuple(base.shape(base_name)) != tuple(adapter.shape(name)):
+            problems.append(why_shapes_differ(name, adapter.shape(name), base.shape(base_name), base))
     for name in adapter.copied_base():
         if name in base and tuple(base.shape(name)) == tuple(adapter.shape(name)):
             weight = base.load(name).to(torch.float32)
@@ -213,7 +305,7 @@ def check_structure(adapter: LoraAdapter, base) -> CheckResult:
                            measurements)
     detail = (f"all {len(adapter.targets())} LoRA modules and {len(adapter.replaced())} replaced tensors match the base; "
               f"{len(adapter.targets())} of {len(matrices)} base weight matrices targeted ({coverage:.0%})")
-    return CheckResult("structure", PASS, coverage, None, detail, measurements)
+    return CheckResult("structure", PASS, coverage, None, "; ".join(notes + [detail]), measurements)
 
 
 def lowrank_singular_values(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -258,10 +350,10 @@ def measure_module(adapter: LoraAdapter, base, name: str, top_k: int, fingerprin
 
 
 def replacement_changes(adapter: LoraAdapter, base) -> dict[str, float]:
-    """||replacement - base|| / ||base|| per replaced tensor."""
+    """||replacement - base|| / ||base|| per replaced tensor (a replaced tied head against the embeddings it was)."""
     changes = {}
     for name in adapter.replaced():
-        weight = base.load(name).to(torch.float32)
+        weight = base.load(name if name in base else TIED_EMBEDDING).to(torch.float32)
         change = (adapter.replacement(name).to(torch.float32) - weight).norm()
         changes[name] = float(change / weight.norm().clamp_min(1e-12))
     return changes
@@ -305,26 +397,173 @@ def check_spectral(measures: list[ModuleMeasure], fingerprint_source: str | None
                        f"(< {thresholds.min_alignment}x): nothing shows the adapter was made on this base", measurements)
 
 
+def paper_norms(measures: list[ModuleMeasure]) -> tuple[float, float]:
+    """The paper's total norm sqrt(sum ||scaling*B@A||_F^2) over LoRA modules and its per-module mean (App. G's
+    norm_per_layer: total / number of modules). Scaling per module (rank and alpha patterns); theirs is global."""
+    total = math.sqrt(sum(m.delta_norm ** 2 for m in measures))
+    return total, total / len(measures) if measures else 0.0
+
+
 def check_delta(measures: list[ModuleMeasure], replaced: dict[str, float], thresholds: AuditThresholds) -> CheckResult:
-    """The adapter must change something: fail if its largest relative update is below min_delta."""
+    """The adapter must change something: the paper's total norm (>= min_total_norm) and, ours, the largest
+    relative update (>= min_delta: one live module is enough for it, none is enough for the paper's rule)."""
     sizes = [m.relative_norm for m in measures] + list(replaced.values())
     largest = max(sizes)
-    measurements = {m.name: {"delta_norm": m.delta_norm, "relative_norm": m.relative_norm,
-                             "effective_rank": m.effective_rank, "rank": m.rank} for m in measures}
-    measurements.update({name: {"relative_change": change} for name, change in replaced.items()})
-    if largest < thresholds.min_delta:
-        return CheckResult("delta", FAIL, largest, thresholds.min_delta,
-                           f"no-op: largest relative update ||dW||/||W|| is {largest:.2g} (< {thresholds.min_delta:g})", measurements)
-    summary = f"largest relative update ||dW||/||W|| {largest:.2g}"
+    total, per_module = paper_norms(measures)
+    measurements = {
+        "total_norm": total, "min_total_norm": thresholds.min_total_norm, "per_module_mean_norm": per_module,
+        "lora_modules": len(measures), "largest_relative": largest, "min_relative": thresholds.min_delta,
+        "modules": {m.name: {"delta_norm": m.delta_norm, "relative_norm": m.relative_norm,
+                             "effective_rank": m.effective_rank, "rank": m.rank} for m in measures},
+        "replaced": {name: {"relative_change": change} for name, change in replaced.items()},
+    }
+    paper = (f"total norm {total:.4g} (paper: >= {thresholds.min_total_norm:g}), per-module mean {per_module:.3g} "
+             f"over {len(measures)} modules")
+    summary = f"{paper}; largest relative update ||dW||/||W|| {largest:.2g}"
     if measures:
         summary += (f", median {_median([m.relative_norm for m in measures]):.2g}; effective rank (entropy of singular values) "
                     f"median {_median([m.effective_rank for m in measures]):.1f} of r={_median([m.rank for m in measures]):g}")
+    if largest < thresholds.min_delta:
+        return CheckResult("delta", FAIL, total, thresholds.min_total_norm,
+                           f"no-op: largest relative update ||dW||/||W|| is {largest:.2g} (< {thresholds.min_delta:g}); {paper}",
+                           measurements)
+    if measures and total < thresholds.min_total_norm:
+        return CheckResult("delta", FAIL, total, thresholds.min_total_norm,
+                           f"no-op by the paper's rule: {paper} is below {thresholds.min_total_norm:g}; largest relative "
+                           f"update {largest:.2g}", measurements)
     idle = [m.name for m in measures if m.relative_norm < thresholds.min_delta]
     if idle:
-        return CheckResult("delta", WARN, largest, thresholds.min_delta,
+        return CheckResult("delta", WARN, total, thresholds.min_total_norm,
                            f"{len(idle)} of {len(measures)} LoRA modules have no effective update: {_names(idle)}; {summary}",
                            measurements)
-    return CheckResult("delta", PASS, largest, thresholds.min_delta, summary, measurements)
+    return CheckResult("delta", PASS, total, thresholds.min_total_norm, summary, measurements)
+
+
+def check_declared_base(adapter: LoraAdapter, base, base_dir, base_id: str | None) -> CheckResult:
+    """The paper's base check: the declared base_model_name_or_path names the given base (aliases normalised)."""
+    declared = adapter.config.get("base_model_name_or_path")
+    given, given_from = given_base_id(base_dir, base_id, base.config)
+    measurements = {"declared": declared, "given": given, "given_from": given_from or None}
+    quantisation = (base.config or {}).get("quantization_config")
+    if quantisation:
+        method = quantisation.get("quant_method", "?") if isinstance(quantisation, dict) else "?"
+        return CheckResult("base-id", FAIL, None, None, f"the given base is quantised (quant_method {method}): "
+                           "a merge needs the full-precision base weights", measurements)
+    if not declared:
+        return CheckResult("base-id", WARN, None, None, "adapter_config.json declares no base_model_name_or_path: "
+                           "nothing says which base the adapter was made on", measurements)
+    if is_local_path(declared):
+        if os.path.abspath(declared) == os.path.abspath(base_dir):
+            return CheckResult("base-id", PASS, None, None, f"declares this base folder ({declared})", measurements)
+        return CheckResult("base-id", WARN, None, None, f"declares a local path ({declared}), not a hub id: cannot "
+                           "verify it by name (pass --base-id to name the given base)", measurements)
+    if given is None:
+        return CheckResult("base-id", WARN, None, None, f"declares {declared}, but the given base has no hub id (its "
+                           "config.json has no _name_or_path that is one): pass --base-id to verify", measurements)
+    reasons = compare(declared, given)
+    if reasons:
+        return CheckResult("base-id", FAIL, None, None, f"{'; '.join(reasons)} (declared {declared}, given {given} "
+                           f"from {given_from})", measurements)
+    return CheckResult("base-id", PASS, None, None, f"declared {declared} is the given {given} ({given_from})", measurements)
+
+
+def _tokenizer_vocab(folder: Path) -> int | None:
+    """Tokens in a folder's tokenizer.json, added tokens included (tokenizers reads it; nothing runs)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    except Exception:  # not a tokenizers file; the file hashes still compare
+        return None
+
+
+def check_tokenizer(adapter: LoraAdapter, base, fingerprint: dict | None) -> CheckResult | None:
+    """Tokenizer files and vocabulary size against the base (App. I); None when there is nothing to compare."""
+    base_folder = base.path if base.path.is_dir() else base.path.parent
+    base_info = tokenizer_info(base_folder, base.config)
+    shipped = tokenizer_info(adapter.path, None)["files"]
+    recorded = (fingerprint or {}).get("tokenizer")
+    if not shipped and not recorded:
+        return None
+    vocab = base_info["vocab_size"]
+    measurements = {"base_vocab_size": vocab, "base_files": base_info["files"], "adapter_files": shipped,
+                    "fingerprint": recorded}
+    failures, warnings = [], []
+    adapter_vocab = _tokenizer_vocab(adapter.path) if "tokenizer.json" in shipped else None
+    measurements["adapter_tokenizer_size"] = adapter_vocab
+    if adapter_vocab and vocab and adapter_vocab > vocab:
+        failures.append(f"the adapter's tokenizer has {adapter_vocab} tokens, the base's embeddings {vocab} rows: "
+                        "its added tokens need embeddings this base does not have")
+    differing = sorted(name for name, digest in shipped.items() if base_info["files"].get(name) != digest)
+    if differing:
+        warnings.append(f"the adapter ships tokenizer files that differ from the base's: {', '.join(differing)}")
+    if recorded:
+        if recorded.get("vocab_size") and vocab and recorded["vocab_size"] != vocab:
+            failures.append(f"vocab_size {vocab} in the base, {recorded['vocab_size']} in the base fingerprint")
+        changed = sorted(name for name, digest in recorded.get("files", {}).items() if base_info["files"].get(name) != digest)
+        if changed:
+            warnings.append(f"tokenizer files differ from the fingerprinted base's: {', '.join(changed)}")
+    if failures:
+        return CheckResult("tokenizer", FAIL, vocab, None, "; ".join(failures + warnings), measurements)
+    if warnings:
+        return CheckResult("tokenizer", WARN, vocab, None, "; ".join(warnings), measurements)
+    return CheckResult("tokenizer", PASS, vocab, None, f"vocab_size {vocab}; tokenizer files match", measurements)
+
+
+def check_signature(signature: dict, base, source: str) -> CheckResult:
+    """The base holds the weights the signature was taken from (sampled values compared as numbers)."""
+    from audits.fingerprint import compare_samples, tensor_table_hash
+
+    differing, missing = compare_samples(signature, base)
+    signed = len(signature["samples"])
+    base_folder = base.path if base.path.is_dir() else base.path.parent
+    same_config = signature.get("config_sha256") == sha256_file(base_folder / "config.json")
+    same_table = signature.get("tensor_table_sha256") == tensor_table_hash(base)
+    measurements = {"digest": signature.get("digest"), "signed_tensors": signed, "differing": differing,
+                    "missing": missing, "same_config": same_config, "same_tensor_table": same_table}
+    share = (len(differing) + len(missing)) / max(signed, 1)
+    if differing or missing:
+        parts = [f"{len(differing)} of {signed} signed tensors hold other values ({_names(differing)})"] if differing else []
+        parts += [f"{len(missing)} signed tensors are missing ({_names(missing)})"] if missing else []
+        return CheckResult("signature", FAIL, share, 0.0, f"not the base in the signature ({source}, digest "
+                           f"{signature.get('digest')}): {'; '.join(parts)}", measurements)
+    notes = [] if same_config and same_table else [
+        "same weights, but " + " and ".join(part for part, same in (("config.json", same_config),
+                                                                     ("dtypes/shapes", same_table)) if not same) + " differ"]
+    return CheckResult("signature", PASS, share, 0.0, "; ".join(notes + [f"all {signed} signed tensors match "
+                       f"({source}, digest {signature.get('digest')})"]), measurements)
+
+
+def check_behaviour(adapter: LoraAdapter, base_dir, fingerprint: dict | None, thresholds: AuditThresholds,
+                    device: str) -> CheckResult:
+    """First-token KL(base+adapter || base) on probes (App. I) and, with a recorded reference, the base's own KL."""
+    from audits.behaviour import measure_divergence
+
+    reference = (fingerprint or {}).get("behaviour")
+    divergence, probes, skipped = measure_divergence(base_dir, adapter, device, reference)
+    kl, agreement, base_kl = divergence.mean_kl, divergence.top1_agreement, divergence.mean_base_kl
+    measurements = {"mean_kl": kl, "per_probe_kl": divergence.kl, "top1_agreement": agreement,
+                    "base_vs_fingerprint_kl": base_kl, "probes": probes, "device": device, "not_applied": skipped,
+                    "min_kl": thresholds.min_kl, "min_noop_top1": thresholds.min_noop_top1,
+                    "max_kl": thresholds.max_kl, "max_base_kl": thresholds.max_base_kl}
+    summary = (f"first-token KL(base+adapter || base) {kl:.3g} nats, greedy token kept on {agreement:.0%} of "
+               f"{len(divergence.kl)} probes ({probes})")
+    if base_kl is not None:
+        summary += f"; the base's KL from the fingerprinted base's outputs {base_kl:.3g}"
+    if base_kl is not None and base_kl > thresholds.max_base_kl:
+        return CheckResult("behaviour", FAIL, base_kl, thresholds.max_base_kl, "the base does not behave like the "
+                           f"base the adapter's fingerprint recorded (KL {base_kl:.3g} > {thresholds.max_base_kl:g}): "
+                           f"another base; {summary}", measurements)
+    if kl < thresholds.min_kl and agreement > thresholds.min_noop_top1:
+        return CheckResult("behaviour", FAIL, kl, thresholds.min_kl, f"no-op: {summary} (KL < {thresholds.min_kl:g})",
+                           measurements)
+    if kl > thresholds.max_kl:
+        return CheckResult("behaviour", FAIL, kl, thresholds.max_kl, f"extreme divergence, likely another base: "
+                           f"{summary} (> {thresholds.max_kl:g})", measurements)
+    if skipped:
+        return CheckResult("behaviour", WARN, kl, thresholds.min_kl, f"{_names(skipped)} not applied (no such "
+                           f"parameter in the loaded model); {summary}", measurements)
+    return CheckResult("behaviour", PASS, kl, thresholds.min_kl, summary, measurements)
 
 
 def _fingerprint_for(adapter_dir: Path, fingerprint) -> tuple[dict | None, str | None]:
@@ -338,7 +577,8 @@ def _fingerprint_for(adapter_dir: Path, fingerprint) -> tuple[dict | None, str |
 
 
 def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, holdout=None,
-                  thresholds: AuditThresholds = AuditThresholds(), allow_pickle: bool = False) -> AuditReport:
+                  thresholds: AuditThresholds = AuditThresholds(), allow_pickle: bool = False,
+                  base_id: str | None = None, behaviour: bool = False, device: str = "cpu") -> AuditReport:
     """Run every applicable check on one adapter; unusable input (no adapter, bad base) raises InputError."""
     from mergekit_lite.io.safetensors import open_model
 
@@ -353,14 +593,22 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
     format_check, adapter = check_format(adapter_dir, allow_pickle)
     checks = [format_check]
     if adapter is not None:
+        checks.append(check_declared_base(adapter, base, base_dir, base_id))
         structure = check_structure(adapter, base)
         checks.append(structure)
+        tokenizer = check_tokenizer(adapter, base, fingerprint_data)
+        if tokenizer is not None:
+            checks.append(tokenizer)
+        if fingerprint_data and fingerprint_data.get("signature"):
+            checks.append(check_signature(fingerprint_data["signature"], base, fingerprint_source))
         if structure.status != FAIL:
             entries = fingerprint_data["modules"] if fingerprint_data else {}
             measures = [measure_module(adapter, base, name, top_k, entries.get(name)) for name in adapter.targets()]
             if measures:
                 checks.append(check_spectral(measures, fingerprint_source, thresholds))
             checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds))
+            if behaviour:
+                checks.append(check_behaviour(adapter, base_dir, fingerprint_data, thresholds, device))
     if train_data is not None:
         checks.append(check_leakage(train_data, holdout, thresholds.ngram, thresholds.max_contaminated_share))
     return make_report(str(adapter_dir), str(base_dir), checks)

@@ -12,12 +12,24 @@ Per weight matrix a fingerprint keeps two small vectors:
   this is what identifies the base.
 
 A module's similarity is the smaller of the two cosines.
+
+Version 2 adds what Aharon et al. (App. I) sketch as a base signature and tokenizer check, made to work
+offline and across re-sharding and dtype changes (ours):
+
+* `signature`: sha256 of config.json, sha256 of the tensor table the shard headers describe (name,
+  dtype, shape; not the byte offsets, which change with sharding), and SAMPLES_PER_TENSOR values of every
+  tensor at positions seeded by its name. The samples are compared as numbers, so a bf16 copy of the same
+  base still matches while any other weights do not.
+* `tokenizer`: vocabulary size and sha256 of each tokenizer file.
+* `behaviour`: the base's first-token distribution on fixed probes (audits/behaviour.py), optional.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,7 +37,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from mergekit_lite.errors import InputError
 
 FORMAT = "mergekit-lite/base-fingerprint"
-VERSION = 1
+VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+SAMPLES_PER_TENSOR = 16
+SAMPLE_TOLERANCE = 1e-2  # relative to the sample's norm: a bf16 copy differs by ~4e-3, other weights by ~1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json")
 FINGERPRINT_FILE = "base_fingerprint.json"
 DEFAULT_TOP_K = 8
 PROBE_DIM = 16
@@ -71,18 +88,55 @@ def _rounded(values: torch.Tensor) -> list[float]:
     return [float(f"{value:.7g}") for value in values.tolist()]
 
 
-def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K) -> dict:
-    """Fingerprint every 2-D floating tensor of a base model, one tensor in memory at a time."""
+def sha256_file(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tensor_sample(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """SAMPLES_PER_TENSOR float32 values at positions seeded by the tensor's name (all of them if fewer)."""
+    flat = tensor.reshape(-1).to(torch.float32)
+    if flat.numel() <= SAMPLES_PER_TENSOR:
+        return flat
+    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & (2**63 - 1)
+    positions = torch.randint(0, flat.numel(), (SAMPLES_PER_TENSOR,), generator=torch.Generator().manual_seed(seed))
+    return flat[positions]
+
+
+def tensor_table_hash(source) -> str:
+    table = [[name, str(source.dtype(name)).removeprefix("torch."), list(source.shape(name))] for name in sorted(source.names)]
+    return hashlib.sha256(json.dumps(table).encode()).hexdigest()
+
+
+def tokenizer_info(base_dir: Path, config: dict | None) -> dict:
+    text_config = (config or {}).get("text_config") or config or {}
+    return {"vocab_size": text_config.get("vocab_size"),
+            "files": {name: digest for name in TOKENIZER_FILES if (digest := sha256_file(base_dir / name))}}
+
+
+def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K, behaviour: bool = True, device: str = "cpu") -> dict:
+    """Fingerprint a base: spectra and probes of every 2-D floating tensor, its signature, tokenizer and behaviour.
+
+    One tensor in memory at a time for the weights; `behaviour` loads the model once to record its outputs.
+    """
     from mergekit_lite.io.safetensors import open_model
 
     if top_k < 1:
         raise InputError(f"--top-k must be at least 1 (got {top_k})")
+    base_dir = Path(base_dir)
     source = open_model(base_dir)
-    modules = {}
+    modules, samples = {}, {}
     for name in source.names:
+        weight = source.load(name)
+        if weight.is_floating_point():
+            samples[name] = _rounded(tensor_sample(weight, name))
         if not is_weight_matrix(source, name):
             continue
-        weight = source.load(name)
         modules[name] = {
             "shape": list(weight.shape),
             "singular_values": _rounded(top_singular(weight, top_k)[1]),
@@ -90,8 +144,32 @@ def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K) -> dict:
         }
     if not modules:
         raise InputError(f"{base_dir}: no 2-D weight matrices to fingerprint")
-    return {"format": FORMAT, "version": VERSION, "base": Path(base_dir).name, "top_k": top_k,
-            "probe_seed": PROBE_SEED, "probe_dim": PROBE_DIM, "modules": modules}
+    folder = base_dir if base_dir.is_dir() else base_dir.parent
+    signature = {"config_sha256": sha256_file(folder / "config.json"), "tensor_table_sha256": tensor_table_hash(source),
+                 "samples": samples}
+    signature["digest"] = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
+    fingerprint = {"format": FORMAT, "version": VERSION, "base": base_dir.name, "top_k": top_k,
+                   "probe_seed": PROBE_SEED, "probe_dim": PROBE_DIM, "modules": modules, "signature": signature,
+                   "tokenizer": tokenizer_info(folder, source.config)}
+    if behaviour and base_dir.is_dir():
+        from audits.behaviour import record_reference
+
+        fingerprint["behaviour"] = record_reference(base_dir, device)
+    return fingerprint
+
+
+def compare_samples(signature: dict, source) -> tuple[list[str], list[str]]:
+    """(tensors whose sampled values differ from the signature's, signed tensors the base lacks)."""
+    differing, missing = [], []
+    for name, recorded in signature["samples"].items():
+        if name not in source.names:
+            missing.append(name)
+            continue
+        measured = tensor_sample(source.load(name), name)
+        recorded = torch.tensor(recorded, dtype=torch.float32)
+        if measured.shape != recorded.shape or float((measured - recorded).norm()) > SAMPLE_TOLERANCE * max(float(recorded.norm()), 1e-6):
+            differing.append(name)
+    return differing, missing
 
 
 class FingerprintModule(BaseModel):
@@ -112,6 +190,9 @@ class FingerprintFile(BaseModel):
     probe_seed: int
     probe_dim: int
     modules: dict[str, FingerprintModule]
+    signature: Optional[dict] = None  # version 2: base signature, tokenizer, recorded first-token outputs
+    tokenizer: Optional[dict] = None
+    behaviour: Optional[dict] = None
 
 
 def write_fingerprint(fingerprint: dict, path, base_dir=None) -> None:
@@ -140,9 +221,11 @@ def load_fingerprint(path) -> dict:
     fingerprint = read_json(path)
     if not isinstance(fingerprint, dict) or fingerprint.get("format") != FORMAT:
         raise InputError(f"{path}: not a mergekit-lite base fingerprint (write one with `mergekit-lite audit fingerprint BASE`)")
-    if fingerprint.get("version") != VERSION:
+    if fingerprint.get("version") not in SUPPORTED_VERSIONS:
         raise InputError(f"{path}: fingerprint version {str(fingerprint.get('version'))[:20]} is not supported "
-                         f"(expected {VERSION})")
+                         f"(expected one of {SUPPORTED_VERSIONS})")
+    if not isinstance(fingerprint.get("modules"), dict) or not isinstance(fingerprint.get("top_k"), int):
+        raise InputError(f"{path}: fingerprint has no modules or top_k")
     validate(FingerprintFile, fingerprint, path)
     return fingerprint
 

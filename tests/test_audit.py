@@ -12,7 +12,7 @@ from tiny_models import VOCAB, tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
 from audits import fingerprint as fingerprint_module
-from audits.adapter import audit_adapter, require_verified, target_mismatch
+from audits.adapter import AuditThresholds, audit_adapter, require_verified, target_mismatch
 from audits.fingerprint import (
     FINGERPRINT_FILE,
     compute_fingerprint,
@@ -29,7 +29,7 @@ from mergekit_lite.toy import torch_threads
 def make_adapter(base_dir, out_dir, target_modules, steps: int, **save_options):
     """A real PEFT adapter on the saved base, trained `steps` Adam steps on random tokens (0 steps: B stays zero)."""
     peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+                                LoraConfig(r=4, lora_alpha=16, target_modules=target_modules))
     train_lora(peft_model, steps, seed=2, batch=(4, 16))
     peft_model.save_pretrained(out_dir, **save_options)
     return out_dir
@@ -78,12 +78,14 @@ def statuses(report) -> dict[str, str]:
 def test_good_adapter_is_verified(zoo):
     report = audit_adapter(zoo["good"], zoo["base"])
     assert report.verdict == "VERIFIED", report.reasons
-    assert statuses(report) == {"format": "pass", "structure": "pass", "spectral": "pass", "delta": "pass"}
+    assert statuses(report) == {"format": "pass", "base-id": "pass", "structure": "pass", "tokenizer": "pass",
+                                "signature": "pass", "spectral": "pass", "delta": "pass"}
     checks = {check.name: check for check in report.checks}
     assert checks["spectral"].value > 0.999
     assert checks["structure"].value == pytest.approx(6 / 16)
-    assert "scaling 2 (alpha/r)" in checks["format"].detail
-    assert 1.0 <= checks["delta"].measurements["model.layers.0.self_attn.q_proj.weight"]["effective_rank"] <= 4.0
+    assert "scaling 4 (alpha/r)" in checks["format"].detail
+    assert "declares this base folder" in checks["base-id"].detail
+    assert 1.0 <= checks["delta"].measurements["modules"]["model.layers.0.self_attn.q_proj.weight"]["effective_rank"] <= 4.0
     assert json.loads(json.dumps(report.to_dict()))["verdict"] == "VERIFIED"
 
 
@@ -92,7 +94,10 @@ def test_adapter_made_on_another_base_is_rejected(zoo):
     assert report.verdict == "REJECTED"
     assert statuses(report)["spectral"] == "fail"
     assert statuses(report)["structure"] == "pass", "same architecture: only the fingerprint can tell"
-    assert "does not match the adapter's base fingerprint" in report.reasons[0]
+    assert statuses(report)["base-id"] == "warn", "declares another local folder: not verifiable by name"
+    assert "not the base in the signature" in report.reasons[0]
+    assert "16 of 21 signed tensors hold other values" in report.reasons[0], "the 5 norm weights are all ones in both"
+    assert "does not match the adapter's base fingerprint" in report.reasons[1]
 
 
 def test_without_fingerprint_alignment_only_warns(zoo):
@@ -142,7 +147,7 @@ def test_without_fingerprint_alignment_tells_a_learned_base(pretrained_pair):
     twin = audit_adapter(pretrained_pair / "adapter", pretrained_pair / "twin")
     assert (own.verdict, statuses(own)["spectral"]) == ("VERIFIED", "pass")
     assert (twin.verdict, statuses(twin)["spectral"]) == ("WARN", "warn")
-    alignment = {report.base: report.checks[2].value for report in (own, twin)}
+    alignment = {report.base: next(c.value for c in report.checks if c.name == "spectral") for report in (own, twin)}
     assert alignment[str(pretrained_pair / "base")] > 2 * alignment[str(pretrained_pair / "twin")]
 
 
@@ -167,7 +172,8 @@ def test_pickle_is_refused_unless_allowed(zoo):
     assert "--allow-pickle" in refused.reasons[0]
     allowed = audit_adapter(zoo["pickled"], zoo["base"], allow_pickle=True)
     assert allowed.verdict == "WARN"
-    assert statuses(allowed) == {"format": "warn", "structure": "pass", "spectral": "pass", "delta": "pass"}
+    assert statuses(allowed) == {"format": "warn", "base-id": "pass", "structure": "pass", "tokenizer": "pass",
+                                 "signature": "pass", "spectral": "pass", "delta": "pass"}
 
 
 def test_nan_adapter_is_rejected(zoo):
@@ -180,7 +186,8 @@ def test_nan_adapter_is_rejected(zoo):
 def test_shape_mismatch_is_a_structural_failure(zoo):
     report = audit_adapter(zoo["unshipped"], zoo["wide_base"])
     assert report.verdict == "REJECTED"
-    assert statuses(report) == {"format": "pass", "structure": "fail"}
+    assert statuses(report) == {"format": "pass", "base-id": "warn", "structure": "fail"}
+    assert "another model size" in report.reasons[0]
 
 
 def test_carried_base_embedding_must_equal_the_base(zoo):
@@ -252,7 +259,7 @@ def test_unusable_input_raises(zoo, tmp_path):
 
 def test_require_verified_gates_the_merge(zoo):
     assert require_verified(zoo["good"], zoo["base"]).verdict == "VERIFIED"
-    with pytest.raises(InputError, match="REJECTED: spectral: .*use --force"):
+    with pytest.raises(InputError, match="REJECTED: signature: .*spectral: .*use --force"):
         require_verified(zoo["good"], zoo["other_base"])
     assert require_verified(zoo["good"], zoo["other_base"], force=True).verdict == "REJECTED"
 
@@ -299,3 +306,214 @@ def test_cli_fingerprint_subcommand(zoo, tmp_path):
     assert fingerprint["top_k"] == 4 and len(fingerprint["modules"]) == 16
     assert run_cli(zoo["unshipped"], "--base", zoo["other_base"], "--fingerprint", out).exit_code == 0
     assert run_cli(zoo["unshipped"], "--base", zoo["base"], "--fingerprint", out).exit_code == 1
+
+
+# --- The paper's declared-base check (Table 2, App. F) on real PEFT adapters whose base_model_name_or_path is set ---
+
+HUB_BASE = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.fixture(scope="module")
+def hub_named(tmp_path_factory):
+    """A tiny base whose config records a hub id, and adapters PEFT saved declaring various bases."""
+    root = tmp_path_factory.mktemp("hub_named")
+    tiny_llama(0).save_pretrained(root / "base")
+    config = json.loads((root / "base" / "config.json").read_text())
+    (root / "base" / "config.json").write_text(json.dumps({**config, "_name_or_path": HUB_BASE}))
+    declared = {"same": "NousResearch/Meta-Llama-3.1-8B-Instruct", "version": "meta-llama/Meta-Llama-3-8B-Instruct",
+                "not-instruct": "meta-llama/Llama-3.1-8B", "4bit": "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit"}
+    fingerprint = compute_fingerprint(root / "base")
+    for name, base_id in declared.items():
+        model = LlamaForCausalLM.from_pretrained(root / "base")
+        model.name_or_path = base_id  # what PEFT records as base_model_name_or_path
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]))
+        train_lora(peft_model, 5, seed=2, batch=(4, 16)).save_pretrained(root / name)
+        write_fingerprint(fingerprint, root / name / FINGERPRINT_FILE)
+        assert json.loads((root / name / "adapter_config.json").read_text())["base_model_name_or_path"] == base_id
+    return root
+
+
+@pytest.mark.parametrize("adapter, verdict, reason", [
+    ("same", "VERIFIED", None),
+    ("version", "REJECTED", "version mismatch: declared llama-3-8b, given llama-3.1-8b"),
+    ("not-instruct", "REJECTED", "declares the base (non-Instruct) variant, the given base is the Instruct/chat variant"),
+    ("4bit", "REJECTED", "declares a quantised base (bnb-4bit)"),
+])
+def test_declared_base_against_the_given_one(hub_named, adapter, verdict, reason):
+    report = audit_adapter(hub_named / adapter, hub_named / "base")
+    assert report.verdict == verdict, report.reasons
+    base_check = next(check for check in report.checks if check.name == "base-id")
+    assert base_check.measurements["given"] == HUB_BASE
+    if reason:
+        assert report.reasons[0].startswith("base-id: ") and reason in report.reasons[0]
+        assert [c.name for c in report.checks if c.status == "fail"] == ["base-id"], "only the declared base is wrong"
+
+
+def test_declared_base_needs_an_id_to_compare_with(hub_named, zoo):
+    unverifiable = audit_adapter(hub_named / "version", zoo["base"])  # zoo's base config has a local _name_or_path
+    assert unverifiable.verdict == "WARN" and "pass --base-id" in unverifiable.reasons[0]
+    named = audit_adapter(hub_named / "version", zoo["base"], base_id="meta-llama/Meta-Llama-3-8B-Instruct")
+    assert next(c.status for c in named.checks if c.name == "base-id") == "pass"
+    quantised = hub_named / "quantised_base"
+    shutil.copytree(hub_named / "base", quantised)
+    config = json.loads((quantised / "config.json").read_text())
+    (quantised / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
+    assert "the given base is quantised (quant_method bitsandbytes)" in audit_adapter(hub_named / "same", quantised).reasons[0]
+
+
+# --- Behaviour (App. I): the KL check on tiny trained models, and the fingerprint's recorded outputs ---
+
+@pytest.fixture(scope="module")
+def behaviour_zoo(pretrained_pair, tmp_path_factory):
+    """On the pretrained pair: a real adapter, a no-op one (B zero), one made on the twin; each ships its base's fingerprint."""
+    root = tmp_path_factory.mktemp("behaviour")
+    fingerprints = {name: compute_fingerprint(pretrained_pair / name) for name in ("base", "twin")}
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for name, made_on, steps in (("real", "base", None), ("no-op", "base", 0), ("other-base", "twin", 40)):
+        if steps is None:
+            shutil.copytree(pretrained_pair / "adapter", root / name)
+        else:
+            peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(pretrained_pair / made_on),
+                                        LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+            fit(peft_model, markov_batches(200, steps), 3e-3)
+            peft_model.save_pretrained(root / name)
+        write_fingerprint(fingerprints[made_on], root / name / FINGERPRINT_FILE)
+    return root
+
+
+def test_kl_check_separates_real_no_op_and_another_base(behaviour_zoo, pretrained_pair):
+    reports = {name: audit_adapter(behaviour_zoo / name, pretrained_pair / "base", behaviour=True)
+               for name in ("real", "no-op", "other-base")}
+    checks = {name: next(c for c in report.checks if c.name == "behaviour") for name, report in reports.items()}
+    measured = {name: check.measurements for name, check in checks.items()}
+    assert checks["real"].status == "pass", checks["real"].detail
+    assert measured["real"]["mean_kl"] > 1e-2 and measured["real"]["base_vs_fingerprint_kl"] < 1e-6
+    assert checks["no-op"].status == "fail" and checks["no-op"].detail.startswith("no-op")
+    assert measured["no-op"]["mean_kl"] < 1e-6 and measured["no-op"]["top1_agreement"] == 1.0
+    assert checks["other-base"].status == "fail"
+    assert "does not behave like the base the adapter's fingerprint recorded" in checks["other-base"].detail
+    assert measured["other-base"]["base_vs_fingerprint_kl"] > 10 * AuditThresholds().max_base_kl
+    # Why the recorded outputs are needed: the adapter's own KL sits between the paper's two thresholds.
+    assert AuditThresholds().min_kl < measured["other-base"]["mean_kl"] < AuditThresholds().max_kl
+
+
+def test_kl_check_without_a_fingerprint_still_finds_the_no_op(behaviour_zoo, pretrained_pair, tmp_path):
+    no_op = tmp_path / "no-op"
+    shutil.copytree(behaviour_zoo / "no-op", no_op)
+    (no_op / FINGERPRINT_FILE).unlink()
+    check = next(c for c in audit_adapter(no_op, pretrained_pair / "base", behaviour=True).checks if c.name == "behaviour")
+    assert check.status == "fail" and "seeded token ids" in check.measurements["probes"]
+    assert check.measurements["base_vs_fingerprint_kl"] is None
+
+
+# --- Signature and tokenizer (App. I, made offline and dtype-proof) ---
+
+def test_signature_matches_a_bf16_copy_and_nothing_else(zoo, tmp_path):
+    LlamaForCausalLM.from_pretrained(zoo["base"]).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    report = audit_adapter(zoo["good"], tmp_path / "bf16", behaviour=True)
+    signature = next(c for c in report.checks if c.name == "signature")
+    assert signature.status == "pass" and "dtypes/shapes" in signature.detail
+    assert signature.measurements["differing"] == [] and not signature.measurements["same_tensor_table"]
+    behaviour = next(c for c in report.checks if c.name == "behaviour")
+    assert behaviour.measurements["base_vs_fingerprint_kl"] < AuditThresholds().max_base_kl / 100
+
+
+def word_tokenizer(size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer
+
+
+def test_tokenizer_larger_than_the_base_vocabulary_is_rejected(zoo, tmp_path):
+    same, larger = tmp_path / "same", tmp_path / "larger"
+    for folder, size in ((same, VOCAB), (larger, VOCAB + 20)):
+        shutil.copytree(zoo["unshipped"], folder)
+        word_tokenizer(size).save(str(folder / "tokenizer.json"))
+    word_tokenizer(VOCAB).save(str(tmp_path / "tokenizer.json"))
+    shipped_same = next(c for c in audit_adapter(same, zoo["base"]).checks if c.name == "tokenizer")
+    assert shipped_same.status == "warn", "the base has no tokenizer.json: the shipped one differs from nothing"
+    report = audit_adapter(larger, zoo["base"])
+    tokenizer = next(c for c in report.checks if c.name == "tokenizer")
+    assert tokenizer.status == "fail" and "120 tokens, the base's embeddings 100 rows" in tokenizer.detail
+
+
+# --- Each refusal states its real cause ---
+
+def renamed_adapter(source, target, rename):
+    shutil.copytree(source, target)
+    tensors = load_file(target / "adapter_model.safetensors")
+    save_file({rename(key): value for key, value in tensors.items()}, str(target / "adapter_model.safetensors"))
+    return target
+
+
+def test_vision_language_layout_is_named(zoo, tmp_path):
+    vlm = renamed_adapter(zoo["unshipped"], tmp_path / "vlm",
+                          lambda key: key.replace("base_model.model.model.", "base_model.model.model.language_model."))
+    report = audit_adapter(vlm, zoo["base"])
+    assert "different vision-language layouts" in report.reasons[0]
+
+
+def test_module_names_of_another_revision_are_named(zoo, tmp_path):
+    old = renamed_adapter(zoo["unshipped"], tmp_path / "old", lambda key: key.replace("q_proj", "Wqkv"))
+    config = json.loads((old / "adapter_config.json").read_text())
+    (old / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["Wqkv", "v_proj", "up_proj"]}))
+    assert "this base has no module named Wqkv" in audit_adapter(old, zoo["base"]).reasons[0]
+
+
+def test_lora_on_a_tied_head_is_refused_with_the_reason(tmp_path):
+    tiny_llama(0, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    adapter = make_adapter(tmp_path / "tied", tmp_path / "head-lora", ["lm_head", "q_proj"], steps=3)
+    report = audit_adapter(adapter, tmp_path / "tied")
+    assert "the base ties lm_head to model.embed_tokens.weight" in report.reasons[0]
+
+
+def test_negative_alpha_warns(zoo, tmp_path):
+    negative = tmp_path / "negative"
+    shutil.copytree(zoo["good"], negative)
+    config = json.loads((negative / "adapter_config.json").read_text())
+    (negative / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": -16}))
+    report = audit_adapter(negative, zoo["base"])
+    assert report.verdict == "WARN" and "negative lora_alpha (scaling -4" in report.reasons[0]
+
+
+def test_paper_total_norm_rejects_what_one_live_module_lets_through(zoo, tmp_path):
+    one_live = tmp_path / "one-live"
+    shutil.copytree(zoo["good"], one_live)
+    tensors = load_file(one_live / "adapter_model.safetensors")
+    keep = "layers.0.self_attn.q_proj.lora_B"
+    save_file({k: v if "lora_A" in k or keep in k else v * 1e-3 for k, v in tensors.items()},
+              str(one_live / "adapter_model.safetensors"))
+    strict = audit_adapter(one_live, zoo["base"], thresholds=AuditThresholds(min_total_norm=1.0))
+    delta = next(c for c in strict.checks if c.name == "delta")
+    assert delta.measurements["largest_relative"] > 1e-4, "the relative rule alone passes it"
+    assert delta.status == "fail" and "no-op by the paper's rule" in delta.detail
+    assert delta.measurements["per_module_mean_norm"] == pytest.approx(delta.value / 6)
+
+
+def test_cli_json_carries_every_measure_and_threshold(hub_named):
+    result = run_cli(hub_named / "version", hub_named / "same", "--base", hub_named / "base", "--json", "--behaviour")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert data["thresholds"]["min_total_norm"] == 1.0 and data["thresholds"]["max_kl"] == 20.0
+    checks = {c["name"]: c for c in data["reports"][1]["checks"]}
+    assert checks["delta"]["measurements"]["min_total_norm"] == 1.0 and checks["delta"]["measurements"]["total_norm"] > 1
+    assert checks["behaviour"]["measurements"]["max_kl"] == 20.0 and checks["behaviour"]["measurements"]["mean_kl"] > 0
+    table = run_cli(hub_named / "version", "--base", hub_named / "base")
+    assert "BASE-ID" in table.stdout and "PER-MOD" in table.stdout and "fail" in table.stdout.splitlines()[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_behaviour_on_cuda_measures_what_cpu_does(behaviour_zoo, pretrained_pair):
+    on = {device: next(c for c in audit_adapter(behaviour_zoo / "real", pretrained_pair / "base", behaviour=True,
+                                                  device=device).checks if c.name == "behaviour")
+          for device in ("cpu", "cuda")}
+    assert on["cuda"].status == "pass"
+    assert on["cuda"].measurements["mean_kl"] == pytest.approx(on["cpu"].measurements["mean_kl"], rel=1e-2)
+
+
+def test_another_vocabulary_is_named(zoo, tmp_path):
+    tiny_llama(0, vocab_size=VOCAB + 28).save_pretrained(tmp_path / "bigger_vocab")
+    report = audit_adapter(zoo["embedding"], tmp_path / "bigger_vocab")
+    assert "vocabulary of 100 rows in the adapter, 128 in the base (vocab_size 128)" in report.reasons[0]

@@ -10,7 +10,7 @@ from tiny_models import VOCAB, tiny_llama, train_lora
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.lora import LoraAdapter
+from mergekit_lite.io.lora import LoraAdapter, refusal_reason
 from mergekit_lite.toy import torch_threads
 
 
@@ -137,7 +137,7 @@ def drop_lora_b(tensors):
 
 @pytest.mark.parametrize("edit_config, edit_weights, message", [
     (lambda c: {**c, "use_dora": True}, None, "DoRA"),
-    (lambda c: {k: v for k, v in c.items() if k != "r"}, None, "no valid rank r"),
+    (lambda c: {k: v for k, v in c.items() if k != "r"}, None, "no r \\(required\\)"),
     (lambda c: {**c, "r": 8}, None, "config says r=8"),
     (None, drop_lora_b, "layers.1.self_attn.q_proj has no lora_B"),
 ])
@@ -153,3 +153,96 @@ def test_not_an_adapter_folder(tmp_path):
         LoraAdapter.open(tmp_path)
     with pytest.raises(InputError, match="no such adapter folder"):
         LoraAdapter.open(tmp_path / "missing")
+
+
+def test_schema_knows_every_option_of_installed_peft():
+    """The typed schema is checked against PEFT's own LoraConfig, so a new PEFT option shows up here first."""
+    import dataclasses
+
+    from mergekit_lite.io.lora import AdapterConfigSchema
+
+    peft_options = {f.name for f in dataclasses.fields(LoraConfig)}
+    assert peft_options <= set(AdapterConfigSchema.model_fields), peft_options - set(AdapterConfigSchema.model_fields)
+    saved = LoraConfig(r=4, target_modules=["q_proj"]).to_dict()
+    assert refusal_reason(json.loads(json.dumps(saved, default=str))) is None, "PEFT's defaults are all accepted"
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"r": "4"}, "r must be int (got '4')"),
+    ({"lora_alpha": "16"}, "lora_alpha must be int | float (got '16')"),
+    ({"use_rslora": 1}, "use_rslora must be bool (got 1)"),
+    ({"target_modules": 7}, "target_modules must be list[str] | str | None (got 7)"),
+    ({"rank_pattern": {"q_proj": 2.5}}, "rank_pattern must be dict[str, int] | None"),
+    ({"bias": "some"}, "bias must be Literal['none', 'all', 'lora_only'] (got 'some')"),
+])
+def test_wrong_types_are_one_line_naming_key_and_type(saved_adapter, tmp_path, edit, message):
+    folder = copy_adapter(saved_adapter, tmp_path / "typed", lambda c: {**c, **edit})
+    with pytest.raises(InputError) as error:
+        LoraAdapter.open(folder)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"use_dora": True}, "DoRA"),
+    ({"lora_bias": True}, "lora_bias adds a trained bias"),
+    ({"target_parameters": ["experts.gate_up_proj"]}, "target_parameters adapts raw parameters"),
+    ({"trainable_token_indices": [1, 2]}, "sparse token rows"),
+    ({"layer_replication": [[0, 2], [1, 2]]}, "duplicates base layers"),
+    ({"use_qalora": True}, "QALoRA"),
+    ({"alora_invocation_tokens": [5, 6]}, "cannot be merged into the weights"),
+    ({"megatron_config": {"tensor_model_parallel_size": 2}}, "tensor-parallel"),
+    ({"use_bdlora": {"block": 2}}, "block-diagonal"),
+    ({"arrow_config": {"top_k": 2}}, "routes each token"),
+    ({"kasa_config": {"k": 1}}, "KaSA"),
+    ({"monteclora_config": {"n": 1}}, "MonteCLoRA"),
+    ({"velora_config": {"n": 1}}, "VeLoRA"),
+    ({"init_lora_weights": "pissa"}, "residual base"),
+    ({"init_lora_weights": "pissa_niter_4"}, "residual base"),
+    ({"init_lora_weights": "olora"}, "residual base"),
+    ({"init_lora_weights": "corda"}, "residual base"),
+    ({"init_lora_weights": "loftq"}, "residual base"),
+    ({"init_lora_weights": "lora_ga"}, "residual base"),
+    ({"init_lora_weights": "mica"}, "not a plain LoRA initialisation"),
+    ({"some_future_option": 0.5}, "unknown option some_future_option=0.5"),
+])
+def test_each_refused_option_says_why(saved_adapter, tmp_path, edit, message):
+    folder = copy_adapter(saved_adapter, tmp_path / "refused", lambda c: {**c, **edit})
+    with pytest.raises(InputError, match="unsupported: ") as error:
+        LoraAdapter.open(folder)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("edit", [{"some_future_option": None}, {"some_future_option": False},
+                                  {"init_lora_weights": "eva"}, {"init_lora_weights": "gaussian"},
+                                  {"init_lora_weights": False}, {"lora_alpha": -8}])
+def test_options_that_leave_plain_lora_are_accepted(saved_adapter, tmp_path, edit):
+    """EVA only initialises A from activations (peft/tuners/lora/eva.py leaves the base alone)."""
+    LoraAdapter.open(copy_adapter(saved_adapter, tmp_path / "accepted", lambda c: {**c, **edit}))
+
+
+def test_pissa_really_rewrites_the_base(tmp_path):
+    """Why init_lora_weights='pissa' is refused: PEFT changes the base weight at init (the adapter is on W - B0@A0)."""
+    model = tiny_llama()
+    original = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"], init_lora_weights="pissa"))
+    assert not torch.allclose(peft_model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, original)
+    peft_model.save_pretrained(tmp_path / "pissa")
+    with pytest.raises(InputError, match="residual base"):
+        LoraAdapter.open(tmp_path / "pissa")
+
+
+def test_alora_is_refused_as_peft_refuses_to_merge_it(tmp_path):
+    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                         alora_invocation_tokens=[5, 6]))
+    peft_model.save_pretrained(tmp_path / "alora")
+    with pytest.raises(NotImplementedError, match="aLoRA does not support merging"):
+        peft_model.merge_and_unload()
+    with pytest.raises(InputError, match="aLoRA"):
+        LoraAdapter.open(tmp_path / "alora")
+
+
+def test_zero3_empty_factors_say_so(saved_adapter, tmp_path):
+    folder = copy_adapter(saved_adapter, tmp_path / "zero3",
+                          edit_weights=lambda tensors: {k: torch.empty(0) for k in tensors})
+    with pytest.raises(InputError, match="DeepSpeed ZeRO-3 without gathering"):
+        LoraAdapter.open(folder)

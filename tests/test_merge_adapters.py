@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from tiny_models import save_tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
@@ -23,7 +23,7 @@ CLI = str(Path(sys.executable).parent / "mergekit-lite")
 def train_adapter(base_dir, adapter_dir, seed, targets):
     """A real PEFT adapter: a few optimizer steps so B is non-zero."""
     model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+                           LoraConfig(r=4, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
     train_lora(model, steps=4, seed=seed).save_pretrained(adapter_dir)
     return adapter_dir
 
@@ -99,3 +99,42 @@ def test_adapter_needs_a_base(setup, tmp_path):
     _, first, _ = setup
     with pytest.raises(InputError, match="needs the base model"):
         run_merge(MergeConfig.from_dict({"method": "linear", "models": [str(first), str(first)]}), tmp_path / "x")
+
+
+def test_modules_to_save_head_on_a_tied_base_merges_untied(tmp_path):
+    """Qwen2.5 / Llama-3.2-1B style: the base ties lm_head to the embeddings and stores none; the adapter trains its
+    own head copy (modules_to_save). The merge writes that head, untied, and the model matches PEFT's merge."""
+    with torch_threads(1):
+        save_tiny_llama(0, tmp_path / "tied", tie_word_embeddings=True)
+        model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "tied"),
+                               LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+        train_lora(model, steps=4, seed=3).save_pretrained(tmp_path / "head-lora")
+    assert "lm_head.weight" not in read(tmp_path / "tied")
+    result = subprocess.run([CLI, "merge", "--method", "linear", "--base", str(tmp_path / "tied"), "--model",
+                             str(tmp_path / "head-lora"), "--alpha", "1", "--out", str(tmp_path / "out"), "--quiet"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    assert merged.config.tie_word_embeddings is False
+    assert merged.lm_head.weight.data_ptr() != merged.model.embed_tokens.weight.data_ptr()
+    reference = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "tied"),
+                                          tmp_path / "head-lora").merge_and_unload()
+    tokens = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=tokens).logits, reference(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(reference.lm_head.weight, reference.model.embed_tokens.weight)
+
+
+def test_a_refused_merge_names_the_real_cause(setup, tmp_path):
+    """An adapter saved from a vision-language model's text tower: the merge says so, not 'not in the base'."""
+    root, first, _ = setup
+    vlm = tmp_path / "vlm-lora"
+    vlm.mkdir()
+    (vlm / "adapter_config.json").write_text((first / "adapter_config.json").read_text())
+    tensors = load_file(first / "adapter_model.safetensors")
+    save_file({k.replace("base_model.model.model.", "base_model.model.model.language_model."): v for k, v in tensors.items()},
+              str(vlm / "adapter_model.safetensors"))
+    config = {"method": "linear", "base": str(root / "base"), "models": [str(vlm)], "parameters": {"alpha": 1.0}}
+    with pytest.raises(InputError, match="REJECTED: structure: .*different vision-language layouts"):
+        run_merge(MergeConfig.from_dict(config), tmp_path / "out")

@@ -16,8 +16,10 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergekit_lite.errors import InputError
 
@@ -32,15 +34,122 @@ EMBEDDING_FACTOR = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<side>[AB])(?
 SAVED_MODULE_INFIX = re.compile(r"\.modules_to_save(?:\.[^.]+)?\.")
 BASE_LAYER_INFIX = ".base_layer."
 
-# Config options whose weights are not `scaling * B @ A`: refused rather than merged wrongly.
-UNSUPPORTED_OPTIONS = {
-    "use_dora": "DoRA (use_dora) adds a magnitude vector",
+# init_lora_weights values under which PEFT leaves the base untouched: the saved factors are the whole update.
+PLAIN_INITS = {True, False, "gaussian", "orthogonal", "eva"}
+# ...and those under which PEFT rewrites the base during init (peft/tuners/lora/layer.py *_init): the adapter belongs
+# on that residual base, W - scaling*B0@A0 (LoftQ: a quantised W), which is not the base anyone merges into.
+RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+# Options with a default under which the weights are `scaling * B @ A`; any other value is refused, with why.
+REFUSED_OPTIONS = {
+    "use_dora": "DoRA (use_dora) rescales each column by a trained magnitude vector, so the update is not scaling*B@A",
     "lora_bias": "lora_bias adds a trained bias to B",
-    "target_parameters": "target_parameters adapts raw parameters (e.g. fused MoE experts)",
-    "trainable_token_indices": "trainable_token_indices stores sparse token rows",
-    "layer_replication": "layer_replication duplicates base layers",
-    "use_qalora": "QALoRA pools inputs in groups",
+    "target_parameters": "target_parameters adapts raw parameters (e.g. fused MoE experts), not module weights",
+    "trainable_token_indices": "trainable_token_indices stores sparse token rows, not LoRA factors",
+    "layer_replication": "layer_replication duplicates base layers, so the merged model has more layers than the base",
+    "use_qalora": "QALoRA pools inputs in groups, so B@A does not have the base weight's shape",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) only acts after its invocation tokens appear; "
+                               "it cannot be merged into the weights (PEFT refuses to merge it too)",
+    "megatron_config": "megatron_config builds tensor-parallel LoRA layers whose factors may be sharded",
+    "use_bdlora": "BD-LoRA (use_bdlora) stores block-diagonal factors",
+    "arrow_config": "Arrow (arrow_config) routes each token among several LoRA experts; there is no single update",
+    "kasa_config": "KaSA (kasa_config) adds a trained singular-value vector between B and A",
+    "monteclora_config": "MonteCLoRA (monteclora_config) samples its factors from a learned distribution",
+    "velora_config": "VeLoRA (velora_config) is a variant this reader does not implement",
 }
+
+
+class AdapterConfigSchema(BaseModel):
+    """adapter_config.json as PEFT's LoraConfig writes it, typed strictly (field names and defaults from PEFT 0.21).
+
+    Options without a field here are kept (`extra="allow"`) and judged by `refusal_reason`.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    peft_type: str = "LORA"
+    task_type: str | None = None
+    peft_version: str | None = None
+    base_model_name_or_path: str | None = None
+    revision: str | None = None
+    inference_mode: bool = False
+    auto_mapping: dict | None = None
+    r: int
+    lora_alpha: int | float = PEFT_DEFAULT_ALPHA
+    lora_dropout: int | float = 0.0
+    target_modules: list[str] | str | None = None
+    exclude_modules: list[str] | str | None = None
+    fan_in_fan_out: bool = False
+    bias: Literal["none", "all", "lora_only"] = "none"
+    use_rslora: bool = False
+    modules_to_save: list[str] | None = None
+    init_lora_weights: bool | str = True
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
+    rank_pattern: dict[str, int] | None = None
+    alpha_pattern: dict[str, int | float] | None = None
+    megatron_core: str | None = None
+    runtime_config: dict | None = None
+    ensure_weight_tying: bool = False
+    qalora_group_size: int = 16
+    loftq_config: dict | None = None
+    eva_config: dict | None = None
+    corda_config: dict | None = None
+    lora_ga_config: dict | None = None
+    use_dora: bool = False
+    lora_bias: bool = False
+    use_qalora: bool = False
+    target_parameters: list[str] | None = None
+    trainable_token_indices: list[int] | dict | None = None
+    layer_replication: list | None = None
+    alora_invocation_tokens: list[int] | None = None
+    megatron_config: dict | None = None
+    use_bdlora: dict | bool | None = None
+    arrow_config: dict | None = None
+    kasa_config: dict | None = None
+    monteclora_config: dict | None = None
+    velora_config: dict | None = None
+
+
+def _is_default_like(value) -> bool:
+    """What an option that is not in use holds: null, false, zero, or empty."""
+    return value is None or value is False or value == 0 or value in ("", [], {})
+
+
+def refusal_reason(config: dict) -> str | None:
+    """Why this config's weights are not plain `scaling * B @ A` on the given base, or None if they are."""
+    init = config.get("init_lora_weights", True)
+    if init not in PLAIN_INITS:
+        if isinstance(init, str) and init.startswith(RESIDUAL_INITS):
+            return (f"init_lora_weights={init!r} trains the adapter on a residual base (PEFT rewrites W to "
+                    "W - scaling*B0@A0 at init), so adding it to the original base is wrong; re-save it with "
+                    "save_pretrained(path_initial_model_for_weight_conversion=...) to get a plain LoRA")
+        return f"init_lora_weights={init!r} is not a plain LoRA initialisation this reader knows"
+    for option, why in REFUSED_OPTIONS.items():
+        if not _is_default_like(config.get(option)):
+            return why
+    for option in sorted(set(config) - set(AdapterConfigSchema.model_fields)):
+        if not _is_default_like(config[option]):
+            return (f"unknown option {option}={config[option]!r}: it is not one this reader knows, so how it changes "
+                    "the weights is unknown (an adapter from a newer PEFT?)")
+    return None
+
+
+def _type_text(annotation) -> str:
+    return str(annotation).replace("typing.", "").replace("NoneType", "null").replace("<class '", "").replace("'>", "")
+
+
+def validate_config(config: dict, path: Path) -> AdapterConfigSchema:
+    """Typed validation; a wrong type is one line naming the key and the type it must have."""
+    try:
+        return AdapterConfigSchema.model_validate(config)
+    except ValidationError as error:
+        first = error.errors()[0]
+        key = str(first["loc"][0]) if first["loc"] else "?"
+        if first["type"] == "missing":
+            raise InputError(f"{path}: no {key} (required)") from None
+        expected = _type_text(AdapterConfigSchema.model_fields[key].annotation)
+        raise InputError(f"{path}: {key} must be {expected} (got {config.get(key)!r})") from None
 
 
 @dataclass(frozen=True)
@@ -95,12 +204,12 @@ def _read_config(folder: Path) -> dict:
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise InputError(f"{path}: peft_type {peft_type} is not LoRA")
-    for option, why in UNSUPPORTED_OPTIONS.items():
-        if config.get(option):
-            raise InputError(f"{path}: unsupported: {why}")
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise InputError(f"{path}: no valid rank r (got {rank!r})")
+    schema = validate_config(config, path)
+    if schema.r <= 0:
+        raise InputError(f"{path}: r must be a positive int (got {schema.r})")
+    why = refusal_reason(config)
+    if why:
+        raise InputError(f"{path}: unsupported: {why}")
     return config
 
 
@@ -281,6 +390,10 @@ class LoraAdapter:
 def _check_factor_shapes(weights: _TensorFile, module: str, factor: _Factors, rank: int) -> None:
     """A and B must be 2-D, agree on the rank, and that rank must be the config's (else scaling is wrong)."""
     a_shape, b_shape = weights.shape(factor.a_key), weights.shape(factor.b_key)
+    if 0 in a_shape + b_shape:
+        raise InputError(f"{weights.path}: {module} has empty LoRA factors A{list(a_shape)} and B{list(b_shape)}: saved "
+                         "under DeepSpeed ZeRO-3 without gathering the partitioned parameters (re-save with the "
+                         "gathered state dict, e.g. stage3_gather_16bit_weights_on_model_save)")
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
         raise InputError(f"{weights.path}: {module} has mismatched LoRA factors A{list(a_shape)} and B{list(b_shape)}")
     if a_shape[0] != rank:

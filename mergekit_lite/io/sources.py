@@ -53,6 +53,28 @@ class RenamedSource:
         return self.source.load(self.name_map[name], into)
 
 
+def replaces_tied_head(adapter, base: TensorSource) -> bool:
+    """modules_to_save: [lm_head] on a base that ties its head to the embeddings and stores none."""
+    names = set(base.names)
+    return TIED_HEAD[0] in adapter.replaced() and TIED_HEAD[0] not in names and TIED_HEAD[1] in names
+
+
+class UntiedHeadSource(RenamedSource):
+    """A tied model that also shows its head as lm_head.weight (the embeddings), to merge with an untied head."""
+
+    def __init__(self, source: TensorSource):
+        super().__init__(source, {**{name: name for name in source.names}, TIED_HEAD[0]: TIED_HEAD[1]})
+
+
+def untie_heads(sources: list[TensorSource]) -> list[TensorSource]:
+    """When an adapter brings its own head for a tied base, every tied input shows one: the merge writes an
+    untied lm_head (and engine.py writes tie_word_embeddings false)."""
+    if not any(isinstance(source, AdapterSource) and TIED_HEAD[0] in source.names for source in sources):
+        return sources
+    return [source if TIED_HEAD[0] in source.names or TIED_HEAD[1] not in source.names else UntiedHeadSource(source)
+            for source in sources]
+
+
 class AdapterSource:
     """A LoRA adapter seen as the full model it makes: base tensor + scaling*B@A, in float32 where it applies."""
 
@@ -60,16 +82,17 @@ class AdapterSource:
         self.adapter, self.base = adapter, base
         self.path, self.config = Path(adapter.path), base.config
         self._changed = set(adapter.targets()) | set(adapter.replaced())
-        missing = sorted(self._changed - set(base.names))
+        self._own_head = replaces_tied_head(adapter, base)
+        missing = sorted(self._changed - set(base.names) - ({TIED_HEAD[0]} if self._own_head else set()))
         if missing:
             raise InputError(f"{adapter.path}: adapts {missing[0]}, which the base {base.path} does not have")
 
     @property
     def names(self) -> list[str]:
-        return self.base.names
+        return self.base.names + ([TIED_HEAD[0]] if self._own_head else [])
 
     def shape(self, name):
-        return self.base.shape(name)
+        return tuple(self.adapter.shape(name)) if self._own_head and name == TIED_HEAD[0] else self.base.shape(name)
 
     def dtype(self, name):
         return torch.float32 if name in self._changed else self.base.dtype(name)
@@ -98,6 +121,7 @@ def open_inputs(paths: list[str], base: str | None, allow_pickle: bool) -> list[
                 base_source = source
             opened.append(source)
     check_architectures(opened)
+    opened = untie_heads(opened)
     reference = opened[0]
     return [reference] + [align(reference, source) for source in opened[1:]]
 

@@ -22,7 +22,7 @@ from mergekit_lite.io.buffers import BufferRing, aligned
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder, copy_side_files
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
-from mergekit_lite.io.sources import TensorSource
+from mergekit_lite.io.sources import TensorSource, UntiedHeadSource
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.vocab import write_tokenizer
@@ -265,8 +265,8 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     inputs = [*config.inputs, config.copy_files_from, config.recall.texts, config.recall.weights_file]
     check_output_folder(out, inputs, overwrite)
     usable_device(config.device)
-    plan = plan_merge(config)
     _audit_adapters(config)
+    plan = plan_merge(config)
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
         writer = ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                                config.out_shard_size)
@@ -280,16 +280,17 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:
     """The same merge, kept in memory: for models that fit, e.g. each point of a sweep."""
     state = {}
-    plan = plan_merge(config, sources)
     _audit_adapters(config)
+    plan = plan_merge(config, sources)
     execute(plan, state.__setitem__, sink_keeps_tensors=True)
     return state
 
 
 def _audit_adapters(config: MergeConfig) -> None:
-    """Adapters are audited against the base before they take part; REJECTED ones stop the merge."""
+    """Adapters are audited against the base before anything else reads them, so a refusal names the real cause;
+    REJECTED ones stop the merge. Without a base, planning says an adapter needs one."""
     adapters = [path for path in config.inputs if LoraAdapter.is_adapter_dir(path)]
-    if adapters:
+    if adapters and config.base:
         from audits.adapter import require_verified
 
         for adapter in adapters:
@@ -305,10 +306,14 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
         donor = config.base
     copy_side_files(Path(donor), folder)
     config_file = folder / "config.json"
-    if config_file.is_file() and config.dtype:
+    own_head = any(isinstance(source, UntiedHeadSource) for source in plan.sources)
+    if config_file.is_file() and (config.dtype or own_head):
         model_config = json.loads(config_file.read_text())
-        key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
-        model_config[key] = config.dtype
+        if config.dtype:
+            key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
+            model_config[key] = config.dtype
+        if own_head:
+            model_config["tie_word_embeddings"] = False  # an adapter's own head (modules_to_save) on a tied base
         config_file.write_text(json.dumps(model_config, indent=2) + "\n")
     write_tokenizer(folder, plan.vocabulary, config.chat_template, plan.sources)
     (folder / PROVENANCE_FILE).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
