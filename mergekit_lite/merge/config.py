@@ -29,15 +29,29 @@ METHOD_PARAMETERS = {
     "ties": {"lambda", "weight", "density", "normalize"},
     "dare_linear": {"lambda", "weight", "drop", "normalize"},
     "dare_ties": {"lambda", "weight", "drop", "normalize"},
+    "della": {"lambda", "weight", "density", "epsilon", "normalize", "rescale"},
+    "della_linear": {"lambda", "weight", "density", "epsilon", "normalize", "rescale"},
+    "breadcrumbs": {"lambda", "weight", "density", "gamma", "normalize", "rescale"},
+    "breadcrumbs_ties": {"lambda", "weight", "density", "gamma", "normalize", "rescale"},
+    "model_stock": {"filter_wise"},
+    "nuslerp": {"weight", "nuslerp_flatten", "nuslerp_row_wise"},
+    "multislerp": {"weight", "normalize_weights", "eps"},
+    "karcher": {"max_iter", "tol"},
+    "passthrough": {"scale"},
     "recall": {"temperature"},
 }
 METHODS = tuple(METHOD_PARAMETERS)
-PER_MODEL_PARAMETERS = {"weight", "density", "drop"}
+PER_MODEL_PARAMETERS = {"weight", "density", "drop", "epsilon", "gamma", "scale"}
+BOOLEAN_PARAMETERS = {"normalize", "rescale", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise", "normalize_weights"}
 MAIN_COEFFICIENT = {
     "linear": "alpha", "slerp": "t", "task_arithmetic": "lambda", "ties": "lambda",
-    "dare_linear": "lambda", "dare_ties": "lambda", "recall": "temperature",
+    "dare_linear": "lambda", "dare_ties": "lambda", "della": "lambda", "della_linear": "lambda",
+    "breadcrumbs": "lambda", "breadcrumbs_ties": "lambda", "recall": "temperature",
 }
-DEFAULTS = {"weight": 1.0, "lambda": 1.0, "t": 0.5, "density": 0.5, "drop": 0.5, "temperature": 0.5}
+# mergekit's defaults for the parameters it shares with us (epsilon, gamma, the NuSLERP/Multi-SLERP/Karcher knobs)
+DEFAULTS = {"weight": 1.0, "lambda": 1.0, "t": 0.5, "density": 0.5, "drop": 0.5, "temperature": 0.5,
+            "epsilon": 0.15, "gamma": 0.01, "filter_wise": False, "nuslerp_flatten": True, "nuslerp_row_wise": False,
+            "normalize_weights": True, "eps": 1e-8, "max_iter": 10, "tol": 1e-5, "scale": 1.0}
 # (low, high, low inclusive, high inclusive); None = unbounded
 RANGES = {
     "alpha": (0.0, 1.0, True, True),
@@ -45,6 +59,11 @@ RANGES = {
     "density": (0.0, 1.0, False, True),
     "drop": (0.0, 1.0, True, False),
     "temperature": (0.0, None, False, False),
+    "epsilon": (0.0, 1.0, True, False),
+    "gamma": (0.0, 1.0, True, True),
+    "eps": (0.0, None, True, False),
+    "max_iter": (1.0, None, True, False),
+    "tol": (0.0, None, False, False),
 }
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -134,6 +153,14 @@ class MergeConfig:
             raise InputError(f"linear with alpha interpolates exactly two models, got {count}; use per-model weights for more")
         if self.method in TASK_VECTOR_METHODS and not self.base:
             raise InputError(f"{self.method} needs a base model (--base)")
+        if self.method == "model_stock" and (not self.base or len(self.models) < 2):
+            raise InputError(f"model_stock needs a base model and at least two fine-tunes, got {count} inputs")
+        if self.method == "nuslerp" and len(self.models) != 2:
+            raise InputError(f"nuslerp merges exactly two models (plus an optional base), got {len(self.models)}")
+        if self.method == "karcher" and count < 2:
+            raise InputError(f"karcher averages at least two models, got {count}")
+        if self.method == "passthrough" and count != 1:
+            raise InputError(f"passthrough copies one model per tensor, got {count} inputs (use slices to stack several)")
         if self.method == "recall" and count < 2:
             raise InputError(f"recall merges at least two models, got {count}")
         if self.method == "recall" and self.recall.embed_rule not in EMBED_RULES:
@@ -185,9 +212,9 @@ def _reject_unknown(data: dict, known: set[str], where: str) -> None:
 
 def _check_value(name: str, value: Any) -> None:
     """Check every number a value spec can produce against the parameter's range."""
-    if name == "normalize":
+    if name in BOOLEAN_PARAMETERS:
         if not isinstance(value, bool):
-            raise InputError(f"normalize must be true or false, got {value!r}")
+            raise InputError(f"{name} must be true or false, got {value!r}")
         return
     for number in _numbers_in(name, value):
         if not math.isfinite(number):

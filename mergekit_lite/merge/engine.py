@@ -39,11 +39,16 @@ def dare_generator(seed: int, tensor_name: str, model_index: int) -> torch.Gener
 def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Apply the method to one tensor's inputs (input 0 is the base where the method has one).
 
-    Per-tensor statistics (SLERP's angle, TIES's trim thresholds) come from the whole tensors; the
-    elementwise rest runs in cache-sized chunks written straight into the output, which is several
-    times faster than whole-tensor float32 temporaries. DARE draws its masks chunk by chunk from one
-    seeded generator per model, so the bytes do not depend on the device.
+    Per-tensor statistics (SLERP's angle, the Gram matrices of the geometric methods, TIES's trim
+    thresholds, Breadcrumbs' bands) come from the whole tensors; the elementwise rest runs in
+    cache-sized chunks written straight into the output, which is several times faster than
+    whole-tensor float32 temporaries. DARE draws its masks chunk by chunk from one seeded generator per
+    model, so the bytes do not depend on the device. Row-wise variants and DELLA (ranks within rows),
+    and L1 rescaling (a norm of the sparsified delta), need whole tensors and get them.
     """
+    whole = _whole_tensor_merge(config, step, tensors)
+    if whole is not None:
+        return whole.to(step.out_dtype)
     combine = _chunk_combiner(config, step, tensors)
     flats = [tensor.reshape(-1) for tensor in tensors]
     out = torch.empty(flats[0].numel(), dtype=step.out_dtype, device=flats[0].device)
@@ -51,6 +56,30 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
         chunk = slice(begin, begin + methods.CHUNK)
         out[chunk] = combine([flat[chunk] for flat in flats])
     return out.view(step.shape)
+
+
+def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The methods whose elementwise part needs whole rows or whole-tensor norms; None for the others."""
+    parameters, method = step.parameters, config.method
+    if method == "model_stock" and parameters["filter_wise"]:
+        coefficients = methods.model_stock_coefficients(methods.row_gram_matrices(tensors[1:], -1, origin=tensors[0]))
+        return methods.combine_rows(tensors, coefficients, -1)
+    if method == "nuslerp" and not parameters["flatten"]:
+        axis = 0 if parameters["row_wise"] else -1
+        ends = tensors[-2:]
+        origin = tensors[0] if len(tensors) == 3 else None
+        pair = methods.nuslerp_coefficients(methods.row_gram_matrices(ends, axis, origin=origin), parameters["t"])
+        if origin is None:
+            return methods.combine_rows(ends, pair, axis)
+        return methods.combine_rows(tensors, torch.cat([1 - pair.sum(-1, keepdim=True), pair], -1), axis)
+    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    if recipe is not None and (recipe.sparsifier == "magprune" or parameters.get("rescale")):
+        return methods.task_vector_merge(
+            tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
+            densities=parameters["densities"], epsilons=parameters.get("epsilons"), gammas=parameters.get("gammas"),
+            generators=[dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)],
+            rescale=parameters["rescale"], consensus=recipe.consensus, normalize=parameters["normalize"])
+    return None
 
 
 def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]):
@@ -64,17 +93,45 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     if method == "slerp":
         weights = methods.slerp_weights(tensors[0], tensors[1], parameters["t"])
         return lambda chunk: methods.linear(chunk, weights, normalize=False)
+    if method == "passthrough":
+        return lambda chunk: chunk[0].to(torch.float32) * parameters["scale"]
+    if method in ("model_stock", "nuslerp", "multislerp", "karcher"):
+        coefficients = _geometric_coefficients(config, step, tensors)
+        return lambda chunk: methods.linear(chunk, coefficients, normalize=False)
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
         thresholds = [methods.trim_threshold(tensors[0], model, density)
                       for model, density in zip(tensors[1:], parameters["densities"])]
+    if recipe.sparsifier == "outliers":
+        thresholds = [methods.outlier_band(tensors[0], model, density, gamma)
+                      for model, density, gamma in zip(tensors[1:], parameters["densities"], parameters["gammas"])]
     if recipe.sparsifier == "random":
         generators = [dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)]
     return lambda chunk: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
         thresholds=thresholds, drops=parameters.get("drops"), generators=generators,
         consensus=recipe.consensus, normalize=parameters["normalize"])
+
+
+def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> list[float]:
+    """One coefficient per input for the methods that combine whole (flattened) tensors linearly."""
+    parameters, method = step.parameters, config.method
+    has_base = config.base is not None
+    if method == "karcher":
+        return methods.karcher_coefficients(methods.gram_matrix(tensors), parameters["max_iter"], parameters["tol"]).tolist()
+    if method == "model_stock":
+        return methods.model_stock_coefficients(methods.gram_matrix(tensors[1:], origin=tensors[0])).tolist()
+    origin = tensors[0] if has_base else None
+    ends = tensors[1:] if has_base else tensors
+    if method == "multislerp" and len(ends) == 1:
+        return [0.0, 1.0] if has_base else [1.0]  # one model: itself, as in mergekit
+    gram = methods.gram_matrix(ends, origin=origin)
+    if method == "nuslerp":
+        weights = methods.nuslerp_coefficients(gram, parameters["t"]).tolist()
+    else:
+        weights = methods.multislerp_coefficients(gram, parameters["weights"], parameters["eps"]).tolist()
+    return [1.0 - math.fsum(weights), *weights] if has_base else weights
 
 
 def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress: bool = False) -> None:

@@ -144,13 +144,42 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
     if method == "recall":
         part = "layer" if layer is not None else ("embed" if is_embedding(name) else "head")
         return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
+    if method == "model_stock":
+        return {"filter_wise": value("filter_wise")}
+    if method == "nuslerp":
+        first, second = value("weight", 0), value("weight", 1)
+        total = first + second
+        return {"t": 0.5 if abs(total) < 1e-6 else second / total,
+                "flatten": value("nuslerp_flatten"), "row_wise": value("nuslerp_row_wise")}
+    if method == "multislerp":
+        weights = [value("weight", i) for i in models]
+        if value("normalize_weights"):
+            total = math.fsum(weights)
+            if total == 0:
+                raise InputError(f"tensor {name}: multislerp weights sum to zero; cannot normalize")
+            weights = [w / total for w in weights]
+        return {"weights": weights, "eps": value("eps")}
+    if method == "karcher":
+        return {"max_iter": int(value("max_iter")), "tol": value("tol")}
+    if method == "passthrough":
+        return {"scale": value("scale", 0)}
     recipe = methods.TASK_VECTOR_METHODS[method]
     parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
                   "normalize": config.parameters.get("normalize", recipe.normalize)}
-    if recipe.sparsifier == "magnitude":
+    if recipe.sparsifier in ("magnitude", "magprune", "outliers"):
         parameters["densities"] = [value("density", i) for i in models]
     if recipe.sparsifier == "random":
         parameters["drops"] = [value("drop", i) for i in models]
+    if recipe.sparsifier == "magprune":
+        parameters["epsilons"] = [value("epsilon", i) for i in models]
+        for density, epsilon in zip(parameters["densities"], parameters["epsilons"]):
+            if density < 1.0 and not (density - epsilon > 0.0 and density + epsilon < 1.0):
+                raise InputError(f"tensor {name}: della needs 0 < density - epsilon and density + epsilon < 1, "
+                                 f"got density {density:g}, epsilon {epsilon:g}")
+    if recipe.sparsifier == "outliers":
+        parameters["gammas"] = [value("gamma", i) for i in models]
+    if recipe.sparsifier in methods.RESCALE_DEFAULT:
+        parameters["rescale"] = config.parameters.get("rescale", methods.RESCALE_DEFAULT[recipe.sparsifier])
     return parameters
 
 
