@@ -82,6 +82,33 @@ class ModelSpec:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SliceSource:
+    """Layers [start, end) of one model (mergekit's `layer_range`: end exclusive), with parameters for this slice."""
+
+    model: str
+    layer_range: tuple[int, int]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A run of output layers (mergekit's `slices:` entry). Every source gives the same number of layers;
+    layer k of the slice merges layer start+k of each source with the config's method (`passthrough`:
+    one source, copied). Output layers are the slices stacked in order. `base` is this slice's base
+    model where it differs from the config's; `parameters` override the config's for this slice.
+    """
+
+    sources: list[SliceSource]
+    base: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        start, end = self.sources[0].layer_range
+        return end - start
+
+
 @dataclass
 class RecallSettings:
     """Where RECALL gets its typical samples and how it turns similarities into weights."""
@@ -110,6 +137,7 @@ class MergeConfig:
     allow_nonfinite: bool = False
     force: bool = False
     device: str = "cpu"
+    slices: list[Slice] = field(default_factory=list)  # mergekit's slices: set instead of models
 
     def __post_init__(self):
         self.validate()
