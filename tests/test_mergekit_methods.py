@@ -17,9 +17,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
+from transformers import LlamaForCausalLM
 
-from mergekit_lite.merge.config import MergeConfig
-from mergekit_lite.merge.engine import merge_state_dict
+from mergekit_lite.merge.config import MergeConfig, Slice, SliceSource
+from mergekit_lite.merge.engine import merge_state_dict, run_merge
 
 MERGEKIT_VENV = Path(os.environ.get("MERGEKIT_VENV", "/work/venv-mergekit"))
 MERGEKIT_PYTHON = MERGEKIT_VENV / "bin" / "python"
@@ -53,6 +54,17 @@ DETERMINISTIC = {
                                         "rescale": True}},
     "passthrough": {"merge_method": "passthrough", "models": [("ft2", {"scale": 0.5})]},
 }
+SLICES = {  # mergekit's slices: (model, layer_range) sources per slice, optional slice parameters
+    "passthrough_stack": {"merge_method": "passthrough",
+                          "slices": [[("base", (0, 2))], [("ft1", (1, 2))], [("ft2", (0, 1))]]},
+    "slerp_slices": {"merge_method": "slerp", "base_model": "base",
+                     "parameters": {"t": [{"filter": "self_attn", "value": [0.1, 0.9]}, {"value": 0.3}]},
+                     "slices": [[("base", (0, 2)), ("ft1", (0, 2))],
+                                ([("base", (1, 2)), ("ft1", (0, 1))], {"t": 0.8})]},
+    "nuslerp_slices": {"merge_method": "nuslerp", "base_model": "base",
+                       "slices": [[("base", (1, 2)), ("ft2", (0, 1), {"weight": 1.0}), ("ft3", (1, 2), {"weight": 3.0})],
+                                  [("base", (0, 2)), ("ft1", (0, 2), {"weight": 2.0}), ("ft3", (0, 2), {"weight": 1.0})]]},
+}
 RANDOM = {
     "della_linear_single": {"merge_method": "della_linear", "base_model": "base",
                             "models": [("ft1", {"weight": 1.0})],
@@ -68,10 +80,20 @@ RANDOM = {
 def mergekit_yaml(case: dict, models: dict[str, Path]) -> dict:
     """A mergekit config as its users write it, with the model names replaced by folders."""
     entries = []
-    for entry in case["models"]:
+    for entry in case.get("models", []):
         name, parameters = entry if isinstance(entry, tuple) else (entry, {})
         entries.append({"model": str(models[name]), **({"parameters": parameters} if parameters else {})})
-    config = {"merge_method": case["merge_method"], "models": entries, "dtype": "float32"}
+    config = {"merge_method": case["merge_method"], "dtype": "float32"}
+    if entries:
+        config["models"] = entries
+    slices = []
+    for piece in case.get("slices", []):
+        sources, parameters = piece if isinstance(piece, tuple) else (piece, {})
+        entries = [{"model": str(models[name]), "layer_range": list(layers), **({"parameters": extra[0]} if extra else {})}
+                   for name, layers, *extra in sources]
+        slices.append({"sources": entries, **({"parameters": parameters} if parameters else {})})
+    if slices:
+        config["slices"] = slices
     if "base_model" in case:
         config["base_model"] = str(models[case["base_model"]])
     if "parameters" in case:
@@ -81,6 +103,12 @@ def mergekit_yaml(case: dict, models: dict[str, Path]) -> dict:
 
 def lite_config(mergekit: dict, seed: int = 0) -> MergeConfig:
     """The same merge in mergekit-lite: these methods' keys and parameter names are mergekit's."""
+    slices = [Slice([SliceSource(source["model"], tuple(source["layer_range"]), source.get("parameters", {}))
+                     for source in piece["sources"]], parameters=piece.get("parameters", {}))
+              for piece in mergekit.get("slices", [])]
+    if slices:
+        return MergeConfig(method=mergekit["merge_method"], models=[], base=mergekit.get("base_model"),
+                           parameters=mergekit.get("parameters", {}), dtype="float32", seed=seed, slices=slices)
     return MergeConfig.from_dict({"method": mergekit["merge_method"], "base": mergekit.get("base_model"),
                                   "models": mergekit["models"], "parameters": mergekit.get("parameters", {}),
                                   "dtype": "float32", "seed": seed})
@@ -113,7 +141,7 @@ def mergekit_outputs(checkpoints, tmp_path_factory) -> dict[str, dict[str, torch
         pytest.skip(f"mergekit not installed: no {MERGEKIT_PYTHON} (set MERGEKIT_VENV to its virtualenv)")
     root = tmp_path_factory.mktemp("mergekit_out")
     jobs = []
-    for name, case in {**DETERMINISTIC, **RANDOM}.items():
+    for name, case in {**DETERMINISTIC, **SLICES, **RANDOM}.items():
         config_file = root / f"{name}.yml"
         config_file.write_text(yaml.safe_dump(mergekit_yaml(case, checkpoints)))
         jobs.append([str(config_file), str(root / name), 0])
@@ -121,7 +149,7 @@ def mergekit_outputs(checkpoints, tmp_path_factory) -> dict[str, dict[str, torch
     result = subprocess.run([str(MERGEKIT_PYTHON), str(REFERENCE_SCRIPT), str(root / "jobs.json")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {name: load_file(str(root / name / "model.safetensors")) for name in {**DETERMINISTIC, **RANDOM}}
+    return {name: load_file(str(root / name / "model.safetensors")) for name in {**DETERMINISTIC, **SLICES, **RANDOM}}
 
 
 @pytest.mark.parametrize("case", sorted(DETERMINISTIC))
@@ -131,6 +159,27 @@ def test_deterministic_methods_equal_mergekit(case, checkpoints, mergekit_output
     assert set(ours) == set(theirs)
     for name, tensor in theirs.items():
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=2e-6, msg=f"{case}: {name}")
+
+
+@pytest.mark.parametrize("case", sorted(SLICES))
+def test_slices_equal_mergekit_and_the_output_loads_with_its_new_depth(case, checkpoints, mergekit_outputs, tmp_path):
+    """Layers stacked and renumbered as mergekit does; config.json says how many there are now."""
+    config = lite_config(mergekit_yaml(SLICES[case], checkpoints))
+    run_merge(config, tmp_path / "out")
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    theirs = mergekit_outputs[case]
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=2e-6, msg=f"{case}: {name}")
+    depth = sum(end - start for start, end in (s.sources[0].layer_range for s in config.slices))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["num_hidden_layers"] == depth == mergekit_layers(theirs)
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    assert len(model.model.layers) == depth
+
+
+def mergekit_layers(state: dict) -> int:
+    return 1 + max(int(name.split(".")[2]) for name in state if name.startswith("model.layers."))
 
 
 def test_the_cases_are_not_trivial(checkpoints, mergekit_outputs):
@@ -198,3 +247,11 @@ def test_della_with_sign_consensus_matches_mergekit_in_distribution(checkpoints,
         (our_kept, our_size), (their_kept, their_size) = stats
         assert abs(our_kept - their_kept) < 0.03, (part, stats)
         assert abs(our_size - their_size) < 0.1 * their_size, (part, stats)
+
+
+def test_della_masks_are_seeded_per_tensor_and_model(checkpoints):
+    """Same seed, same bytes; another seed, other masks (DARE's rule, via the same per-tensor generators)."""
+    case = mergekit_yaml(RANDOM["della"], checkpoints)
+    first, again, other = (merge_state_dict(lite_config(case, seed=seed)) for seed in (5, 5, 6))
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert any(not torch.equal(first[name], other[name]) for name in first)

@@ -144,8 +144,14 @@ class MergeConfig:
 
     @property
     def inputs(self) -> list[str]:
-        """Every input path in merge order: the base first (when given), then the models."""
-        return ([self.base] if self.base else []) + [spec.path for spec in self.models]
+        """Every input path in merge order: the base first (when given), then the models, or with slices
+        every model the slices name, once each, in order of first mention."""
+        paths = ([self.base] if self.base else []) + [spec.path for spec in self.models]
+        if not self.slices:
+            return paths
+        for piece in self.slices:
+            paths += ([piece.base] if piece.base else []) + [source.model for source in piece.sources]
+        return list(dict.fromkeys(paths))
 
     def parameter(self, name: str, model_index: int | None = None) -> Any:
         """A parameter's raw value spec: the model's own, else the global one, else the default."""
@@ -172,6 +178,22 @@ class MergeConfig:
                 if name not in allowed or name not in PER_MODEL_PARAMETERS:
                     raise InputError(f"model {spec.path}: parameter {name!r} cannot be set per model for method {self.method}")
                 _check_value(name, value)
+        if self.slices and self.models:
+            raise InputError("give models or slices, not both")
+        if not self.slices:
+            self.check_inputs()
+        if self.method == "recall" and self.recall.embed_rule not in EMBED_RULES:
+            raise InputError(f"recall embed_rule must be one of {', '.join(EMBED_RULES)}, got {self.recall.embed_rule!r}")
+        if self.dtype is not None:
+            if str(self.dtype).lower() not in DTYPES:
+                raise InputError(f"unknown dtype {self.dtype!r} (use bf16, fp16 or fp32)")
+            self.dtype = DTYPES[str(self.dtype).lower()]
+        self.out_shard_size = parse_size(self.out_shard_size)
+        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise InputError(f"unknown device {self.device!r} (use cpu or cuda)")
+
+    def check_inputs(self) -> None:
+        """The number and roles of inputs the method needs (with slices: checked for each slice)."""
         count = len(self.inputs)
         if not self.models:
             raise InputError("no models to merge (give --model, or models: in the config)")
@@ -191,15 +213,6 @@ class MergeConfig:
             raise InputError(f"passthrough copies one model per tensor, got {count} inputs (use slices to stack several)")
         if self.method == "recall" and count < 2:
             raise InputError(f"recall merges at least two models, got {count}")
-        if self.method == "recall" and self.recall.embed_rule not in EMBED_RULES:
-            raise InputError(f"recall embed_rule must be one of {', '.join(EMBED_RULES)}, got {self.recall.embed_rule!r}")
-        if self.dtype is not None:
-            if str(self.dtype).lower() not in DTYPES:
-                raise InputError(f"unknown dtype {self.dtype!r} (use bf16, fp16 or fp32)")
-            self.dtype = DTYPES[str(self.dtype).lower()]
-        self.out_shard_size = parse_size(self.out_shard_size)
-        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise InputError(f"unknown device {self.device!r} (use cpu or cuda)")
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "config") -> "MergeConfig":

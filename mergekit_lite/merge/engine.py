@@ -67,7 +67,7 @@ def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[tor
     if method == "nuslerp" and not parameters["flatten"]:
         axis = 0 if parameters["row_wise"] else -1
         ends = tensors[-2:]
-        origin = tensors[0] if len(tensors) == 3 else None
+        origin = tensors[0] if parameters["base"] else None
         pair = methods.nuslerp_coefficients(methods.row_gram_matrices(ends, axis, origin=origin), parameters["t"])
         if origin is None:
             return methods.combine_rows(ends, pair, axis)
@@ -117,7 +117,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
 def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> list[float]:
     """One coefficient per input for the methods that combine whole (flattened) tensors linearly."""
     parameters, method = step.parameters, config.method
-    has_base = config.base is not None
+    has_base = parameters.get("base", False)
     if method == "karcher":
         return methods.karcher_coefficients(methods.gram_matrix(tensors), parameters["max_iter"], parameters["tol"]).tolist()
     if method == "model_stock":
@@ -148,12 +148,10 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
             ThreadPoolExecutor(max_workers=1) as writer:
         pending = None
         for step in plan.steps:
-            if step.action == "copy":
-                tensors = [plan.sources[0].load(step.name)]
-            else:
-                tensors = [source.load(step.name) for source in plan.sources]
+            inputs = plan.inputs_of(step)[:1] if step.action == "copy" else plan.inputs_of(step)
+            tensors = [source.load(name) for source, name in inputs]
             if not config.allow_nonfinite:
-                _check_finite(step.name, tensors, plan.sources)
+                _check_finite(inputs, tensors)
             if step.action == "copy" or _all_identical(tensors):
                 merged = tensors[0]
             else:
@@ -168,9 +166,9 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
             pending.result()
 
 
-def _check_finite(name: str, tensors: list[torch.Tensor], sources: list[TensorSource]) -> None:
+def _check_finite(inputs: list[tuple[TensorSource, str]], tensors: list[torch.Tensor]) -> None:
     """min and max propagate NaN and reach Inf, so one aminmax pass (much faster than isfinite) decides."""
-    for tensor, source in zip(tensors, sources):
+    for (source, name), tensor in zip(inputs, tensors):
         if tensor.is_floating_point() and tensor.numel() and not all(map(math.isfinite, torch.aminmax(tensor))):
             where = source.entry(name).file if isinstance(source, ModelSource) else source.path
             raise InputError(f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)")
@@ -224,6 +222,14 @@ def _audit_adapters(config: MergeConfig) -> None:
             require_verified(adapter, config.base, force=config.force, allow_pickle=config.allow_pickle)
 
 
+def _restack_layers(model_config: dict, plan: MergePlan) -> None:
+    """The output's layer count, and per-layer lists (Qwen2/Gemma's layer_types) taken from each layer's source."""
+    model_config["num_hidden_layers"] = plan.n_layers
+    if isinstance(model_config.get("layer_types"), list):
+        model_config["layer_types"] = [(plan.sources[index].config or model_config)["layer_types"][layer]
+                                       for index, layer in plan.layer_origins]
+
+
 def _write_side_files(plan: MergePlan, folder: Path) -> None:
     config = plan.config
     donor = config.copy_files_from or config.base or config.inputs[0]
@@ -233,10 +239,13 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
         donor = config.base
     copy_side_files(Path(donor), folder)
     config_file = folder / "config.json"
-    if config_file.is_file() and config.dtype:
+    if config_file.is_file() and (config.dtype or plan.layer_origins is not None):
         model_config = json.loads(config_file.read_text())
-        key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
-        model_config[key] = config.dtype
+        if config.dtype:
+            key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
+            model_config[key] = config.dtype
+        if plan.layer_origins is not None:
+            _restack_layers(model_config, plan)
         config_file.write_text(json.dumps(model_config, indent=2) + "\n")
     (folder / PROVENANCE_FILE).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if plan.recall_weights is not None:
