@@ -242,6 +242,8 @@ class MergeConfig:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["models"] = [{"model": spec.path, **spec.parameters} for spec in self.models]
+        if not self.slices:
+            del data["slices"]  # reads back with from_dict, which does not parse slices yet (mkconfig's schema)
         return data
 
 
