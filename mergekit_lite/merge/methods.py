@@ -324,11 +324,16 @@ def as_rows(tensor: torch.Tensor, axis: int) -> torch.Tensor:
 
 
 def row_gram_matrices(tensors: Sequence[torch.Tensor], axis: int, origin: torch.Tensor | None = None) -> torch.Tensor:
-    """[rows, k, k] float64 Gram matrices of the vectors along `axis` (minus `origin` when given)."""
-    rows = torch.stack([as_rows(tensor, axis).to(torch.float64) for tensor in tensors])
+    """[rows, k, k] Gram matrices of the vectors along `axis` (minus `origin` when given), summed in float64
+    from float32 products, one pair at a time."""
+    rows = [as_rows(tensor, axis).to(torch.float32) for tensor in tensors]
     if origin is not None:
-        rows -= as_rows(origin, axis).to(torch.float64)
-    return torch.einsum("irc,jrc->rij", rows, rows).cpu()
+        rows = [row - as_rows(origin, axis).to(torch.float32) for row in rows]
+    gram = torch.empty((rows[0].shape[0], len(rows), len(rows)), dtype=torch.float64)
+    for i in range(len(rows)):
+        for j in range(i, len(rows)):
+            gram[:, i, j] = gram[:, j, i] = (rows[i] * rows[j]).sum(dim=-1, dtype=torch.float64).cpu()
+    return gram
 
 
 def combine_rows(tensors: Sequence[torch.Tensor], coefficients: torch.Tensor, axis: int) -> torch.Tensor:
