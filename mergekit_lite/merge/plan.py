@@ -15,7 +15,7 @@ import torch
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import LoraAdapter
-from mergekit_lite.io.sources import TensorSource, open_inputs
+from mergekit_lite.io.sources import TensorSource, check_architectures, open_inputs
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig, ModelSpec, Slice, is_embedding, resolve
 
@@ -160,6 +160,7 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
         if LoraAdapter.is_adapter_dir(path):
             raise InputError(f"{path}: slices take model folders, not LoRA adapters")
     sources = sources or [open_inputs([path], None, config.allow_pickle)[0] for path in config.inputs]
+    check_architectures(sources)
     position = {path: index for index, path in enumerate(config.inputs)}
     pieces = []
     for number, piece in enumerate(config.slices):
