@@ -3,6 +3,7 @@
 mergekit runs in its own environment ($MERGEKIT_VENV, default /work/venv-mergekit; the tests skip with a
 message without it), all configs in one process. Deterministic methods must agree within float32
 rounding; DELLA draws random masks, so its keep rates (by magnitude rank) and norms are compared.
+mergekit-lite reads the very same configs (mergekit's schema).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 from tiny_models import tiny_llama
 from transformers import LlamaForCausalLM
 
-from mergekit_lite.merge.config import MergeConfig, Slice, SliceSource
+from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.engine import merge_state_dict, run_merge
 
 MERGEKIT_VENV = Path(os.environ.get("MERGEKIT_VENV", "/work/venv-mergekit"))
@@ -102,16 +103,8 @@ def mergekit_yaml(case: dict, models: dict[str, Path]) -> dict:
 
 
 def lite_config(mergekit: dict, seed: int = 0) -> MergeConfig:
-    """The same merge in mergekit-lite: these methods' keys and parameter names are mergekit's."""
-    slices = [Slice([SliceSource(source["model"], tuple(source["layer_range"]), source.get("parameters", {}))
-                     for source in piece["sources"]], parameters=piece.get("parameters", {}))
-              for piece in mergekit.get("slices", [])]
-    if slices:
-        return MergeConfig(method=mergekit["merge_method"], models=[], base=mergekit.get("base_model"),
-                           parameters=mergekit.get("parameters", {}), dtype="float32", seed=seed, slices=slices)
-    return MergeConfig.from_dict({"method": mergekit["merge_method"], "base": mergekit.get("base_model"),
-                                  "models": mergekit["models"], "parameters": mergekit.get("parameters", {}),
-                                  "dtype": "float32", "seed": seed})
+    """The same mergekit config read by mergekit-lite as it is (its schema, mergekit_compat mode)."""
+    return MergeConfig.from_dict({**mergekit, "seed": seed}, where="mergekit config")
 
 
 @pytest.fixture(scope="module")

@@ -182,7 +182,8 @@ def test_outlier_band_drops_the_largest_gamma_then_the_smallest():
     model = t(*range(1, 11))  # magnitudes 1..10
     # keep int(0.5·10) = 5, drop int(0.2·10) = 2 outliers (9, 10), then the 3 smallest: keep 4..8
     assert methods.outlier_band(base, model, 0.5, 0.2) == (4.0, 8.0)
-    merged = methods.task_vector_merge(base, [model], [1.0], sparsifier="outliers", densities=[0.5], gammas=[0.2])
+    merged = methods.task_vector_merge(base, [model], [1.0], sparsifier="outliers", densities=[0.5], gammas=[0.2],
+                                       rescale=False)
     assert merged.tolist() == [0, 0, 0, 4, 5, 6, 7, 8, 0, 0]
     assert methods.outlier_band(base, model, 1.0, 0.2) == (0.0, math.inf)
 

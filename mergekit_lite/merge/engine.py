@@ -73,12 +73,14 @@ def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[tor
             return methods.combine_rows(ends, pair, axis)
         return methods.combine_rows(tensors, torch.cat([1 - pair.sum(-1, keepdim=True), pair], -1), axis)
     recipe = methods.TASK_VECTOR_METHODS.get(method)
-    if recipe is not None and (recipe.sparsifier == "magprune" or parameters.get("rescale")):
+    l1_rescaled = recipe is not None and recipe.sparsifier in methods.L1_RESCALED and parameters["rescale"]
+    if recipe is not None and (recipe.sparsifier == "magprune" or l1_rescaled):
         return methods.task_vector_merge(
             tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
             densities=parameters["densities"], epsilons=parameters.get("epsilons"), gammas=parameters.get("gammas"),
             generators=[dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)],
-            rescale=parameters["rescale"], consensus=recipe.consensus, normalize=parameters["normalize"])
+            rescale=parameters["rescale"], consensus=recipe.consensus, normalize=parameters["normalize"],
+            mergekit_rules=parameters.get("mergekit_rules", False))
     return None
 
 
@@ -101,7 +103,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
-        thresholds = [methods.trim_threshold(tensors[0], model, density)
+        thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
                       for model, density in zip(tensors[1:], parameters["densities"])]
     if recipe.sparsifier == "outliers":
         thresholds = [methods.outlier_band(tensors[0], model, density, gamma)
@@ -111,7 +113,8 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     return lambda chunk: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
         thresholds=thresholds, drops=parameters.get("drops"), generators=generators,
-        consensus=recipe.consensus, normalize=parameters["normalize"])
+        consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
+        mergekit_rules=parameters.get("mergekit_rules", False))
 
 
 def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> list[float]:
@@ -119,7 +122,8 @@ def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list
     parameters, method = step.parameters, config.method
     has_base = parameters.get("base", False)
     if method == "karcher":
-        return methods.karcher_coefficients(methods.gram_matrix(tensors), parameters["max_iter"], parameters["tol"]).tolist()
+        gram = methods.gram_matrix(tensors)
+        return methods.karcher_coefficients(gram, parameters["max_iter"], parameters["tol"]).tolist()
     if method == "model_stock":
         return methods.model_stock_coefficients(methods.gram_matrix(tensors[1:], origin=tensors[0])).tolist()
     origin = tensors[0] if has_base else None

@@ -87,8 +87,12 @@ def magnitude_threshold(magnitudes: torch.Tensor, keep: int) -> float:
     return torch.kthvalue(flat, flat.numel() - keep + 1).values.item()
 
 
-def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float) -> float:
+def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, mergekit_rules: bool = False) -> float:
     """The magnitude below which TIES's trim zeroes entries of model - base, keeping the top `density` share.
+
+    The share is round(density * n) entries (TIES §3, "keep the top-k% values"), plus any entries tied at
+    the threshold, so equal magnitudes are treated alike; with `mergekit_rules`, max(1, int(density * n)) as
+    mergekit's sparsify.magnitude counts (it then breaks ties by sort order, which is not reproducible).
 
     Exact, without materializing the task vector: a strided sample brackets the threshold between two
     sample quantiles a few binomial standard deviations apart, one chunked pass counts the entries above
@@ -96,7 +100,7 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float) -> f
     misses (rare), it falls back to kthvalue over all magnitudes. Same value as a full selection either way.
     """
     total = base.numel()
-    keep = round(density * total)
+    keep = max(1, int(density * total)) if mergekit_rules else round(density * total)
     if density >= 1.0:
         return 0.0
     if keep == 0:
@@ -125,19 +129,6 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float) -> f
     return magnitude_threshold(magnitudes(slice(None)), keep)
 
 
-def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator) -> torch.Tensor:
-    """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation.
-
-    The mask is drawn on the CPU from the caller's seeded generator, so the same seed gives the same
-    mask on any device.
-    """
-    if drop <= 0.0:
-        return delta
-    keep_mask = torch.rand(delta.shape, generator=generator, dtype=torch.float32) >= drop
-    delta.mul_(1.0 / (1.0 - drop))
-    return delta.masked_fill_(~keep_mask.to(delta.device), 0.0)
-
-
 def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma: float) -> tuple[float, float]:
     """Model Breadcrumbs' band (Davari & Belilovsky 2023, §3): the magnitudes [low, high] of model - base kept
     after dropping the largest `gamma` share (outliers) and then the smallest, so int(density·n) entries stay.
@@ -157,8 +148,9 @@ def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma:
     return low, high
 
 
-def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator) -> torch.Tensor:
-    """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation.
+def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
+    """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation
+    (DARE §3; `rescale=False` keeps them as they are).
 
     The mask is drawn on the CPU from the caller's seeded generator, so the same seed gives the same
     mask on any device.
@@ -166,7 +158,8 @@ def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator) ->
     if drop <= 0.0:
         return delta
     keep_mask = torch.rand(delta.shape, generator=generator, dtype=torch.float32) >= drop
-    delta.mul_(1.0 / (1.0 - drop))
+    if rescale:
+        delta.mul_(1.0 / (1.0 - drop))
     return delta.masked_fill_(~keep_mask.to(delta.device), 0.0)
 
 
@@ -200,9 +193,14 @@ def l1_rescaled(sparse: torch.Tensor, dense_l1: float) -> torch.Tensor:
     return sparse.mul_(dense_l1 / sparse_l1)
 
 
-def sign_consensus(weighted_deltas: torch.Tensor) -> torch.Tensor:
-    """TIES's elect step: the sign with the larger total mass wins per entry; True where a delta agrees."""
-    elected = weighted_deltas.sum(dim=0).sign()
+def sign_consensus(weighted_deltas: torch.Tensor, zero_sum_positive: bool = False) -> torch.Tensor:
+    """TIES's elect step (§3): the sign with the larger total mass wins per entry; True where a delta agrees.
+
+    An exact tie elects no sign, so nothing is kept there; `zero_sum_positive` elects + as mergekit does.
+    Zero deltas never agree with an elected sign.
+    """
+    total = weighted_deltas.sum(dim=0)
+    elected = torch.where(total >= 0, 1.0, -1.0).to(total.dtype) if zero_sum_positive else total.sign()
     return weighted_deltas.sign() == elected
 
 
@@ -213,19 +211,20 @@ class TaskVectorRecipe:
     sparsifier: str | None  # None, "magnitude", "random", "magprune" or "outliers"
     consensus: bool
     normalize: bool
+    rescale: bool = False  # the sparsifier's rescaling on by default (mergekit's defaults)
 
 
 TASK_VECTOR_METHODS = {
     "task_arithmetic": TaskVectorRecipe(sparsifier=None, consensus=False, normalize=False),
     "ties": TaskVectorRecipe(sparsifier="magnitude", consensus=True, normalize=True),
-    "dare_linear": TaskVectorRecipe(sparsifier="random", consensus=False, normalize=False),
-    "dare_ties": TaskVectorRecipe(sparsifier="random", consensus=True, normalize=True),
-    "della": TaskVectorRecipe(sparsifier="magprune", consensus=True, normalize=True),
-    "della_linear": TaskVectorRecipe(sparsifier="magprune", consensus=False, normalize=False),
+    "dare_linear": TaskVectorRecipe(sparsifier="random", consensus=False, normalize=False, rescale=True),
+    "dare_ties": TaskVectorRecipe(sparsifier="random", consensus=True, normalize=True, rescale=True),
+    "della": TaskVectorRecipe(sparsifier="magprune", consensus=True, normalize=True, rescale=True),
+    "della_linear": TaskVectorRecipe(sparsifier="magprune", consensus=False, normalize=False, rescale=True),
     "breadcrumbs": TaskVectorRecipe(sparsifier="outliers", consensus=False, normalize=False),
     "breadcrumbs_ties": TaskVectorRecipe(sparsifier="outliers", consensus=True, normalize=False),
 }
-RESCALE_DEFAULT = {"magprune": True, "outliers": False}  # mergekit's defaults for its `rescale`
+L1_RESCALED = {"magprune", "outliers"}  # sparsifiers whose `rescale` restores the L1 norm (DARE's divides by 1-drop)
 
 
 def task_vector_merge(
@@ -241,9 +240,10 @@ def task_vector_merge(
     generators: Sequence[torch.Generator] | None = None,
     epsilons: Sequence[float] | None = None,
     gammas: Sequence[float] | None = None,
-    rescale: bool = False,
     consensus: bool = False,
     normalize: bool = False,
+    rescale: bool = True,
+    mergekit_rules: bool = False,
 ) -> torch.Tensor:
     """base + scale * combine(weight_i * sparsify(model_i - base)).
 
@@ -252,12 +252,14 @@ def task_vector_merge(
     The magnitude trim takes `thresholds` (from `trim_threshold`) and the outlier band takes (low, high)
     pairs (from `outlier_band`), so a tensor can be merged in chunks; both are computed here from
     `densities` (and `gammas`) when not given. DARE draws with `drops`, MagPrune with `densities` and
-    `epsilons`, each from its model's generator. `rescale` brings a MagPrune or outlier-band delta back
-    to its L1 norm before sparsification (whole tensors only); DARE always rescales by 1/(1-drop).
+    `epsilons`, each from its model's generator. `rescale` is the sparsifier's own: DARE's 1/(1-drop),
+    or for MagPrune and the outlier band the delta's L1 norm before sparsification (mergekit's; whole
+    tensors only). `mergekit_rules` selects mergekit's trim count and sign vote (see `trim_threshold`,
+    `sign_consensus`).
     """
     base32 = base.to(torch.float32)
     if sparsifier == "magnitude" and thresholds is None:
-        thresholds = [trim_threshold(base32, model, density) for model, density in zip(models, densities)]
+        thresholds = [trim_threshold(base32, model, density, mergekit_rules) for model, density in zip(models, densities)]
     if sparsifier == "outliers" and thresholds is None:
         thresholds = [outlier_band(base32, model, density, gamma)
                       for model, density, gamma in zip(models, densities, gammas)]
@@ -266,18 +268,18 @@ def task_vector_merge(
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
         delta = model.to(torch.float32).sub(base32)
-        dense_l1 = delta.abs().sum().item() if rescale else None
+        dense_l1 = delta.abs().sum().item() if rescale and sparsifier in L1_RESCALED else None
         if sparsifier == "magnitude":
             delta.masked_fill_(delta.abs() < thresholds[index], 0.0)
         elif sparsifier == "random":
-            delta = random_drop(delta, drops[index], generators[index])
+            delta = random_drop(delta, drops[index], generators[index], rescale)
         elif sparsifier == "magprune":
             delta = magprune(delta, densities[index], epsilons[index], generators[index])
         elif sparsifier == "outliers":
             low, high = thresholds[index]
             magnitudes = delta.abs()
             delta.masked_fill_((magnitudes < low) | (magnitudes > high), 0.0)
-        if rescale and sparsifier in RESCALE_DEFAULT:
+        if dense_l1 is not None:
             delta = l1_rescaled(delta, dense_l1)
         delta.mul_(weight)
         if consensus:
@@ -287,7 +289,7 @@ def task_vector_merge(
         else:
             merged.add_(delta)
     if consensus:
-        agree = sign_consensus(stacked)
+        agree = sign_consensus(stacked, zero_sum_positive=mergekit_rules)
         merged = stacked.mul_(agree).sum(dim=0)
         if normalize:
             weight_column = torch.tensor(weights, dtype=torch.float32, device=base32.device)

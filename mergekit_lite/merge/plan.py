@@ -170,8 +170,6 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
             available = _layer_count(sources[position[path]], sources[position[path]].names)
             if not 0 <= start < end <= available:
                 raise InputError(f"slice {number}: layer_range [{start}, {end}] of {path} is outside its {available} layers")
-        if len({end - start for start, end in ranges}) > 1:
-            raise InputError(f"slice {number}: every source must give the same number of layers, got {ranges}")
         pieces.append((merge, [position[path] for path, _ in located], ranges))
     steps, origins = [], []
 
@@ -233,15 +231,18 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
     """Resolve the method's parameters for one tensor (gradients and filters applied)."""
 
     def value(parameter, model_index=None):
-        return resolve(parameter, config.parameter(parameter, model_index), name, layer, n_layers)
+        return resolve(parameter, config.parameter(parameter, model_index), name, layer, n_layers,
+                       config.mergekit_compat)
 
     models = range(len(config.models))
     method = config.method
     if method == "linear":
         if "alpha" in config.parameters:
             return {"alpha": value("alpha")}
-        weights = ([1.0] if config.base else []) + [value("weight", i) for i in models]
-        return {"weights": weights, "normalize": config.parameters.get("normalize", True)}
+        base_weight = config.base_parameters.get("weight", config.parameter("weight") if config.mergekit_compat else 1.0)
+        weights = ([resolve("weight", base_weight, name, layer, n_layers, config.mergekit_compat)] if config.base else []) \
+            + [value("weight", i) for i in models]
+        return {"weights": weights, "normalize": config.parameter("normalize")}
     if method == "slerp":
         return {"t": value("t")}
     if method == "recall":
@@ -268,7 +269,7 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
         return {"scale": value("scale", 0)}
     recipe = methods.TASK_VECTOR_METHODS[method]
     parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
-                  "normalize": config.parameters.get("normalize", recipe.normalize)}
+                  "normalize": config.parameter("normalize")}
     if recipe.sparsifier in ("magnitude", "magprune", "outliers"):
         parameters["densities"] = [value("density", i) for i in models]
     if recipe.sparsifier == "random":
@@ -281,8 +282,10 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
                                  f"got density {density:g}, epsilon {epsilon:g}")
     if recipe.sparsifier == "outliers":
         parameters["gammas"] = [value("gamma", i) for i in models]
-    if recipe.sparsifier in methods.RESCALE_DEFAULT:
-        parameters["rescale"] = config.parameters.get("rescale", methods.RESCALE_DEFAULT[recipe.sparsifier])
+    if recipe.sparsifier in ("random", *methods.L1_RESCALED):
+        parameters["rescale"] = config.parameter("rescale")
+    if config.mergekit_compat and (recipe.sparsifier == "magnitude" or recipe.consensus):
+        parameters["mergekit_rules"] = True
     return parameters
 
 
