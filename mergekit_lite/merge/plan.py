@@ -143,7 +143,10 @@ def _plan_step(config: MergeConfig, name, shape, stored_dtype, layer, n_layers, 
     skipped = next((pattern for pattern in config.skip if pattern in name), None)
     if skipped:
         return TensorStep(name, shape, out_dtype, "copy", reason=f"matches skip filter {skipped!r}: copied from input 0")
-    return TensorStep(name, shape, out_dtype, "merge", _step_parameters(config, name, layer, n_layers, recall_weights))
+    parameters = _step_parameters(config, name, layer, n_layers, recall_weights)
+    if config.method == "passthrough" and parameters["scale"] == 1.0:
+        return TensorStep(name, shape, out_dtype, "copy", reason="passthrough: copied from its one input")
+    return TensorStep(name, shape, out_dtype, "merge", parameters)
 
 
 def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> MergePlan:
