@@ -56,6 +56,10 @@ def _model_option(value: str) -> dict:
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Stored dtype (default: the base's). Math is float32.")
 @click.option("--out-shard-size", help="Largest output shard, e.g. 500MB, 2GB (default 5GB).")
 @click.option("--copy-files-from", help="Model folder whose config/tokenizer files are copied (default: the base).")
+@click.option("--tokenizer-source", help="Output vocabulary when the inputs' differ: base, union or a model "
+              "(rows aligned by token).")
+@click.option("--mergekit-compat/--no-mergekit-compat", default=None,
+              help="mergekit's defaults and rules (the default for mergekit-format configs).")
 @click.option("--skip", multiple=True, help="Copy tensors whose name contains this text from the base unchanged.")
 @click.option("--device", type=str, help="Where the math runs: cpu (default) or cuda. I/O stays on the CPU.")
 @click.option("--allow-pickle", is_flag=True, default=None, help="Accept pickle .bin weights (unsafe for untrusted files).")
@@ -65,8 +69,8 @@ def _model_option(value: str) -> dict:
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, temperature, normalize,
-          recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, skip, device,
-          allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
+          recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, tokenizer_source,
+          mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP/EMA, weighted average), slerp, task_arithmetic, ties, dare_linear, dare_ties,
@@ -84,9 +88,12 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     recall = {"texts": recall_texts, "samples": recall_samples, "embed_rule": embed_rule}
     data["recall"].update({k: v for k, v in recall.items() if v is not None})
     options = {"method": method, "base": base, "seed": seed, "dtype": dtype, "out_shard_size": out_shard_size,
-               "copy_files_from": copy_files_from, "device": device, "allow_pickle": allow_pickle,
+               "copy_files_from": copy_files_from, "device": device, "mergekit_compat": mergekit_compat, "allow_pickle": allow_pickle,
                "allow_nonfinite": allow_nonfinite, "force": force}
     data.update({k: v for k, v in options.items() if v is not None})
+    if tokenizer_source:
+        data["tokenizer"] = {"source": tokenizer_source, "pad_to_multiple_of": (data.get("tokenizer") or {}).get(
+            "pad_to_multiple_of")}
     if models:
         data["models"] = [_model_option(value) for value in models]
     if skip:

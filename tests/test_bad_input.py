@@ -272,6 +272,10 @@ ERROR_CASES = [
                  [r"parameter 'alpah' does not apply to method linear"], id="yaml-unknown-parameter"),
     pytest.param(yaml_config(VALID_HEAD + "parameters:\n  weight: [{{filter: mlp, valeu: 1}}]\n"),
                  [r"parameter weight: unknown key 'valeu'"], id="yaml-unknown-filter-key"),
+    pytest.param(yaml_config(VALID_HEAD + "skip: lm_head\n"), [r"merge\.yaml: skip: expected a list, got 'lm_head'"],
+                 id="yaml-wrong-type"),
+    pytest.param(yaml_config(VALID_HEAD + "parameters:\n  normalize: 'false'\n"),
+                 [r"normalize must be true or false, got 'false'"], id="yaml-quoted-boolean"),
     pytest.param(yaml_config("method: linear\nmodels: [a, b\n"), [r"merge\.yaml: invalid YAML"], id="yaml-invalid"),
     pytest.param(yaml_config("- linear\n- {base}\n"), [r"merge\.yaml: expected a mapping"], id="yaml-not-a-mapping"),
 ]

@@ -2,13 +2,13 @@
 checked by PEFT itself and against mergekit-extract-lora run side by side."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from mergekit_reference import mergekit_cli
 from peft import PeftModel
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
@@ -17,7 +17,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from mergekit_lite.merge.extract import extract_lora, low_rank_factors
 
 CLI = str(Path(sys.executable).parent / "mergekit-lite")
-MERGEKIT_VENV = Path(os.environ.get("MERGEKIT_VENV", "/work/venv-mergekit"))
 
 
 def test_low_rank_factors_are_the_best_rank_r_approximation():
@@ -114,9 +113,7 @@ def test_low_rank_adapter_is_the_truncated_svd_and_only_linear_layers_with_linea
 
 def test_factors_agree_with_mergekit_extract_lora(full_fine_tunes, tmp_path):
     """mergekit-extract-lora on the same pair: the same rank-r products B @ A, module by module."""
-    script = MERGEKIT_VENV / "bin" / "mergekit-extract-lora"
-    if not script.is_file():
-        pytest.skip(f"mergekit not installed: no {script} (set MERGEKIT_VENV to its virtualenv)")
+    script = mergekit_cli().parent / "mergekit-extract-lora"
     base, tuned = full_fine_tunes["llama"]
     result = subprocess.run([str(script), "--model", str(tuned), "--base-model", str(base), "--out-path",
                              str(tmp_path / "theirs"), "--max-rank", "6", "--no-copy-tokenizer"],

@@ -9,13 +9,12 @@ mergekit-lite reads the very same configs (mergekit's schema).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from mergekit_reference import run_mergekit_batch
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
 from transformers import LlamaForCausalLM
@@ -23,9 +22,6 @@ from transformers import LlamaForCausalLM
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.engine import merge_state_dict, run_merge
 
-MERGEKIT_VENV = Path(os.environ.get("MERGEKIT_VENV", "/work/venv-mergekit"))
-MERGEKIT_PYTHON = MERGEKIT_VENV / "bin" / "python"
-REFERENCE_SCRIPT = Path(__file__).with_name("mergekit_reference.py")
 FINE_TUNES = 3
 
 DETERMINISTIC = {
@@ -130,19 +126,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def mergekit_outputs(checkpoints, tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     """Every case merged by mergekit itself (one process, its own venv), as name -> state dict."""
-    if not MERGEKIT_PYTHON.is_file():
-        pytest.skip(f"mergekit not installed: no {MERGEKIT_PYTHON} (set MERGEKIT_VENV to its virtualenv)")
     root = tmp_path_factory.mktemp("mergekit_out")
-    jobs = []
+    jobs = {}
     for name, case in {**DETERMINISTIC, **SLICES, **RANDOM}.items():
         config_file = root / f"{name}.yml"
         config_file.write_text(yaml.safe_dump(mergekit_yaml(case, checkpoints)))
-        jobs.append([str(config_file), str(root / name), 0])
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    result = subprocess.run([str(MERGEKIT_PYTHON), str(REFERENCE_SCRIPT), str(root / "jobs.json")],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {name: load_file(str(root / name / "model.safetensors")) for name in {**DETERMINISTIC, **SLICES, **RANDOM}}
+        jobs[config_file] = root / name
+    run_mergekit_batch(jobs)
+    return {config.stem: load_file(str(out / "model.safetensors")) for config, out in jobs.items()}
 
 
 @pytest.mark.parametrize("case", sorted(DETERMINISTIC))

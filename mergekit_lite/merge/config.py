@@ -235,6 +235,9 @@ class MergeConfig:
         self.out_shard_size = parse_size(self.out_shard_size)
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise InputError(f"unknown device {self.device!r} (use cpu or cuda)")
+        if self.chat_template and self.chat_template not in ("auto", "chatml") and "{" not in self.chat_template:
+            raise InputError(f"chat_template {self.chat_template!r}: give auto, chatml or a Jinja template "
+                             "(mergekit's other bundled template names are not included)")
         if self.pad_to_multiple_of is not None and (self.pad_to_multiple_of < 1 or not self.tokenizer_source):
             raise InputError("tokenizer pad_to_multiple_of must be a positive integer, with a tokenizer source")
 

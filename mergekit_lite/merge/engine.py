@@ -21,6 +21,7 @@ from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWrit
 from mergekit_lite.io.sources import TensorSource
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.vocab import write_tokenizer
 from mergekit_lite.merge.plan import (
     PROVENANCE_FILE,
     RECALL_WEIGHTS_FILE,
@@ -251,6 +252,7 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
         if plan.layer_origins is not None:
             _restack_layers(model_config, plan)
         config_file.write_text(json.dumps(model_config, indent=2) + "\n")
+    write_tokenizer(folder, plan.vocabulary, config.chat_template, plan.sources)
     (folder / PROVENANCE_FILE).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if plan.recall_weights is not None:
         (folder / RECALL_WEIGHTS_FILE).write_text(json.dumps(plan.recall_weights.to_json(), indent=2) + "\n")

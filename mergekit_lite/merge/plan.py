@@ -18,6 +18,7 @@ from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, check_architectures, open_inputs
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig, ModelSpec, Slice, is_embedding, resolve
+from mergekit_lite.merge.vocab import align_vocabularies
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 RECALL_WEIGHTS_FILE = "recall_weights.json"
@@ -63,6 +64,7 @@ class MergePlan:
     n_layers: int
     notes: list[str]
     recall_weights: object | None = None
+    vocabulary: object | None = None  # vocab.Vocabulary when tokenizer_source is set
     layer_origins: list[tuple[int, int]] | None = None  # with slices: (source index, its layer) per output layer
 
     def inputs_of(self, step: TensorStep) -> list[tuple[TensorSource, str]]:
@@ -106,6 +108,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
     if config.slices:
         return _plan_slices(config, sources)
     sources = sources or open_inputs(config.inputs, config.base, config.allow_pickle)
+    sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, 0, config.pad_to_multiple_of)
     reference = sources[0]
     names = reference.names
     n_layers = _layer_count(reference, names)
@@ -125,7 +128,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
         steps.append(_plan_step(config, name, shape, dtypes[0], layer_index(name), n_layers, recall_weights))
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
-    return MergePlan(config, sources, steps, n_layers, notes, recall_weights)
+    return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary)
 
 
 def _layer_count(reference: TensorSource, names: list[str]) -> int:
@@ -164,6 +167,8 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
             raise InputError(f"{path}: slices take model folders, not LoRA adapters")
     sources = sources or [open_inputs([path], None, config.allow_pickle)[0] for path in config.inputs]
     check_architectures(sources)
+    base_index = config.inputs.index(config.base) if config.base else 0
+    sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, base_index, config.pad_to_multiple_of)
     position = {path: index for index, path in enumerate(config.inputs)}
     pieces = []
     for number, piece in enumerate(config.slices):
@@ -204,7 +209,7 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
         merge, indices, ranges = pieces[-1]
         add(merge, indices, [name] * len(indices), name, None, ranges[0][1] - ranges[0][0])
     notes = [f"slices: {len(origins)} output layers from {len(pieces)} slices"]
-    return MergePlan(config, sources, steps, len(origins), notes, None, origins)
+    return MergePlan(config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins)
 
 
 def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeConfig, list[tuple[str, tuple[int, int]]]]:
