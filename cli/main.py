@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "merge": ("cli.merge", "merge", "Merge checkpoints (streamed, tensor by tensor)."),
     "audit": ("cli.audit", "audit", "Audit LoRA adapters before merging: VERIFIED / REJECTED / WARN."),
     "sweep": ("cli.sweep", "sweep", "Sweep the merge coefficient, evaluate old/new skills, pick by harmonic mean."),
+    "extract": ("cli.extract", "extract", "Extract a LoRA adapter (PEFT) from a base and its fine-tune by truncated SVD."),
     "forgetting": ("cli.forgetting", "forgetting", "Sample-level forgetting map from two lm-eval --log_samples outputs."),
     "demo": ("cli.demo", "demo", "The whole story offline on tiny models: train, forget, audit, sweep, report."),
 }

@@ -4,7 +4,7 @@ import os
 
 import click
 
-from mergekit_lite.merge.config import METHODS
+from mergekit_lite.merge.config import MAIN_COEFFICIENT
 
 EXAMPLES = """
 \b
@@ -48,7 +48,7 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--pre", help="Base (pre-trained) model folder: the reference for every forgetting comparison.")
 @click.option("--post", help="Post-trained model folder (same architecture as --pre).")
-@click.option("--method", "-m", type=click.Choice(METHODS), help="Merge method (default linear); see alpha below.")
+@click.option("--method", "-m", type=click.Choice(tuple(MAIN_COEFFICIENT)), help="Merge method (default linear); see alpha below.")
 @click.option("--alphas", help="Grid: START:STOP:STEP (STOP included) or a comma list, e.g. 0:1:0.1 or 0,0.3,0.5.")
 @click.option("--old-tasks", multiple=True, help="lm-eval tasks of what pre could do; comma list or repeated.")
 @click.option("--new-tasks", multiple=True, help="lm-eval tasks of what post-training taught; comma list or repeated.")

@@ -47,7 +47,7 @@ def make_adapters(pair: ToyPair, folder: Path) -> list[Path]:
 
     real, no_op = folder / "post-lora", folder / "no-op-lora"
     if not real.exists():
-        extract_lora(str(pair.pre_dir), str(pair.post_dir), str(real), rank=ADAPTER_RANK)
+        extract_lora(str(pair.pre_dir), str(pair.post_dir), str(real), rank=ADAPTER_RANK, linear_only=True)
         write_fingerprint(compute_fingerprint(pair.pre_dir), real / FINGERPRINT_FILE, base_dir=pair.pre_dir)
     if not no_op.exists():
         no_op.mkdir(parents=True)

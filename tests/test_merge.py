@@ -344,3 +344,47 @@ def test_peak_memory_stays_bounded_by_a_few_tensors(tmp_path):
         f"merge added {(peak - imports) / 2**20:.0f} MB to {imports / 2**20:.0f} MB of imports (inputs {total_input / 2**20:.0f} MB)"
     assert peak < (2 + 2) * largest + 300 * 2**20 + max(imports - 220 * 2**20, 0)
     assert math.isclose(sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors")), total_input / 2, rel_tol=0.01)
+
+
+def test_passthrough_slices_stack_layers_exactly_and_the_config_follows(tmp_path):
+    """A frankenmerge by hand: output layer j is the named source layer, byte for byte, renumbered; the
+    config's layer count and per-layer attention types (Qwen2's layer_types) follow the sources."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mergekit_lite.merge.config import Slice, SliceSource
+
+    settings = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**settings)).save_pretrained(tmp_path / "a")
+    Qwen2ForCausalLM(Qwen2Config(**settings)).save_pretrained(tmp_path / "b", max_shard_size="20KB")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    layout = [(a, 0), (a, 1), (b, 0), (a, 2), (b, 2)]
+    slices = [Slice([SliceSource(a, (0, 2))]), Slice([SliceSource(b, (0, 1))]), Slice([SliceSource(a, (2, 3))]),
+              Slice([SliceSource(b, (2, 3))], parameters={"scale": 1.0})]
+    run_merge(MergeConfig(method="passthrough", models=[], slices=slices), tmp_path / "out")
+    merged = Qwen2ForCausalLM.from_pretrained(tmp_path / "out")
+    assert merged.config.num_hidden_layers == 5
+    assert merged.config.layer_types == ["full_attention", "sliding_attention", "full_attention",
+                                         "sliding_attention", "sliding_attention"]
+    sources = {path: Qwen2ForCausalLM.from_pretrained(path) for path in (a, b)}
+    for out_index, (path, index) in enumerate(layout):
+        for name, tensor in sources[path].model.layers[index].state_dict().items():
+            assert torch.equal(merged.model.layers[out_index].state_dict()[name], tensor), (out_index, name)
+    assert torch.equal(merged.model.embed_tokens.weight, sources[a].model.embed_tokens.weight)
+    assert torch.equal(merged.lm_head.weight, sources[b].lm_head.weight)
+    assert torch.equal(merged.model.norm.weight, sources[b].model.norm.weight)
+
+
+def test_slices_report_bad_layer_ranges_and_method_inputs_in_one_line(tmp_path):
+    from mergekit_lite.merge.config import Slice, SliceSource
+
+    save_variant(LlamaForCausalLM(tiny_config()).state_dict(), tmp_path / "a", seed=1)
+    a = str(tmp_path / "a")
+    with pytest.raises(InputError, match=r"slice 0: layer_range \[1, 5\] of .* is outside its 3 layers"):
+        plan_merge(MergeConfig(method="passthrough", models=[], slices=[Slice([SliceSource(a, (1, 5))])]))
+    with pytest.raises(InputError, match="slice 1: passthrough copies one model per tensor, got 2"):
+        plan_merge(MergeConfig(method="passthrough", models=[], slices=[
+            Slice([SliceSource(a, (0, 1))]), Slice([SliceSource(a, (0, 1)), SliceSource(a, (1, 2))])]))
+    with pytest.raises(InputError, match="same number of layers"):
+        plan_merge(MergeConfig(method="linear", models=[], slices=[Slice([SliceSource(a, (0, 1)), SliceSource(a, (0, 2))])]))

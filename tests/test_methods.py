@@ -145,3 +145,51 @@ def test_family_recipes_name_the_documented_combinations():
     assert (recipes["dare_ties"].sparsifier, recipes["dare_ties"].consensus) == ("random", True)
     assert (recipes["dare_linear"].sparsifier, recipes["dare_linear"].consensus) == ("random", False)
     assert recipes["task_arithmetic"].sparsifier is None
+
+
+def unit(angle_degrees: float) -> torch.Tensor:
+    return t(math.cos(math.radians(angle_degrees)), math.sin(math.radians(angle_degrees)))
+
+
+def test_model_stock_ratio_follows_the_paper_formula():
+    """t = N·cosθ / (1 + (N-1)·cosθ): 60 degrees apart (cos 1/2) with N=2 gives 2/3; same direction 1; orthogonal 0."""
+    base = t(0.0, 0.0)
+    for angle, expected in ((60.0, 2 / 3), (0.0, 1.0), (90.0, 0.0)):
+        gram = methods.gram_matrix([unit(0.0), 3 * unit(angle)], origin=base)
+        assert methods.model_stock_ratio(gram).item() == pytest.approx(expected, abs=1e-7)  # float32 inputs
+    coefficients = methods.model_stock_coefficients(methods.gram_matrix([unit(0.0), unit(60.0)], origin=base))
+    assert coefficients.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3])
+
+
+def test_karcher_mean_of_points_on_a_circle_is_their_mean_angle():
+    """On a great circle the Fréchet mean of nearby points is the point at their mean angle; norms average."""
+    points = [unit(0.0), 2 * unit(30.0), 3 * unit(90.0)]
+    coefficients = methods.karcher_coefficients(methods.gram_matrix(points), max_iter=50, tol=1e-12)
+    merged = methods.linear(points, coefficients.tolist(), normalize=False)
+    assert torch.allclose(merged, 2.0 * unit(40.0), atol=1e-6)
+
+
+def test_nuslerp_is_slerp_and_multislerp_of_two_symmetric_points_is_their_bisector():
+    gram = methods.gram_matrix([unit(0.0), unit(90.0)])
+    assert methods.nuslerp_coefficients(gram, 1 / 3).tolist() == pytest.approx(list(methods.spherical_weights(0.0, 1 / 3)))
+    bisector = methods.linear([unit(0.0), unit(80.0)], methods.multislerp_coefficients(
+        methods.gram_matrix([unit(0.0), unit(80.0)]), [0.5, 0.5]).tolist(), normalize=False)
+    assert torch.allclose(bisector, unit(40.0), atol=1e-6)
+
+
+def test_outlier_band_drops_the_largest_gamma_then_the_smallest():
+    base = torch.zeros(10)
+    model = t(*range(1, 11))  # magnitudes 1..10
+    # keep int(0.5·10) = 5, drop int(0.2·10) = 2 outliers (9, 10), then the 3 smallest: keep 4..8
+    assert methods.outlier_band(base, model, 0.5, 0.2) == (4.0, 8.0)
+    merged = methods.task_vector_merge(base, [model], [1.0], sparsifier="outliers", densities=[0.5], gammas=[0.2],
+                                       rescale=False)
+    assert merged.tolist() == [0, 0, 0, 4, 5, 6, 7, 8, 0, 0]
+    assert methods.outlier_band(base, model, 1.0, 0.2) == (0.0, math.inf)
+
+
+def test_magprune_probabilities_rise_linearly_with_rank_within_each_row():
+    delta = t(0.3, -0.1, 0.5, 0.2, -0.4).reshape(1, 5)
+    probabilities = methods.magprune_keep_probabilities(delta, density=0.5, epsilon=0.2)
+    # ranks by magnitude: 0.1 -> 0, 0.2 -> 1, 0.3 -> 2, 0.4 -> 3, 0.5 -> 4; p = 0.3 + 0.4·rank/4
+    assert torch.allclose(probabilities, t(0.5, 0.3, 0.7, 0.4, 0.6).reshape(1, 5))

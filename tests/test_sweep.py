@@ -94,6 +94,8 @@ def test_settings_are_checked_before_any_model_is_read(tmp_path):
         SweepSettings("pre", "post", "recall", [0.0, 1.0], *common, recall_texts="texts.txt")
     with pytest.raises(InputError, match="recall-texts"):
         SweepSettings("pre", "post", "recall", [0.5], *common)
+    with pytest.raises(InputError, match="'model_stock' has no coefficient to sweep"):
+        SweepSettings("pre", "post", "model_stock", [0.5], *common)
     with pytest.raises(InputError, match="both an old and a new task"):
         SweepSettings("pre", "post", "linear", [0.5], ["a,b"], ["b"], None, tmp_path / "run")
     with pytest.raises(InputError, match="density"):

@@ -176,8 +176,9 @@ class SweepSettings:
         for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
-        if self.method not in METHODS:
-            raise InputError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
+        if self.method not in MAIN_COEFFICIENT:
+            kind = "has no coefficient to sweep between pre and post" if self.method in METHODS else "is unknown"
+            raise InputError(f"method {self.method!r} {kind} (choose from {', '.join(MAIN_COEFFICIENT)})")
         if not self.old_tasks or not self.new_tasks:
             raise InputError("give at least one old task and one new task (--old-tasks, --new-tasks)")
         shared = [task for task in self.old_tasks if task in self.new_tasks]

@@ -43,24 +43,37 @@ METHOD_PARAMETERS = {
     "ties": {"lambda", "weight", "density", "normalize", "int8_mask", "rescale"},
     "dare_linear": {"lambda", "weight", "drop", "density", "normalize", "int8_mask", "rescale"},
     "dare_ties": {"lambda", "weight", "drop", "density", "normalize", "int8_mask", "rescale"},
+    "della": {"lambda", "weight", "density", "epsilon", "normalize", "int8_mask", "rescale"},
+    "della_linear": {"lambda", "weight", "density", "epsilon", "normalize", "int8_mask", "rescale"},
+    "breadcrumbs": {"lambda", "weight", "density", "gamma", "normalize", "int8_mask", "rescale"},
+    "breadcrumbs_ties": {"lambda", "weight", "density", "gamma", "normalize", "int8_mask", "rescale"},
+    "model_stock": {"filter_wise"},
+    "nuslerp": {"weight", "nuslerp_flatten", "nuslerp_row_wise"},
+    "multislerp": {"weight", "normalize_weights", "eps"},
+    "karcher": {"max_iter", "tol"},
+    "passthrough": {"scale"},
     "recall": {"temperature"},
     "recall_lerp": {"alpha"},
 }
 METHODS = tuple(METHOD_PARAMETERS)
-PER_MODEL_PARAMETERS = {"weight", "density", "drop"}
+PER_MODEL_PARAMETERS = {"weight", "density", "drop", "epsilon", "gamma", "scale"}
+BOOLEAN_PARAMETERS = {"normalize", "int8_mask", "rescale", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise",
+                      "normalize_weights"}
 MAIN_COEFFICIENT = {
     "linear": "alpha", "slerp": "t", "task_arithmetic": "lambda", "ties": "lambda",
-    "dare_linear": "lambda", "dare_ties": "lambda", "recall": "temperature",
-    "recall_lerp": "alpha",
+    "dare_linear": "lambda", "dare_ties": "lambda", "della": "lambda", "della_linear": "lambda",
+    "breadcrumbs": "lambda", "breadcrumbs_ties": "lambda", "recall": "temperature", "recall_lerp": "alpha",
 }
 RECALL_METHODS = ("recall", "recall_lerp")
+# epsilon, gamma and the Model Stock/NuSLERP/Multi-SLERP/Karcher/passthrough knobs: mergekit's names and defaults
 DEFAULTS = {"weight": 1.0, "lambda": 1.0, "t": 0.5, "density": 0.5, "drop": 0.5, "temperature": 1.0,
-            "rescale": True, "int8_mask": False}
+            "int8_mask": False, "epsilon": 0.15, "gamma": 0.01, "filter_wise": False, "nuslerp_flatten": True,
+            "nuslerp_row_wise": False, "normalize_weights": True, "eps": 1e-8, "max_iter": 10, "tol": 1e-5,
+            "scale": 1.0}
 # mergekit's defaults where they differ (its generalized_task_arithmetic.py and merge_methods/registry.py):
 # nothing is trimmed or dropped unless `density` is given, and DARE-TIES does not divide by the weights.
 MERGEKIT_DEFAULTS = {"density": 1.0, "drop": 0.0}
 MERGEKIT_NORMALIZE = {"dare_ties": False}
-BOOLEAN_PARAMETERS = {"normalize", "int8_mask", "rescale"}
 # (low, high, low inclusive, high inclusive); None = unbounded
 RANGES = {
     "alpha": (0.0, 1.0, True, True),
@@ -68,6 +81,11 @@ RANGES = {
     "density": (0.0, 1.0, False, True),
     "drop": (0.0, 1.0, True, False),
     "temperature": (0.0, None, False, False),
+    "epsilon": (0.0, 1.0, True, False),
+    "gamma": (0.0, 1.0, True, True),
+    "eps": (0.0, None, True, False),
+    "max_iter": (1.0, None, True, False),
+    "tol": (0.0, None, False, False),
 }
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -174,6 +192,9 @@ class MergeConfig:
             if recipe is None:
                 return True
             return MERGEKIT_NORMALIZE.get(self.method, recipe.normalize) if self.mergekit_compat else recipe.normalize
+        if name == "rescale":
+            recipe = TASK_VECTOR_METHODS.get(self.method)
+            return bool(recipe and recipe.rescale)
         if self.mergekit_compat and name in MERGEKIT_DEFAULTS:
             return MERGEKIT_DEFAULTS[name]
         return DEFAULTS.get(name)
@@ -288,6 +309,14 @@ class MergeConfig:
                              "(list it under models: with parameters: weight)")
         if self.method in TASK_VECTOR_METHODS and not self.base:
             raise InputError(f"{self.method} needs a base model (--base)")
+        if self.method == "model_stock" and (not self.base or len(self.models) < 2):
+            raise InputError(f"model_stock needs a base model and at least two fine-tunes, got {count} inputs")
+        if self.method == "nuslerp" and len(self.models) != 2:
+            raise InputError(f"nuslerp merges exactly two models (plus an optional base), got {len(self.models)}")
+        if self.method == "karcher" and count < 2:
+            raise InputError(f"karcher averages at least two models, got {count}")
+        if self.method == "passthrough" and count != 1:
+            raise InputError(f"passthrough copies one model per tensor, got {count} inputs (use slices to stack several)")
         if self.method == "recall" and count < 2:
             raise InputError(f"recall merges at least two models, got {count}")
         if self.method == "recall_lerp" and (count != 2 or not self.base):

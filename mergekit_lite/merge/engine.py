@@ -45,13 +45,18 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Apply the method to one tensor's inputs (input 0 is the base where the method has one), into `out`.
 
-    Per-tensor statistics (SLERP's angle, TIES's trim thresholds) come from the whole tensors; the
-    elementwise rest runs in cache-sized chunks: each chunk is converted to float32, combined, and cast
-    straight into its slice of `out`, so no whole-tensor float32 temporary exists. `out` may overlay the first
-    input when its dtype is no wider (a chunk is read before its slot is written), and may live on the host
-    while the inputs are on a GPU: each chunk is cast there and copied back asynchronously. DARE draws its
-    masks chunk by chunk from one seeded CPU generator per model, so the bytes do not depend on the device.
+    Per-tensor statistics (SLERP's angle, the Gram matrices of the geometric methods, TIES's trim
+    thresholds, Breadcrumbs' bands) come from the whole tensors; the elementwise rest runs in cache-sized
+    chunks: each chunk is converted to float32, combined, and cast straight into its slice of `out`, so no
+    whole-tensor float32 temporary exists. `out` may overlay the first input when its dtype is no wider (a
+    chunk is read before its slot is written), and may live on the host while the inputs are on a GPU: each
+    chunk is cast there and copied back asynchronously. DARE draws its masks chunk by chunk from one seeded
+    CPU generator per model, so the bytes do not depend on the device. Row-wise variants and DELLA (ranks
+    within rows), and L1 rescaling (a norm of the sparsified delta), need whole tensors and get them.
     """
+    whole = _whole_tensor_merge(config, step, tensors)
+    if whole is not None:
+        return whole.to(step.out_dtype) if out is None else out.copy_(whole)
     combine = _chunk_combiner(config, step, tensors)
     flats = [tensor.reshape(-1) for tensor in tensors]
     if out is None:
@@ -62,6 +67,32 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
             chunk = slice(begin, begin + methods.CHUNK)
             out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
     return out
+
+
+def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The methods whose elementwise part needs whole rows or whole-tensor norms; None for the others."""
+    parameters, method = step.parameters, config.method
+    if method == "model_stock" and parameters["filter_wise"]:
+        coefficients = methods.model_stock_coefficients(methods.row_gram_matrices(tensors[1:], -1, origin=tensors[0]))
+        return methods.combine_rows(tensors, coefficients, -1)
+    if method == "nuslerp" and not parameters["flatten"]:
+        axis = 0 if parameters["row_wise"] else -1
+        ends = tensors[-2:]
+        origin = tensors[0] if parameters["base"] else None
+        pair = methods.nuslerp_coefficients(methods.row_gram_matrices(ends, axis, origin=origin), parameters["t"])
+        if origin is None:
+            return methods.combine_rows(ends, pair, axis)
+        return methods.combine_rows(tensors, torch.cat([1 - pair.sum(-1, keepdim=True), pair], -1), axis)
+    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    l1_rescaled = recipe is not None and recipe.sparsifier in methods.L1_RESCALED and parameters["rescale"]
+    if recipe is not None and (recipe.sparsifier == "magprune" or l1_rescaled):
+        return methods.task_vector_merge(
+            tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
+            densities=parameters["densities"], epsilons=parameters.get("epsilons"), gammas=parameters.get("gammas"),
+            generators=[dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)],
+            rescale=parameters["rescale"], consensus=recipe.consensus, normalize=parameters["normalize"],
+            mergekit_rules=parameters.get("mergekit_rules", False))
+    return None
 
 
 def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]):
@@ -75,12 +106,20 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     if method == "slerp":
         weights = methods.slerp_weights(tensors[0], tensors[1], parameters["t"])
         return lambda chunk: methods.linear(chunk, weights, normalize=False)
+    if method == "passthrough":
+        return lambda chunk: chunk[0].to(torch.float32) * parameters["scale"]
+    if method in ("model_stock", "nuslerp", "multislerp", "karcher"):
+        coefficients = _geometric_coefficients(config, step, tensors)
+        return lambda chunk: methods.linear(chunk, coefficients, normalize=False)
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
         with _math_threads():  # a chunked pass too; counts and selections do not depend on threads
             thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
                           for model, density in zip(tensors[1:], parameters["densities"])]
+    if recipe.sparsifier == "outliers":
+        thresholds = [methods.outlier_band(tensors[0], model, density, gamma)
+                      for model, density, gamma in zip(tensors[1:], parameters["densities"], parameters["gammas"])]
     if recipe.sparsifier == "random":
         generators = [dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)]
     return lambda chunk: methods.task_vector_merge(
@@ -88,6 +127,27 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         thresholds=thresholds, drops=parameters.get("drops"), generators=generators,
         consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
         mergekit_rules=parameters.get("mergekit_rules", False))
+
+
+def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> list[float]:
+    """One coefficient per input for the methods that combine whole (flattened) tensors linearly."""
+    parameters, method = step.parameters, config.method
+    has_base = parameters.get("base", False)
+    if method == "karcher":
+        gram = methods.gram_matrix(tensors)
+        return methods.karcher_coefficients(gram, parameters["max_iter"], parameters["tol"]).tolist()
+    if method == "model_stock":
+        return methods.model_stock_coefficients(methods.gram_matrix(tensors[1:], origin=tensors[0])).tolist()
+    origin = tensors[0] if has_base else None
+    ends = tensors[1:] if has_base else tensors
+    if method == "multislerp" and len(ends) == 1:
+        return [0.0, 1.0] if has_base else [1.0]  # one model: itself, as in mergekit
+    gram = methods.gram_matrix(ends, origin=origin)
+    if method == "nuslerp":
+        weights = methods.nuslerp_coefficients(gram, parameters["t"]).tolist()
+    else:
+        weights = methods.multislerp_coefficients(gram, parameters["weights"], parameters["eps"]).tolist()
+    return [1.0 - math.fsum(weights), *weights] if has_base else weights
 
 
 def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress: bool = False,
@@ -122,7 +182,7 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
                 if position + 1 < len(steps):
                     next_read = reader.submit(_read_inputs, plan, steps[position + 1], ring)
                 if not config.allow_nonfinite:
-                    _check_finite(step.name, tensors, plan.sources)
+                    _check_finite(plan.inputs_of(step), tensors)
                 if step.action == "copy" or _all_identical(tensors):
                     merged = tensors[0].to(step.out_dtype)
                 else:
@@ -171,8 +231,8 @@ def _input_bytes(plan: MergePlan, step: TensorStep) -> int:
 
 def _block_sizes(plan: MergePlan, step: TensorStep) -> list[int]:
     """Each input's share of the step's ring block, page-aligned so every tensor view is aligned."""
-    sources = plan.sources[:1] if step.action == "copy" else plan.sources
-    return [aligned(math.prod(step.shape) * source.dtype(step.name).itemsize) for source in sources]
+    inputs = plan.inputs_of(step)[:1] if step.action == "copy" else plan.inputs_of(step)
+    return [aligned(math.prod(step.shape) * source.dtype(name).itemsize) for source, name in inputs]
 
 
 def _read_inputs(plan: MergePlan, step: TensorStep, ring: BufferRing) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -180,8 +240,8 @@ def _read_inputs(plan: MergePlan, step: TensorStep, ring: BufferRing) -> tuple[t
     sizes = _block_sizes(plan, step)
     block = ring.take(sum(sizes))
     tensors, offset = [], 0
-    for source, size in zip(plan.sources, sizes):
-        tensors.append(source.load(step.name, block[offset:offset + size]))
+    for (source, name), size in zip(plan.inputs_of(step), sizes):
+        tensors.append(source.load(name, block[offset:offset + size]))
         offset += size
     return block, tensors
 
@@ -225,9 +285,9 @@ def usable_device(name: str) -> torch.device:
     return device
 
 
-def _check_finite(name: str, tensors: list[torch.Tensor], sources: list[TensorSource]) -> None:
+def _check_finite(inputs: list[tuple[TensorSource, str]], tensors: list[torch.Tensor]) -> None:
     """min and max propagate NaN and reach Inf, so one aminmax pass (much faster than isfinite) decides."""
-    for tensor, source in zip(tensors, sources):
+    for (source, name), tensor in zip(inputs, tensors):
         if tensor.is_floating_point() and tensor.numel() and not all(map(math.isfinite, _aminmax(tensor))):
             where = source.entry(name).file if isinstance(source, ModelSource) else source.path
             raise InputError(f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)")
@@ -297,6 +357,14 @@ def _audit_adapters(config: MergeConfig) -> None:
             require_verified(adapter, config.base, force=config.force, allow_pickle=config.allow_pickle)
 
 
+def _restack_layers(model_config: dict, plan: MergePlan) -> None:
+    """The output's layer count, and per-layer lists (Qwen2/Gemma's layer_types) taken from each layer's source."""
+    model_config["num_hidden_layers"] = plan.n_layers
+    if isinstance(model_config.get("layer_types"), list):
+        model_config["layer_types"] = [(plan.sources[index].config or model_config)["layer_types"][layer]
+                                       for index, layer in plan.layer_origins]
+
+
 def _write_side_files(plan: MergePlan, folder: Path) -> None:
     config = plan.config
     donor = config.copy_files_from or config.base or config.inputs[0]
@@ -307,13 +375,15 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
     copy_side_files(Path(donor), folder)
     config_file = folder / "config.json"
     own_head = any(isinstance(source, UntiedHeadSource) for source in plan.sources)
-    if config_file.is_file() and (config.dtype or own_head):
+    if config_file.is_file() and (config.dtype or own_head or plan.layer_origins is not None):
         model_config = json.loads(config_file.read_text())
         if config.dtype:
             key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
             model_config[key] = config.dtype
         if own_head:
             model_config["tie_word_embeddings"] = False  # an adapter's own head (modules_to_save) on a tied base
+        if plan.layer_origins is not None:
+            _restack_layers(model_config, plan)
         config_file.write_text(json.dumps(model_config, indent=2) + "\n")
     write_tokenizer(folder, plan.vocabulary, config.chat_template, plan.sources)
     (folder / PROVENANCE_FILE).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,57 +1,165 @@
 """Extract a LoRA adapter from a fine-tune: the best rank-r approximation (truncated SVD) of each delta.
 
-Useful to ship a post-trained model as a small adapter, and in the demo to make a real PEFT-format
-adapter without training one. Streams one weight at a time.
+Ships a post-trained model as a small PEFT adapter (as mergekit-extract-lora does), and makes the demo's
+real adapter without training one. Which weights are linear layers comes from the architecture itself
+(the model built on the meta device, no memory); every linear layer gets factors, and the modules a
+low-rank update cannot express (embeddings, the output head, norms, other non-linear modules) are stored
+at full rank in `modules_to_save` when the fine-tune changed them, so at full rank PEFT's merge gives
+back the fine-tune. Streams: one weight pair in memory at a time, factors written as they are computed.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import atomic_output_dir
-from mergekit_lite.io.sources import open_inputs
-from mergekit_lite.merge.plan import layer_index
+from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter
+from mergekit_lite.io.sources import TensorSource, open_inputs
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def low_rank_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """B [out, r], A [r, in] with B @ A the best rank-r approximation; the singular values split evenly."""
+    """B [out, r], A [r, in] with B @ A the best rank-r approximation (Eckart-Young); the singular values
+    split evenly between the factors (their square roots on each side), as mergekit does by default."""
     u, s, vh = torch.linalg.svd(delta.to(torch.float32), full_matrices=False)
     root = s[:rank].sqrt()
     return (u[:, :rank] * root).contiguous(), (root[:, None] * vh[:rank]).contiguous()
 
 
-def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8,
-                 targets: tuple[str, ...] = DEFAULT_TARGETS, overwrite: bool = False) -> list[str]:
-    """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base on the target linear layers."""
+@dataclass(frozen=True)
+class ModuleKinds:
+    """The tuned model's modules with weights, split by what an adapter can hold for them."""
+
+    linear: list[str]  # low-rank factors (LoRA)
+    full_rank: list[str]  # modules_to_save candidates, stored whole when they changed
+
+
+def module_kinds(config_dir: Path, names: set[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+                 ) -> ModuleKinds:
+    """Classify modules by their class in the real architecture (built on the meta device from config.json).
+
+    nn.Linear modules whose name matches `include` (all when empty) and no `exclude` regex get LoRA
+    factors; embeddings and the output head (like mergekit without --embed-lora) and every other module
+    that has a weight in the checkpoint are full-rank candidates. Excluded modules are left out entirely.
+    """
+    import transformers
+    from torch import nn
+
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    model_class = getattr(transformers, architecture or "", None)
+    if model_class is None:
+        raise InputError(f"{config_dir}: config.json names no transformers architecture ({architecture!r}); "
+                         "extraction needs one to know which weights are linear layers")
+    with torch.device("meta"):
+        model = model_class(config)
+    heads = {module for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None}
+    linear, full_rank = [], []
+    for name, module in model.named_modules():
+        if f"{name}.weight" not in names or any(re.search(pattern, name) for pattern in exclude):
+            continue
+        if isinstance(module, nn.Linear) and module not in heads and (
+                not include or any(re.search(pattern, name) for pattern in include)):
+            linear.append(name)
+        else:
+            full_rank.append(name)
+    return ModuleKinds(linear, full_rank)
+
+
+def _changed(base: TensorSource, tuned: TensorSource, name: str) -> bool:
+    return name in tuned.names and not torch.equal(base.load(name), tuned.load(name))
+
+
+def peft_target_names(factored: list[str], all_modules: set[str]) -> list[str]:
+    """target_modules for PEFT: short names (q_proj, ...) when they pick exactly the factored modules, else
+    the full names (PEFT matches a name or a dotted suffix), so nothing else gets wrapped."""
+    short = {module.rsplit(".", 1)[-1] for module in factored}
+    picked = {module for module in all_modules if module.rsplit(".", 1)[-1] in short}
+    return sorted(short) if picked == set(factored) else sorted(factored)
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """What went into the adapter: factored linear layers, modules stored whole, changes left out."""
+
+    factored: list[str]
+    saved: list[str]
+    dropped: list[str]  # changed tensors the adapter does not carry (only with linear_only)
+
+
+def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, include: tuple[str, ...] = (),
+                 exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False) -> Extraction:
+    """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base.
+
+    Factors are stored in the fine-tune's dtype (math in float32). Ranks are min(rank, out, in) per
+    layer, smaller ones listed in `rank_pattern`, so a `rank` at least every layer's size reproduces the
+    fine-tune up to float rounding. Changed biases of factored layers ride as lora_B.bias (PEFT's
+    `lora_bias`) when every factored layer has a bias; otherwise (PEFT cannot merge lora_bias into a
+    layer without one) those layers are stored whole. `linear_only` stores nothing whole: a pure
+    low-rank adapter (mergekit's --skip-undecomposable with embeddings excluded); what it leaves out
+    is reported in `dropped`.
+    """
     if rank < 1:
         raise InputError(f"rank must be at least 1, got {rank}")
+    if not (Path(tuned_dir) / "config.json").is_file():
+        raise InputError(f"{tuned_dir}: no config.json (extraction needs the architecture to find linear layers)")
     base, tuned = open_inputs([base_dir, tuned_dir], base_dir, allow_pickle=False)
-    tensors, modules = {}, []
-    for name in base.names:
-        module = name.removesuffix(".weight")
-        if not name.endswith(".weight") or layer_index(name) is None or module.rsplit(".", 1)[-1] not in targets:
-            continue
-        if len(base.shape(name)) != 2:
-            continue
-        delta = tuned.load(name).to(torch.float32) - base.load(name).to(torch.float32)
-        lora_b, lora_a = low_rank_factors(delta, rank)
-        tensors[f"base_model.model.{module}.lora_A.weight"] = lora_a
-        tensors[f"base_model.model.{module}.lora_B.weight"] = lora_b
-        modules.append(module)
-    if not modules:
-        raise InputError(f"{base_dir}: no 2-D weights named like {', '.join(targets)} inside layers")
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
-              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}), "lora_dropout": 0.0,
-              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None,
-              "base_model_name_or_path": str(base_dir)}
+    kinds = module_kinds(Path(tuned_dir), set(tuned.names), include, exclude)
+    changed_bias = [module for module in kinds.linear if _changed(base, tuned, f"{module}.bias")]
+    lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in kinds.linear)
+    whole = [] if lora_bias else changed_bias
+    factored = [module for module in kinds.linear if module not in whole]
+    if not factored:
+        raise InputError(f"{tuned_dir}: no linear layers to extract (check --include/--exclude)")
+    candidates = [module for module in kinds.full_rank
+                  if any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))] + whole
+    saved, dropped = ([], candidates) if linear_only else (candidates, [])
+
+    planned, ranks = [], {}
+    for module in factored:
+        out_features, in_features = tuned.shape(f"{module}.weight")
+        dtype = tuned.dtype(f"{module}.weight")
+        ranks[module] = min(rank, out_features, in_features)
+        planned.append(PlannedTensor(f"base_model.model.{module}.lora_A.weight", (ranks[module], in_features), dtype))
+        planned.append(PlannedTensor(f"base_model.model.{module}.lora_B.weight", (out_features, ranks[module]), dtype))
+        if lora_bias:
+            planned.append(PlannedTensor(f"base_model.model.{module}.lora_B.bias", tuned.shape(f"{module}.bias"),
+                                         tuned.dtype(f"{module}.bias")))
+    saved_tensors = [f"{module}.{part}" for module in saved for part in ("weight", "bias")
+                     if f"{module}.{part}" in tuned.names]
+    planned += [PlannedTensor(f"base_model.model.{name}", tuned.shape(name), tuned.dtype(name)) for name in saved_tensors]
+
+    top_rank = max(ranks.values())
+    smaller = {module: r for module, r in ranks.items() if r != top_rank}
+    all_modules = {name.rsplit(".", 1)[0] for name in tuned.names}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": top_rank, "lora_alpha": top_rank,
+              "rank_pattern": smaller, "alpha_pattern": smaller,
+              "target_modules": peft_target_names(factored, all_modules), "lora_dropout": 0.0, "bias": "none",
+              "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
+              "modules_to_save": saved or None, "base_model_name_or_path": str(base_dir)}
     with atomic_output_dir(out_dir, overwrite=overwrite) as folder:
-        save_file(tensors, str(Path(folder) / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (Path(folder) / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return modules
+        writer = ShardedWriter(folder, planned, max_shard_bytes=2**63)
+        for module in factored:
+            weight = f"{module}.weight"
+            delta = tuned.load(weight).to(torch.float32) - base.load(weight).to(torch.float32)
+            lora_b, lora_a = low_rank_factors(delta, ranks[module])
+            writer.write(f"base_model.model.{module}.lora_A.weight", lora_a.to(tuned.dtype(weight)))
+            writer.write(f"base_model.model.{module}.lora_B.weight", lora_b.to(tuned.dtype(weight)))
+            if lora_bias:
+                bias = f"{module}.bias"
+                delta_bias = tuned.load(bias).to(torch.float32) - base.load(bias).to(torch.float32)
+                writer.write(f"base_model.model.{module}.lora_B.bias", delta_bias.to(tuned.dtype(bias)))
+        for name in saved_tensors:
+            writer.write(f"base_model.model.{name}", tuned.load(name))
+        writer.close()
+        (Path(folder) / SINGLE_FILE).rename(Path(folder) / ADAPTER_FILE)
+        (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return Extraction(factored, saved, dropped)

@@ -1,9 +1,15 @@
 """Merge math: pure functions, tensors in, one float32 tensor out. No files, no names, no config.
 
-Task arithmetic, TIES, DARE-linear and DARE-TIES are one family (`task_vector_merge`): task vectors
-(model - base), an optional sparsifier (magnitude trim or random drop-and-rescale), an optional sign
-consensus, and a weighted sum added back to the base. Each method in `TASK_VECTOR_METHODS` names one
-combination, as mergekit's generalized task arithmetic does.
+Task arithmetic, TIES, DARE, DELLA and Model Breadcrumbs are one family (`task_vector_merge`): task
+vectors (model - base), an optional sparsifier (magnitude trim, random drop, magnitude-ranked random
+drop, or an outlier band), an optional sign consensus, and a weighted sum added back to the base. Each
+method in `TASK_VECTOR_METHODS` names one combination, as mergekit's generalized task arithmetic does.
+
+The geometric methods (SLERP, NuSLERP, Multi-SLERP, Karcher mean, Model Stock) all return a linear
+combination of their inputs whose coefficients depend only on the inputs' inner products. So each is a
+`*_coefficients` function of a Gram matrix (`gram_matrix`, one chunked pass in float64) and the merge
+itself is `linear` with those coefficients, chunk by chunk. Their row-wise variants take a batch of
+Gram matrices, one per row.
 """
 
 from __future__ import annotations
@@ -60,6 +66,11 @@ def slerp_weights(start: torch.Tensor, end: torch.Tensor, t: float) -> tuple[flo
     cosine = max(-1.0, min(1.0, dot / (start_norm * end_norm)))
     if abs(cosine) > COLINEAR_DOT:
         return 1.0 - t, t
+    return spherical_weights(cosine, t)
+
+
+def spherical_weights(cosine: float, t: float) -> tuple[float, float]:
+    """sin((1-t)θ)/sinθ and sin(tθ)/sinθ for cosθ = `cosine` (Shoemake 1985, the SLERP formula)."""
     theta = math.acos(cosine)
     sin_theta = math.sin(theta)
     return math.sin((1.0 - t) * theta) / sin_theta, math.sin(t * theta) / sin_theta
@@ -127,6 +138,25 @@ def trim(delta: torch.Tensor, threshold: float) -> torch.Tensor:
     return delta.mul_(delta.abs() >= threshold).add_(0.0)
 
 
+def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma: float) -> tuple[float, float]:
+    """Model Breadcrumbs' band (Davari & Belilovsky 2023, §3): the magnitudes [low, high] of model - base kept
+    after dropping the largest `gamma` share (outliers) and then the smallest, so int(density·n) entries stay.
+
+    As in mergekit, a full density keeps everything and the outlier cut shrinks when density + gamma > 1.
+    """
+    if density >= 1.0:
+        return 0.0, math.inf
+    total = base.numel()
+    keep = int(density * total)
+    if keep == 0:
+        return math.inf, math.inf
+    bottom = max(0, total - keep - int(gamma * total))
+    magnitudes = (model.to(torch.float32) - base.to(torch.float32)).abs_().reshape(-1)
+    low = torch.kthvalue(magnitudes, bottom + 1).values.item()
+    high = torch.kthvalue(magnitudes, bottom + keep).values.item()
+    return low, high
+
+
 def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
     """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation
     (DARE §3; `rescale=False` keeps them as they are).
@@ -140,6 +170,36 @@ def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator, re
     if rescale:
         delta.mul_(1.0 / (1.0 - drop))
     return delta.masked_fill_(drop_mask.to(delta.device), 0.0)
+
+
+def magprune_keep_probabilities(delta: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
+    """DELLA's MagPrune (Deep et al. 2024, §3.1): keep probabilities rising linearly with magnitude rank.
+
+    Within each row (dim 1; a vector is one row), the smallest entry is kept with probability
+    density - epsilon, the largest with density + epsilon, evenly spaced in rank between them, so the
+    expected kept share is `density`.
+    """
+    rows = delta.unsqueeze(0) if delta.dim() < 2 else delta
+    ranks = rows.abs().argsort(dim=1).argsort(dim=1).to(torch.float32)
+    rank_share = ranks / max(rows.shape[1] - 1, 1)
+    return ((density - epsilon) + rank_share * (2.0 * epsilon)).reshape(delta.shape)
+
+
+def magprune(delta: torch.Tensor, density: float, epsilon: float, generator: torch.Generator) -> torch.Tensor:
+    """Drop entries of `delta` at random with MagPrune's magnitude-ranked probabilities (a full density keeps all)."""
+    if density >= 1.0:
+        return delta
+    keep = magprune_keep_probabilities(delta, density, epsilon)
+    draws = torch.rand(delta.shape, generator=generator, dtype=torch.float32).to(delta.device)
+    return delta.masked_fill_(draws >= keep, 0.0)
+
+
+def l1_rescaled(sparse: torch.Tensor, dense_l1: float) -> torch.Tensor:
+    """Scale a sparsified delta back to the L1 norm it had before (mergekit's `rescale`); near-zero norms stay."""
+    sparse_l1 = sparse.abs().sum().item()
+    if dense_l1 < 1e-7 or sparse_l1 < 1e-7:
+        return sparse
+    return sparse.mul_(dense_l1 / sparse_l1)
 
 
 def sign_consensus(weighted_deltas: torch.Tensor, zero_sum_positive: bool = False) -> torch.Tensor:
@@ -157,17 +217,23 @@ def sign_consensus(weighted_deltas: torch.Tensor, zero_sum_positive: bool = Fals
 class TaskVectorRecipe:
     """One member of the task-vector family: which sparsifier, whether signs must agree, default normalization."""
 
-    sparsifier: str | None  # None, "magnitude" or "random"
+    sparsifier: str | None  # None, "magnitude", "random", "magprune" or "outliers"
     consensus: bool
     normalize: bool
+    rescale: bool = False  # the sparsifier's rescaling on by default (mergekit's defaults)
 
 
 TASK_VECTOR_METHODS = {
     "task_arithmetic": TaskVectorRecipe(sparsifier=None, consensus=False, normalize=False),
     "ties": TaskVectorRecipe(sparsifier="magnitude", consensus=True, normalize=True),
-    "dare_linear": TaskVectorRecipe(sparsifier="random", consensus=False, normalize=False),
-    "dare_ties": TaskVectorRecipe(sparsifier="random", consensus=True, normalize=True),
+    "dare_linear": TaskVectorRecipe(sparsifier="random", consensus=False, normalize=False, rescale=True),
+    "dare_ties": TaskVectorRecipe(sparsifier="random", consensus=True, normalize=True, rescale=True),
+    "della": TaskVectorRecipe(sparsifier="magprune", consensus=True, normalize=True, rescale=True),
+    "della_linear": TaskVectorRecipe(sparsifier="magprune", consensus=False, normalize=False, rescale=True),
+    "breadcrumbs": TaskVectorRecipe(sparsifier="outliers", consensus=False, normalize=False),
+    "breadcrumbs_ties": TaskVectorRecipe(sparsifier="outliers", consensus=True, normalize=False),
 }
+L1_RESCALED = {"magprune", "outliers"}  # sparsifiers whose `rescale` restores the L1 norm (DARE's divides by 1-drop)
 
 
 def task_vector_merge(
@@ -181,6 +247,8 @@ def task_vector_merge(
     thresholds: Sequence[float] | None = None,
     drops: Sequence[float] | None = None,
     generators: Sequence[torch.Generator] | None = None,
+    epsilons: Sequence[float] | None = None,
+    gammas: Sequence[float] | None = None,
     consensus: bool = False,
     normalize: bool = False,
     rescale: bool = True,
@@ -190,22 +258,38 @@ def task_vector_merge(
 
     combine is a plain sum, or with `consensus` the sum of the entries agreeing with the elected sign.
     `normalize` divides by the sum of the weights that contributed to each entry (TIES's disjoint mean).
-    The magnitude trim takes `thresholds` (from `trim_threshold`, so a tensor can be merged in chunks),
-    or computes them here from `densities`. `rescale` is DARE's 1/(1-drop); `mergekit_rules` selects
-    mergekit's trim count and sign vote (see `trim_threshold`, `sign_consensus`).
+    The magnitude trim takes `thresholds` (from `trim_threshold`) and the outlier band takes (low, high)
+    pairs (from `outlier_band`), so a tensor can be merged in chunks; both are computed here from
+    `densities` (and `gammas`) when not given. DARE draws with `drops`, MagPrune with `densities` and
+    `epsilons`, each from its model's generator. `rescale` is the sparsifier's own: DARE's 1/(1-drop),
+    or for MagPrune and the outlier band the delta's L1 norm before sparsification (mergekit's; whole
+    tensors only). `mergekit_rules` selects mergekit's trim count and sign vote (see `trim_threshold`,
+    `sign_consensus`).
     """
     base32 = base.to(torch.float32)
     if sparsifier == "magnitude" and thresholds is None:
         thresholds = [trim_threshold(base32, model, density, mergekit_rules) for model, density in zip(models, densities)]
+    if sparsifier == "outliers" and thresholds is None:
+        thresholds = [outlier_band(base32, model, density, gamma)
+                      for model, density, gamma in zip(models, densities, gammas)]
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
         delta = model.to(torch.float32).sub(base32)
+        dense_l1 = delta.abs().sum().item() if rescale and sparsifier in L1_RESCALED else None
         if sparsifier == "magnitude":
             trim(delta, thresholds[index])
         elif sparsifier == "random":
             delta = random_drop(delta, drops[index], generators[index], rescale)
+        elif sparsifier == "magprune":
+            delta = magprune(delta, densities[index], epsilons[index], generators[index])
+        elif sparsifier == "outliers":
+            low, high = thresholds[index]
+            magnitudes = delta.abs()
+            delta.masked_fill_((magnitudes < low) | (magnitudes > high), 0.0)
+        if dense_l1 is not None:
+            delta = l1_rescaled(delta, dense_l1)
         delta.mul_(weight)
         if consensus:
             stacked[index] = delta
@@ -227,3 +311,164 @@ def task_vector_merge(
         if abs(total) >= NORM_EPS:
             merged.div_(total)
     return merged.mul_(scale).add_(base32)
+
+
+def gram_matrix(tensors: Sequence[torch.Tensor], origin: torch.Tensor | None = None) -> torch.Tensor:
+    """The float64 [k, k] inner products <x_i, x_j> of flattened tensors (minus `origin` when given), chunked."""
+    flats = [tensor.reshape(-1) for tensor in tensors]
+    origin_flat = None if origin is None else origin.reshape(-1)
+    gram = torch.zeros((len(flats), len(flats)), dtype=torch.float64)
+    for begin in range(0, flats[0].numel(), CHUNK):
+        part = slice(begin, begin + CHUNK)
+        rows = torch.stack([flat[part].to(torch.float64) for flat in flats])
+        if origin_flat is not None:
+            rows -= origin_flat[part].to(torch.float64)
+        gram += (rows @ rows.T).cpu()
+    return gram
+
+
+def as_rows(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    """The tensor as [rows, size] with the vectors along `axis` as rows (a vector is one row)."""
+    if tensor.dim() < 2:
+        return tensor.reshape(1, -1)
+    return tensor.movedim(axis, -1).reshape(-1, tensor.shape[axis])
+
+
+def row_gram_matrices(tensors: Sequence[torch.Tensor], axis: int, origin: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, k, k] Gram matrices of the vectors along `axis` (minus `origin` when given), summed in float64
+    from float32 products, one pair at a time."""
+    rows = [as_rows(tensor, axis).to(torch.float32) for tensor in tensors]
+    if origin is not None:
+        rows = [row - as_rows(origin, axis).to(torch.float32) for row in rows]
+    gram = torch.empty((rows[0].shape[0], len(rows), len(rows)), dtype=torch.float64)
+    for i in range(len(rows)):
+        for j in range(i, len(rows)):
+            gram[:, i, j] = gram[:, j, i] = (rows[i] * rows[j]).sum(dim=-1, dtype=torch.float64).cpu()
+    return gram
+
+
+def combine_rows(tensors: Sequence[torch.Tensor], coefficients: torch.Tensor, axis: int) -> torch.Tensor:
+    """Σ_i coefficients[:, i] * tensor_i row by row (rows along `axis`, as `as_rows`), in float32."""
+    shape = tensors[0].shape
+    moved = tensors[0].movedim(axis, -1).shape if tensors[0].dim() >= 2 else shape
+    merged = torch.zeros(as_rows(tensors[0], axis).shape, dtype=torch.float32, device=tensors[0].device)
+    for index, tensor in enumerate(tensors):
+        column = coefficients[:, index:index + 1].to(torch.float32).to(merged.device)
+        merged.add_(as_rows(tensor, axis).to(torch.float32) * column)
+    if tensors[0].dim() < 2:
+        return merged.reshape(shape)
+    return merged.reshape(moved).movedim(-1, axis)
+
+
+def model_stock_ratio(offset_gram: torch.Tensor) -> torch.Tensor:
+    """Model Stock's interpolation ratio t = N·cosθ / (1 + (N-1)·cosθ) (Jang et al. 2024, eq. 3 and §3).
+
+    cosθ is the mean pairwise cosine between the N fine-tunes' offsets from the base (from their Gram
+    matrix, [..., N, N]). Where the denominator vanishes there is no finite estimate and t is 0 (the
+    base is kept), as in mergekit.
+    """
+    count = offset_gram.shape[-1]
+    norms = offset_gram.diagonal(dim1=-2, dim2=-1).clamp(min=0).sqrt()
+    cosines = [(offset_gram[..., i, j] / (norms[..., i] * norms[..., j]).clamp(min=1e-6)).clamp(-1, 1)
+               for i in range(count) for j in range(i + 1, count)]
+    cosine = torch.stack(cosines).mean(dim=0)
+    denominator = 1 + (count - 1) * cosine
+    singular = denominator.abs() < 1e-6
+    return torch.where(singular, torch.zeros_like(cosine), count * cosine / torch.where(singular, 1.0, denominator))
+
+
+def model_stock_coefficients(offset_gram: torch.Tensor) -> torch.Tensor:
+    """Coefficients on [base, model_1..model_N]: t·mean(models) + (1-t)·base ([..., N+1])."""
+    count = offset_gram.shape[-1]
+    ratio = model_stock_ratio(offset_gram).unsqueeze(-1)
+    return torch.cat([1 - ratio, (ratio / count).expand(*ratio.shape[:-1], count)], dim=-1)
+
+
+def nuslerp_coefficients(gram: torch.Tensor, t: float) -> torch.Tensor:
+    """NuSLERP's two coefficients ([..., 2]) for vectors with Gram matrix [..., 2, 2], as mergekit's nuslerp.
+
+    The SLERP formula (`spherical_weights`) on the vectors' angle; only exactly colinear vectors
+    (1 - cos² <= 1e-16) fall back to linear, unlike `slerp_weights`' wider band.
+    """
+    norms = gram.diagonal(dim1=-2, dim2=-1).clamp(min=0).sqrt().clamp(min=1e-7)
+    cosine = (gram[..., 0, 1] / (norms[..., 0] * norms[..., 1])).clamp(-1, 1)
+    colinear = (1 - cosine.square()) <= 1e-16
+    theta = torch.acos(torch.where(colinear, 0.0, cosine))
+    sin_theta = torch.where(colinear, 1.0, torch.sin(theta))
+    spherical = torch.stack([torch.sin((1 - t) * theta), torch.sin(t * theta)], dim=-1) / sin_theta.unsqueeze(-1)
+    linear_pair = torch.tensor([1 - t, t], dtype=gram.dtype).expand_as(spherical)
+    return torch.where(colinear.unsqueeze(-1), linear_pair, spherical)
+
+
+def multislerp_coefficients(gram: torch.Tensor, weights: Sequence[float], eps: float = 1e-8) -> torch.Tensor:
+    """Multi-SLERP's coefficients on its k vectors (Goddard 2024, "multislerp"), from their Gram matrix.
+
+    The points are projected on the unit sphere, their weighted mean direction m taken, the points mapped
+    to the tangent plane at m, averaged there with the weights, mapped back with the exponential map, and
+    scaled by the weighted mean norm. Every step stays in the span of the inputs, so the result is a
+    combination of them computed here from inner products alone. Weights are used as given (normalize
+    them first for a barycentre).
+    """
+    w = torch.tensor(list(weights), dtype=torch.float64)
+    norms = gram.diagonal().clamp(min=0).sqrt()
+    to_unit = 1.0 / (norms + eps)
+    unit_gram = gram * to_unit[:, None] * to_unit[None, :]
+    mean_norm = (w @ unit_gram @ w).clamp(min=0).sqrt()
+    if mean_norm < eps:
+        if len(w) == 2:
+            return w
+        raise ValueError("multislerp: the weighted mean direction is zero (antipodal inputs whose weights cancel)")
+    mean = w / mean_norm
+    dots = unit_gram @ mean
+    tangent = w - (w * dots).sum() * mean
+    tangent_norm = (tangent @ unit_gram @ tangent).clamp(min=0).sqrt() + eps
+    on_sphere = mean * torch.cos(tangent_norm) + tangent * (torch.sin(tangent_norm) / tangent_norm)
+    return on_sphere * (norms * w).sum() * to_unit
+
+
+def karcher_coefficients(gram: torch.Tensor, max_iter: int = 10, tol: float = 1e-5) -> torch.Tensor:
+    """The equal-weight Karcher (Riemannian, Fréchet) mean on the unit sphere, scaled by the mean norm.
+
+    Karcher 1977; the fixed-point iteration of Buss & Fillmore 2001 (§3): map the points to the tangent
+    plane at the current mean with the log map, average, step back with the exponential map, until the
+    step is below `tol` or `max_iter` steps. As in mergekit, zero-norm inputs (<= tol) take no part in
+    the direction but count in the norm. Coefficients on the inputs, from their Gram matrix.
+    """
+    count = gram.shape[0]
+    norms = gram.diagonal().clamp(min=0).sqrt()
+    valid = [index for index in range(count) if norms[index] > tol]
+    coefficients = torch.zeros(count, dtype=torch.float64)
+    if not valid:
+        return coefficients
+    units = gram[valid][:, valid] / (norms[valid][:, None] * norms[valid][None, :])
+    alphas = torch.full((len(valid),), 1.0 / len(valid), dtype=torch.float64)
+
+    def length(vector):
+        return (vector @ units @ vector).clamp(min=0).sqrt()
+
+    mean = alphas.clone()
+    mean_norm = length(mean)
+    if mean_norm < tol:
+        mean = torch.zeros_like(alphas)
+        mean[0] = 1.0
+    else:
+        mean = mean / mean_norm
+    for _ in range(max_iter):
+        dots = (units @ mean).clamp(-1, 1)
+        thetas = torch.arccos(dots)
+        tangent = torch.zeros_like(mean)
+        for index in range(len(valid)):
+            if thetas[index] < tol:
+                continue
+            direction = -dots[index] * mean
+            direction[index] += 1.0
+            tangent += alphas[index] * (thetas[index] / torch.sin(thetas[index])) * direction
+        tangent_norm = length(tangent)
+        if tangent_norm < tol:
+            break
+        mean = torch.cos(tangent_norm) * mean + torch.sin(tangent_norm) * tangent / tangent_norm
+        unit_norm = length(mean)
+        if unit_norm > tol:
+            mean = mean / unit_norm
+    coefficients[valid] = mean * (norms.sum() / count) / norms[valid]
+    return coefficients

@@ -9,15 +9,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import LoraAdapter
-from mergekit_lite.io.sources import TensorSource, open_inputs
+from mergekit_lite.io.sources import TensorSource, check_architectures, open_inputs
 from mergekit_lite.merge import methods
-from mergekit_lite.merge.config import RECALL_METHODS, MergeConfig, is_embedding, resolve
+from mergekit_lite.merge.config import RECALL_METHODS, MergeConfig, ModelSpec, Slice, is_embedding, resolve
 from mergekit_lite.merge.vocab import align_vocabularies
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
@@ -25,9 +25,18 @@ RECALL_WEIGHTS_FILE = "recall_weights.json"
 PROVENANCE_FILE = "mergekit_lite_config.yaml"
 
 
+BASE_IGNORED = {"linear", "karcher", "passthrough"}  # in slices, as in mergekit: the base is just another source
+
+
 def layer_index(tensor_name: str) -> int | None:
     match = LAYER_PATTERN.search(tensor_name)
     return int(match.group(1)) if match else None
+
+
+def with_layer(tensor_name: str, index: int) -> str:
+    """The same tensor in another layer: model.layers.3.mlp.up_proj.weight -> model.layers.{index}.mlp..."""
+    match = LAYER_PATTERN.search(tensor_name)
+    return f"{tensor_name[:match.start(1)]}{index}{tensor_name[match.end(1):]}"
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class TensorStep:
     action: str  # "merge" or "copy"
     parameters: dict = field(default_factory=dict)
     reason: str = ""
+    inputs: tuple[tuple[int, str], ...] = ()  # (source index, tensor name) per input; () = every source, this name
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +65,13 @@ class MergePlan:
     notes: list[str]
     recall_weights: object | None = None
     vocabulary: object | None = None  # vocab.Vocabulary when tokenizer_source is set
+    layer_origins: list[tuple[int, int]] | None = None  # with slices: (source index, its layer) per output layer
+
+    def inputs_of(self, step: TensorStep) -> list[tuple[TensorSource, str]]:
+        """Where each input of a step comes from: (source, tensor name) in the method's input order."""
+        if step.inputs:
+            return [(self.sources[index], name) for index, name in step.inputs]
+        return [(source, step.name) for source in self.sources]
 
     @property
     def total_bytes(self) -> int:
@@ -70,6 +87,8 @@ class MergePlan:
         width = max((len(step.name) for step in self.steps), default=10)
         for step in self.steps:
             what = step.reason if step.action == "copy" else _format_parameters(step.parameters)
+            if any(name != step.name for _, name in step.inputs):
+                what += "  from " + ", ".join(f"{index}:{name}" for index, name in step.inputs)
             lines.append(f"{step.name:<{width}}  {str(list(step.shape)):<16} {str(step.out_dtype).replace('torch.', ''):<9} "
                          f"{step.nbytes:>12,d}  {step.action:<5} {what}")
         return "\n".join(lines)
@@ -88,7 +107,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
     """Check the inputs against each other and resolve every tensor's step, reading headers only."""
     config.resolve_references()
     if config.slices:
-        raise InputError("slices: not executed by this version (comes with the slices/passthrough work)")
+        return _plan_slices(config, sources)
     sources = sources or open_inputs(config.inputs, config.base, config.allow_pickle)
     sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, 0, config.pad_to_multiple_of)
     reference = sources[0]
@@ -107,7 +126,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
             dtypes.append(source.dtype(name))
         if len(set(dtypes)) > 1:
             mixed.add(tuple(sorted({str(d).replace("torch.", "") for d in dtypes})))
-        steps.append(_plan_step(config, name, shape, dtypes[0], n_layers, recall_weights))
+        steps.append(_plan_step(config, name, shape, dtypes[0], layer_index(name), n_layers, recall_weights))
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
     return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary)
@@ -121,15 +140,100 @@ def _layer_count(reference: TensorSource, names: list[str]) -> int:
     return max(indices) + 1 if indices else 1
 
 
-def _plan_step(config: MergeConfig, name, shape, stored_dtype, n_layers, recall_weights) -> TensorStep:
+def _plan_step(config: MergeConfig, name, shape, stored_dtype, layer, n_layers, recall_weights) -> TensorStep:
     if not stored_dtype.is_floating_point:
         return TensorStep(name, shape, stored_dtype, "copy", reason="not floating point: copied from input 0")
     out_dtype = getattr(torch, config.dtype) if config.dtype else stored_dtype
     skipped = next((pattern for pattern in config.skip if pattern in name), None)
     if skipped:
         return TensorStep(name, shape, out_dtype, "copy", reason=f"matches skip filter {skipped!r}: copied from input 0")
-    layer = layer_index(name)
-    return TensorStep(name, shape, out_dtype, "merge", _step_parameters(config, name, layer, n_layers, recall_weights))
+    parameters = _step_parameters(config, name, layer, n_layers, recall_weights)
+    if config.method == "passthrough" and parameters["scale"] == 1.0:
+        return TensorStep(name, shape, out_dtype, "copy", reason="passthrough: copied from its one input")
+    return TensorStep(name, shape, out_dtype, "merge", parameters)
+
+
+def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> MergePlan:
+    """Stack the slices' layers (mergekit's `slices`): output layer j is layer start+k of each source of the
+    slice that holds j, merged by the slice's own plain merge (`slice_config`), renumbered to j.
+
+    Parameters resolve per slice as in mergekit: a gradient runs across each slice's layers. Tensors
+    outside the layers come from the first slice's sources (embeddings) or the last slice's (final norm,
+    head).
+    """
+    if config.method == "recall":
+        raise InputError("recall does not take slices (it weighs whole models layer by layer)")
+    for path in config.inputs:
+        if LoraAdapter.is_adapter_dir(path):
+            raise InputError(f"{path}: slices take model folders, not LoRA adapters")
+    sources = sources or [open_inputs([path], None, config.allow_pickle)[0] for path in config.inputs]
+    check_architectures(sources)
+    base_index = config.inputs.index(config.base) if config.base else 0
+    sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, base_index, config.pad_to_multiple_of)
+    position = {path: index for index, path in enumerate(config.inputs)}
+    pieces = []
+    for number, piece in enumerate(config.slices):
+        merge, located = slice_config(config, piece, number)
+        ranges = [layer_range for _, layer_range in located]
+        for path, (start, end) in located:
+            available = _layer_count(sources[position[path]], sources[position[path]].names)
+            if not 0 <= start < end <= available:
+                raise InputError(f"slice {number}: layer_range [{start}, {end}] of {path} is outside its {available} layers")
+        pieces.append((merge, [position[path] for path, _ in located], ranges))
+    steps, origins = [], []
+
+    def add(merge, indices, tensor_names, out_name, layer, n_layers):
+        template = sources[indices[0]]
+        shape = template.shape(tensor_names[0])
+        for index, name in zip(indices, tensor_names):
+            if name not in sources[index].names:
+                raise InputError(f"{sources[index].path}: no tensor {name}")
+            if sources[index].shape(name) != shape:
+                raise InputError(f"tensor {name}: shape {list(sources[index].shape(name))} in {sources[index].path} "
+                                 f"but {list(shape)} in {template.path}")
+        step = _plan_step(merge, out_name, shape, template.dtype(tensor_names[0]), layer, n_layers, None)
+        steps.append(replace(step, inputs=tuple(zip(indices, tensor_names))))
+
+    outside = [name for name in sources[pieces[0][1][0]].names if layer_index(name) is None]
+    for name in (n for n in outside if is_embedding(n)):
+        merge, indices, ranges = pieces[0]
+        add(merge, indices, [name] * len(indices), name, None, ranges[0][1] - ranges[0][0])
+    for merge, indices, ranges in pieces:
+        length = ranges[0][1] - ranges[0][0]
+        for offset in range(length):
+            first = sources[indices[0]]
+            for name in (n for n in first.names if layer_index(n) == ranges[0][0] + offset):
+                add(merge, indices, [with_layer(name, start + offset) for start, _ in ranges],
+                    with_layer(name, len(origins)), offset, length)
+            origins.append((indices[0], ranges[0][0] + offset))
+    for name in (n for n in outside if not is_embedding(n)):
+        merge, indices, ranges = pieces[-1]
+        add(merge, indices, [name] * len(indices), name, None, ranges[0][1] - ranges[0][0])
+    notes = [f"slices: {len(origins)} output layers from {len(pieces)} slices"]
+    return MergePlan(config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins)
+
+
+def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeConfig, list[tuple[str, tuple[int, int]]]]:
+    """One slice as a plain merge, and (model, layer range) for each of its inputs in its input order.
+
+    Its base is the slice's, else the config's, when the method uses one and it is among the sources
+    (mergekit's rule); the other sources are its models, with their parameters; the slice's parameters
+    override the config's.
+    """
+    paths = [source.model for source in piece.sources]
+    base = piece.base or config.base
+    if config.method in BASE_IGNORED or base not in paths:
+        base = None
+    base_source = next((source for source in piece.sources if source.model == base), None)
+    others = [source for source in piece.sources if source is not base_source]
+    ordered = ([base_source] if base_source else []) + others
+    models = [ModelSpec(source.model, dict(source.parameters)) for source in others]
+    try:
+        merge = replace(config, base=base, models=models, parameters={**config.parameters, **piece.parameters},
+                        slices=[])
+    except InputError as error:
+        raise InputError(f"slice {number}: {error}") from None
+    return merge, [(source.model, tuple(source.layer_range)) for source in ordered]
 
 
 def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers: int, recall_weights) -> dict:
@@ -155,13 +259,41 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
         if method == "recall_lerp":
             return {"alpha": recall_weights.lerp_alpha(value("alpha"), layer, part, config.recall.embed_rule)}
         return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
+    if method == "model_stock":
+        return {"filter_wise": value("filter_wise")}
+    if method == "nuslerp":
+        first, second = value("weight", 0), value("weight", 1)
+        total = first + second
+        return {"t": 0.5 if abs(total) < 1e-6 else second / total, "base": config.base is not None,
+                "flatten": value("nuslerp_flatten"), "row_wise": value("nuslerp_row_wise")}
+    if method == "multislerp":
+        weights = [value("weight", i) for i in models]
+        if value("normalize_weights"):
+            total = math.fsum(weights)
+            if total == 0:
+                raise InputError(f"tensor {name}: multislerp weights sum to zero; cannot normalize")
+            weights = [w / total for w in weights]
+        return {"weights": weights, "eps": value("eps"), "base": config.base is not None}
+    if method == "karcher":
+        return {"max_iter": int(value("max_iter")), "tol": value("tol")}
+    if method == "passthrough":
+        return {"scale": value("scale", 0)}
     recipe = methods.TASK_VECTOR_METHODS[method]
     parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
                   "normalize": config.parameter("normalize")}
-    if recipe.sparsifier == "magnitude":
+    if recipe.sparsifier in ("magnitude", "magprune", "outliers"):
         parameters["densities"] = [value("density", i) for i in models]
     if recipe.sparsifier == "random":
         parameters["drops"] = [value("drop", i) for i in models]
+    if recipe.sparsifier == "magprune":
+        parameters["epsilons"] = [value("epsilon", i) for i in models]
+        for density, epsilon in zip(parameters["densities"], parameters["epsilons"]):
+            if density < 1.0 and not (density - epsilon > 0.0 and density + epsilon < 1.0):
+                raise InputError(f"tensor {name}: della needs 0 < density - epsilon and density + epsilon < 1, "
+                                 f"got density {density:g}, epsilon {epsilon:g}")
+    if recipe.sparsifier == "outliers":
+        parameters["gammas"] = [value("gamma", i) for i in models]
+    if recipe.sparsifier in ("random", *methods.L1_RESCALED):
         parameters["rescale"] = config.parameter("rescale")
     if config.mergekit_compat and (recipe.sparsifier == "magnitude" or recipe.consensus):
         parameters["mergekit_rules"] = True
