@@ -16,7 +16,7 @@ import yaml
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import LoraAdapter
-from mergekit_lite.io.outputs import atomic_output_dir, copy_side_files
+from mergekit_lite.io.outputs import atomic_output_dir, copy_side_files, keep_post_trained_files
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource
 from mergekit_lite.merge import methods
@@ -168,6 +168,9 @@ def _audit_adapters(config: MergeConfig) -> None:
 
 
 def _write_side_files(plan: MergePlan, folder: Path) -> None:
+    """config, tokenizer and generation files from --copy-files-from, by default from the base (or the
+    first input), plus the chat template and generation config of a post-trained input when the base has
+    none (a note says so)."""
     config = plan.config
     donor = config.copy_files_from or config.base or config.inputs[0]
     if donor == "base":
@@ -175,6 +178,9 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
     if LoraAdapter.is_adapter_dir(donor):
         donor = config.base
     copy_side_files(Path(donor), folder)
+    if not config.copy_files_from:
+        others = [Path(path) for path in config.inputs if path != donor]
+        plan.notes.extend(keep_post_trained_files(Path(donor), others, folder))
     config_file = folder / "config.json"
     if config_file.is_file() and config.dtype:
         model_config = json.loads(config_file.read_text())

@@ -14,19 +14,41 @@ from dataclasses import dataclass, field
 import torch
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.architecture import Layout, layout
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, open_inputs
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig, is_embedding, resolve
 
-LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\.")
 RECALL_WEIGHTS_FILE = "recall_weights.json"
 PROVENANCE_FILE = "mergekit_lite_config.yaml"
+PLAIN = Layout(None)
 
 
-def layer_index(tensor_name: str) -> int | None:
+def layer_index(tensor_name: str, model_layout: Layout = PLAIN) -> int | None:
+    """The language model's decoder layer a tensor belongs to, or None (embeddings, head, towers).
+
+    Towers (a multimodal model's vision or audio encoder and projector, an encoder-decoder's encoder)
+    have layers of their own, but those are not decoder depths: a tower's tensors get no index and
+    are resolved as the decoder's input (see `depth_position`).
+    """
+    if model_layout.in_tower(tensor_name):
+        return None
     match = LAYER_PATTERN.search(tensor_name)
     return int(match.group(1)) if match else None
+
+
+def depth_position(tensor_name: str, model_layout: Layout) -> tuple[int | None, str]:
+    """(layer, part) that resolves a tensor's parameters: decoder layers by index; embeddings and towers,
+    whose output enters the decoder at its input, as "embed" (a gradient's first value, RECALL's embed
+    rule); the rest (final norm, head) as "head" (a gradient's last value)."""
+    layer = layer_index(tensor_name, model_layout)
+    if layer is not None:
+        return layer, "layer"
+    if is_embedding(tensor_name) or model_layout.in_tower(tensor_name):
+        return None, "embed"
+    return None, "head"
 
 
 @dataclass(frozen=True)
@@ -87,8 +109,9 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
     sources = sources or open_inputs(config.inputs, config.base, config.allow_pickle)
     reference = sources[0]
     names = reference.names
-    n_layers = _layer_count(reference, names)
-    recall_weights = _recall_weights(config) if config.method == "recall" else None
+    model_layout = layout(reference.config)
+    n_layers = layer_count(model_layout, names)
+    recall_weights = load_recall_weights(config) if config.method == "recall" else None
     notes, mixed = [], set()
     steps = []
     for name in names:
@@ -101,36 +124,39 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
             dtypes.append(source.dtype(name))
         if len(set(dtypes)) > 1:
             mixed.add(tuple(sorted({str(d).replace("torch.", "") for d in dtypes})))
-        steps.append(_plan_step(config, name, shape, dtypes[0], n_layers, recall_weights))
+        steps.append(_plan_step(config, name, shape, dtypes[0], model_layout, n_layers, recall_weights))
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
     return MergePlan(config, sources, steps, n_layers, notes, recall_weights)
 
 
-def _layer_count(reference: TensorSource, names: list[str]) -> int:
-    configured = (reference.config or {}).get("num_hidden_layers")
-    if isinstance(configured, int) and configured > 0:
-        return configured
-    indices = [index for index in map(layer_index, names) if index is not None]
+def layer_count(model_layout: Layout, names: list[str]) -> int:
+    """The decoder's depth: the (text) config's num_hidden_layers, else counted from decoder tensor names."""
+    if model_layout.n_layers:
+        return model_layout.n_layers
+    indices = [index for index in (layer_index(name, model_layout) for name in names) if index is not None]
     return max(indices) + 1 if indices else 1
 
 
-def _plan_step(config: MergeConfig, name, shape, stored_dtype, n_layers, recall_weights) -> TensorStep:
+def _plan_step(config: MergeConfig, name, shape, stored_dtype, model_layout, n_layers, recall_weights) -> TensorStep:
     if not stored_dtype.is_floating_point:
         return TensorStep(name, shape, stored_dtype, "copy", reason="not floating point: copied from input 0")
     out_dtype = getattr(torch, config.dtype) if config.dtype else stored_dtype
     skipped = next((pattern for pattern in config.skip if pattern in name), None)
     if skipped:
         return TensorStep(name, shape, out_dtype, "copy", reason=f"matches skip filter {skipped!r}: copied from input 0")
-    layer = layer_index(name)
-    return TensorStep(name, shape, out_dtype, "merge", _step_parameters(config, name, layer, n_layers, recall_weights))
+    return TensorStep(name, shape, out_dtype, "merge",
+                      tensor_parameters(config, name, model_layout, n_layers, recall_weights))
 
 
-def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers: int, recall_weights) -> dict:
-    """Resolve the method's parameters for one tensor (gradients and filters applied)."""
+def tensor_parameters(config: MergeConfig, name: str, model_layout: Layout, n_layers: int, recall_weights) -> dict:
+    """Resolve the method's parameters for one tensor (gradients and filters applied), on-disk or in-memory name."""
+    layer, part = depth_position(name, model_layout)
+    # a tower resolves like the embeddings: position 0 of a gradient
+    position = 0 if part == "embed" and layer is None and model_layout.in_tower(name) else layer
 
     def value(parameter, model_index=None):
-        return resolve(parameter, config.parameter(parameter, model_index), name, layer, n_layers)
+        return resolve(parameter, config.parameter(parameter, model_index), name, position, n_layers)
 
     models = range(len(config.models))
     method = config.method
@@ -142,7 +168,6 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
     if method == "slerp":
         return {"t": value("t")}
     if method == "recall":
-        part = "layer" if layer is not None else ("embed" if is_embedding(name) else "head")
         return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
     recipe = methods.TASK_VECTOR_METHODS[method]
     parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
@@ -154,7 +179,8 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
     return parameters
 
 
-def _recall_weights(config: MergeConfig):
+def load_recall_weights(config: MergeConfig):
+    """RECALL's per-layer weights: from the weights file, or computed by running the models on the texts."""
     from mergekit_lite.merge import recall
 
     settings = config.recall
