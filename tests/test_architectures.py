@@ -237,6 +237,7 @@ def sweep_pairs(checkpoints, toy_pair, tmp_path_factory):
             folder = root / architecture / source.name
             shutil.copytree(source, folder)
             tokenizer.save_pretrained(folder)
+            (folder / "chat_template.jinja").write_text(f"{{{{ messages }}}} from {source.name}")
             pairs[architecture].append(folder)
     return pairs
 
@@ -269,11 +270,68 @@ def test_sweep_point_written_in_place_equals_the_merge_loaded_from_disk(
 
 
 @pytest.mark.parametrize("architecture,stream", [("mixtral", True), ("gemma3_multimodal", False)])
-def test_two_point_sweep_runs(sweep_pairs, toy_pair, architecture, stream, tmp_path):
+def test_two_point_sweep_runs_and_saves_the_best_with_the_chosen_side_files(
+        sweep_pairs, toy_pair, architecture, stream, tmp_path):
     pre, post = sweep_pairs[architecture]
     result = run_sweep(SweepSettings(str(pre), str(post), "ties", [0.5, 1.0], toy_pair.old_tasks,
                                      toy_pair.new_tasks, str(toy_pair.task_dir), str(tmp_path / "run"), limit=8,
-                                     stream=stream))
+                                     stream=stream, save_best=str(tmp_path / "best"), copy_files_from=str(post)))
     assert [point.alpha for point in result.points] == [0.5, 1.0]
     assert (tmp_path / "run" / "report.md").is_file()
     assert all(len(run.outcomes.correct) == 8 for point in result.points for run in point.tasks)
+    assert (tmp_path / "best" / "chat_template.jinja").read_text() == (post / "chat_template.jinja").read_text()
+    loaded(tmp_path / "best")
+
+
+def test_eval_dtype_defaults_and_a_bf16_resident_model(sweep_pairs, toy_pair, tmp_path):
+    pre, post = sweep_pairs["mixtral"]
+    common = (str(pre), str(post), "linear", [0.5], toy_pair.old_tasks, toy_pair.new_tasks, None, str(tmp_path))
+    assert SweepSettings(*common).eval_dtype == "float32"
+    assert SweepSettings(*common, device="cuda").eval_dtype == "bfloat16"
+    settings = SweepSettings(*common, eval_dtype="bf16")
+    resident = ResidentPair(ModelLoader(str(pre), torch.bfloat16, "cpu"), settings,
+                            open_inputs([str(pre), str(post)], str(pre), False), settings.merge_config(0.5))
+    resident.write(settings.merge_config(0.5))
+    expected = from_state(pre, {name: (0.5 * tensor + 0.5 * state(post)[name]).to(torch.float32)
+                                for name, tensor in state(pre).items()}).state_dict()
+    for name, tensor in resident.model.state_dict().items():
+        assert tensor.dtype == torch.bfloat16
+        torch.testing.assert_close(tensor.float(), expected[name], rtol=1e-2, atol=1e-2, msg=name)
+
+
+def test_post_trained_chat_template_and_generation_config_are_kept_when_the_base_has_none(
+        checkpoints, toy_pair, tmp_path):
+    """A base merged with its instruct model keeps the instruct chat template (here inside
+    tokenizer_config.json, as transformers 4 saves it) and generation config, with a note;
+    --copy-files-from base keeps the base's files only."""
+    base, post = tmp_path / "base", tmp_path / "instruct"
+    for source, folder in ((checkpoints["llama"][0], base), (checkpoints["llama"][1], post)):
+        shutil.copytree(source, folder)
+        AutoTokenizer.from_pretrained(toy_pair.pre_dir).save_pretrained(folder)
+    (base / "generation_config.json").unlink()
+    generation = json.loads((post / "generation_config.json").read_text())
+    (post / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, 3]}))
+    tokenizer_config = json.loads((post / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    (post / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": template}))
+    data = {"method": "linear", "base": str(base), "models": [str(post)], "parameters": {"alpha": 0.5}}
+
+    result = run_merge(MergeConfig.from_dict(data), tmp_path / "out")
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == template
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [2, 3]
+    assert any("chat template taken from" in note for note in result.plan.notes)
+
+    run_merge(MergeConfig.from_dict({**data, "copy_files_from": str(base)}), tmp_path / "as-base")
+    assert AutoTokenizer.from_pretrained(tmp_path / "as-base").chat_template is None
+    assert not (tmp_path / "as-base" / "generation_config.json").exists()
+
+
+def test_recall_on_the_multimodal_model_weighs_decoder_layers_only(sweep_pairs, toy_pair, tmp_path):
+    """RECALL runs both models on typical texts: one row per decoder depth (embeddings + 2 layers), none for
+    the vision tower's layers, and the merge loads."""
+    pre, post = sweep_pairs["gemma3_multimodal"]
+    run_merge(MergeConfig.from_dict({"method": "recall", "models": [str(pre), str(post)],
+                                     "recall": {"texts": str(toy_pair.typical_texts), "samples": 3}}), tmp_path / "out")
+    weights = json.loads((tmp_path / "out" / "recall_weights.json").read_text())
+    assert len(weights["weights"]) == 3
+    loaded(tmp_path / "out")
