@@ -18,12 +18,19 @@ What alpha is, per --method (the method's main coefficient):
   recall                 softmax temperature of the per-layer weights (> 0; the models run once)
 \b
 Pick: the alpha with the highest harmonic mean 2*old*new/(old+new) of the old-task and new-task
-scores (mean accuracy per group); ties go to the smallest alpha. "forgetting recovered" is
-(old_best - old_post) / (old_pre - old_post): the share of post's old-task loss the pick wins
-back (N/A when post lost nothing).
+scores (per group: the unweighted mean of its tasks' scores, as the forgetting paper averages
+tasks; --aggregation pooled weighs samples), measured on a selection split of every task's docs
+(seeded doc_hash partition, --selection-fraction); every alpha is reported on the disjoint report
+split with paired-bootstrap intervals, and the alphas that cannot be told from the pick are named
+(--selection none: pick and report on the same docs). Ties go to the smallest alpha. "forgetting
+recovered" is (old_best - old_post) / (old_pre - old_post): the share of post's old-task loss the
+pick wins back (N/A when post lost nothing).
+\b
+Tasks are scored as `mergekit-lite forgetting` scores lm-eval files: --metric, --filter and
+--choices take a global value or TASK=VALUE (e.g. --filter gsm8k=flexible-extract).
 \b
 The --out folder gets points/ (one JSON per finished model: rerunning the same command
-resumes), results.json, report.md and sweep.png.
+resumes), results.json, report.md, sweep.png and forgetting_map.png.
 \b
 Examples:
   mergekit-lite sweep --pre base/ --post instruct/ --alphas 0:1:0.1 \\
@@ -62,9 +69,30 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--copy-files-from", help="--save-best: model folder whose config/tokenizer files are copied "
                                          "(default: pre's, with post's chat template and generation config when pre has none).")
 @click.option("--eval-dtype", help="dtype models are evaluated in: fp32 (default on CPU), bf16 (default on GPU), fp16.")
+@click.option("--metric", multiple=True, metavar="[TASK=]METRIC",
+              help="0/1 metric to score by (default: the task's first).")
+@click.option("--filter", "filter_", multiple=True, metavar="[TASK=]FILTER",
+              help="lm-eval filter to score (default: the first the task logs), e.g. gsm8k=flexible-extract.")
+@click.option("--choices", multiple=True, metavar="TASK=K", help="Options of a generative multiple-choice task.")
+@click.option("--aggregation", type=click.Choice(("paper", "pooled")), help="Group scores (default paper).")
+@click.option("--selection", type=click.Choice(("docs", "none")),
+              help="docs (default): pick alpha on a seeded doc_hash split, report on the rest; none: same docs.")
+@click.option("--selection-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Share of each task's docs that picks alpha (default 0.5).")
+@click.option("--bootstrap", type=click.IntRange(min=0),
+              help="Bootstrap resamples for intervals (default 1000; 0: none).")
+@click.option("--confidence", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Interval confidence (default 0.95).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Evaluate points in parallel as Ray actors (one per GPU on cuda, else per CPU): alone, a local "
+                   "Ray cluster; with ADDRESS (e.g. auto, ray://head:10001), that cluster. Needs mergekit-lite[ray].")
+@click.option("--search", type=click.Choice(("grid", "golden")),
+              help="grid (default): every alpha; golden: golden-section search for the best harmonic mean over the "
+                   "grid, stopping once the points left are indistinguishable (fewer evaluations).")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
 def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
-          density, drop, seed, recall_texts, recall_samples, save_best, stream, copy_files_from, eval_dtype, quiet):
+          density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
+          selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype, quiet):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -82,8 +110,10 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
     data = _flag_values(data, pre=pre, post=post, method=method, alphas=alphas, old_tasks=old_tasks,
                         new_tasks=new_tasks, include_path=include_path, limit=limit, batch_size=batch_size,
                         device=device, out=out, density=density, drop=drop, seed=seed, recall_texts=recall_texts,
-                        recall_samples=recall_samples, save_best=save_best, stream=stream,
-                        copy_files_from=copy_files_from, eval_dtype=eval_dtype)
+                        recall_samples=recall_samples, save_best=save_best, stream=stream, metric=metric,
+                        filter=filter_, choices=choices, aggregation=aggregation, selection=selection,
+                        selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence, ray=ray_address,
+                        search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype)
     settings = settings_from_dict(data)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run_sweep(settings, progress=not quiet)
@@ -91,14 +121,17 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
 
 
 def summary(result) -> str:
-    """Pre, post and the pick in a few lines, with how much of the forgetting the pick recovered."""
+    """Pre, post and the pick (report split) in a few lines, with how much of the forgetting it recovered."""
     best, recovered = result.best, result.recovered
     resumed = len(result.points) + 2 - len(result.evaluated)
+    split = ("picked on the same docs (--selection none)" if result.settings.selection == "none" else
+             f"picked on {result.settings.selection_fraction:.0%} of the docs, reported on the rest")
     return "\n".join([
         f"pre   old {result.pre.old:.4f}  new {result.pre.new:.4f}",
         f"post  old {result.post.old:.4f}  new {result.post.new:.4f}",
         f"best  alpha={best.alpha!r} ({result.settings.coefficient} of {result.settings.method})  "
         f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}",
+        f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}",
         "forgetting recovered "
         + (f"{recovered:.1%}" if recovered is not None else "N/A (post lost no old-task accuracy)"),
         f"evaluated {len(result.evaluated)} models, resumed {resumed}; report: {result.out / 'report.md'}",

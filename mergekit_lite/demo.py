@@ -84,43 +84,71 @@ def run_demo(out: str | Path, seed: int = 0, methods: tuple[str, ...] = tuple(DE
     return DemoResult(out, pair, audits, sweeps, summary_file)
 
 
+def _interval(point, name: str) -> str:
+    low, high = point.intervals.get(name, (None, None))
+    return "" if low is None else f" [{low:.3f}, {high:.3f}]"
+
+
 def summary_data(sweeps: dict[str, SweepResult], audits: list) -> dict:
     first = next(iter(sweeps.values()))
     return {
         "pre": {"old": first.pre.old, "new": first.pre.new},
         "post": {"old": first.post.old, "new": first.post.new},
+        "selection": {"method": first.settings.selection, "fraction": first.settings.selection_fraction,
+                      "docs": {task: {"selection": len(keys[0]), "report": len(keys[1])}
+                               for task, keys in first.splits.items()},
+                      "bootstrap": first.settings.bootstrap, "confidence": first.settings.confidence},
         "best": {method: {"alpha": r.best.alpha, "old": r.best.old, "new": r.best.new,
-                          "harmonic_mean": r.best.harmonic_mean, "recovered": r.recovered}
+                          "harmonic_mean": r.best.harmonic_mean, "intervals": r.best.intervals,
+                          "selection_harmonic_mean": r.best.selection.harmonic_mean,
+                          "indistinguishable": r.indistinguishable, "recovered": r.recovered}
                  for method, r in sweeps.items()},
         "audits": {Path(a.adapter).name: {"verdict": a.verdict, "reasons": a.reasons} for a in audits},
     }
 
 
 def summary_lines(sweeps: dict[str, SweepResult]) -> list[str]:
-    """The printed summary: pre and post on both skills, each method's pick, and the forgetting it recovered."""
+    """The printed summary: pre and post on both skills, each method's pick (chosen on the selection docs,
+    scored on the report docs), and the forgetting it recovered."""
     first = next(iter(sweeps.values()))
     lines = [f"pre   old {first.pre.old:.3f}  new {first.pre.new:.3f}",
              f"post  old {first.post.old:.3f}  new {first.post.new:.3f}"]
     for method, result in sweeps.items():
         recovered = f"{result.recovered:.0%}" if result.recovered is not None else "N/A"
         lines.append(f"best {method:<7} (alpha {result.best.alpha:g})  old {result.best.old:.3f}  new {result.best.new:.3f}"
-                     f"  harmonic mean {result.best.harmonic_mean:.3f}  forgetting recovered {recovered}")
+                     f"  harmonic mean {result.best.harmonic_mean:.3f}{_interval(result.best, 'harmonic_mean')}"
+                     f"  forgetting recovered {recovered}")
+    lines.append(f"(alpha picked on {first.settings.selection_fraction:.0%} of each task's docs; scores and "
+                 f"{first.settings.confidence:.0%} bootstrap intervals on the other docs)")
     return lines
 
 
 def summary_markdown(sweeps: dict[str, SweepResult], audits: list) -> str:
     first = next(iter(sweeps.values()))
-    rows = ["| model | coefficient | old | new | harmonic mean | forgetting recovered |", "|---|---|---|---|---|---|",
-            f"| pre | | {first.pre.old:.3f} | {first.pre.new:.3f} | {first.pre.harmonic_mean:.3f} | |",
-            f"| post | | {first.post.old:.3f} | {first.post.new:.3f} | {first.post.harmonic_mean:.3f} | |"]
+    docs = ", ".join(f"`{task}` {len(keys[0])}/{len(keys[1])}" for task, keys in first.splits.items())
+    split = (f"Alpha is picked on a selection split ({first.settings.selection_fraction:.0%} of each task's docs, "
+             f"a seeded doc_hash partition; selection/report docs: {docs}); every score below is measured on the "
+             f"disjoint report split, with {first.settings.confidence:.0%} paired-bootstrap intervals "
+             f"({first.settings.bootstrap} resamples).")
+    rows = ["| model | coefficient | old | new | harmonic mean | alphas indistinguishable from the pick | "
+            "forgetting recovered |", "|---|---|---|---|---|---|---|",
+            f"| pre | | {first.pre.old:.3f}{_interval(first.pre, 'old')} | {first.pre.new:.3f}{_interval(first.pre, 'new')}"
+            f" | {first.pre.harmonic_mean:.3f}{_interval(first.pre, 'harmonic_mean')} | | |",
+            f"| post | | {first.post.old:.3f}{_interval(first.post, 'old')} | "
+            f"{first.post.new:.3f}{_interval(first.post, 'new')} | "
+            f"{first.post.harmonic_mean:.3f}{_interval(first.post, 'harmonic_mean')} | | |"]
     for method, result in sweeps.items():
+        best = result.best
         recovered = f"{result.recovered:.1%}" if result.recovered is not None else "N/A"
-        rows.append(f"| best {method} | {result.best.alpha:g} | {result.best.old:.3f} | {result.best.new:.3f} | "
-                    f"{result.best.harmonic_mean:.3f} | {recovered} |")
+        same = ", ".join(f"{alpha:g}" for alpha in result.indistinguishable) or "none"
+        rows.append(f"| best {method} | {best.alpha:g} | {best.old:.3f}{_interval(best, 'old')} | "
+                    f"{best.new:.3f}{_interval(best, 'new')} | {best.harmonic_mean:.3f}"
+                    f"{_interval(best, 'harmonic_mean')} | {same} | {recovered} |")
     audit_rows = ["| adapter | verdict | reasons |", "|---|---|---|"]
     audit_rows += [f"| {Path(a.adapter).name} | {a.verdict} | {'; '.join(a.reasons) or '-'} |" for a in audits]
-    links = "\n".join(f"- [{method}](sweeps/{method}/report.md): table, plot (`sweep.png`) and forgetting map"
-                      for method in sweeps)
+    links = "\n".join(f"- [{method}](sweeps/{method}/report.md): table with intervals, plot (`sweep.png`) and "
+                      "forgetting map (`forgetting_map.png`)" for method in sweeps)
     return ("# mergekit-lite demo\n\nOld skill = `toy_old`, new skill = `toy_new` (4-way multiple choice, chance 0.25). "
-            "Forgetting recovered = (old_best - old_post) / (old_pre - old_post).\n\n" + "\n".join(rows) +
-            "\n\n## Adapter audits\n\n" + "\n".join(audit_rows) + "\n\n## Sweeps\n\n" + links + "\n")
+            "Forgetting recovered = (old_best - old_post) / (old_pre - old_post).\n\n" + split + "\n\n" +
+            "\n".join(rows) + "\n\n## Adapter audits\n\n" + "\n".join(audit_rows) + "\n\n## Sweeps\n\n" +
+            links + "\n")

@@ -6,6 +6,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
 from mergekit_lite.toy import ToyPair, build_toy_pair
@@ -16,3 +19,29 @@ def toy_pair(tmp_path_factory) -> ToyPair:
     """The toy pre -> post pair (seed 0), saved in several safetensors shards so streaming code
     sees sharded inputs. Built once per session (a few seconds)."""
     return build_toy_pair(tmp_path_factory.mktemp("toy_pair"), seed=0, max_shard_size="100KB")
+
+
+@dataclass(frozen=True)
+class LmEvalRuns:
+    """What lm-eval's own CLI wrote (--log_samples) for the toy pre and post models on local tasks of every
+    output type (tests/lm_eval_tasks.py): one model folder each, and the include path of the tasks."""
+
+    tasks: list[str]
+    include_path: Path
+    limit: int
+    pre: Path
+    post: Path
+
+
+@pytest.fixture(scope="session")
+def lm_eval_runs(toy_pair, tmp_path_factory) -> LmEvalRuns:
+    """lm-eval run once per model for the whole session (about half a minute each)."""
+    from lm_eval_tasks import run_lm_eval, task_configs, write_tasks
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    include_path = write_tasks(toy_pair.task_dir, root / "tasks")
+    tasks = [*toy_pair.old_tasks, *toy_pair.new_tasks, *task_configs(toy_pair.task_dir)]
+    limit = 32
+    pre = run_lm_eval(toy_pair.pre_dir, tasks, include_path, root / "pre", limit=limit)
+    post = run_lm_eval(toy_pair.post_dir, tasks, include_path, root / "post", limit=limit)
+    return LmEvalRuns(tasks, include_path, limit, pre, post)

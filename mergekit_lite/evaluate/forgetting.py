@@ -4,88 +4,199 @@ Benchmark accuracy hides churn: a model can lose 10% of what it knew and gain an
 no change. Pairing the two models' outcomes sample by sample separates the two flows, and a chance
 correction stops lucky guesses on multiple-choice tasks from counting as knowledge.
 
-Definitions, per task, over N samples aligned between pre and post, with k choices per sample
-(k from the task for multiple choice; k = inf for generative tasks, which have no chance term):
+Source: Harmon, Hochlehnert, Bethge, Prabhu, "Mapping Post-Training Forgetting in Language Models at
+Scale" (arXiv 2510.17776, "the paper"), and its official code github.com/post-forget/post-forget
+(`src/analyze/process_data.py`, `src/analyze/create_csv.py`, "the official code"). The paper numbers
+no equations; citations below name its section and paragraph.
 
-    quadrants   kept = 1->1, gained = 0->1, forgotten = 1->0, never = 0->0   (counts; they sum to N)
+Per task, over N samples aligned between pre and post, with k choices per sample:
+
+    quadrants   kept = 1->1, gained = 0->1, forgotten = 1->0, never = 0->0     (paper §2, Fig. 1)
     a_pre       mean accuracy before = (kept + forgotten) / N
     a_post      mean accuracy after  = (kept + gained) / N
-    F           share forgotten      = forgotten / N   (correct before, wrong after)
-    BT          backward transfer    = gained / N      (wrong before, correct after)
-    F_chance    = ((1 - a_pre) / (k - 1)) * (1 - a_post)
-                  F expected from guessing alone: right by luck before, wrong after.
-    BT_chance   = (1 - a_pre) * ((1 - a_post) / (k - 1))
-                  BT expected from guessing alone: wrong before, right by luck after.
-                  (Both chance terms are 0 when k = inf.)
-    F_true      = max(F - F_chance, 0)
-    BT_true     = max(BT - BT_chance, 0)
-    F_max       = a_pre_true = max((k * a_pre - 1) / (k - 1), 0)
-                  the share truly known before (a_pre with k = inf): the most that can be forgotten.
-    BT_max      = 1 - a_pre_true: the share not truly known before, the most that can be gained.
+    F           forgotten / N                                                  (paper §2, def. of F)
+    BT          gained / N                                                     (paper §2, def. of BT)
+    F_chance    ((1 - a_pre) / (k - 1)) * (1 - a_post)       (paper §2, "A chance baseline for flips")
+    BT_chance   (1 - a_pre) * ((1 - a_post) / (k - 1))       (same paragraph; numerically equal to F_chance)
+    F_true      max(F - F_chance, 0)        (paper §2, "Chance-adjusted forgetting and backward transfer")
+    BT_true     max(BT - BT_chance, 0)      (same paragraph)
+    F_max       a_pre_true  = max((k * a_pre - 1) / (k - 1), 0)                (paper §2, "Ceilings")
+    BT_max      a_post_true = max((k * a_post - 1) / (k - 1), 0)               (paper §2, "Ceilings";
+                official code: "Max Possible Improvement" uses acc_after)
 
-Example: two independent random guessers on a k = 2 task give F ~ 0.25 but F_true ~ 0 and F_max ~ 0.
+k (paper §2: "number of choices in benchmark"; official code: a per-task `num_choices`):
+  - multiple_choice tasks: the number of choices lm-eval scored (one request per choice);
+  - generative multiple choice (the paper's own setting, Appendix B.1: chain of thought, a letter
+    extracted and exact-matched): `--choices TASK=K`, else the doc's options named by the task's
+    `doc_to_choice` (from lm-eval's results_<timestamp>.json beside the samples, or in-process);
+  - free-form generation (gsm8k): k = inf, no chance term. [ours: the paper ignores such tasks]
+  - choices varying per doc: the effective k = 1 / mean(1 / k_i), which keeps the expected chance
+    accuracy right. [ours]
 
-Groups of tasks (e.g. "old" skills vs "new" ones) are sample-weighted: the quadrant counts are pooled,
-so a 1000-sample task weighs ten times a 100-sample one, and a_pre, a_post, F, BT are recomputed from
-the pooled counts. Tasks may differ in k, so the chance terms and F_max of a group are the
-sample-weighted means of the per-task values (always, even when every k is equal, so one rule holds);
-F_true and BT_true subtract them from the pooled F and BT and clip at 0 once, for the group. The
-group's k is the effective k whose chance accuracy 1/k equals the pooled one: N / sum(n_i / k_i).
+Groups (paper Appendix B.2 groups tasks into categories; official code `create_pivot_table`): every
+value of a group is the unweighted mean of its tasks' values, computed per seed, then averaged over
+seeds. "pooled" [ours] instead pools the quadrant counts of all samples (a 1000-sample task weighs
+100 times a 10-sample one) and uses the sample-weighted mean of the per-task chance terms and ceilings.
 
-Reading lm-eval `--log_samples` output (`samples_<task>_<timestamp>.jsonl`):
+Seeds (official code: one comparison per (task, seed), the newest file of each, values averaged over
+seeds): a results folder may hold several lm-eval runs of one model; runs are told apart by the
+seeds lm-eval records in the `results_<timestamp>.json` beside each samples file, and pre and post
+are compared seed by seed.
+
+Misaligned tasks (official code: a sample-count mismatch is skipped and listed): a task whose samples,
+or k, differ between pre and post is skipped with a warning and listed in the output.
+
+Reading lm-eval `--log_samples` output (`samples_<task>_<timestamp>.jsonl`) [ours]:
   - a sample's key is its `doc_hash` (else `str(doc_id)`); identical documents share a hash, so the
-    second, third, ... copies in doc_id order get the suffix "#2", "#3", ... to stay aligned;
-  - correctness is `acc` when present (k = number of `arguments`, one per choice; half that when the
-    task also logs `acc_mutual_info`, whose extra requests are unconditional; k = inf when there is
-    a single argument, as in loglikelihood tasks like lambada), else `exact_match` (k = inf);
-    a score counts as correct when it is >= 0.5;
-  - tasks whose number of choices varies per sample get the effective k = 1 / mean(1 / k_i), which
-    keeps the expected chance accuracy right;
-  - lm-eval logs every doc once per filter (e.g. gsm8k's strict-match and flexible-extract); the first
-    filter in the file is used, the one lm-eval lists first;
-  - in a folder, a task found with several timestamps (or in several model sub-folders) is read from
-    the newest file only.
+    second, third, ... copies in doc_id order get the suffix "#2", "#3", ...;
+  - the score is one metric lm-eval logs per sample (`--metric`, default: the first of the task's
+    `metric_list` that it logged) under one filter (`--filter`, default: the first lm-eval logged);
+    every value must be 0/1 (or true/false): a task with any other value (truthfulqa_mc2's
+    probability mass) is skipped with a warning, never thresholded.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
 
 SAMPLES_FILE = re.compile(r"^samples_(?P<task>.+?)(?:_(?P<stamp>\d{4}-\d{2}-\d{2}T[0-9.:-]+))?\.jsonl$")
-CORRECT_AT = 0.5
-COLUMNS = ("task", "n", "k", "acc_pre", "acc_post", "kept", "gained", "forgotten", "never",
-           "F", "BT", "F_true", "BT_true", "F_max", "BT_max")
+AGGREGATIONS = ("paper", "pooled")
+NO_SEED = "-"
+SHARES = ("acc_pre", "acc_post", "F", "BT", "F_chance", "BT_chance", "F_true", "BT_true", "F_max", "BT_max")
+
+
+class TaskSkipped(Exception):
+    """A task that cannot be scored as asked (non-0/1 metric, misaligned samples): reported, not fatal."""
+
+
+@dataclass(frozen=True)
+class ScoringRule:
+    """How one task's lm-eval records become 0/1 outcomes; None means the task's default."""
+
+    metric: str | None = None
+    filter: str | None = None
+    choices: float | None = None
+    required: bool = False  # metric/filter named for this task (not a global preference): missing is an error
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """--metric / --filter / --choices: a global value, or TASK=VALUE (TASK may be a pattern like mmlu_*)."""
+
+    metric: str | None = None
+    filter: str | None = None
+    task_metric: tuple[tuple[str, str], ...] = ()
+    task_filter: tuple[tuple[str, str], ...] = ()
+    task_choices: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def from_specs(cls, metrics: Iterable[str] = (), filters: Iterable[str] = (), choices: Iterable[str] = ()):
+        """Parse repeated option values; a bare value is global, TASK=VALUE is per task."""
+        metric, task_metric = _split_specs("--metric", metrics)
+        filter_, task_filter = _split_specs("--filter", filters)
+        global_choices, task_choices = _split_specs("--choices", choices)
+        if global_choices is not None:
+            raise InputError(f"--choices {global_choices!r}: expected TASK=K (e.g. gpqa_cot=4)")
+        return cls(metric, filter_, task_metric, task_filter,
+                   tuple((task, _choices_value(task, value)) for task, value in task_choices))
+
+    def rule(self, task: str) -> ScoringRule:
+        metric, filter_ = _match(task, self.task_metric), _match(task, self.task_filter)
+        return ScoringRule(metric=metric or self.metric, filter=filter_ or self.filter,
+                           choices=_match(task, self.task_choices), required=bool(metric or filter_))
+
+
+def _split_specs(option: str, specs: Iterable[str]) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """(global value or None, ((task pattern, value), ...)); at most one global value."""
+    global_value, per_task = None, []
+    for spec in specs:
+        task, equals, value = str(spec).partition("=")
+        if not equals:
+            if global_value is not None:
+                raise InputError(f"{option}: two global values ({global_value!r}, {spec!r}); use TASK=VALUE")
+            global_value = spec.strip()
+        elif not task.strip() or not value.strip():
+            raise InputError(f"{option} {spec!r}: expected VALUE or TASK=VALUE")
+        else:
+            per_task.append((task.strip(), value.strip()))
+    return global_value, tuple(per_task)
+
+
+def _choices_value(task: str, value: str) -> float:
+    try:
+        k = float(value)
+    except ValueError:
+        raise InputError(f"--choices {task}={value}: K must be a number of choices (> 1) or inf") from None
+    _check_k(k, task)
+    return k
+
+
+def _match(task: str, pairs):
+    """The value of the first pattern matching the task, else None."""
+    return next((value for pattern, value in pairs if fnmatch.fnmatchcase(task, pattern)), None)
 
 
 @dataclass(frozen=True)
 class SampleOutcomes:
-    """One model's per-sample correctness on one task, keyed so two runs can be aligned."""
+    """One model's per-sample 0/1 outcomes on one task, keyed so two runs can be aligned."""
 
     task: str
     correct: dict[str, bool]
     n_choices: float
+    metric: str = ""
+    filter: str = ""
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct.values()) / len(self.correct)
 
 
 @dataclass(frozen=True)
 class TaskForgetting:
-    """Forgetting and backward transfer between two models on one task or one pooled group of tasks."""
+    """Forgetting and backward transfer between two models on one task (counts: seed means when averaged)."""
 
     task: str
-    n: int
+    n: float
     k: float
     acc_pre: float
     acc_post: float
-    kept: int
-    gained: int
-    forgotten: int
-    never: int
+    kept: float
+    gained: float
+    forgotten: float
+    never: float
+    F: float
+    BT: float
+    F_chance: float
+    BT_chance: float
+    F_true: float
+    BT_true: float
+    F_max: float
+    BT_max: float
+    metric: str = ""
+    seeds: int = 1
+
+    def to_dict(self) -> dict:
+        return _json_ready(self)
+
+
+@dataclass(frozen=True)
+class GroupForgetting:
+    """A group of tasks: every share the unweighted mean over its tasks (paper) or from pooled samples (ours)."""
+
+    group: str
+    aggregation: str
+    tasks: tuple[str, ...]
+    n: float
+    acc_pre: float
+    acc_post: float
     F: float
     BT: float
     F_chance: float
@@ -96,66 +207,48 @@ class TaskForgetting:
     BT_max: float
 
     def to_dict(self) -> dict:
-        """Plain JSON-ready dict; k is None for generative tasks because JSON has no infinity."""
-        row = asdict(self)
-        row["k"] = None if math.isinf(self.k) else self.k
-        return row
+        return _json_ready(self)
 
 
-def chance_forgetting(acc_pre: float, acc_post: float, k: float) -> float:
-    """F (and BT) expected from guessing alone: one side right by luck, the other wrong."""
+def _json_ready(row) -> dict:
+    """Strict JSON: k is None for generative tasks because JSON has no infinity."""
+    data = asdict(row)
+    if "k" in data and math.isinf(data["k"]):
+        data["k"] = None
+    if "tasks" in data:
+        data["tasks"] = list(data["tasks"])
+    return data
+
+
+def chance_flips(acc_pre: float, acc_post: float, k: float) -> float:
+    """F_chance (= BT_chance): one side right by a lucky guess, the other wrong (paper §2, chance baseline)."""
     if math.isinf(k):
         return 0.0
     return (1 - acc_pre) * (1 - acc_post) / (k - 1)
 
 
 def truly_known(acc: float, k: float) -> float:
-    """Accuracy with lucky guesses removed: the share of samples the model actually knows."""
+    """Accuracy without lucky guesses, max((k a - 1)/(k - 1), 0): F_max from a_pre, BT_max from a_post
+    (paper §2, "Ceilings")."""
     if math.isinf(k):
         return acc
     return max((k * acc - 1) / (k - 1), 0.0)
 
 
 def effective_choices(chance_accuracy: float) -> float:
-    """The k whose chance accuracy 1/k equals the given mean chance accuracy (inf when it is 0)."""
+    """The k whose chance accuracy 1/k equals the given mean chance accuracy (inf when it is 0). [ours]"""
     return math.inf if chance_accuracy == 0 else 1 / chance_accuracy
 
 
 def _check_k(k: float, task: str) -> None:
     """Chance terms divide by k - 1, so fewer than two choices has no meaning."""
     if math.isnan(k) or k <= 1:
-        raise InputError(f"task {task!r}: number of choices k must be > 1 (math.inf for generative), got {k}")
+        raise InputError(f"task {task!r}: number of choices k must be > 1 (inf for free-form generation), got {k}")
 
 
-def _from_counts(
-    task: str, kept: int, gained: int, forgotten: int, never: int, k: float, chance: float, f_max: float
-) -> TaskForgetting:
-    """Fill in the shares from quadrant counts and already-computed chance term and F_max."""
-    n = kept + gained + forgotten + never
-    forgotten_share, gained_share = forgotten / n, gained / n
-    return TaskForgetting(
-        task=task,
-        n=n,
-        k=k,
-        acc_pre=(kept + forgotten) / n,
-        acc_post=(kept + gained) / n,
-        kept=kept,
-        gained=gained,
-        forgotten=forgotten,
-        never=never,
-        F=forgotten_share,
-        BT=gained_share,
-        F_chance=chance,
-        BT_chance=chance,
-        F_true=max(forgotten_share - chance, 0.0),
-        BT_true=max(gained_share - chance, 0.0),
-        F_max=f_max,
-        BT_max=1 - f_max,
-    )
-
-
-def forgetting_metrics(pre: Sequence[bool], post: Sequence[bool], k: float, task: str = "") -> TaskForgetting:
-    """Metrics for two aligned correctness lists (pre[i] and post[i] are the same sample)."""
+def forgetting_metrics(pre: Sequence[bool], post: Sequence[bool], k: float, task: str = "",
+                       metric: str = "") -> TaskForgetting:
+    """Metrics for two aligned outcome lists (pre[i] and post[i] are the same sample); paper §2."""
     if len(pre) != len(post):
         raise InputError(f"task {task!r}: pre has {len(pre)} samples but post has {len(post)}; they must be aligned")
     if not pre:
@@ -166,65 +259,183 @@ def forgetting_metrics(pre: Sequence[bool], post: Sequence[bool], k: float, task
     forgotten, never = pairs.count((True, False)), pairs.count((False, False))
     n = len(pairs)
     acc_pre, acc_post = (kept + forgotten) / n, (kept + gained) / n
-    return _from_counts(
-        task, kept, gained, forgotten, never, k, chance_forgetting(acc_pre, acc_post, k), truly_known(acc_pre, k)
+    chance = chance_flips(acc_pre, acc_post, k)
+    return TaskForgetting(
+        task=task, n=n, k=k, acc_pre=acc_pre, acc_post=acc_post,
+        kept=kept, gained=gained, forgotten=forgotten, never=never,
+        F=forgotten / n, BT=gained / n, F_chance=chance, BT_chance=chance,
+        F_true=max(forgotten / n - chance, 0.0), BT_true=max(gained / n - chance, 0.0),
+        F_max=truly_known(acc_pre, k), BT_max=truly_known(acc_post, k), metric=metric,
     )
 
 
 def compare(pre: SampleOutcomes, post: SampleOutcomes) -> TaskForgetting:
-    """Align two runs of one task by sample key; refuse runs that did not score the same samples."""
+    """Align two runs of one task by sample key; runs that did not score the same samples raise TaskSkipped."""
     if pre.task != post.task:
         raise InputError(f"cannot compare different tasks: pre is {pre.task!r}, post is {post.task!r}")
     only_pre, only_post = pre.correct.keys() - post.correct.keys(), post.correct.keys() - pre.correct.keys()
     if only_pre or only_post:
-        raise InputError(
-            f"task {pre.task!r}: samples differ (pre {len(pre.correct)}, post {len(post.correct)}; "
+        raise TaskSkipped(
+            f"samples differ (pre {len(pre.correct)}, post {len(post.correct)}; "
             f"{len(only_pre)} only in pre, {len(only_post)} only in post); run both with the same --limit"
         )
     if pre.n_choices != post.n_choices:
-        raise InputError(
-            f"task {pre.task!r}: number of choices differs (pre k={pre.n_choices}, post k={post.n_choices})"
-        )
+        raise TaskSkipped(f"number of choices differs (pre k={pre.n_choices}, post k={post.n_choices})")
     keys = sorted(pre.correct)
-    return forgetting_metrics(
-        [pre.correct[key] for key in keys], [post.correct[key] for key in keys], pre.n_choices, pre.task
-    )
+    metric = "/".join(part for part in (pre.metric, pre.filter) if part and part != "none")
+    return forgetting_metrics([pre.correct[key] for key in keys], [post.correct[key] for key in keys],
+                              pre.n_choices, pre.task, metric)
 
 
-def aggregate(rows: Sequence[TaskForgetting], name: str) -> TaskForgetting:
-    """Pool tasks into one sample-weighted row; chance terms and F_max are n-weighted per-task means."""
+def mean_over_seeds(rows: Sequence[TaskForgetting]) -> TaskForgetting:
+    """One task's comparisons under several seeds, averaged field by field (official code: mean over seeds)."""
+    if len(rows) == 1:
+        return rows[0]
+    numbers = {f.name: math.fsum(getattr(row, f.name) for row in rows) / len(rows)
+               for f in fields(TaskForgetting) if f.name not in ("task", "k", "metric", "seeds")}
+    return TaskForgetting(task=rows[0].task, k=rows[0].k, metric=rows[0].metric, seeds=len(rows), **numbers)
+
+
+def aggregate(rows: Sequence[TaskForgetting], name: str, aggregation: str = "paper") -> GroupForgetting:
+    """One seed's group row: the unweighted mean of the tasks' values (paper, official `create_pivot_table`)
+    or, with "pooled" [ours], shares from the pooled counts and n-weighted chance terms and ceilings."""
     if not rows:
         raise InputError(f"group {name!r}: no tasks to aggregate")
-    total = sum(row.n for row in rows)
-    chance = math.fsum(row.n * row.F_chance for row in rows) / total
-    f_max = math.fsum(row.n * row.F_max for row in rows) / total
-    return _from_counts(
-        name,
-        sum(row.kept for row in rows),
-        sum(row.gained for row in rows),
-        sum(row.forgotten for row in rows),
-        sum(row.never for row in rows),
-        effective_choices(math.fsum(row.n / row.k for row in rows) / total),
-        chance,
-        f_max,
-    )
+    if aggregation not in AGGREGATIONS:
+        raise InputError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+    total = math.fsum(row.n for row in rows)
+    if aggregation == "paper":
+        shares = {name_: math.fsum(getattr(row, name_) for row in rows) / len(rows) for name_ in SHARES}
+    else:
+        pooled = {count: math.fsum(getattr(row, count) for row in rows) for count in ("kept", "gained", "forgotten")}
+        weighted = {name_: math.fsum(row.n * getattr(row, name_) for row in rows) / total
+                    for name_ in ("F_chance", "BT_chance", "F_max", "BT_max")}
+        forgotten, gained = pooled["forgotten"] / total, pooled["gained"] / total
+        shares = {"acc_pre": (pooled["kept"] + pooled["forgotten"]) / total,
+                  "acc_post": (pooled["kept"] + pooled["gained"]) / total, "F": forgotten, "BT": gained,
+                  "F_true": max(forgotten - weighted["F_chance"], 0.0),
+                  "BT_true": max(gained - weighted["BT_chance"], 0.0), **weighted}
+    return GroupForgetting(group=name, aggregation=aggregation, tasks=tuple(row.task for row in rows), n=total,
+                           **shares)
 
 
-def _score(sample: dict, label: str) -> tuple[bool, float]:
-    """Correctness and number of choices of one lm-eval sample record."""
-    metric = "acc" if "acc" in sample else "exact_match" if "exact_match" in sample else None
-    if metric is None:
-        raise InputError(f"{label}: no 'acc' or 'exact_match' field (log with lm-eval --log_samples)")
-    value = sample[metric]
-    if not isinstance(value, (int, float)):
-        raise InputError(f"{label}: {metric!r} must be a number, got {value!r}")
-    if metric == "exact_match":
-        return value >= CORRECT_AT, math.inf
+def aggregate_seeds(rows_by_seed: dict[str, Sequence[TaskForgetting]], name: str,
+                    aggregation: str = "paper") -> GroupForgetting:
+    """Group values per seed, then their mean over seeds (official code `create_pivot_table`)."""
+    per_seed = [aggregate(rows, name, aggregation) for rows in rows_by_seed.values() if rows]
+    if not per_seed:
+        raise InputError(f"group {name!r}: no tasks to aggregate")
+    if len(per_seed) == 1:
+        return per_seed[0]
+    tasks = tuple(dict.fromkeys(task for row in per_seed for task in row.tasks))
+    means = {name_: math.fsum(getattr(row, name_) for row in per_seed) / len(per_seed) for name_ in ("n", *SHARES)}
+    return GroupForgetting(group=name, aggregation=aggregation, tasks=tasks, **means)
+
+
+# --- scoring lm-eval records -----------------------------------------------------------------------
+
+
+def is_generative(sample: dict) -> bool:
+    """generate_until requests carry (context, generation kwargs); loglikelihood ones (context, continuation)."""
+    arguments = sample.get("arguments")
+    first = next(iter(arguments.values()), None) if isinstance(arguments, dict) else (arguments or [None])[0]
+    second = (first.get("arg_1") if isinstance(first, dict) else
+              first[1] if isinstance(first, (list, tuple)) and len(first) > 1 else None)
+    return isinstance(second, dict)
+
+
+def _doc_choices(sample: dict, config: dict | None) -> int | None:
+    """Number of options a generative multiple-choice doc offers, from the task's doc_to_choice (a list, a
+    doc field, or "{{field}}"); None for free-form generation (no doc_to_choice), even if docs list options."""
+    doc = sample.get("doc") if isinstance(sample.get("doc"), dict) else {}
+    spec = (config or {}).get("doc_to_choice")
+    if isinstance(spec, list):
+        return len(spec)
+    if isinstance(spec, str):
+        name = spec.strip().removeprefix("{{").removesuffix("}}").strip()
+        if isinstance(doc.get(name), list):
+            return len(doc[name])
+    return None
+
+
+def sample_choices(sample: dict, config: dict | None, label: str) -> float:
+    """k of one record: one loglikelihood request per choice for multiple choice (half of them when
+    acc_mutual_info adds unconditional ones); the doc's choices for generative multiple choice; inf for
+    free-form generation and single-continuation loglikelihood tasks (lambada)."""
+    if is_generative(sample):
+        choices = _doc_choices(sample, config)
+        return float(choices) if choices and choices > 1 else math.inf
     arguments = sample.get("arguments")
     if not isinstance(arguments, (list, dict)):
         raise InputError(f"{label}: 'arguments' missing, cannot count the choices")
     choices = len(arguments) // 2 if "acc_mutual_info" in sample else len(arguments)
-    return value >= CORRECT_AT, math.inf if choices < 2 else float(choices)
+    return math.inf if choices < 2 else float(choices)
+
+
+def logged_metrics(sample: dict) -> list[str]:
+    """The metric names lm-eval logged for one record (its `metrics` list; older logs: known score keys)."""
+    if isinstance(sample.get("metrics"), list):
+        return [str(name) for name in sample["metrics"]]
+    return [name for name in ("acc", "acc_norm", "exact_match") if name in sample]
+
+
+def default_metric(logged: list[str], config: dict | None) -> str | None:
+    """The first metric of the task's metric_list that was logged, else the first logged one."""
+    listed = [entry.get("metric") for entry in (config or {}).get("metric_list") or [] if isinstance(entry, dict)]
+    return next((name for name in listed if name in logged), logged[0] if logged else None)
+
+
+def _binary(value) -> bool | None:
+    """0/1 (or true/false) as a bool; anything else (a probability, a BLEU score) is None."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    return None
+
+
+def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = ScoringRule(),
+                          config: dict | None = None, labels: Sequence[str] | None = None) -> SampleOutcomes:
+    """SampleOutcomes from lm-eval's per-sample records (`results["samples"][task]` or a samples jsonl);
+    `config` is the task's config lm-eval reports (`results["configs"][task]`), for metric_list and
+    doc_to_choice. TaskSkipped when the metric is not 0/1; InputError for records that are not lm-eval's."""
+    if not samples:
+        raise InputError(f"task {task!r}: no samples")
+    labels = labels if labels is not None else [f"task {task!r} sample {i}" for i in range(len(samples))]
+    for sample, label in zip(samples, labels):
+        if not isinstance(sample, dict):
+            raise InputError(f"{label}: expected a JSON object, got {type(sample).__name__}")
+    filters = list(dict.fromkeys(sample.get("filter") for sample in samples))
+    chosen_filter = filters[0]
+    if rule.filter is not None and rule.filter in filters:
+        chosen_filter = rule.filter
+    elif rule.filter is not None and rule.required:
+        raise InputError(f"task {task!r}: no filter {rule.filter!r} (lm-eval logged {', '.join(map(str, filters))})")
+    records = sorted(((s, label) for s, label in zip(samples, labels) if s.get("filter") == chosen_filter),
+                     key=lambda record: record[0].get("doc_id") if isinstance(record[0].get("doc_id"), int) else 0)
+    logged = logged_metrics(records[0][0])
+    metric = rule.metric if rule.metric in logged else None
+    if metric is None and rule.metric is not None and rule.required:
+        raise InputError(f"task {task!r}: no metric {rule.metric!r} (lm-eval logged {', '.join(logged) or 'none'})")
+    metric = metric or default_metric(logged, config)
+    if metric is None:
+        raise InputError(f"{records[0][1]}: no metric logged (run lm-eval with --log_samples)")
+    correct: dict[str, bool] = {}
+    chance_accuracies = []
+    for sample, label in records:
+        if metric not in sample:
+            raise InputError(f"{label}: no {metric!r} field")
+        outcome = _binary(sample[metric])
+        if outcome is None:
+            if not isinstance(sample[metric], (int, float)):
+                raise InputError(f"{label}: {metric!r} must be a number, got {sample[metric]!r}")
+            raise TaskSkipped(f"metric {metric!r} is not 0/1 (e.g. {sample[metric]!r} at {label}); "
+                              "choose a 0/1 metric with --metric")
+        k = rule.choices if rule.choices is not None else sample_choices(sample, config, label)
+        correct[_unique_key(_sample_key(sample, label), correct)] = outcome
+        chance_accuracies.append(1 / k)
+    return SampleOutcomes(task, correct, effective_choices(math.fsum(chance_accuracies) / len(chance_accuracies)),
+                          metric, str(chosen_filter) if chosen_filter is not None else "")
 
 
 def _sample_key(sample: dict, label: str) -> str:
@@ -234,12 +445,6 @@ def _sample_key(sample: dict, label: str) -> str:
     if "doc_id" in sample:
         return str(sample["doc_id"])
     raise InputError(f"{label}: neither 'doc_hash' nor 'doc_id' present")
-
-
-def _doc_order(sample: dict) -> int:
-    """lm-eval's doc_id, so repeated documents are numbered in the same order in every run."""
-    doc_id = sample.get("doc_id")
-    return doc_id if isinstance(doc_id, int) else 0
 
 
 def _unique_key(key: str, taken: dict) -> str:
@@ -252,29 +457,28 @@ def _unique_key(key: str, taken: dict) -> str:
     return f"{key}#{repeat}"
 
 
-def outcomes_from_lm_eval(task: str, samples: list[dict], labels: Sequence[str] | None = None) -> SampleOutcomes:
-    """SampleOutcomes from lm-eval's per-sample records (`results["samples"][task]` or a samples jsonl).
+# --- reading a results folder ----------------------------------------------------------------------
 
-    `labels` names each record in error messages (the file loader passes "file line N").
-    """
-    if not samples:
-        raise InputError(f"task {task!r}: no samples")
-    labels = labels if labels is not None else [f"task {task!r} sample {i}" for i in range(len(samples))]
-    for sample, label in zip(samples, labels):
-        if not isinstance(sample, dict):
-            raise InputError(f"{label}: expected a JSON object, got {type(sample).__name__}")
-    first_filter = samples[0].get("filter")
-    records = sorted(
-        ((sample, label) for sample, label in zip(samples, labels) if sample.get("filter") == first_filter),
-        key=lambda record: _doc_order(record[0]),
-    )
-    correct: dict[str, bool] = {}
-    chance_accuracies = []
-    for sample, label in records:
-        is_correct, k = _score(sample, label)
-        correct[_unique_key(_sample_key(sample, label), correct)] = is_correct
-        chance_accuracies.append(1 / k)
-    return SampleOutcomes(task, correct, effective_choices(math.fsum(chance_accuracies) / len(chance_accuracies)))
+
+@dataclass(frozen=True)
+class SamplesFile:
+    """One samples_<task>_<stamp>.jsonl and what lm-eval's results_<stamp>.json beside it says about the run."""
+
+    path: Path
+    task: str
+    stamp: str
+    seed: str
+    model: str
+    config: dict | None
+
+
+@dataclass
+class LoadedRun:
+    """One model's lm-eval outputs: outcomes per task and seed, and the tasks that could not be scored."""
+
+    model: str
+    outcomes: dict[str, dict[str, SampleOutcomes]]
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def task_from_filename(path: Path) -> tuple[str, str]:
@@ -285,8 +489,52 @@ def task_from_filename(path: Path) -> tuple[str, str]:
     return match["task"], match["stamp"] or ""
 
 
-def _read_samples_file(path: Path, task: str) -> SampleOutcomes:
-    """Parse one jsonl file, naming the file and line in every error."""
+def _run_info(samples_path: Path, stamp: str, cache: dict) -> tuple[str, str, dict]:
+    """(seed label, model name, task configs) from results_<stamp>.json; without it one unseeded run of
+    the model named by the folder."""
+    results_path = samples_path.with_name(f"results_{stamp}.json")
+    if results_path not in cache:
+        try:
+            cache[results_path] = json.loads(results_path.read_text()) if stamp and results_path.is_file() else {}
+        except (ValueError, UnicodeDecodeError):
+            raise InputError(f"{results_path}: not JSON (an lm-eval results file was expected)") from None
+    results = cache[results_path]
+    config = results.get("config") if isinstance(results.get("config"), dict) else {}
+    seeds = [config.get(name) for name in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")]
+    seed = NO_SEED if all(value is None for value in seeds) else (
+        str(seeds[0]) if len(set(seeds)) == 1 else "/".join(map(str, seeds)))
+    model = results.get("model_name") or config.get("model_args") or str(samples_path.parent)
+    return seed, str(model), results.get("configs") if isinstance(results.get("configs"), dict) else {}
+
+
+def find_samples_files(path) -> list[SamplesFile]:
+    """Every samples file under `path` (newest per task and seed); a path holding several models is an error."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder")
+    paths = sorted(path.rglob("samples_*.jsonl")) if path.is_dir() else [path]
+    if not paths:
+        raise InputError(f"{path}: no samples_<task>_<timestamp>.jsonl files (run lm-eval with --log_samples)")
+    cache: dict = {}
+    entries = []
+    for file in paths:
+        task, stamp = task_from_filename(file)
+        seed, model, configs = _run_info(file, stamp, cache)
+        entries.append(SamplesFile(file, task, stamp, seed, model, configs.get(task)))
+    models = sorted({entry.model for entry in entries})
+    if len(models) > 1:
+        folders = sorted({str(entry.path.parent) for entry in entries})
+        raise InputError(f"{path} holds samples of {len(models)} models ({', '.join(models)}; in "
+                         f"{', '.join(folders)}): give one model's folder")
+    newest: dict[tuple[str, str], SamplesFile] = {}
+    for entry in entries:
+        if (entry.task, entry.seed) not in newest or entry.stamp > newest[(entry.task, entry.seed)].stamp:
+            newest[(entry.task, entry.seed)] = entry
+    return sorted(newest.values(), key=lambda entry: (entry.task, entry.seed))
+
+
+def read_samples_file(path: Path) -> tuple[list[dict], list[str]]:
+    """Records of one jsonl file and a label naming file and line for each."""
     samples, labels = [], []
     with open(path, "rb") as handle:  # bytes, so a binary file is reported by line like any other bad JSON
         for line_number, line in enumerate(handle, start=1):
@@ -300,44 +548,96 @@ def _read_samples_file(path: Path, task: str) -> SampleOutcomes:
             labels.append(f"{path} line {line_number}")
     if not samples:
         raise InputError(f"{path}: no samples in file")
-    return outcomes_from_lm_eval(task, samples, labels)
+    return samples, labels
 
 
-def load_lm_eval_samples(path) -> dict[str, SampleOutcomes]:
-    """Outcomes per task from a samples jsonl file or a folder searched recursively (newest file per task)."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or folder")
-    files = sorted(path.rglob("samples_*.jsonl")) if path.is_dir() else [path]
-    if not files:
-        raise InputError(f"{path}: no samples_<task>_<timestamp>.jsonl files (run lm-eval with --log_samples)")
-    newest: dict[str, tuple[str, Path]] = {}
-    for file in files:
-        task, stamp = task_from_filename(file)
-        if task not in newest or stamp > newest[task][0]:
-            newest[task] = (stamp, file)
-    return {task: _read_samples_file(file, task) for task, (_, file) in sorted(newest.items())}
+def load_lm_eval_run(path, scoring: Scoring = Scoring()) -> LoadedRun:
+    """One model's outcomes per task and seed from a samples file or a folder searched recursively."""
+    files = find_samples_files(path)
+    run = LoadedRun(files[0].model, {})
+    for entry in files:
+        samples, labels = read_samples_file(entry.path)
+        try:
+            outcomes = outcomes_from_lm_eval(entry.task, samples, scoring.rule(entry.task), entry.config, labels)
+        except TaskSkipped as reason:
+            run.skipped[entry.task] = str(reason)
+            continue
+        run.outcomes.setdefault(entry.task, {})[entry.seed] = outcomes
+    return run
+
+
+# --- the map between two runs ----------------------------------------------------------------------
+
+
+@dataclass
+class ForgettingMap:
+    """Per-task rows (seed means), rows per seed for grouping, and what was skipped and why."""
+
+    rows: dict[str, TaskForgetting]
+    rows_by_seed: dict[str, dict[str, TaskForgetting]]
+    skipped: dict[str, str]
+
+    def group(self, name: str, tasks: Sequence[str], aggregation: str = "paper") -> GroupForgetting:
+        by_seed = {seed: [rows[task] for task in tasks if task in rows] for seed, rows in self.rows_by_seed.items()}
+        return aggregate_seeds(by_seed, name, aggregation)
+
+
+def forgetting_map(pre: LoadedRun, post: LoadedRun) -> ForgettingMap:
+    """Compare every task both runs scored, seed by seed; what cannot be compared is skipped with a reason."""
+    skipped = {task: f"pre: {reason}" for task, reason in pre.skipped.items()}
+    skipped.update({task: f"post: {reason}" for task, reason in post.skipped.items() if task not in skipped})
+    for task in sorted(pre.outcomes.keys() ^ post.outcomes.keys()):
+        if task not in skipped:
+            skipped[task] = f"only in {'pre' if task in pre.outcomes else 'post'}"
+    rows, rows_by_seed = {}, {}
+    for task in sorted(pre.outcomes.keys() & post.outcomes.keys()):
+        seeds = sorted(pre.outcomes[task].keys() & post.outcomes[task].keys())
+        if not seeds:
+            skipped[task] = (f"no seed in common (pre {', '.join(sorted(pre.outcomes[task]))}; "
+                             f"post {', '.join(sorted(post.outcomes[task]))})")
+            continue
+        try:
+            per_seed = {seed: compare(pre.outcomes[task][seed], post.outcomes[task][seed]) for seed in seeds}
+        except TaskSkipped as reason:
+            skipped[task] = str(reason)
+            continue
+        rows[task] = mean_over_seeds(list(per_seed.values()))
+        for seed, row in per_seed.items():
+            rows_by_seed.setdefault(seed, {})[task] = row
+    return ForgettingMap(rows, rows_by_seed, dict(sorted(skipped.items())))
+
+
+# --- tables ------------------------------------------------------------------------------------------
+
+TASK_COLUMNS = ("task", "metric", "n", "k", "acc_pre", "acc_post", "kept", "gained", "forgotten", "never",
+                "F", "BT", "F_true", "BT_true", "F_max", "BT_max")
+GROUP_COLUMNS = ("group", "tasks", "n", "acc_pre", "acc_post", "F", "BT", "F_true", "BT_true", "F_max", "BT_max")
 
 
 def _cell(column: str, value) -> str:
-    """Shares to 3 decimals, counts as integers, k as a whole number when it is one, 'inf' for generative."""
+    """Shares to 3 decimals, counts as integers (1 decimal when seed means), 'inf' k for generative."""
     if column == "k":
         return "inf" if math.isinf(value) else str(int(value)) if value == int(value) else f"{value:.2f}"
+    if column == "tasks":
+        return str(len(value))
+    if column in ("n", "kept", "gained", "forgotten", "never"):
+        return str(int(value)) if value == int(value) else f"{value:.1f}"
     if isinstance(value, float):
         return f"{value:.3f}"
-    return str(value)
+    return str(value) or "-"
 
 
 def _table_line(cells: Sequence[str], widths: Sequence[int]) -> str:
-    """One pipe-table line: the task name left-aligned, numbers right-aligned."""
+    """One pipe-table line: the name left-aligned, numbers right-aligned."""
     padded = [cells[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:])]
     return "| " + " | ".join(padded) + " |"
 
 
-def format_table(rows: Sequence[TaskForgetting], name_header: str = "task") -> str:
-    """Markdown pipe table, padded so it also reads well as plain text; name_header titles the first column."""
-    body = [[_cell(column, getattr(row, column)) for column in COLUMNS] for row in rows]
-    cells = [[name_header, *COLUMNS[1:]], *body]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+def format_table(rows: Sequence[TaskForgetting | GroupForgetting], name_header: str | None = None) -> str:
+    """Markdown pipe table, padded so it also reads well as plain text."""
+    columns = GROUP_COLUMNS if rows and isinstance(rows[0], GroupForgetting) else TASK_COLUMNS
+    body = [[_cell(column, getattr(row, column)) for column in columns] for row in rows]
+    cells = [[name_header or columns[0], *columns[1:]], *body]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     rule = "|" + "|".join(["-" * (widths[0] + 2)] + ["-" * (width + 1) + ":" for width in widths[1:]]) + "|"
     return "\n".join([_table_line(cells[0], widths), rule] + [_table_line(line, widths) for line in cells[1:]])

@@ -10,57 +10,45 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.forgetting import ScoringRule, SampleOutcomes, outcomes_from_lm_eval
 
 # Everything is local; without these, lm-eval/datasets may wait on a network that isn't there.
 # Set at import because huggingface_hub reads them once, when it is first imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-# The score reported as TaskScore.acc: accuracy for multiple choice, exact match for generation.
-SCORE_KEYS = ("acc,none", "exact_match,none")
-
 
 @dataclass
 class TaskScore:
-    """Accuracy on one task plus what is needed to judge it: chance level is 1 / n_choices."""
+    """One task's lm-eval per-sample records and the task config lm-eval reports beside them.
+
+    Scores come from the records through `forgetting.outcomes_from_lm_eval`, the code that also reads
+    `--log_samples` files, so a sweep and `mergekit-lite forgetting` score a task the same way (same
+    metric, filter and k) and any 0/1 metric lm-eval logs can be swept.
+    """
 
     task: str
-    acc: float
-    n_choices: float  # k for multiple_choice, math.inf for generative tasks
     samples: list[dict]  # lm-eval's raw per-sample records (results["samples"][task])
+    config: dict  # results["configs"][task]: output_type, metric_list, doc_to_choice, ...
 
+    def outcomes(self, rule: ScoringRule = ScoringRule()) -> SampleOutcomes:
+        """Per-sample 0/1 outcomes under `rule` (TaskSkipped when its metric is not 0/1)."""
+        return outcomes_from_lm_eval(self.task, self.samples, rule, self.config)
 
-def choices_in_sample(sample: dict) -> float:
-    """k of a multiple-choice sample: lm-eval logs one request argument per choice, as a list
-    or as a dict keyed gen_args_0, gen_args_1, ..."""
-    return float(len(sample["arguments"]))
+    @property
+    def acc(self) -> float:
+        """Mean of the task's default 0/1 metric under its first filter."""
+        return self.outcomes().accuracy
 
-
-def primary_score(task: str, metrics: dict) -> float:
-    """The one number a sweep compares: the first of SCORE_KEYS the task reports."""
-    for key in SCORE_KEYS:
-        if key in metrics:
-            return float(metrics[key])
-    reported = ", ".join(k for k in metrics if "," in k)
-    raise InputError(f"task {task} reports none of {', '.join(SCORE_KEYS)} (it reports {reported})")
-
-
-def task_score(task: str, results: dict) -> TaskScore:
-    """Pick one task's score and samples out of simple_evaluate's results."""
-    samples = results["samples"][task]
-    is_multiple_choice = results["configs"][task]["output_type"] == "multiple_choice"
-    return TaskScore(
-        task=task,
-        acc=primary_score(task, results["results"][task]),
-        n_choices=choices_in_sample(samples[0]) if is_multiple_choice else math.inf,
-        samples=samples,
-    )
+    @property
+    def n_choices(self) -> float:
+        """k of the default scoring: choices for multiple choice, math.inf for free-form generation."""
+        return self.outcomes().n_choices
 
 
 class Evaluator:
@@ -124,4 +112,5 @@ class Evaluator:
                 log_samples=True,
                 bootstrap_iters=0,
             )
-        return {task: task_score(task, results) for task in results["samples"]}
+        return {task: TaskScore(task, samples, results["configs"].get(task, {}))
+                for task, samples in results["samples"].items()}

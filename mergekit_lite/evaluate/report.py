@@ -1,5 +1,6 @@
-"""A finished sweep, written three ways into its run folder: results.json (everything, for tools),
-report.md (the table, the pick and the forgetting maps, for people) and sweep.png (the curves).
+"""A finished sweep, written into its run folder: results.json (everything, for tools), report.md (the
+tables, the pick and the forgetting maps, for people), sweep.png (the curves with their bootstrap
+intervals) and forgetting_map.png (F_true and BT_true per task and model).
 
 report.md is rendered from the same dict that results.json stores, so the two cannot disagree.
 """
@@ -7,12 +8,13 @@ report.md is rendered from the same dict that results.json stores, so the two ca
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from mergekit_lite.evaluate.forgetting import format_table
-from mergekit_lite.evaluate.sweep import PointResult, SweepResult, write_atomic
+from mergekit_lite.evaluate.sweep import PointResult, SweepResult, task_accuracy, write_atomic
 
-RESULTS_FILE, REPORT_FILE, PLOT_FILE = "results.json", "report.md", "sweep.png"
+RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE = "results.json", "report.md", "sweep.png", "forgetting_map.png"
 ALPHA_MEANING = {
     "linear": "weight of post (0 = pre, 1 = post)",
     "slerp": "t, spherical interpolation from pre (0) to post (1)",
@@ -23,28 +25,41 @@ ALPHA_MEANING = {
     "recall": "softmax temperature of RECALL's per-layer weights (low = each layer follows the closer model)",
 }
 DEFINITIONS = {
-    "old": "mean accuracy over the old tasks (what pre could do)",
-    "new": "mean accuracy over the new tasks (what post-training taught)",
-    "harmonic_mean": "2*old*new/(old+new), 0 when both are 0; the pick maximises it",
-    "F_true(old)": "chance-corrected share of the old-task samples (pooled over the old group) that pre got right "
-                   "and this model gets wrong",
-    "BT_true(new)": "chance-corrected share of the new-task samples (pooled over the new group) that pre got wrong "
-                    "and this model gets right",
-    "recovered": "(old_best - old_post) / (old_pre - old_post): share of post's old-task loss the pick wins back; "
-                 "null when post lost nothing",
-    "ties": "alphas whose harmonic mean is within 1e-9 of the best; the smallest is picked",
-    "pareto": "alphas that no other alpha beats on both old and new",
+    "old": "score over the old tasks (what pre could do): per task the mean of its 0/1 metric, then the "
+           "unweighted mean over tasks (aggregation paper) or the share of all samples (pooled)",
+    "new": "the same over the new tasks (what post-training taught)",
+    "harmonic_mean": "2*old*new/(old+new), 0 when both are 0; the pick maximises it on the selection split",
+    "selection / report split": "each task's docs are split by a seeded hash of their doc_hash: alpha is picked "
+                                "on the selection docs and every number in the table is measured on the "
+                                "disjoint report docs",
+    "interval": "paired bootstrap over the report docs (same resample for every model, per task), percentile "
+                "interval at the stated confidence",
+    "HM - pick": "interval of this model's harmonic mean minus the pick's; an alpha whose interval holds 0 "
+                 "cannot be told apart from the pick",
+    "F_true(old)": "chance-corrected forgetting against pre over the old tasks (paper §2), grouped like old",
+    "BT_true(new)": "chance-corrected backward transfer against pre over the new tasks (paper §2), grouped like new",
+    "recovered": "(old_best - old_post) / (old_pre - old_post) on the report split: share of post's old-task loss "
+                 "the pick wins back; null when post lost nothing",
+    "ties": "alphas whose selection harmonic mean is within 1e-9 of the best; the smallest is picked",
+    "pareto": "alphas that no other alpha beats on both old and new (selection split)",
 }
 
 
-def point_json(point: PointResult) -> dict:
+def point_json(point: PointResult, splits: dict[str, tuple[list[str], list[str]]]) -> dict:
     return {
         "label": point.label,
         "alpha": point.alpha,
         "old": point.old,
         "new": point.new,
         "harmonic_mean": point.harmonic_mean,
-        "tasks": {run.task: {"group": run.group, "acc": run.acc} for run in point.tasks},
+        "selection": {"old": point.selection.old, "new": point.selection.new,
+                      "harmonic_mean": point.selection.harmonic_mean},
+        "intervals": point.intervals,
+        "tasks": {run.task: {"group": run.group, "acc_report": task_accuracy(run.outcomes, splits[run.task][1]),
+                             "acc_selection": task_accuracy(run.outcomes, splits[run.task][0]),
+                             "metric": run.outcomes.metric, "filter": run.outcomes.filter,
+                             "k": None if math.isinf(run.outcomes.n_choices) else run.outcomes.n_choices}
+                  for run in point.tasks if run.outcomes is not None},
         "forgetting": {
             "tasks": [row.to_dict() for row in point.forgetting],
             "groups": {group: row.to_dict() for group, row in point.groups.items()},
@@ -53,54 +68,96 @@ def point_json(point: PointResult) -> dict:
 
 
 def results_json(result: SweepResult) -> dict:
-    best = result.best
+    best, settings = result.best, result.settings
     return {
-        "settings": result.settings.to_dict(),
-        "coefficient": result.settings.coefficient,
-        "alpha_means": ALPHA_MEANING[result.settings.method],
+        "settings": settings.to_dict(),
+        "coefficient": settings.coefficient,
+        "alpha_means": ALPHA_MEANING[settings.method],
         "definitions": DEFINITIONS,
-        "pre": point_json(result.pre),
-        "post": point_json(result.post),
-        "points": [point_json(point) for point in result.points],
+        "selection": {"method": settings.selection, "fraction": settings.selection_fraction, "seed": settings.seed,
+                      "docs": {task: {"selection": len(keys[0]), "report": len(keys[1])}
+                               for task, keys in result.splits.items()},
+                      "bootstrap": settings.bootstrap, "confidence": settings.confidence},
+        "skipped": result.skipped,
+        "pre": point_json(result.pre, result.splits),
+        "post": point_json(result.post, result.splits),
+        "points": [point_json(point, result.splits) for point in result.points],
         "pick": {"alpha": best.alpha, "old": best.old, "new": best.new, "harmonic_mean": best.harmonic_mean,
-                 "ties": result.ties},
+                 "selection_harmonic_mean": best.selection.harmonic_mean, "ties": result.ties,
+                 "indistinguishable": result.indistinguishable},
         "pareto": result.pareto,
         "recovered": result.recovered,
+        "search": {"method": settings.search, "evaluated": [point.alpha for point in result.points],
+                   "grid": settings.alphas, "stopped": result.search.reason if result.search else None},
     }
 
 
+def _with_interval(value: float, interval) -> str:
+    return f"{value:.4f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+
 def _row(data: dict, name: str, notes: list[str]) -> str:
-    groups = data["forgetting"]["groups"]
-    cells = [name] + [f"{value:.4f}" for value in (data["old"], data["new"], data["harmonic_mean"],
-                                                   groups["old"]["F_true"], groups["new"]["BT_true"])]
+    groups, intervals = data["forgetting"]["groups"], data["intervals"]
+    difference = intervals.get("diff_to_pick")
+    cells = [name, f"{data['selection']['harmonic_mean']:.4f}",
+             *[_with_interval(data[key], intervals.get(key)) for key in ("old", "new", "harmonic_mean")],
+             f"[{difference[0]:+.3f}, {difference[1]:+.3f}]" if difference else "-",
+             f"{groups['old']['F_true']:.4f}", f"{groups['new']['BT_true']:.4f}"]
     return "| " + " | ".join(cells + [", ".join(notes)]) + " |"
 
 
 def score_table(results: dict) -> str:
-    """alpha | old | new | HM | F_true(old) | BT_true(new) | note, with pre and post as reference rows."""
+    """One row per model: selection HM, then report-split old/new/HM with intervals, HM - pick, forgetting."""
     pick, pareto = results["pick"], set(results["pareto"])
-    lines = ["| alpha | old | new | harmonic mean | F_true(old) | BT_true(new) | note |",
-             "|---|---:|---:|---:|---:|---:|---|",
+    lines = ["| alpha | HM (selection) | old (report) | new (report) | harmonic mean (report) | HM - pick | "
+             "F_true(old) | BT_true(new) | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|",
              _row(results["pre"], "pre", ["reference"])]
     for point in results["points"]:
         alpha = point["alpha"]
-        notes = (["pick"] if alpha == pick["alpha"] else []) + (["tie"] if alpha in pick["ties"] and
-                                                                alpha != pick["alpha"] else [])
+        notes = ["pick"] if alpha == pick["alpha"] else []
+        notes += ["tie"] if alpha in pick["ties"] and alpha != pick["alpha"] else []
+        notes += ["indistinguishable"] if alpha in pick["indistinguishable"] else []
         notes += ["pareto"] if alpha in pareto else []
         lines.append(_row(point, repr(alpha), notes))
     lines.append(_row(results["post"], "post", ["reference"]))
     return "\n".join(lines)
 
 
+def split_lines(results: dict) -> list[str]:
+    """How the docs were split, in words and per task."""
+    selection = results["selection"]
+    if selection["method"] == "none":
+        head = ("- **selection: none** - alpha was picked on the same docs it is reported on (optimistic: "
+                "the reported scores of the pick are biased upward)")
+    else:
+        head = (f"- **selection split**: doc_hash partition, seed {selection['seed']}, "
+                f"{selection['fraction']:.0%} of each task's docs pick alpha; the rest (report split) give "
+                "every number below")
+    per_task = ", ".join(f"{task} {docs['selection']}/{docs['report']}" for task, docs in selection["docs"].items())
+    lines = [head, f"- docs per task (selection/report): {per_task}"]
+    if selection["bootstrap"]:
+        lines.append(f"- intervals: {selection['confidence']:.0%} paired bootstrap, "
+                     f"{selection['bootstrap']} resamples of the report docs")
+    search = results["search"]
+    if search["method"] == "golden":
+        lines.append(f"- search: golden section over the grid, {len(search['evaluated'])} of {len(search['grid'])} "
+                     f"alphas evaluated ({search['stopped']}); the others are not in the table")
+    if results["skipped"]:
+        lines.append("- skipped tasks: " + "; ".join(f"{task} ({why})" for task, why in results["skipped"].items()))
+    return lines
+
+
 def forgetting_section(title: str, point: PointResult) -> str:
     groups = [point.groups[group] for group in ("old", "new")]
-    return f"## {title}\n\n{format_table(point.forgetting)}\n\n{format_table(groups, name_header='group')}\n"
+    return f"## {title}\n\n{format_table(point.forgetting)}\n\n{format_table(groups)}\n"
 
 
 def report_markdown(result: SweepResult, results: dict) -> str:
     settings, pick = result.settings, results["pick"]
     recovered = results["recovered"]
     ties = ", ".join(map(repr, pick["ties"])) if len(pick["ties"]) > 1 else "none"
+    same = ", ".join(map(repr, pick["indistinguishable"])) or "none"
     lines = [
         f"# Sweep: {settings.method} between pre and post",
         "",
@@ -108,60 +165,107 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         f"- post: `{settings.post}`",
         f"- alpha = {results['alpha_means']}",
         f"- old tasks: {', '.join(settings.old_tasks)}; new tasks: {', '.join(settings.new_tasks)}; "
-        f"samples per task: {settings.limit or 'all'}",
+        f"samples per task: {settings.limit or 'all'}; group scores: {settings.aggregation}",
+        *split_lines(results),
         "",
         *[f"- **{name}**: {text}" for name, text in DEFINITIONS.items()],
         "",
         score_table(results),
         "",
-        f"**Pick: alpha = {pick['alpha']!r}** (old {pick['old']:.4f}, new {pick['new']:.4f}, "
-        f"harmonic mean {pick['harmonic_mean']:.4f}); ties: {ties}.",
+        f"**Pick: alpha = {pick['alpha']!r}**, chosen on the selection split (harmonic mean "
+        f"{pick['selection_harmonic_mean']:.4f}); on the report split: old {pick['old']:.4f}, new {pick['new']:.4f}, "
+        f"harmonic mean {pick['harmonic_mean']:.4f}. Ties: {ties}.",
         "",
-        f"Pareto front: {', '.join(map(repr, results['pareto']))}.",
+        f"Indistinguishable from the pick on the report split (HM - pick interval holds 0): {same}.",
+        "",
+        f"Pareto front (selection split): {', '.join(map(repr, results['pareto']))}.",
         "",
         "Forgetting recovered: " + (f"{recovered:.1%}" if recovered is not None else
                                     "N/A (post did not lose old-task accuracy)"),
         "",
         f"![sweep]({PLOT_FILE})",
         "",
-        forgetting_section("Forgetting map: pre -> post", result.post),
-        forgetting_section(f"Forgetting map: pre -> merge at alpha = {pick['alpha']!r}", result.best),
+        f"![forgetting map]({MAP_FILE})",
+        "",
+        forgetting_section("Forgetting map (report split): pre -> post", result.post),
+        forgetting_section(f"Forgetting map (report split): pre -> merge at alpha = {pick['alpha']!r}", result.best),
     ]
     return "\n".join(lines)
 
 
-def plot(result: SweepResult, path: Path) -> None:
-    """alpha vs old, new and harmonic mean; pre (--) and post (-.) levels dashed; the pick marked."""
+def _new_figure(size):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(7, 4.5))
+    figure = Figure(figsize=size)
     FigureCanvasAgg(figure)
+    return figure
+
+
+def plot(result: SweepResult, path: Path) -> None:
+    """alpha vs old, new and harmonic mean on the report split with their bootstrap intervals (bands), the
+    selection-split harmonic mean dotted, pre (--) and post (-.) levels, the pick marked."""
+    figure = _new_figure((7.5, 4.8))
     axes = figure.add_subplot()
     alphas = [point.alpha for point in result.points]
-    for name, color in (("old", "tab:blue"), ("new", "tab:orange")):
-        axes.plot(alphas, [getattr(point, name) for point in result.points], "o-", color=color, label=name)
-        axes.axhline(getattr(result.pre, name), color=color, linestyle="--", linewidth=1, label=f"pre {name}")
-        axes.axhline(getattr(result.post, name), color=color, linestyle="-.", linewidth=1, label=f"post {name}")
-    axes.plot(alphas, [point.harmonic_mean for point in result.points], "s-", color="tab:green",
-              label="harmonic mean")
+    for name, color, marker in (("old", "tab:blue", "o-"), ("new", "tab:orange", "o-"),
+                                ("harmonic_mean", "tab:green", "s-")):
+        values = [getattr(point, name) for point in result.points]
+        axes.plot(alphas, values, marker, color=color, label=name.replace("_", " ") + " (report)")
+        if all(name in point.intervals for point in result.points):
+            axes.fill_between(alphas, [point.intervals[name][0] for point in result.points],
+                              [point.intervals[name][1] for point in result.points], color=color, alpha=0.15)
+        if name != "harmonic_mean":
+            axes.axhline(getattr(result.pre, name), color=color, linestyle="--", linewidth=1, label=f"pre {name}")
+            axes.axhline(getattr(result.post, name), color=color, linestyle="-.", linewidth=1, label=f"post {name}")
+    axes.plot(alphas, [point.selection.harmonic_mean for point in result.points], ":", color="tab:green",
+              label="harmonic mean (selection)")
     best = result.best
     axes.plot([best.alpha], [best.harmonic_mean], "*", color="black", markersize=16,
               label=f"pick (alpha={best.alpha!r})")
     axes.set_xlabel(f"alpha ({result.settings.coefficient} of {result.settings.method})")
-    axes.set_ylabel("accuracy")
+    axes.set_ylabel("score")
     axes.set_ylim(-0.02, 1.02)
-    axes.legend(fontsize=8, loc="best")
+    axes.legend(fontsize=7, loc="best")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
+def plot_forgetting_map(result: SweepResult, path: Path) -> None:
+    """Heatmaps of F_true and BT_true (report split), tasks by model (post and every alpha), each cell labelled."""
+    models = [("post", result.post)] + [(f"{point.alpha:g}", point) for point in result.points]
+    tasks = [row.task for row in result.post.forgetting]
+    group_of = {run.task: run.group for run in result.post.tasks}
+    figure = _new_figure((2.2 + 0.75 * len(models) * 2, 1.4 + 0.45 * len(tasks)))
+    for position, metric in enumerate(("F_true", "BT_true")):
+        axes = figure.add_subplot(1, 2, position + 1)
+        values = [[getattr({row.task: row for row in model.forgetting}[task], metric) for _, model in models]
+                  for task in tasks]
+        image = axes.imshow(values, vmin=0, vmax=1, cmap="Reds" if metric == "F_true" else "Greens", aspect="auto")
+        for row, line in enumerate(values):
+            for column, value in enumerate(line):
+                axes.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                          color="white" if value > 0.6 else "black")
+        axes.set_xticks(range(len(models)), [name for name, _ in models], fontsize=7, rotation=45)
+        axes.set_yticks(range(len(tasks)), [f"{task} ({group_of[task]})" for task in tasks], fontsize=7)
+        axes.set_xlabel("model (alpha)")
+        axes.set_title(f"{metric} vs pre (report split)", fontsize=9)
+        figure.colorbar(image, ax=axes, shrink=0.8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def _write_png(draw, result: SweepResult, target: Path) -> None:
+    temp = target.with_name(f".{target.name}.tmp.png")
+    draw(result, temp)
+    temp.replace(target)
+
+
 def write_report(result: SweepResult) -> None:
-    """results.json, report.md and sweep.png in the run folder, each replaced atomically."""
+    """results.json, report.md, sweep.png and forgetting_map.png in the run folder, each replaced atomically."""
     folder = Path(result.out)
     results = results_json(result)
     write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     write_atomic(folder / REPORT_FILE, report_markdown(result, results))
-    temp = folder / f".{PLOT_FILE}.tmp.png"
-    plot(result, temp)
-    temp.replace(folder / PLOT_FILE)
+    _write_png(plot, result, folder / PLOT_FILE)
+    _write_png(plot_forgetting_map, result, folder / MAP_FILE)

@@ -5,6 +5,15 @@ Every point of the grid is merged, scored on the "old" tasks (what pre could do)
 is the alpha with the best harmonic mean of old and new: it rewards keeping both skills over
 maximising one of them.
 
+Leakage-free selection (the probing protocol of "Audit Before You Merge": choose coefficients on a
+probe split, report on a held-out one): every task's docs are split by a seeded hash of their
+doc_hash into a selection part, which picks alpha, and a disjoint report part, on which every alpha
+is reported. A paired bootstrap over the report samples (every model is scored on the same samples)
+gives intervals for old, new, the harmonic mean and each alpha's difference to the pick. [ours]
+Tasks are scored by the code that reads lm-eval files for `mergekit-lite forgetting` (same metric,
+filter and k), and group scores follow the same aggregation (default: the paper's unweighted mean
+over tasks).
+
 What alpha is depends on the method (its main coefficient, `config.MAIN_COEFFICIENT`):
 linear -> weight of post (0 = pre, 1 = post); slerp -> t; task_arithmetic, ties, dare_* -> lambda,
 the scale of post's task vector (post - pre) added to pre; recall -> the softmax temperature of its
@@ -17,21 +26,27 @@ loses at most the point in progress and a rerun of the same command picks up whe
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
 import shutil
+import warnings
 from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.search import SearchTrace
 from mergekit_lite.evaluate.forgetting import (
+    AGGREGATIONS,
+    GroupForgetting,
     SampleOutcomes,
+    Scoring,
     TaskForgetting,
+    TaskSkipped,
     aggregate,
     compare,
-    outcomes_from_lm_eval,
 )
 from mergekit_lite.merge.config import DTYPES, MAIN_COEFFICIENT, METHODS, MergeConfig, read_yaml
 
@@ -43,7 +58,10 @@ GROUPS = ("old", "new")
 TIE_TOLERANCE = 1e-9
 MEMORY_COPIES = 4  # the model, pre, post (or its task vector) and one being converted, in the evaluation dtype
 IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
-                   "density", "drop", "seed", "recall_texts", "recall_samples", "eval_dtype")
+                   "density", "drop", "seed", "recall_texts", "recall_samples", "metric", "filter", "choices",
+                   "eval_dtype")
+SEARCHES = ("grid", "golden")
+SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 
 
@@ -117,10 +135,39 @@ class SweepSettings:
     stream: bool | None = None  # None: merge in memory when the model fits, else through a folder on disk
     eval_dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     copy_files_from: str | None = None  # --save-best's side files (default: see engine.write_side_files)
+    ray: str | None = None  # None: points one after another here; "local" or a cluster address: Ray actors
+    search: str = "grid"  # grid: every alpha; golden: golden-section search over the grid (fewer points)
+    # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
+    metric: list[str] = field(default_factory=list)
+    filter: list[str] = field(default_factory=list)
+    choices: list[str] = field(default_factory=list)
+    aggregation: str = "paper"
+    # selection split, bootstrap
+    selection: str = "docs"
+    selection_fraction: float = 0.5
+    bootstrap: int = 1000
+    confidence: float = 0.95
 
     def __post_init__(self):
         self.alphas = parse_alphas(self.alphas)
         self.old_tasks, self.new_tasks = parse_tasks(self.old_tasks), parse_tasks(self.new_tasks)
+        self.metric, self.filter, self.choices = (_spec_list(getattr(self, name))
+                                                  for name in ("metric", "filter", "choices"))
+        self.scoring()  # bad --metric/--filter/--choices fail before any model is read
+        if self.aggregation not in AGGREGATIONS:
+            raise InputError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.search not in SEARCHES:
+            raise InputError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
+        if self.search == "golden" and self.ray is not None:
+            raise InputError("--search golden evaluates one point after another: run it without --ray")
+        if self.selection not in SELECTIONS:
+            raise InputError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        if not 0 < self.selection_fraction < 1:
+            raise InputError(f"selection_fraction must be in (0, 1), got {self.selection_fraction!r}")
+        if not 0 < self.confidence < 1:
+            raise InputError(f"confidence must be in (0, 1), got {self.confidence!r}")
+        if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
+            raise InputError(f"bootstrap must be a whole number >= 0 (0: no intervals), got {self.bootstrap!r}")
         for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best", "copy_files_from"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
@@ -144,6 +191,9 @@ class SweepSettings:
             raise InputError("a recall sweep needs typical samples: --recall-texts (one text per line)")
         for alpha in self.alphas:
             self.merge_config(alpha)  # every point's merge is valid before any model is read
+
+    def scoring(self) -> Scoring:
+        return Scoring.from_specs(self.metric, self.filter, self.choices)
 
     @property
     def coefficient(self) -> str:
@@ -173,6 +223,15 @@ class SweepSettings:
 
 
 SETTINGS_KEYS = tuple(SweepSettings.__dataclass_fields__)
+
+
+def _spec_list(value) -> list[str]:
+    """Scoring specs from a string, a list, or a mapping {task: value} (YAML)."""
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [f"{task}={item}" for task, item in value.items()]
+    return [str(item) for item in ([value] if isinstance(value, (str, int, float)) else value)]
 
 
 def load_sweep_file(path: str | Path) -> dict:
@@ -206,36 +265,78 @@ def settings_from_dict(data: dict) -> SweepSettings:
 
 @dataclass
 class TaskRun:
-    """One model's result on one task: accuracy and per-sample outcomes (for the forgetting map)."""
+    """One model's result on one task: per-sample outcomes (None when the task was skipped, with why)."""
 
     task: str
     group: str
-    acc: float
-    outcomes: SampleOutcomes
+    outcomes: SampleOutcomes | None
+    skipped: str | None = None
+
+    @property
+    def acc(self) -> float:
+        return self.outcomes.accuracy
 
     def to_json(self) -> dict:
+        if self.outcomes is None:
+            return {"task": self.task, "group": self.group, "skipped": self.skipped}
         k = self.outcomes.n_choices
-        return {"task": self.task, "group": self.group, "acc": self.acc,
-                "n_choices": None if math.isinf(k) else k, "correct": self.outcomes.correct}
+        return {"task": self.task, "group": self.group, "metric": self.outcomes.metric,
+                "filter": self.outcomes.filter, "n_choices": None if math.isinf(k) else k,
+                "correct": self.outcomes.correct}
 
     @classmethod
     def from_json(cls, data: dict) -> TaskRun:
+        if "correct" not in data:
+            return cls(data["task"], data["group"], None, str(data["skipped"]))
         k = math.inf if data["n_choices"] is None else float(data["n_choices"])
-        return cls(data["task"], data["group"], float(data["acc"]), SampleOutcomes(data["task"], data["correct"], k))
+        outcomes = SampleOutcomes(data["task"], data["correct"], k, data.get("metric", ""), data.get("filter", ""))
+        return cls(data["task"], data["group"], outcomes)
+
+
+def score_task(task: str, group: str, score, scoring: Scoring) -> TaskRun:
+    """A TaskRun from lm_harness.TaskScore, scored as `mergekit-lite forgetting` scores files; a task
+    whose metric is not 0/1 is kept as skipped, with a warning, never thresholded."""
+    try:
+        return TaskRun(task, group, score.outcomes(scoring.rule(task)))
+    except TaskSkipped as reason:
+        warnings.warn(f"task {task!r} skipped: {reason}", stacklevel=2)
+        return TaskRun(task, group, None, str(reason))
+
+
+@dataclass(frozen=True)
+class Scores:
+    """old, new (group scores) and their harmonic mean on one split."""
+
+    old: float
+    new: float
+    harmonic_mean: float
 
 
 @dataclass
 class PointResult:
-    """One evaluated model (pre, post or a merge): scores, and forgetting against pre per task and per group."""
+    """One evaluated model (pre, post or a merge): scores on the selection and report splits, the
+    forgetting map against pre on the report split, and bootstrap intervals (filled by the sweep)."""
 
     label: str
     alpha: float | None
     tasks: list[TaskRun]
-    old: float
-    new: float
-    harmonic_mean: float
+    report: Scores
+    selection: Scores
     forgetting: list[TaskForgetting] = field(default_factory=list)
-    groups: dict[str, TaskForgetting] = field(default_factory=dict)
+    groups: dict[str, GroupForgetting] = field(default_factory=dict)
+    intervals: dict[str, list[float]] = field(default_factory=dict)  # name -> [low, high]
+
+    @property
+    def old(self) -> float:
+        return self.report.old
+
+    @property
+    def new(self) -> float:
+        return self.report.new
+
+    @property
+    def harmonic_mean(self) -> float:
+        return self.report.harmonic_mean
 
 
 def harmonic_mean(old: float, new: float) -> float:
@@ -243,34 +344,76 @@ def harmonic_mean(old: float, new: float) -> float:
     return 0.0 if old + new == 0 else 2 * old * new / (old + new)
 
 
-def summarise(label: str, alpha: float | None, tasks: list[TaskRun], baseline: list[TaskRun]) -> PointResult:
-    """Scores per group (mean accuracy over its tasks) and the forgetting map against the baseline (pre)."""
-    means = {group: _mean([run.acc for run in tasks if run.group == group]) for group in GROUPS}
+def split_docs(keys, seed: int, fraction: float) -> tuple[list[str], list[str]]:
+    """(selection, report) keys: a doc goes to selection when a seeded hash of its key falls below
+    `fraction`. Hashing the key (doc_hash), not the position, keeps the split the same for every model,
+    for any --limit and any order. [ours]"""
+    selection, report = [], []
+    for key in sorted(keys):
+        digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+        (selection if int.from_bytes(digest[:8], "big") / 2**64 < fraction else report).append(key)
+    return selection, report
+
+
+def task_accuracy(outcomes: SampleOutcomes, keys: list[str]) -> float:
+    return sum(outcomes.correct[key] for key in keys) / len(keys)
+
+
+def group_scores(tasks: list[TaskRun], keys: dict[str, list[str]], aggregation: str) -> Scores:
+    """old and new on the given docs of each task: the unweighted mean over a group's tasks (paper), or
+    the share of all its samples (pooled)."""
+    values = {}
+    for group in GROUPS:
+        runs = [run for run in tasks if run.group == group and run.outcomes is not None]
+        if not runs:
+            raise InputError(f"no {group} task could be scored (check --{group}-tasks and --metric)")
+        if aggregation == "paper":
+            values[group] = math.fsum(task_accuracy(run.outcomes, keys[run.task]) for run in runs) / len(runs)
+        else:
+            values[group] = (sum(sum(run.outcomes.correct[key] for key in keys[run.task]) for run in runs)
+                             / sum(len(keys[run.task]) for run in runs))
+    return Scores(values["old"], values["new"], harmonic_mean(values["old"], values["new"]))
+
+
+def restricted(outcomes: SampleOutcomes, keys: list[str]) -> SampleOutcomes:
+    return SampleOutcomes(outcomes.task, {key: outcomes.correct[key] for key in keys}, outcomes.n_choices,
+                          outcomes.metric, outcomes.filter)
+
+
+def summarise(label: str, alpha: float | None, tasks: list[TaskRun], baseline: list[TaskRun],
+              splits: dict[str, tuple[list[str], list[str]]], aggregation: str = "paper") -> PointResult:
+    """Scores on both splits and the forgetting map against the baseline (pre) on the report split."""
     pre = {run.task: run.outcomes for run in baseline}
-    rows = {run.task: compare(pre[run.task], run.outcomes) for run in tasks}
-    groups = {group: aggregate([rows[run.task] for run in tasks if run.group == group], group) for group in GROUPS}
-    return PointResult(label, alpha, tasks, means["old"], means["new"], harmonic_mean(means["old"], means["new"]),
+    rows = {}
+    for run in tasks:
+        if run.outcomes is None:
+            continue
+        report_keys = splits[run.task][1]
+        try:
+            rows[run.task] = compare(restricted(pre[run.task], report_keys), restricted(run.outcomes, report_keys))
+        except TaskSkipped as reason:
+            raise InputError(f"task {run.task!r} of {label}: {reason}") from None
+    groups = {group: aggregate([rows[run.task] for run in tasks if run.group == group and run.task in rows],
+                               group, aggregation) for group in GROUPS}
+    return PointResult(label, alpha, tasks,
+                       group_scores(tasks, {task: keys[1] for task, keys in splits.items()}, aggregation),
+                       group_scores(tasks, {task: keys[0] for task, keys in splits.items()}, aggregation),
                        list(rows.values()), groups)
 
 
-def _mean(values: list[float]) -> float:
-    if not values:
-        raise InputError("the evaluation returned no task for a group (check --old-tasks / --new-tasks)")
-    return math.fsum(values) / len(values)
-
-
-def dominates(a: PointResult, b: PointResult) -> bool:
+def dominates(a: Scores, b: Scores) -> bool:
     return a.old >= b.old and a.new >= b.new and (a.old > b.old or a.new > b.new)
 
 
 def pareto_front(points: list[PointResult]) -> list[float]:
-    """Alphas no other alpha beats on both old and new."""
-    return [p.alpha for p in points if not any(dominates(q, p) for q in points)]
+    """Alphas no other alpha beats on both old and new, on the selection split."""
+    return [p.alpha for p in points if not any(dominates(q.selection, p.selection) for q in points)]
 
 
 @dataclass
 class SweepResult:
-    """The whole sweep: the two reference endpoints, every alpha, the pick (best harmonic mean) and the front."""
+    """The whole sweep: the two reference endpoints, every alpha, the pick (best harmonic mean on the
+    selection split), the alphas the report split cannot tell from it, and the Pareto front."""
 
     settings: SweepSettings
     pre: PointResult
@@ -281,6 +424,10 @@ class SweepResult:
     pareto: list[float]
     evaluated: list[str]  # labels of the points evaluated by this call (the others were resumed)
     out: Path
+    splits: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)  # task -> (selection, report) keys
+    indistinguishable: list[float] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    search: SearchTrace | None = None  # the golden-section search's trace; None for a full grid
 
     @property
     def recovered(self) -> float | None:
@@ -291,10 +438,62 @@ class SweepResult:
 
 
 def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
-    """The highest harmonic mean, and every alpha within TIE_TOLERANCE of it; ties go to the smallest alpha."""
-    top = max(p.harmonic_mean for p in points)
-    tied = [p for p in points if top - p.harmonic_mean <= TIE_TOLERANCE]
+    """The highest harmonic mean on the selection split, and every alpha within TIE_TOLERANCE of it;
+    ties go to the smallest alpha."""
+    top = max(p.selection.harmonic_mean for p in points)
+    tied = [p for p in points if top - p.selection.harmonic_mean <= TIE_TOLERANCE]
     return tied[0], [p.alpha for p in tied]
+
+
+def paired_bootstrap(models: list[PointResult], splits: dict[str, tuple[list[str], list[str]]], aggregation: str,
+                     iterations: int, seed: int, split: int = 1):
+    """Resampled (old, new, harmonic mean) of every model: array [iterations, models, 3]. Each task's docs
+    of `split` (0 selection, 1 report) are resampled with replacement, the same draw for every model
+    (paired: they answered the same samples), independently per task (stratified). [ours]"""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sums = {group: np.zeros((iterations, len(models))) for group in GROUPS}
+    counts = dict.fromkeys(GROUPS, 0)
+    for run in models[0].tasks:
+        if run.outcomes is None:
+            continue
+        keys = splits[run.task][split]
+        correct = np.array([[model_run.outcomes.correct[key] for key in keys]
+                            for model in models for model_run in model.tasks if model_run.task == run.task], float)
+        weights = rng.multinomial(len(keys), np.full(len(keys), 1 / len(keys)), size=iterations)
+        hits = weights @ correct.T  # [iterations, models]: correct answers in each resample
+        if aggregation == "paper":
+            sums[run.group] += hits / len(keys)
+            counts[run.group] += 1
+        else:
+            sums[run.group] += hits
+            counts[run.group] += len(keys)
+    old, new = sums["old"] / counts["old"], sums["new"] / counts["new"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hm = np.where(old + new > 0, 2 * old * new / (old + new), 0.0)
+    return np.stack([old, new, hm], axis=-1)
+
+
+def add_intervals(result: SweepResult) -> None:
+    """Percentile intervals for old, new, harmonic mean and the harmonic-mean difference to the pick; the
+    alphas whose difference interval holds 0 are indistinguishable from the pick on the report split."""
+    import numpy as np
+
+    settings = result.settings
+    if settings.bootstrap == 0:
+        return
+    models = [result.pre, result.post, *result.points]
+    draws = paired_bootstrap(models, result.splits, settings.aggregation, settings.bootstrap, settings.seed)
+    tail = (1 - settings.confidence) / 2 * 100
+    pick_index = models.index(result.best)
+    for index, model in enumerate(models):
+        for position, name in enumerate(("old", "new", "harmonic_mean")):
+            model.intervals[name] = np.percentile(draws[:, index, position], [tail, 100 - tail]).tolist()
+        difference = draws[:, index, 2] - draws[:, pick_index, 2]
+        model.intervals["diff_to_pick"] = np.percentile(difference, [tail, 100 - tail]).tolist()
+    result.indistinguishable = [point.alpha for point in result.points if point is not result.best
+                                and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]]
 
 
 def point_file(folder: Path, label: str) -> Path:
@@ -583,7 +782,7 @@ class PointEvaluator:
         if self.resident is not None:
             self.resident.write(config)
             return self.evaluate(self.resident.model)
-        temp = self.folder / MERGE_TEMP
+        temp = self.folder / f"{MERGE_TEMP}-{os.getpid()}"  # one per process: Ray actors share the run folder
         run_merge(config, temp, overwrite=True)
         try:
             return self.evaluate(self.loader.from_folder(temp))
@@ -595,9 +794,21 @@ class PointEvaluator:
         runs = []
         for group, evaluator in self.evaluators.items():
             for task, score in evaluator.evaluate(model, self.tokenizer).items():
-                runs.append(TaskRun(task, group, score.acc, outcomes_from_lm_eval(task, score.samples)))
+                runs.append(score_task(task, group, score, self.settings.scoring()))
             self.bar.update(len(evaluator.tasks))
         return runs
+
+
+def evaluate_point(evaluator: PointEvaluator, settings: SweepSettings, label: str, alpha: float | None,
+                   config: MergeConfig | None) -> list[TaskRun]:
+    """Evaluate one point (pre or post themselves when alpha is None, else the merge `config`) and save
+    its point file: the one step a local sweep and a Ray actor share."""
+    if alpha is None:
+        runs = evaluator.endpoint(0 if label == "pre" else 1)
+    else:
+        runs = evaluator.merged(config)
+    save_point(point_file(Path(settings.out), label), settings.identity(), label, alpha, runs)
+    return runs
 
 
 def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
@@ -614,21 +825,44 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     identity = settings.identity()
     plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
+    search = None
     with run_lock(folder):
         runs = load_points(folder, identity)
         todo = [(label, alpha) for label, alpha in plan if label not in runs]
         configs = MergeConfigs(settings, folder)
+        evaluated = []
         with tqdm(total=len(plan) * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
                   desc="sweep", disable=not progress) as bar:
-            evaluator = PointEvaluator(settings, folder, bar) if todo else None
-            for label, alpha in todo:
-                bar.set_postfix_str(label)
-                if alpha is None:
-                    runs[label] = evaluator.endpoint(0 if label == "pre" else 1)
-                else:
-                    runs[label] = evaluator.merged(configs(alpha))
-                save_point(point_file(folder, label), identity, label, alpha, runs[label])
-        result = _result(settings, folder, plan, runs, [label for label, _ in todo])
+            if settings.ray is not None and todo:
+                from mergekit_lite.evaluate.distributed import run_points_on_ray
+
+                points = [(label, alpha, None if alpha is None else configs(alpha).to_dict()) for label, alpha in todo]
+                for _ in run_points_on_ray(settings, points, settings.ray):
+                    bar.update(n_tasks)
+                runs.update(load_points(folder, identity))
+                evaluated = [label for label, _ in todo]
+            else:
+                evaluator = None
+
+                def evaluate(label: str, alpha: float | None) -> None:
+                    nonlocal evaluator
+                    if label in runs:
+                        return
+                    evaluator = evaluator or PointEvaluator(settings, folder, bar)
+                    bar.set_postfix_str(label)
+                    runs[label] = evaluate_point(evaluator, settings, label, alpha,
+                                                 None if alpha is None else configs(alpha))
+                    evaluated.append(label)
+
+                for label, alpha in plan if settings.search == "grid" else plan[:2]:
+                    evaluate(label, alpha)
+                if settings.search == "golden":
+                    search = golden_search(settings, runs, evaluate)
+                    bar.total = (len(search.evaluated) + 2) * n_tasks
+                    bar.refresh()
+        plan = [(label, alpha) for label, alpha in plan if label in runs]
+        result = _result(settings, folder, plan, runs, evaluated)
+        result.search = search
         write_report(result)
         if settings.save_best:
             from mergekit_lite.merge.engine import run_merge
@@ -641,9 +875,64 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
 
 
 def _result(settings, folder, plan, runs, evaluated) -> SweepResult:
+    """Split every task's docs, summarise every model on both splits, pick on selection, bootstrap on report."""
+    skipped = {run.task: f"{label}: {run.skipped}" for label, _ in plan for run in runs[label] if run.outcomes is None}
+    runs = {label: [TaskRun(run.task, run.group, None, skipped[run.task]) if run.task in skipped else run
+                    for run in runs[label]] for label, _ in plan}  # a task skipped for one model is for all
     baseline = runs["pre"]
-    results = {label: summarise(label, alpha, runs[label], baseline) for label, alpha in plan}
-    points = [results[alpha_label(alpha)] for alpha in settings.alphas]
+    splits = doc_splits(settings, baseline)
+    results = {label: summarise(label, alpha, runs[label], baseline, splits, settings.aggregation)
+               for label, alpha in plan}
+    points = [results[label] for label, alpha in plan if alpha is not None]
     best, ties = pick(points)
-    return SweepResult(settings, results["pre"], results["post"], points, best, ties, pareto_front(points),
-                       evaluated, folder)
+    result = SweepResult(settings, results["pre"], results["post"], points, best, ties, pareto_front(points),
+                         evaluated, folder, splits, skipped=skipped)
+    add_intervals(result)
+    return result
+
+
+def doc_splits(settings: SweepSettings, baseline: list[TaskRun]) -> dict[str, tuple[list[str], list[str]]]:
+    """Every scored task's (selection, report) doc keys, from pre's samples."""
+    splits = {}
+    for run in baseline:
+        if run.outcomes is None:
+            continue
+        keys = list(run.outcomes.correct)
+        selection, report = split_docs(keys, settings.seed, settings.selection_fraction) \
+            if settings.selection == "docs" else (keys, keys)
+        if not selection or not report:
+            raise InputError(f"task {run.task!r}: {len(keys)} doc(s) cannot be split into selection and report "
+                             "docs (raise --limit, or use --selection none)")
+        splits[run.task] = (selection, report)
+    return splits
+
+
+def golden_search(settings: SweepSettings, runs: dict[str, list[TaskRun]], evaluate) -> SearchTrace:
+    """Golden-section search for the best selection-split harmonic mean over the grid's alphas (pre and post
+    already in `runs`); two points are indistinguishable when the paired bootstrap interval of their
+    difference on the selection docs holds 0. `evaluate(label, alpha)` adds a point to `runs`."""
+    import numpy as np
+
+    from mergekit_lite.evaluate.search import golden_section
+
+    baseline = runs["pre"]
+    splits = doc_splits(settings, baseline)
+    summaries: dict[int, PointResult] = {}
+
+    def at(index: int) -> PointResult:
+        if index not in summaries:
+            alpha = settings.alphas[index]
+            evaluate(alpha_label(alpha), alpha)
+            summaries[index] = summarise(alpha_label(alpha), alpha, runs[alpha_label(alpha)], baseline, splits,
+                                         settings.aggregation)
+        return summaries[index]
+
+    def indistinguishable(i: int, j: int) -> bool:
+        draws = paired_bootstrap([at(i), at(j)], splits, settings.aggregation, settings.bootstrap, settings.seed,
+                                 split=0)
+        tail = (1 - settings.confidence) / 2 * 100
+        low, high = np.percentile(draws[:, 0, 2] - draws[:, 1, 2], [tail, 100 - tail])
+        return low <= 0 <= high
+
+    return golden_section(len(settings.alphas), lambda i: at(i).selection.harmonic_mean,
+                          indistinguishable if settings.bootstrap else None)
