@@ -48,7 +48,6 @@ from audits.fingerprint import (
     tokenizer_info,
     top_singular,
 )
-
 from audits.leakage import check_leakage
 from audits.report import (
     FAIL,
@@ -61,7 +60,6 @@ from audits.report import (
 )
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, LoraAdapter
-from mergekit_lite.io.sources import TIED_HEAD as TIED_HEAD_NAMES
 from mergekit_lite.merge.plan import layer_index
 
 BASE_COPY_TOLERANCE = 1e-2  # relative; a bf16 copy of the same tensor differs by ~4e-3, another base by ~1
@@ -233,7 +231,7 @@ def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, Lo
 # Where vision-language checkpoints put the text model, and the text-only name each stands for.
 VLM_LAYOUTS = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""),
                ("model.text_model.", "model."), ("text_model.", ""))
-TIED_HEAD, TIED_EMBEDDING = TIED_HEAD_NAMES
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"  # Llama-style names, for the reasons
 
 
 def _text_model_name(name: str) -> str:

@@ -108,6 +108,8 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     if not quiet:
         click.echo(f"wrote {result.out} ({result.plan.total_bytes / 1e6:.1f} MB, {len(result.plan.steps)} tensors, "
                    f"{result.seconds:.1f} s)")
+        for note in result.plan.notes:
+            click.echo(f"note: {note}")
 
 
 def _quiet_transformers() -> None:

@@ -65,6 +65,9 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--save-best", type=click.Path(file_okay=False), help="Write the picked merge to this new model folder.")
 @click.option("--stream", is_flag=True, default=None,
               help="Always merge through a folder on disk (default: in memory when 3x the model fits in free RAM).")
+@click.option("--copy-files-from", help="--save-best: model folder whose config/tokenizer files are copied "
+                                         "(default: pre's, with post's chat template and generation config when pre has none).")
+@click.option("--eval-dtype", help="dtype models are evaluated in: fp32 (default on CPU), bf16 (default on GPU), fp16.")
 @click.option("--metric", multiple=True, metavar="[TASK=]METRIC",
               help="0/1 metric to score by (default: the task's first).")
 @click.option("--filter", "filter_", multiple=True, metavar="[TASK=]FILTER",
@@ -88,7 +91,7 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
 def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
-          selection, selection_fraction, bootstrap, confidence, ray_address, search, quiet):
+          selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype, quiet):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -112,7 +115,7 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
                         recall_samples=recall_samples, save_best=save_best, stream=stream, metric=metric,
                         filter=filter_, choices=choices, aggregation=aggregation, selection=selection,
                         selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence, ray=ray_address,
-                        search=search)
+                        search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype)
     settings = settings_from_dict(data)
     result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))

@@ -12,7 +12,12 @@ from tiny_models import VOCAB, tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
 from audits import fingerprint as fingerprint_module
-from audits.adapter import AuditThresholds, audit_adapter, require_verified, target_mismatch
+from audits.adapter import (
+    AuditThresholds,
+    audit_adapter,
+    require_verified,
+    target_mismatch,
+)
 from audits.fingerprint import (
     FINGERPRINT_FILE,
     compute_fingerprint,

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny_models import save_tiny_llama
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.engine import execute, math_threads, merge_tensor
 from mergekit_lite.merge.plan import plan_merge
-from tiny_models import save_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,12 @@ from mergekit_reference import mergekit_cli, run_mergekit, run_mergekit_batch
 from safetensors.torch import load_file
 from tiny_models import VOCAB, tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import (
+    AddedToken,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+)
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.config import MergeConfig, load_config

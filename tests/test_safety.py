@@ -408,7 +408,6 @@ def test_sweep_point_files_are_typed(fresh):
 ])
 def test_fingerprint_files_are_typed(work, tmp_path, change, pattern):
     from audits.fingerprint import compute_fingerprint, load_fingerprint
-
     from mergekit_lite.errors import InputError
 
     fingerprint = compute_fingerprint(work / "pre", top_k=2)

@@ -13,9 +13,18 @@ from pathlib import Path
 import pytest
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.backends import VllmOptions, parse_vllm_options, vllm_model_args
+from mergekit_lite.evaluate.backends import (
+    VllmOptions,
+    parse_vllm_options,
+    vllm_model_args,
+)
 from mergekit_lite.evaluate.distributed import worker_count, worker_resources
-from mergekit_lite.evaluate.search import estimate_accuracy, evaluations_saved, golden_section, probe_plan
+from mergekit_lite.evaluate.search import (
+    estimate_accuracy,
+    evaluations_saved,
+    golden_section,
+    probe_plan,
+)
 from mergekit_lite.evaluate.sweep import POINTS_DIR, SweepSettings, run_sweep
 
 CLI = Path(sys.executable).parent / "mergekit-lite"

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import ScoringRule, SampleOutcomes, outcomes_from_lm_eval
+from mergekit_lite.evaluate.forgetting import (
+    SampleOutcomes,
+    ScoringRule,
+    outcomes_from_lm_eval,
+)
 
 # Everything is local; without these, lm-eval/datasets may wait on a network that isn't there.
 # Set at import because huggingface_hub reads them once, when it is first imported.

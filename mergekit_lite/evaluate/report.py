@@ -12,7 +12,12 @@ import math
 from pathlib import Path
 
 from mergekit_lite.evaluate.forgetting import format_table
-from mergekit_lite.evaluate.sweep import PointResult, SweepResult, task_accuracy, write_atomic
+from mergekit_lite.evaluate.sweep import (
+    PointResult,
+    SweepResult,
+    task_accuracy,
+    write_atomic,
+)
 
 RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE = "results.json", "report.md", "sweep.png", "forgetting_map.png"
 LAYERS_PLOT_FILE = "layers.png"

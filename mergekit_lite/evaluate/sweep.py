@@ -42,7 +42,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.search import SearchTrace
 from mergekit_lite.evaluate.forgetting import (
     AGGREGATIONS,
     GroupForgetting,
@@ -53,9 +52,20 @@ from mergekit_lite.evaluate.forgetting import (
     aggregate,
     compare,
 )
-from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder, write_atomic
+from mergekit_lite.evaluate.search import SearchTrace
+from mergekit_lite.io.outputs import (
+    check_output_folder,
+    prepare_run_folder,
+    write_atomic,
+)
 from mergekit_lite.io.validation import read_json, read_yaml, validate
-from mergekit_lite.merge.config import MAIN_COEFFICIENT, METHODS, RECALL_METHODS, MergeConfig
+from mergekit_lite.merge.config import (
+    DTYPES,
+    MAIN_COEFFICIENT,
+    METHODS,
+    RECALL_METHODS,
+    MergeConfig,
+)
 
 POINTS_DIR = "points"
 RECALL_DIR = "recall"
@@ -64,9 +74,10 @@ LOCK_FILE = ".sweep.lock"
 MERGE_TEMP = ".merging"
 GROUPS = ("old", "new")
 TIE_TOLERANCE = 1e-9
-MEMORY_COPIES = 3  # model skeleton + merged state + working tensors, all float32
+MEMORY_COPIES = 4  # the model, pre, post (or its task vector) and one being converted, in the evaluation dtype
 IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
-                   "density", "drop", "seed", "recall_texts", "recall_samples", "metric", "filter", "choices")
+                   "density", "drop", "seed", "recall_texts", "recall_samples", "metric", "filter", "choices",
+                   "eval_dtype")
 SEARCHES = ("grid", "golden")
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
@@ -140,6 +151,8 @@ class SweepSettings:
     recall_samples: int = 8
     save_best: str | None = None
     stream: bool | None = None  # None: merge in memory when the model fits, else through a folder on disk
+    eval_dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    copy_files_from: str | None = None  # --save-best's side files (default: see engine.write_side_files)
     ray: str | None = None  # None: points one after another here; "local" or a cluster address: Ray actors
     search: str = "grid"  # grid: every alpha; golden: golden-section search over the grid (fewer points)
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
@@ -173,7 +186,7 @@ class SweepSettings:
             raise InputError(f"confidence must be in (0, 1), got {self.confidence!r}")
         if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
             raise InputError(f"bootstrap must be a whole number >= 0 (0: no intervals), got {self.bootstrap!r}")
-        for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best"):
+        for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best", "copy_files_from"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
         if self.method not in MAIN_COEFFICIENT:
@@ -188,6 +201,11 @@ class SweepSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
+        default_dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
+        dtype = str(self.eval_dtype or default_dtype).lower()
+        if dtype not in DTYPES:
+            raise InputError(f"unknown eval dtype {self.eval_dtype!r} (use bf16, fp16 or fp32)")
+        self.eval_dtype = DTYPES[dtype]
         if self.method in RECALL_METHODS and not self.recall_texts:
             raise InputError(f"a {self.method} sweep needs typical samples: --recall-texts (one text per line)")
         for alpha in self.alphas:
@@ -649,30 +667,174 @@ class MergeConfigs:
         return self.similarity
 
 
-def fits_in_memory(source) -> bool:
-    """About three float32 copies of the model must fit in the memory free now."""
-    model_bytes = sum(math.prod(source.shape(name)) for name in source.names) * 4
+def fits_in_memory(source, dtype) -> bool:
+    """MEMORY_COPIES copies of the model in the evaluation dtype must fit in the memory free now."""
+    model_bytes = sum(math.prod(source.shape(name)) for name in source.names) * dtype.itemsize
     return model_bytes * MEMORY_COPIES < os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def load_state(model, state: dict) -> None:
-    """Copy a state into the model; a key the state lacks must be tied to one it has (e.g. lm_head = embeddings)."""
-    result = model.load_state_dict(state, strict=False)
-    if result.unexpected_keys:
-        raise InputError(f"tensor {result.unexpected_keys[0]} is not in the model built from --pre's config.json")
-    current = model.state_dict()
-    loaded = {current[name].data_ptr() for name in state}
-    untied = [name for name in result.missing_keys if current[name].data_ptr() not in loaded]
-    if untied:
-        raise InputError(f"the weights lack tensor {untied[0]}, which the model built from --pre's config.json needs")
+class ModelLoader:
+    """Models built through transformers' own loading path (from_pretrained), so its key conversions apply:
+    fused MoE experts in transformers 5, multimodal wrappers, tied heads."""
+
+    def __init__(self, pre: str, dtype, device: str):
+        import transformers
+
+        self.config = transformers.AutoConfig.from_pretrained(pre)
+        architecture = next(iter(self.config.architectures or []), None)
+        self.model_class = getattr(transformers, architecture, None) if architecture else None
+        if self.model_class is None:
+            self.model_class = transformers.AutoModelForCausalLM._model_mapping[type(self.config)]
+        self.dtype, self.device = dtype, device
+
+    def from_folder(self, folder) -> object:
+        return self._checked(str(folder), self.model_class.from_pretrained(
+            str(folder), dtype=self.dtype, output_loading_info=True))
+
+    def from_state(self, state: dict, what: str) -> object:
+        """A model from on-disk tensor names (e.g. an adapter applied to pre, or a task vector)."""
+        return self._checked(what, self.model_class.from_pretrained(
+            None, config=self.config, state_dict=state, dtype=self.dtype, output_loading_info=True))
+
+    def _checked(self, what, loaded):
+        model, info = loaded
+        if info["missing_keys"]:
+            raise InputError(f"{what}: lacks tensor {sorted(info['missing_keys'])[0]}, which the "
+                             f"{self.model_class.__name__} built from --pre's config.json needs")
+        return model.to(self.device).eval()
+
+
+def converts_tensors(model) -> bool:
+    """Whether transformers assembles some parameters from several on-disk tensors (e.g. fused experts)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    return any(isinstance(transform, WeightConverter) for transform in get_model_conversion_mapping(model))
+
+
+class ResidentPair:
+    """pre's model, loaded once, with pre and post (or post's task vector) held beside it in the evaluation
+    dtype: each point writes its merged weights into the model's parameters in place, no I/O, no copy.
+
+    What is held depends on the method. linear, slerp, task_arithmetic and recall combine pre and post
+    tensor by tensor with coefficients that are elementwise-linear in the parameters, so they run on the
+    model's own (converted) parameters. TIES and DARE sparsify the task vector with per-tensor statistics
+    that fused tensors would change: the sparsified vector is computed once on the on-disk tensors, at
+    lambda 1 (it does not depend on lambda), and mapped to the parameters through transformers'
+    conversion; each point is then pre + lambda * vector, the engine's own formula.
+    """
+
+    def __init__(self, loader: ModelLoader, settings: SweepSettings, sources, config: MergeConfig):
+        import torch
+
+        from mergekit_lite.io.architecture import layout
+        from mergekit_lite.merge.methods import TASK_VECTOR_METHODS
+        from mergekit_lite.merge.plan import layer_count
+
+        self.method = settings.method
+        self.model = loader.from_folder(settings.pre)
+        self.parameters = dict(self.model.named_parameters())
+        self.pre = {name: parameter.detach().clone() for name, parameter in self.parameters.items()}
+        recipe = TASK_VECTOR_METHODS.get(settings.method)
+        self.sparsified = recipe is not None and recipe.sparsifier is not None
+        if self.sparsified:
+            held = loader.from_state(task_vector_state(config, sources), "the task vector post - pre")
+        else:
+            held = post_model(loader, settings, sources)
+        self.held = {name: parameter.detach() for name, parameter in held.named_parameters()}
+        del held
+        self.identical = {name for name in self.parameters
+                          if not self.sparsified and torch.equal(self.pre[name], self.held[name])}
+        self.layout = layout(sources[0].config)
+        self.n_layers = layer_count(self.layout, sources[0].names)
+
+    @property
+    def exact(self) -> bool:
+        """False for SLERP on a model whose parameters fuse on-disk tensors: its angle is per on-disk tensor,
+        so such a sweep merges through a folder on disk instead."""
+        return self.method != "slerp" or not converts_tensors(self.model)
+
+    def endpoint(self, index: int) -> bool:
+        """Write pre (0) or post (1) into the model; False when post is not held (a task vector is)."""
+        if index == 1 and self.sparsified:
+            return False
+        self._write(lambda name: (self.pre if index == 0 else self.held)[name])
+        return True
+
+    def write(self, config: MergeConfig) -> None:
+        """Write one point's merge into the model's parameters."""
+        import torch
+
+        from mergekit_lite.merge.engine import merge_tensor
+        from mergekit_lite.merge.plan import (
+            TensorStep,
+            load_recall_weights,
+            tensor_parameters,
+        )
+
+        weights = load_recall_weights(config) if config.method in RECALL_METHODS else None
+
+        def merged(name):
+            pre, held = self.pre[name], self.held[name]
+            parameters = tensor_parameters(config, name, self.layout, self.n_layers, weights)
+            if self.sparsified:
+                return held.to(torch.float32, copy=True).mul_(parameters["lambda"]).add_(pre)
+            if name in self.identical:
+                return pre
+            step = TensorStep(name, tuple(pre.shape), pre.dtype, "merge", parameters)
+            return merge_tensor(config, step, [pre, held])
+
+        self._write(merged)
+
+    def _write(self, tensor_for) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, parameter in self.parameters.items():
+                parameter.copy_(tensor_for(name))
+
+
+def post_model(loader: ModelLoader, settings: SweepSettings, sources):
+    """post through from_pretrained, or, for a LoRA adapter, pre + its update by on-disk name."""
+    from mergekit_lite.io.lora import LoraAdapter
+
+    if LoraAdapter.is_adapter_dir(settings.post):
+        return loader.from_state({name: sources[1].load(name) for name in sources[1].names}, settings.post)
+    return loader.from_folder(settings.post)
+
+
+def task_vector_state(config: MergeConfig, sources) -> dict:
+    """post - pre after the method's sparsifier (TIES trim, DARE drop and rescale), per on-disk tensor:
+    the engine's merge at lambda 1 with pre taken as zero, so masks and thresholds are the engine's own."""
+    import dataclasses
+
+    import torch
+
+    from mergekit_lite.merge.engine import merge_tensor
+    from mergekit_lite.merge.plan import plan_merge
+
+    config = config.with_parameter("lambda", 1.0)
+    state = {}
+    for step in plan_merge(config, sources).steps:
+        pre = sources[0].load(step.name)
+        if not pre.is_floating_point():
+            state[step.name] = pre
+            continue
+        if step.action == "copy":
+            state[step.name] = torch.zeros(step.shape, dtype=torch.float32)
+            continue
+        delta = sources[1].load(step.name).to(torch.float32).sub_(pre.to(torch.float32))
+        step = dataclasses.replace(step, out_dtype=torch.float32)
+        state[step.name] = merge_tensor(config, step, [torch.zeros_like(delta), delta])
+    return state
 
 
 class PointEvaluator:
-    """What every point reuses: the opened inputs, one model skeleton, the tokenizer, the task indexes."""
+    """What every point reuses: the opened inputs, the model (when it fits), the tokenizer, the task indexes."""
 
     def __init__(self, settings: SweepSettings, folder: Path, bar):
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from mergekit_lite.evaluate.lm_harness import Evaluator
         from mergekit_lite.io.sources import open_inputs
@@ -682,9 +844,13 @@ class PointEvaluator:
             raise InputError(f"{settings.pre}: --pre must be a model folder with a config.json")
         self.settings, self.folder, self.bar = settings, folder, bar
         self.sources = open_inputs([settings.pre, settings.post], settings.pre, allow_pickle=False)
-        self.in_memory = not settings.stream if settings.stream is not None else fits_in_memory(self.sources[0])
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(settings.pre), dtype=torch.float32)
-        self.model.eval()
+        dtype = getattr(torch, settings.eval_dtype)
+        self.loader = ModelLoader(settings.pre, dtype, settings.device)
+        in_memory = not settings.stream if settings.stream is not None else fits_in_memory(self.sources[0], dtype)
+        self.resident = None
+        if in_memory:
+            resident = ResidentPair(self.loader, settings, self.sources, settings.merge_config(settings.alphas[0]))
+            self.resident = resident if resident.exact else None
         self.tokenizer = AutoTokenizer.from_pretrained(find_tokenizer_dir([settings.pre, settings.post], 0))
         self.evaluators = {
             group: Evaluator(tasks, include_path=settings.include_path, limit=settings.limit,
@@ -693,32 +859,32 @@ class PointEvaluator:
         }
 
     def endpoint(self, index: int) -> list[TaskRun]:
-        """pre (0) or post (1) itself, read through the same sources as the merges."""
-        source = self.sources[index]
-        return self.evaluate({name: source.load(name) for name in source.names})
+        """pre (0) or post (1) itself."""
+        if self.resident is not None and self.resident.endpoint(index):
+            return self.evaluate(self.resident.model)
+        if index == 0:
+            return self.evaluate(self.loader.from_folder(self.settings.pre))
+        return self.evaluate(post_model(self.loader, self.settings, self.sources))
 
     def merged(self, config: MergeConfig) -> list[TaskRun]:
-        """A merge evaluated from memory, or streamed to a folder in the run folder when it would not fit."""
-        from mergekit_lite.io.safetensors import open_model
-        from mergekit_lite.merge.engine import merge_state_dict, run_merge
+        """A merge written into the resident model, or streamed to a folder in the run folder and loaded from it."""
+        from mergekit_lite.merge.engine import run_merge
 
-        if self.in_memory:
-            return self.evaluate(merge_state_dict(config, self.sources))
+        if self.resident is not None:
+            self.resident.write(config)
+            return self.evaluate(self.resident.model)
         temp = self.folder / f"{MERGE_TEMP}-{os.getpid()}"  # one per process: Ray actors share the run folder
         run_merge(config, temp, overwrite=True)
         try:
-            source = open_model(temp)
-            return self.evaluate({name: source.load(name) for name in source.names})
+            return self.evaluate(self.loader.from_folder(temp))
         finally:
             shutil.rmtree(temp, ignore_errors=True)
 
-    def evaluate(self, state: dict) -> list[TaskRun]:
-        """Score the state on both groups; the state is dropped once copied, so it does not sit beside the model."""
-        load_state(self.model, state)
-        del state
+    def evaluate(self, model) -> list[TaskRun]:
+        """Score the model on both groups."""
         runs = []
         for group, evaluator in self.evaluators.items():
-            for task, score in evaluator.evaluate(self.model, self.tokenizer).items():
+            for task, score in evaluator.evaluate(model, self.tokenizer).items():
                 runs.append(score_task(task, group, score, self.settings.scoring()))
             self.bar.update(len(evaluator.tasks))
         return runs
@@ -794,7 +960,10 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
             from mergekit_lite.merge.engine import run_merge
 
             check_output_folder(settings.save_best, inputs)
-            run_merge(configs(result.best.alpha), settings.save_best, progress=progress)
+            best = configs(result.best.alpha)
+            if settings.copy_files_from:
+                best = MergeConfig.from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
+            run_merge(best, settings.save_best, progress=progress)
     return result
 
 

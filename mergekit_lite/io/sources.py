@@ -2,7 +2,10 @@
 
 Adapters present themselves as full models (base + scaling*B@A, computed per tensor), and models whose
 names differ by a known wrapper prefix, or that tie their head to the embeddings, are mapped onto the
-reference names. Everything here reads lazily; nothing holds a model.
+reference names. Tying goes both ways, with the tied names transformers declares for the architecture
+(`architecture.tied_tensors`): a tied model that stores no head lends its embeddings to the reference's
+head, and a head stored beside embeddings it is tied to (a duplicate transformers ignores on load) is
+not an extra tensor. Everything here reads lazily; nothing holds a model.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ from typing import Protocol
 import torch
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.architecture import checkpoint_names, tied_tensors
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.safetensors import open_model
 
 KNOWN_PREFIXES = ("model.", "base_model.model.", "module.", "_orig_mod.", "transformer.")
-TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 
 
 class TensorSource(Protocol):
@@ -53,55 +56,77 @@ class RenamedSource:
         return self.source.load(self.name_map[name], into)
 
 
+def tied_head(config: dict | None) -> tuple[str, str] | None:
+    """(head, embeddings) on disk when the architecture ties its output head to its input embeddings."""
+    return next(iter(tied_tensors(config).items()), None)
+
+
 def replaces_tied_head(adapter, base: TensorSource) -> bool:
-    """modules_to_save: [lm_head] on a base that ties its head to the embeddings and stores none."""
-    names = set(base.names)
-    return TIED_HEAD[0] in adapter.replaced() and TIED_HEAD[0] not in names and TIED_HEAD[1] in names
+    """modules_to_save on the head of a base that ties it to the embeddings and stores none."""
+    pair, names = tied_head(base.config), set(base.names)
+    return pair is not None and pair[0] in adapter.replaced() and pair[0] not in names and pair[1] in names
 
 
 class UntiedHeadSource(RenamedSource):
-    """A tied model that also shows its head as lm_head.weight (the embeddings), to merge with an untied head."""
+    """A tied model that also shows its head (its embeddings under the head's name), to merge with an untied head."""
 
-    def __init__(self, source: TensorSource):
-        super().__init__(source, {**{name: name for name in source.names}, TIED_HEAD[0]: TIED_HEAD[1]})
+    def __init__(self, source: TensorSource, pair: tuple[str, str]):
+        super().__init__(source, {**{name: name for name in source.names}, pair[0]: pair[1]})
 
 
 def untie_heads(sources: list[TensorSource]) -> list[TensorSource]:
     """When an adapter brings its own head for a tied base, every tied input shows one: the merge writes an
-    untied lm_head (and engine.py writes tie_word_embeddings false)."""
-    if not any(isinstance(source, AdapterSource) and TIED_HEAD[0] in source.names for source in sources):
+    untied head (and engine.py writes tie_word_embeddings false)."""
+    if not any(isinstance(source, AdapterSource) and source.own_head for source in sources):
         return sources
-    return [source if TIED_HEAD[0] in source.names or TIED_HEAD[1] not in source.names else UntiedHeadSource(source)
-            for source in sources]
+    untied = []
+    for source in sources:
+        pair = tied_head(source.config)
+        keep = pair is None or pair[0] in source.names or pair[1] not in source.names
+        untied.append(source if keep else UntiedHeadSource(source, pair))
+    return untied
 
 
 class AdapterSource:
-    """A LoRA adapter seen as the full model it makes: base tensor + scaling*B@A, in float32 where it applies."""
+    """A LoRA adapter seen as the full model it makes: base tensor + scaling*B@A, in float32 where it applies.
+
+    PEFT names the modules it adapts as they are in memory; where transformers converts names on load
+    (e.g. a multimodal wrapper), they are mapped to the base's on-disk names through that conversion."""
 
     def __init__(self, adapter, base: TensorSource):
         self.adapter, self.base = adapter, base
         self.path, self.config = Path(adapter.path), base.config
-        self._changed = set(adapter.targets()) | set(adapter.replaced())
-        self._own_head = replaces_tied_head(adapter, base)
-        missing = sorted(self._changed - set(base.names) - ({TIED_HEAD[0]} if self._own_head else set()))
+        adapted = set(adapter.targets()) | set(adapter.replaced())
+        unknown = sorted(adapted - set(base.names))
+        on_disk = checkpoint_names(base.config, unknown) if unknown else {}
+        self._adapter_name = {on_disk.get(name, name): name for name in adapted}
+        self._head = tied_head(base.config) if replaces_tied_head(adapter, base) else None
+        missing = sorted(set(self._adapter_name) - set(base.names) - ({self._head[0]} if self._head else set()))
         if missing:
-            raise InputError(f"{adapter.path}: adapts {missing[0]}, which the base {base.path} does not have")
+            raise InputError(f"{adapter.path}: adapts {self._adapter_name[missing[0]]}, which the base {base.path} "
+                             f"does not have")
+
+    @property
+    def own_head(self) -> bool:
+        """The adapter brings its own head (modules_to_save) for a base that ties it to the embeddings."""
+        return self._head is not None
 
     @property
     def names(self) -> list[str]:
-        return self.base.names + ([TIED_HEAD[0]] if self._own_head else [])
+        return self.base.names + ([self._head[0]] if self._head else [])
 
     def shape(self, name):
-        return tuple(self.adapter.shape(name)) if self._own_head and name == TIED_HEAD[0] else self.base.shape(name)
+        return tuple(self.adapter.shape(name)) if self._head and name == self._head[0] else self.base.shape(name)
 
     def dtype(self, name):
-        return torch.float32 if name in self._changed else self.base.dtype(name)
+        return torch.float32 if name in self._adapter_name else self.base.dtype(name)
 
     def load(self, name, into=None):
-        if name in self.adapter.replaced():
-            return self.adapter.replacement(name).to(torch.float32)
-        if name in self._changed:
-            return self.base.load(name).to(torch.float32).add_(self.adapter.delta(name))
+        adapter_name = self._adapter_name.get(name)
+        if adapter_name in self.adapter.replaced():
+            return self.adapter.replacement(adapter_name).to(torch.float32)
+        if adapter_name is not None:
+            return self.base.load(name).to(torch.float32).add_(self.adapter.delta(adapter_name))
         return self.base.load(name, into)
 
 
@@ -137,12 +162,19 @@ def check_architectures(sources: list[TensorSource]) -> None:
 
 
 def align(reference: TensorSource, source: TensorSource) -> TensorSource:
-    """Map `source`'s names onto `reference`'s, or fail naming the first tensor that differs."""
+    """Map `source`'s names onto `reference`'s, or fail naming the first tensor that differs.
+
+    Renames come first; the tied names (which need transformers) only when no rename fits."""
     wanted, have = set(reference.names), set(source.names)
     if wanted == have:
         return source
-    for name_map in _candidate_maps(reference.names, source):
+    for name_map, _ in _candidate_maps(reference.names, source, {}):
         if set(name_map.values()) == have:
+            return RenamedSource(source, name_map)
+    tied, reference_tied = tied_tensors(source.config), tied_tensors(reference.config)
+    for name_map, rename in _candidate_maps(reference.names, source, tied):
+        duplicates = set(tied) | {rename(name) for name in reference_tied}
+        if have - set(name_map.values()) <= duplicates:
             return RenamedSource(source, name_map)
     missing = sorted(wanted - have)
     extra = sorted(have - wanted)
@@ -155,19 +187,19 @@ def _more(names: list[str]) -> str:
     return f" and {len(names) - 1} more" if len(names) > 1 else ""
 
 
-def _candidate_maps(reference_names: list[str], source: TensorSource):
-    """Name maps worth trying: a wrapper prefix added or removed, and a head tied to the embeddings."""
+def _candidate_maps(reference_names: list[str], source: TensorSource, tied: dict[str, str]):
+    """Name maps worth trying (with the rename that made each): a wrapper prefix added or removed, and
+    a reference tensor the source does not store read from the one it is tied to (`tied`, source names)."""
     have = set(source.names)
-    tied = bool((source.config or {}).get("tie_word_embeddings"))
     for prefix in ("", *KNOWN_PREFIXES):
         for rename in (lambda n, p=prefix: p + n, lambda n, p=prefix: n[len(p):] if n.startswith(p) else None):
             name_map = {}
             for name in reference_names:
                 actual = rename(name)
-                if actual not in have and tied and name == TIED_HEAD[0]:
-                    actual = rename(TIED_HEAD[1])
+                if actual is not None and actual not in have:
+                    actual = tied.get(actual)
                 if actual is None or actual not in have:
                     break
                 name_map[name] = actual
             else:
-                yield name_map
+                yield name_map, rename

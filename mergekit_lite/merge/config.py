@@ -28,7 +28,16 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import resolve_model
@@ -668,7 +677,9 @@ def is_embedding(tensor_name: str) -> bool:
 
 def read_yaml(path: str | Path) -> Any:
     """A YAML file's content; unreadable or invalid files become a one-line error naming the file."""
-    from mergekit_lite.io.validation import read_yaml as read_limited_yaml  # size, depth and alias limits
+    from mergekit_lite.io.validation import (
+        read_yaml as read_limited_yaml,  # size, depth and alias limits
+    )
 
     return read_limited_yaml(path)
 

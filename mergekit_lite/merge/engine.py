@@ -20,12 +20,16 @@ from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import BufferRing, aligned
 from mergekit_lite.io.lora import LoraAdapter
-from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder, copy_side_files
+from mergekit_lite.io.outputs import (
+    atomic_output_dir,
+    check_output_folder,
+    copy_side_files,
+    keep_post_trained_files,
+)
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig
-from mergekit_lite.merge.vocab import write_tokenizer
 from mergekit_lite.merge.plan import (
     PROVENANCE_FILE,
     RECALL_WEIGHTS_FILE,
@@ -33,6 +37,7 @@ from mergekit_lite.merge.plan import (
     TensorStep,
     plan_merge,
 )
+from mergekit_lite.merge.vocab import write_tokenizer
 
 
 def dare_generator(seed: int, tensor_name: str, model_index: int) -> torch.Generator:
@@ -366,6 +371,9 @@ def _restack_layers(model_config: dict, plan: MergePlan) -> None:
 
 
 def _write_side_files(plan: MergePlan, folder: Path) -> None:
+    """config, tokenizer and generation files from --copy-files-from, by default from the base (or the
+    first input), plus the chat template and generation config of a post-trained input when the base has
+    none (a note says so)."""
     config = plan.config
     donor = config.copy_files_from or config.base or config.inputs[0]
     if donor == "base":
@@ -373,6 +381,9 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
     if LoraAdapter.is_adapter_dir(donor):
         donor = config.base
     copy_side_files(Path(donor), folder)
+    if not config.copy_files_from:
+        others = [Path(path) for path in config.inputs if path != donor]
+        plan.notes.extend(keep_post_trained_files(Path(donor), others, folder))
     config_file = folder / "config.json"
     own_head = any(isinstance(source, UntiedHeadSource) for source in plan.sources)
     if config_file.is_file() and (config.dtype or own_head or plan.layer_origins is not None):

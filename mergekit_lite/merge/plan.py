@@ -14,23 +14,52 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.architecture import Layout, layout
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, check_architectures, open_inputs
 from mergekit_lite.merge import methods
-from mergekit_lite.merge.config import RECALL_METHODS, MergeConfig, ModelSpec, Slice, is_embedding, resolve
+from mergekit_lite.merge.config import (
+    RECALL_METHODS,
+    MergeConfig,
+    ModelSpec,
+    Slice,
+    is_embedding,
+    resolve,
+)
 from mergekit_lite.merge.vocab import align_vocabularies
 
-LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\.")
 RECALL_WEIGHTS_FILE = "recall_weights.json"
 PROVENANCE_FILE = "mergekit_lite_config.yaml"
+PLAIN = Layout(None)
 
 
 BASE_IGNORED = {"linear", "karcher", "passthrough"}  # in slices, as in mergekit: the base is just another source
 
 
-def layer_index(tensor_name: str) -> int | None:
+def layer_index(tensor_name: str, model_layout: Layout = PLAIN) -> int | None:
+    """The language model's decoder layer a tensor belongs to, or None (embeddings, head, towers).
+
+    Towers (a multimodal model's vision or audio encoder and projector, an encoder-decoder's encoder)
+    have layers of their own, but those are not decoder depths: a tower's tensors get no index and
+    are resolved as the decoder's input (see `depth_position`).
+    """
+    if model_layout.in_tower(tensor_name):
+        return None
     match = LAYER_PATTERN.search(tensor_name)
     return int(match.group(1)) if match else None
+
+
+def depth_position(tensor_name: str, model_layout: Layout) -> tuple[int | None, str]:
+    """(layer, part) that resolves a tensor's parameters: decoder layers by index; embeddings and towers,
+    whose output enters the decoder at its input, as "embed" (a gradient's first value, RECALL's embed
+    rule); the rest (final norm, head) as "head" (a gradient's last value)."""
+    layer = layer_index(tensor_name, model_layout)
+    if layer is not None:
+        return layer, "layer"
+    if is_embedding(tensor_name) or model_layout.in_tower(tensor_name):
+        return None, "embed"
+    return None, "head"
 
 
 def with_layer(tensor_name: str, index: int) -> str:
@@ -112,8 +141,9 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
     sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, 0, config.pad_to_multiple_of)
     reference = sources[0]
     names = reference.names
-    n_layers = _layer_count(reference, names)
-    recall_weights = _recall_weights(config) if config.method in RECALL_METHODS else None
+    model_layout = layout(reference.config)
+    n_layers = layer_count(model_layout, names)
+    recall_weights = load_recall_weights(config) if config.method in RECALL_METHODS else None
     notes, mixed = [], set()
     steps = []
     for name in names:
@@ -126,28 +156,29 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
             dtypes.append(source.dtype(name))
         if len(set(dtypes)) > 1:
             mixed.add(tuple(sorted({str(d).replace("torch.", "") for d in dtypes})))
-        steps.append(_plan_step(config, name, shape, dtypes[0], layer_index(name), n_layers, recall_weights))
+        steps.append(_plan_step(config, name, shape, dtypes[0], depth_position(name, model_layout), n_layers,
+                                recall_weights))
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
     return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary)
 
 
-def _layer_count(reference: TensorSource, names: list[str]) -> int:
-    configured = (reference.config or {}).get("num_hidden_layers")
-    if isinstance(configured, int) and configured > 0:
-        return configured
-    indices = [index for index in map(layer_index, names) if index is not None]
+def layer_count(model_layout: Layout, names: list[str]) -> int:
+    """The decoder's depth: the (text) config's num_hidden_layers, else counted from decoder tensor names."""
+    if model_layout.n_layers:
+        return model_layout.n_layers
+    indices = [index for index in (layer_index(name, model_layout) for name in names) if index is not None]
     return max(indices) + 1 if indices else 1
 
 
-def _plan_step(config: MergeConfig, name, shape, stored_dtype, layer, n_layers, recall_weights) -> TensorStep:
+def _plan_step(config: MergeConfig, name, shape, stored_dtype, depth, n_layers, recall_weights) -> TensorStep:
     if not stored_dtype.is_floating_point:
         return TensorStep(name, shape, stored_dtype, "copy", reason="not floating point: copied from input 0")
     out_dtype = getattr(torch, config.dtype) if config.dtype else stored_dtype
     skipped = next((pattern for pattern in config.skip if pattern in name), None)
     if skipped:
         return TensorStep(name, shape, out_dtype, "copy", reason=f"matches skip filter {skipped!r}: copied from input 0")
-    parameters = _step_parameters(config, name, layer, n_layers, recall_weights)
+    parameters = step_parameters(config, name, depth, n_layers, recall_weights)
     if config.method == "passthrough" and parameters["scale"] == 1.0:
         return TensorStep(name, shape, out_dtype, "copy", reason="passthrough: copied from its one input")
     return TensorStep(name, shape, out_dtype, "merge", parameters)
@@ -176,13 +207,14 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
         merge, located = slice_config(config, piece, number)
         ranges = [layer_range for _, layer_range in located]
         for path, (start, end) in located:
-            available = _layer_count(sources[position[path]], sources[position[path]].names)
+            source = sources[position[path]]
+            available = layer_count(layout(source.config), source.names)
             if not 0 <= start < end <= available:
                 raise InputError(f"slice {number}: layer_range [{start}, {end}] of {path} is outside its {available} layers")
         pieces.append((merge, [position[path] for path, _ in located], ranges))
     steps, origins = [], []
 
-    def add(merge, indices, tensor_names, out_name, layer, n_layers):
+    def add(merge, indices, tensor_names, out_name, depth, n_layers):
         template = sources[indices[0]]
         shape = template.shape(tensor_names[0])
         for index, name in zip(indices, tensor_names):
@@ -191,24 +223,24 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
             if sources[index].shape(name) != shape:
                 raise InputError(f"tensor {name}: shape {list(sources[index].shape(name))} in {sources[index].path} "
                                  f"but {list(shape)} in {template.path}")
-        step = _plan_step(merge, out_name, shape, template.dtype(tensor_names[0]), layer, n_layers, None)
+        step = _plan_step(merge, out_name, shape, template.dtype(tensor_names[0]), depth, n_layers, None)
         steps.append(replace(step, inputs=tuple(zip(indices, tensor_names))))
 
     outside = [name for name in sources[pieces[0][1][0]].names if layer_index(name) is None]
     for name in (n for n in outside if is_embedding(n)):
         merge, indices, ranges = pieces[0]
-        add(merge, indices, [name] * len(indices), name, None, ranges[0][1] - ranges[0][0])
+        add(merge, indices, [name] * len(indices), name, (None, "embed"), ranges[0][1] - ranges[0][0])
     for merge, indices, ranges in pieces:
         length = ranges[0][1] - ranges[0][0]
         for offset in range(length):
             first = sources[indices[0]]
             for name in (n for n in first.names if layer_index(n) == ranges[0][0] + offset):
                 add(merge, indices, [with_layer(name, start + offset) for start, _ in ranges],
-                    with_layer(name, len(origins)), offset, length)
+                    with_layer(name, len(origins)), (offset, "layer"), length)
             origins.append((indices[0], ranges[0][0] + offset))
     for name in (n for n in outside if not is_embedding(n)):
         merge, indices, ranges = pieces[-1]
-        add(merge, indices, [name] * len(indices), name, None, ranges[0][1] - ranges[0][0])
+        add(merge, indices, [name] * len(indices), name, (None, "head"), ranges[0][1] - ranges[0][0])
     notes = [f"slices: {len(origins)} output layers from {len(pieces)} slices"]
     return MergePlan(config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins)
 
@@ -236,11 +268,20 @@ def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeC
     return merge, [(source.model, tuple(source.layer_range)) for source in ordered]
 
 
-def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers: int, recall_weights) -> dict:
-    """Resolve the method's parameters for one tensor (gradients and filters applied)."""
+def tensor_parameters(config: MergeConfig, name: str, model_layout: Layout, n_layers: int, recall_weights) -> dict:
+    """The method's parameters for one tensor of a model with this layout, on-disk or in-memory name."""
+    return step_parameters(config, name, depth_position(name, model_layout), n_layers, recall_weights)
+
+
+def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str], n_layers: int,
+                    recall_weights) -> dict:
+    """Resolve the method's parameters for one tensor at `depth` (layer, part), gradients and filters applied."""
+    layer, part = depth
+    # a tower (an "embed" part that is not an embedding) resolves like the embeddings: position 0 of a gradient
+    position = 0 if part == "embed" and layer is None and not is_embedding(name) else layer
 
     def value(parameter, model_index=None):
-        return resolve(parameter, config.parameter(parameter, model_index), name, layer, n_layers,
+        return resolve(parameter, config.parameter(parameter, model_index), name, position, n_layers,
                        config.mergekit_compat)
 
     models = range(len(config.models))
@@ -249,13 +290,12 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
         if "alpha" in config.parameters:
             return {"alpha": value("alpha")}
         base_weight = config.base_parameters.get("weight", config.parameter("weight") if config.mergekit_compat else 1.0)
-        weights = ([resolve("weight", base_weight, name, layer, n_layers, config.mergekit_compat)] if config.base else []) \
+        weights = ([resolve("weight", base_weight, name, position, n_layers, config.mergekit_compat)] if config.base else []) \
             + [value("weight", i) for i in models]
         return {"weights": weights, "normalize": config.parameter("normalize")}
     if method == "slerp":
         return {"t": value("t")}
     if method in RECALL_METHODS:
-        part = "layer" if layer is not None else ("embed" if is_embedding(name) else "head")
         if method == "recall_lerp":
             return {"alpha": recall_weights.lerp_alpha(value("alpha"), layer, part, config.recall.embed_rule)}
         return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
@@ -300,7 +340,8 @@ def _step_parameters(config: MergeConfig, name: str, layer: int | None, n_layers
     return parameters
 
 
-def _recall_weights(config: MergeConfig):
+def load_recall_weights(config: MergeConfig):
+    """RECALL's per-layer weights: from the weights file, or computed by running the models on the texts."""
     from mergekit_lite.merge import recall
 
     settings = config.recall
