@@ -88,10 +88,17 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--search", type=click.Choice(("grid", "golden")),
               help="grid (default): every alpha; golden: golden-section search for the best harmonic mean over the "
                    "grid, stopping once the points left are indistinguishable (fewer evaluations).")
+@click.option("--backend", type=click.Choice(("hf", "vllm")),
+              help="hf (default): the model in memory; vllm: lm-eval's vLLM backend on each merge written to a "
+                   "scratch folder (GPU; needs vllm installed).")
+@click.option("--vllm-args", metavar="NAME=VALUE,...",
+              help="vLLM model args: tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
+                   "max_model_len, dtype, batch_size, seed.")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
 def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
-          selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype, quiet):
+          selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
+          backend, vllm_args, quiet):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -114,8 +121,9 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
                         device=device, out=out, density=density, drop=drop, seed=seed, recall_texts=recall_texts,
                         recall_samples=recall_samples, save_best=save_best, stream=stream, metric=metric,
                         filter=filter_, choices=choices, aggregation=aggregation, selection=selection,
-                        selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence, ray=ray_address,
-                        search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype)
+                        selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence,
+                        ray=ray_address, search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype,
+                        backend=backend, vllm_args=vllm_args)
     settings = settings_from_dict(data)
     result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))

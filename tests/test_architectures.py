@@ -217,9 +217,10 @@ ADAPTED = {"qwen2_tied": ["q_proj", "v_proj"], "mixtral": ["q_proj", "v_proj"], 
 @pytest.mark.parametrize("architecture", ADAPTED)
 def test_adapter_merge_equals_peft_merge_and_unload(checkpoints, architecture, tmp_path):
     """PEFT names Gemma3's adapted modules as they are in memory (model.language_model...), not as on disk
-    (language_model.model...): the merge maps them; the adapter audit does not yet, hence force there."""
+    (language_model.model...): the merge maps them; the adapter audit does not yet, hence force there.
+    lora_alpha 32: a few steps on a tiny model must clear the audit's absolute no-op norm (the paper's 1.0)."""
     base = checkpoints[architecture][0]
-    peft_model = get_peft_model(loaded(base), LoraConfig(r=4, lora_alpha=8, target_modules=ADAPTED[architecture],
+    peft_model = get_peft_model(loaded(base), LoraConfig(r=4, lora_alpha=32, target_modules=ADAPTED[architecture],
                                                          lora_dropout=0.0))
     train_lora(peft_model, steps=3, seed=1, batch=(2, 8)).save_pretrained(tmp_path / "adapter")
     run_merge(MergeConfig.from_dict({"method": "linear", "base": str(base), "models": [str(tmp_path / "adapter")],

@@ -66,6 +66,21 @@ def test_bad_vllm_args_are_one_line_errors(text, message):
         parse_vllm_options(text)
 
 
+def test_every_sweep_setting_can_come_from_a_sweep_file_and_bad_vllm_args_fail_before_any_model(tmp_path):
+    from mergekit_lite.evaluate.sweep import SETTINGS_KEYS, SweepFile, load_sweep_file
+
+    assert set(SweepFile.model_fields) == set(SETTINGS_KEYS)
+    config = tmp_path / "sweep.yaml"
+    config.write_text("backend: vllm\nvllm-args: tensor_parallel_size=2,gpu_memory_utilization=0.85\n")
+    assert load_sweep_file(config) == {"backend": "vllm", "vllm_args": "tensor_parallel_size=2,gpu_memory_utilization=0.85"}
+    with pytest.raises(InputError, match="tensor_parallel_size must be a whole number"):
+        SweepSettings("pre", "post", "linear", [0.5], ["a"], ["b"], None, str(tmp_path / "out"), backend="vllm",
+                      vllm_args="tensor_parallel_size=0")
+    with pytest.raises(InputError, match="--vllm-args applies to --backend vllm"):
+        SweepSettings("pre", "post", "linear", [0.5], ["a"], ["b"], None, str(tmp_path / "out"),
+                      vllm_args="dtype=bfloat16")
+
+
 # --- Ray resources ---------------------------------------------------------------------------------
 
 def test_workers_fill_the_cluster_but_not_beyond_the_points():

@@ -101,15 +101,23 @@ class Evaluator:
 
     def evaluate(self, model, tokenizer) -> dict[str, TaskScore]:
         """Score `model` (moved to self.device) on every task; keys are leaf task names."""
-        import lm_eval
         from lm_eval.models.huggingface import HFLM
 
         model.to(self.device)
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device)
+        return self._scores(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device))
+
+    def evaluate_with(self, backend: str, model_args: dict) -> dict[str, TaskScore]:
+        """Score a model folder through one of lm-eval's own backends (e.g. "vllm" with its model_args)."""
+        return self._scores(backend, model_args)
+
+    def _scores(self, model, model_args: dict | None = None) -> dict[str, TaskScore]:
+        import lm_eval
+
         # lm-eval passes disable=False to its own progress bars; `quiet` silences them at the stream.
         with _silenced_stderr() if self.quiet else contextlib.nullcontext():
             results = lm_eval.simple_evaluate(
-                model=lm,
+                model=model,
+                model_args=model_args,
                 tasks=self.tasks,
                 task_manager=self.task_manager,
                 limit=self.limit,

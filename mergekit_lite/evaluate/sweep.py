@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
 from mergekit_lite.evaluate.forgetting import (
     AGGREGATIONS,
     GroupForgetting,
@@ -155,6 +156,8 @@ class SweepSettings:
     copy_files_from: str | None = None  # --save-best's side files (default: see engine.write_side_files)
     ray: str | None = None  # None: points one after another here; "local" or a cluster address: Ray actors
     search: str = "grid"  # grid: every alpha; golden: golden-section search over the grid (fewer points)
+    backend: str = "hf"  # hf: in-memory transformers model; vllm: lm-eval's vLLM backend on a merged folder
+    vllm_args: str | None = None  # lm-eval model_args for vllm, e.g. tensor_parallel_size=2,gpu_memory_utilization=0.8
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -174,6 +177,11 @@ class SweepSettings:
         self.scoring()  # bad --metric/--filter/--choices fail before any model is read
         if self.aggregation not in AGGREGATIONS:
             raise InputError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.backend not in BACKENDS:
+            raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.vllm_args is not None and self.backend != "vllm":
+            raise InputError("--vllm-args applies to --backend vllm")
+        self.vllm_options()  # bad vLLM arguments fail before any model is read
         if self.search not in SEARCHES:
             raise InputError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
         if self.search == "golden" and self.ray is not None:
@@ -210,6 +218,9 @@ class SweepSettings:
             raise InputError(f"a {self.method} sweep needs typical samples: --recall-texts (one text per line)")
         for alpha in self.alphas:
             self.merge_config(alpha)  # every point's merge is valid before any model is read
+
+    def vllm_options(self) -> VllmOptions:
+        return parse_vllm_options(self.vllm_args)
 
     def scoring(self) -> Scoring:
         return Scoring.from_specs(self.metric, self.filter, self.choices)
@@ -288,6 +299,10 @@ class SweepFile(BaseModel):
     selection_fraction: float | None = None
     bootstrap: int | None = Field(None, ge=0)
     confidence: float | None = None
+    copy_files_from: str | None = None
+    eval_dtype: str | None = None
+    backend: str | None = None
+    vllm_args: str | None = None
 
 
 def load_sweep_file(path: str | Path) -> dict:
@@ -848,10 +863,11 @@ class PointEvaluator:
         self.loader = ModelLoader(settings.pre, dtype, settings.device)
         in_memory = not settings.stream if settings.stream is not None else fits_in_memory(self.sources[0], dtype)
         self.resident = None
-        if in_memory:
+        self.tokenizer_dir = find_tokenizer_dir([settings.pre, settings.post], 0)
+        if in_memory and settings.backend == "hf":
             resident = ResidentPair(self.loader, settings, self.sources, settings.merge_config(settings.alphas[0]))
             self.resident = resident if resident.exact else None
-        self.tokenizer = AutoTokenizer.from_pretrained(find_tokenizer_dir([settings.pre, settings.post], 0))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
         self.evaluators = {
             group: Evaluator(tasks, include_path=settings.include_path, limit=settings.limit,
                              batch_size=settings.batch_size, device=settings.device, quiet=True)
@@ -860,6 +876,8 @@ class PointEvaluator:
 
     def endpoint(self, index: int) -> list[TaskRun]:
         """pre (0) or post (1) itself."""
+        if self.settings.backend == "vllm":
+            return self.evaluate_folder(self.settings.pre if index == 0 else self.settings.post)
         if self.resident is not None and self.resident.endpoint(index):
             return self.evaluate(self.resident.model)
         if index == 0:
@@ -876,15 +894,27 @@ class PointEvaluator:
         temp = self.folder / f"{MERGE_TEMP}-{os.getpid()}"  # one per process: Ray actors share the run folder
         run_merge(config, temp, overwrite=True)
         try:
+            if self.settings.backend == "vllm":
+                return self.evaluate_folder(temp)
             return self.evaluate(self.loader.from_folder(temp))
         finally:
             shutil.rmtree(temp, ignore_errors=True)
 
+    def evaluate_folder(self, folder) -> list[TaskRun]:
+        """Score a model folder with lm-eval's vLLM backend (it loads weights from disk itself)."""
+        from mergekit_lite.evaluate.backends import vllm_model_args
+
+        model_args = vllm_model_args(str(folder), str(self.tokenizer_dir), self.settings.vllm_options())
+        return self._runs(lambda evaluator: evaluator.evaluate_with("vllm", model_args))
+
     def evaluate(self, model) -> list[TaskRun]:
-        """Score the model on both groups."""
+        """Score the in-memory model on both groups."""
+        return self._runs(lambda evaluator: evaluator.evaluate(model, self.tokenizer))
+
+    def _runs(self, scores) -> list[TaskRun]:
         runs = []
         for group, evaluator in self.evaluators.items():
-            for task, score in evaluator.evaluate(model, self.tokenizer).items():
+            for task, score in scores(evaluator).items():
                 runs.append(score_task(task, group, score, self.settings.scoring()))
             self.bar.update(len(evaluator.tasks))
         return runs
