@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import save_tiny_llama
+from tiny_models import save_random_pair, save_tiny_llama
 
 from mergekit_lite.merge.methods import lerp
 
@@ -433,15 +433,7 @@ def test_write_error_in_process_removes_temp_folder(models, tmp_path, monkeypatc
 @pytest.fixture(scope="module")
 def big_pair(tmp_path_factory) -> tuple[Path, Path]:
     """Two ~200 MB single-file models of 200 tensors: a merge of them takes seconds, time to kill it midway."""
-    root = tmp_path_factory.mktemp("big")
-    paths = []
-    for seed, name in enumerate(("a", "b")):
-        generator = torch.Generator().manual_seed(seed)
-        (root / name).mkdir()
-        save_file({f"model.layers.{i}.mlp.weight": torch.randn(256, 1024, generator=generator) for i in range(200)},
-                  root / name / "model.safetensors", metadata={"format": "pt"})
-        paths.append(root / name)
-    return paths[0], paths[1]
+    return save_random_pair(tmp_path_factory.mktemp("big"), 200, (256, 1024))
 
 
 def start_and_wait_for_partial(big_pair, out: Path, stderr_file: Path) -> tuple[subprocess.Popen, Path]:

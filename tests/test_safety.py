@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import save_tiny_llama
+from tiny_models import save_random_pair, save_tiny_llama
 
 from mergekit_lite.merge.methods import lerp
 
@@ -634,15 +634,7 @@ def test_mutated_headers_and_indices_never_raise_anything_but_one_line(header_se
 @pytest.fixture(scope="module")
 def big_pair(tmp_path_factory) -> tuple[Path, Path]:
     """Two ~13 MB single-file models of 50 tensors: a merge of them takes about a second."""
-    root = tmp_path_factory.mktemp("big")
-    paths = []
-    for seed, name in enumerate(("a", "b")):
-        generator = torch.Generator().manual_seed(seed)
-        (root / name).mkdir()
-        save_file({f"model.layers.{i}.mlp.weight": torch.randn(256, 256, generator=generator) for i in range(50)},
-                  root / name / "model.safetensors", metadata={"format": "pt"})
-        paths.append(root / name)
-    return paths[0], paths[1]
+    return save_random_pair(tmp_path_factory.mktemp("big"), 50, (256, 256))
 
 
 def start_big_merge(big_pair, out: Path) -> subprocess.Popen:

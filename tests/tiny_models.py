@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 100
@@ -21,6 +22,18 @@ def save_tiny_llama(seed: int, folder: Path, max_shard_size: str | None = "20KB"
     options = {"max_shard_size": max_shard_size} if max_shard_size else {}
     tiny_llama(seed, **overrides).save_pretrained(folder, **options)
     return Path(folder)
+
+
+def save_random_pair(root: Path, n_tensors: int, shape: tuple[int, int]) -> tuple[Path, Path]:
+    """Two seeded single-file models of `n_tensors` float32 layer weights, big enough to interrupt midway."""
+    paths = []
+    for seed, name in enumerate(("a", "b")):
+        generator = torch.Generator().manual_seed(seed)
+        (root / name).mkdir()
+        save_file({f"model.layers.{i}.mlp.weight": torch.randn(*shape, generator=generator) for i in range(n_tensors)},
+                  root / name / "model.safetensors", metadata={"format": "pt"})
+        paths.append(root / name)
+    return paths[0], paths[1]
 
 
 def train_lora(peft_model, steps: int, seed: int, batch: tuple[int, int] = (2, 12)):

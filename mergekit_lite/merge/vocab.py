@@ -173,8 +173,9 @@ class AlignedSource:
     def dtype(self, name):
         return self.source.dtype(name)
 
-    def load(self, name):
-        return self.aligner.load(name, self.index) if name in self.aligner.names else self.source.load(name)
+    def load(self, name, into=None):
+        """Aligned vocabulary rows come from the aligner (new memory); other tensors read into `into` as usual."""
+        return self.aligner.load(name, self.index) if name in self.aligner.names else self.source.load(name, into)
 
 
 def align_vocabularies(sources: list[TensorSource], tokenizer_source: str | None, base_index: int = 0,
