@@ -195,12 +195,19 @@ class FingerprintFile(BaseModel):
     behaviour: Optional[dict] = None
 
 
+def fingerprint_destination(path, base_dir=None) -> Path:
+    """Where a fingerprint may go: not inside the base, not over a file that is not a fingerprint of ours.
+    Checked before the (slow) fingerprint is computed, and again when it is written."""
+    from mergekit_lite.io.outputs import check_output_file
+
+    return check_output_file(path, [base_dir], recognise=_is_our_fingerprint)
+
+
 def write_fingerprint(fingerprint: dict, path, base_dir=None) -> None:
     """Write where asked, unless that is inside the base or replaces a file that is not a fingerprint of ours."""
-    from mergekit_lite.io.outputs import check_output_file, write_atomic
+    from mergekit_lite.io.outputs import write_atomic
 
-    path = check_output_file(path, [base_dir], recognise=_is_our_fingerprint)
-    write_atomic(path, json.dumps(fingerprint, indent=1) + "\n")
+    write_atomic(fingerprint_destination(path, base_dir), json.dumps(fingerprint, indent=1) + "\n")
 
 
 def _is_our_fingerprint(path: Path) -> bool:
@@ -224,8 +231,6 @@ def load_fingerprint(path) -> dict:
     if fingerprint.get("version") not in SUPPORTED_VERSIONS:
         raise InputError(f"{path}: fingerprint version {str(fingerprint.get('version'))[:20]} is not supported "
                          f"(expected one of {SUPPORTED_VERSIONS})")
-    if not isinstance(fingerprint.get("modules"), dict) or not isinstance(fingerprint.get("top_k"), int):
-        raise InputError(f"{path}: fingerprint has no modules or top_k")
     validate(FingerprintFile, fingerprint, path)
     return fingerprint
 

@@ -159,8 +159,9 @@ def audit():
 @click.option("--device", default="cpu", show_default=True, help="Device for --behaviour.")
 def fingerprint(base, out, top_k, behaviour, device):
     """Write BASE's fingerprint (spectra, signature, tokenizer, outputs) to ship inside adapter folders."""
-    from audits.fingerprint import compute_fingerprint, write_fingerprint
+    from audits.fingerprint import compute_fingerprint, fingerprint_destination, write_fingerprint
 
+    fingerprint_destination(out, base)
     result = compute_fingerprint(base, top_k, behaviour=behaviour, device=device)
     write_fingerprint(result, out, base_dir=base)
     click.echo(f"wrote {out}: {len(result['modules'])} weight matrices (top-{top_k} singular values and a probe each), "

@@ -28,6 +28,7 @@ from mergekit_lite.evaluate.sweep import (
     point_file,
     run_sweep,
 )
+from mergekit_lite.io.outputs import OUTPUT_MARKER
 from mergekit_lite.merge.recall import layer_weights
 
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -207,6 +208,7 @@ def test_cli_sweeps_from_a_config_file_with_flag_overrides_and_saves_the_best(to
     (folder / "points").mkdir(parents=True)
     for label in ("pre", "post"):  # the endpoints are already scored: the CLI resumes them
         shutil.copy(point_file(linear_sweep.out, label), point_file(folder, label))
+    shutil.copy(linear_sweep.out / OUTPUT_MARKER, folder / OUTPUT_MARKER)  # a run folder of ours, as resumes need
     config = tmp_path / "sweep.yaml"
     config.write_text(yaml.safe_dump({
         "pre": str(toy_pair.pre_dir), "post": str(toy_pair.post_dir), "alphas": [0.5, 0.9],
