@@ -23,9 +23,9 @@ def demo(out, seed, methods, quiet):
     from mergekit_lite.errors import InputError
 
     if quiet:
-        from cli.merge import _quiet_transformers
+        from cli.main import quiet_third_party
 
-        _quiet_transformers()
+        quiet_third_party()
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
     unknown = [m for m in chosen if m not in DEMO_SWEEPS]
     if unknown or not chosen:

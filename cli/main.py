@@ -108,6 +108,13 @@ def quiet_third_party() -> None:
                        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "DATASETS_VERBOSITY": "error"})
     for name in ("transformers", "huggingface_hub", "lm-eval", "lm_eval", "datasets", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()  # transformers' loading bars follow this switch when it is imported
+    if "transformers" in sys.modules:  # already imported: it read the switch then
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -103,17 +103,12 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
         click.echo(plan_merge(config).describe())
         return
     if quiet:
-        _quiet_transformers()
+        from cli.main import quiet_third_party
+
+        quiet_third_party()
     result = run_merge(config, out, overwrite=overwrite, progress=not quiet)
     if not quiet:
         click.echo(f"wrote {result.out} ({result.plan.total_bytes / 1e6:.1f} MB, {len(result.plan.steps)} tensors, "
                    f"{result.seconds:.1f} s)")
         for note in result.plan.notes:
             click.echo(f"note: {note}")
-
-
-def _quiet_transformers() -> None:
-    """-q also silences the bars transformers draws while RECALL loads each model."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()

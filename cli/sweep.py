@@ -1,6 +1,5 @@
 """`mergekit-lite sweep`: merge pre and post at every alpha of a grid, score old and new skills, pick the best."""
 
-import os
 
 import click
 
@@ -111,10 +110,9 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
     )
 
     if quiet:
-        os.environ["TQDM_DISABLE"] = "1"  # also the library bars that honour it (lm-eval's request bars do not)
-        from cli.merge import _quiet_transformers
+        from cli.main import quiet_third_party
 
-        _quiet_transformers()
+        quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
     data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
     data = _flag_values(data, pre=pre, post=post, method=method, alphas=alphas, old_tasks=old_tasks,
                         new_tasks=new_tasks, include_path=include_path, limit=limit, batch_size=batch_size,
