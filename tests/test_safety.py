@@ -693,7 +693,9 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
         if code == 0:
             assert sum(len(load_file(shard)) for shard in out.glob("*.safetensors")) == 50 and stderr == ""
         elif code == -signum or "KeyboardInterrupt" in stderr and "Interrupted" not in stderr:
-            assert not out.exists()  # Python's own start-up, before our handlers existed
+            # Python's own start-up (before our handlers) or its shutdown (after the final rename): nothing
+            # written, or the whole output, never a part of it
+            assert not out.exists() or sum(len(load_file(shard)) for shard in out.glob("*.safetensors")) == 50
         else:
             interrupted += 1
             assert code == 128 + signum and stderr.strip() == f"interrupted ({signum.name})", (code, stderr)
