@@ -21,6 +21,16 @@ def toy_pair(tmp_path_factory) -> ToyPair:
     return build_toy_pair(tmp_path_factory.mktemp("toy_pair"), seed=0, max_shard_size="100KB")
 
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """The CLI's -q sets quieting variables in os.environ (so lm-eval and Ray workers inherit them); a test that
+    calls it in-process must not pass them on to the subprocesses of later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @dataclass(frozen=True)
 class LmEvalRuns:
     """What lm-eval's own CLI wrote (--log_samples) for the toy pre and post models on local tasks of every

@@ -423,9 +423,11 @@ def test_quiet_merge_draws_no_loading_bars(base_and_last_layer_tuned, tmp_path):
 
     command = [str(Path(sys.executable).parent / "mergekit-lite"), "merge", "--method", "recall", "--base", base_dir, "--model",
                tuned_dir, "--recall-texts", str(texts), "--recall-samples", "4"]
-    loud = subprocess.run(command + ["--out", str(tmp_path / "loud")], capture_output=True, text=True, env=os.environ)
+    quieting = {"TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"}
+    env = {name: value for name, value in os.environ.items() if name not in quieting}
+    loud = subprocess.run(command + ["--out", str(tmp_path / "loud")], capture_output=True, text=True, env=env)
     quiet = subprocess.run(command + ["--out", str(tmp_path / "quiet"), "-q"], capture_output=True, text=True,
-                           env=os.environ)
+                           env=env)
     assert loud.returncode == 0 and quiet.returncode == 0, quiet.stderr
     assert "Loading weights" in loud.stderr
     assert "Loading weights" not in quiet.stderr and "%|" not in quiet.stderr
