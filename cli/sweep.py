@@ -93,11 +93,15 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--vllm-args", metavar="NAME=VALUE,...",
               help="vLLM model args: tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
                    "max_model_len, dtype, batch_size, seed.")
+@click.option("--probe", type=click.FloatRange(0, 1, min_open=True),
+              help="Probe mode: score each alpha only on the selection docs where pre and post disagree plus this "
+                   "share of the others (seeded), estimate its scores with standard errors, then score the pick on "
+                   "every doc (e.g. 0.1; default: every doc at every alpha).")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
 def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
           selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
-          backend, vllm_args, quiet):
+          backend, vllm_args, probe, quiet):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -121,7 +125,7 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
                         filter=filter_, choices=choices, aggregation=aggregation, selection=selection,
                         selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence,
                         ray=ray_address, search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype,
-                        backend=backend, vllm_args=vllm_args)
+                        backend=backend, vllm_args=vllm_args, probe=probe)
     settings = settings_from_dict(data)
     result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
@@ -133,6 +137,9 @@ def summary(result) -> str:
     resumed = len(result.points) + 2 - len(result.evaluated)
     split = ("picked on the same docs (--selection none)" if result.settings.selection == "none" else
              f"picked on {result.settings.selection_fraction:.0%} of the docs, reported on the rest")
+    probe = result.probe
+    probed = ([f"probe {len(probe.estimates)} alphas on {probe.samples_probed} of {probe.samples_all} docs each; "
+               f"estimates in the report"] if probe else [])
     return "\n".join([
         f"pre   old {result.pre.old:.4f}  new {result.pre.new:.4f}",
         f"post  old {result.post.old:.4f}  new {result.post.new:.4f}",
@@ -141,5 +148,6 @@ def summary(result) -> str:
         f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}",
         "forgetting recovered "
         + (f"{recovered:.1%}" if recovered is not None else "N/A (post lost no old-task accuracy)"),
+        *probed,
         f"evaluated {len(result.evaluated)} models, resumed {resumed}; report: {result.out / 'report.md'}",
     ])

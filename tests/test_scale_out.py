@@ -169,6 +169,63 @@ def test_probe_plan_is_seeded_and_keeps_every_disagreement():
     assert not set(a.agree_sampled) & set(a.disagree)
 
 
+def probe_sweep(pair, out: Path, **options):
+    return run_sweep(SweepSettings(pair.pre_dir, pair.post_dir, "linear", GRID, pair.old_tasks, pair.new_tasks,
+                                   pair.task_dir, str(out), limit=32, **options))
+
+
+GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.fixture(scope="module")
+def grid_sweep(toy_pair, tmp_path_factory):
+    return probe_sweep(toy_pair, tmp_path_factory.mktemp("grid") / "run")
+
+
+def test_probe_sweep_scores_the_docs_asked_for_and_estimates_exactly_at_rate_one(toy_pair, grid_sweep, tmp_path):
+    """lm-eval's `samples` renumbers the docs it is given; the probe outcomes, mapped back, equal the full grid's
+    on the same docs, and scoring every doc (rate 1) reproduces the grid's selection scores exactly."""
+    result = probe_sweep(toy_pair, tmp_path / "run", probe=1.0)
+    grid = {point.alpha: point for point in grid_sweep.points}
+    for alpha, estimate in result.probe.estimates.items():
+        assert (estimate.old, estimate.new, estimate.harmonic_mean) == pytest.approx(
+            (grid[alpha].selection.old, grid[alpha].selection.new, grid[alpha].selection.harmonic_mean), abs=1e-12)
+        assert estimate.harmonic_mean_se == 0.0
+    assert result.best.alpha == grid_sweep.best.alpha
+    assert result.best.report == grid[result.best.alpha].report  # the pick scored on every doc, as in the grid
+
+
+def test_probe_sweep_saves_evaluations_and_picks_what_the_grid_cannot_tell_apart(toy_pair, grid_sweep, tmp_path):
+    out = tmp_path / "run"
+    result = probe_sweep(toy_pair, out, probe=0.2)
+    grid = {point.alpha: point for point in grid_sweep.points}
+    for path in sorted((out / "probes").glob("*.json")):
+        saved = json.loads(path.read_text())
+        full = {run.task: run.outcomes.correct for run in grid[saved["alpha"]].tasks}
+        for task in saved["tasks"]:
+            assert task["correct"] and all(full[task["task"]][key] == value for key, value in task["correct"].items())
+    assert result.best.alpha in [grid_sweep.best.alpha, *grid_sweep.ties, *grid_sweep.indistinguishable]
+    assert [point.alpha for point in result.points] == [result.best.alpha]
+    results = json.loads((out / "results.json").read_text())
+    assert results["probe"]["pick"] == result.best.alpha
+    assert results["probe"]["sample_evaluations"] < results["probe"]["grid_sample_evaluations"]
+    assert len(results["probe"]["estimates"]) == len(GRID)
+    assert "## Probe estimates" in (out / "report.md").read_text()
+    again = probe_sweep(toy_pair, out, probe=0.2)
+    assert again.evaluated == [] and again.best.alpha == result.best.alpha  # probes and the pick resumed
+    with pytest.raises(InputError, match="other settings"):
+        probe_sweep(toy_pair, out, probe=0.5)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"probe": 0}, "probe must be a share in"), ({"probe": 1.5}, "probe must be a share in"),
+    ({"probe": 0.1, "ray": "local"}, "--probe evaluates its points in this process"),
+])
+def test_bad_probe_settings_fail_before_any_model(tmp_path, options, message):
+    with pytest.raises(InputError, match=message):
+        SweepSettings("pre", "post", "linear", [0.5], ["a"], ["b"], None, str(tmp_path / "out"), **options)
+
+
 # --- Ray end to end --------------------------------------------------------------------------------
 
 ALPHAS = [0.0, 0.5, 1.0]

@@ -153,6 +153,7 @@ class SampleOutcomes:
     n_choices: float
     metric: str = ""
     filter: str = ""
+    doc_ids: dict[str, int] = field(default_factory=dict)  # key -> lm-eval's doc_id, where the records carry one
 
     @property
     def accuracy(self) -> float:
@@ -421,6 +422,7 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
     if metric is None:
         raise InputError(f"{records[0][1]}: no metric logged (run lm-eval with --log_samples)")
     correct: dict[str, bool] = {}
+    doc_ids: dict[str, int] = {}
     chance_accuracies = []
     for sample, label in records:
         if metric not in sample:
@@ -432,10 +434,13 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
             raise TaskSkipped(f"metric {metric!r} is not 0/1 (e.g. {sample[metric]!r} at {label}); "
                               "choose a 0/1 metric with --metric")
         k = rule.choices if rule.choices is not None else sample_choices(sample, config, label)
-        correct[_unique_key(_sample_key(sample, label), correct)] = outcome
+        key = _unique_key(_sample_key(sample, label), correct)
+        correct[key] = outcome
+        if isinstance(sample.get("doc_id"), int):
+            doc_ids[key] = sample["doc_id"]
         chance_accuracies.append(1 / k)
     return SampleOutcomes(task, correct, effective_choices(math.fsum(chance_accuracies) / len(chance_accuracies)),
-                          metric, str(chosen_filter) if chosen_filter is not None else "")
+                          metric, str(chosen_filter) if chosen_filter is not None else "", doc_ids)
 
 
 def _sample_key(sample: dict, label: str) -> str:

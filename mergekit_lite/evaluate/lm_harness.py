@@ -99,28 +99,36 @@ class Evaluator:
         known = set(manager.all_tasks)
         return [task for task in self.tasks if task not in known]
 
-    def evaluate(self, model, tokenizer) -> dict[str, TaskScore]:
-        """Score `model` (moved to self.device) on every task; keys are leaf task names."""
+    def evaluate(self, model, tokenizer, samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
+        """Score `model` (moved to self.device) on every task; keys are leaf task names. `samples`
+        ({leaf task: doc ids}) scores only those docs of those tasks (see `_scores`)."""
         from lm_eval.models.huggingface import HFLM
 
         model.to(self.device)
-        return self._scores(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device))
+        return self._scores(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device),
+                            samples=samples)
 
-    def evaluate_with(self, backend: str, model_args: dict) -> dict[str, TaskScore]:
+    def evaluate_with(self, backend: str, model_args: dict,
+                      samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
         """Score a model folder through one of lm-eval's own backends (e.g. "vllm" with its model_args)."""
-        return self._scores(backend, model_args)
+        return self._scores(backend, model_args, samples)
 
-    def _scores(self, model, model_args: dict | None = None) -> dict[str, TaskScore]:
+    def _scores(self, model, model_args: dict | None = None,
+                samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
+        """lm-eval's `samples` ({task: doc ids}) replaces `limit` and keeps the docs' order."""
         import lm_eval
 
+        if samples is not None and not all(samples.values()):
+            raise ValueError("every task in samples needs at least one doc id (lm-eval scores all docs of an empty list)")
         # lm-eval passes disable=False to its own progress bars; `quiet` silences them at the stream.
         with _silenced_stderr() if self.quiet else contextlib.nullcontext():
             results = lm_eval.simple_evaluate(
                 model=model,
                 model_args=model_args,
-                tasks=self.tasks,
+                tasks=list(samples) if samples is not None else self.tasks,
                 task_manager=self.task_manager,
-                limit=self.limit,
+                limit=self.limit if samples is None else None,
+                samples={task: sorted(ids) for task, ids in samples.items()} if samples is not None else None,
                 log_samples=True,
                 bootstrap_iters=0,
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 from mergekit_lite.evaluate.forgetting import format_table
@@ -94,9 +95,43 @@ def results_json(result: SweepResult) -> dict:
                  "indistinguishable": result.indistinguishable},
         "pareto": result.pareto,
         "recovered": result.recovered,
-        "search": {"method": settings.search, "evaluated": [point.alpha for point in result.points],
+        "search": {"method": settings.search,
+                   "evaluated": ([settings.alphas[index] for index in result.search.evaluated] if result.search
+                                 else [point.alpha for point in result.points]),
                    "grid": settings.alphas, "stopped": result.search.reason if result.search else None},
+        "probe": probe_json(result),
     }
+
+
+def probe_json(result: SweepResult) -> dict | None:
+    """Probe mode's estimates (selection split) and sample counts; None when every point was scored in full."""
+    probe = result.probe
+    if probe is None:
+        return None
+    return {"rate": probe.rate, "pick": probe.pick, "indistinguishable": probe.indistinguishable,
+            "samples_per_probe": probe.samples_probed, "samples_per_full_point": probe.samples_all,
+            "sample_evaluations": len(probe.estimates) * probe.samples_probed + probe.samples_all,
+            "grid_sample_evaluations": len(result.settings.alphas) * probe.samples_all,
+            "estimates": [{"alpha": alpha, **asdict(estimate)} for alpha, estimate in probe.estimates.items()]}
+
+
+def probe_lines(results: dict) -> list[str]:
+    """The probe table: each probed alpha's estimated selection-split scores with +- one standard error."""
+    probe = results["probe"]
+    if probe is None:
+        return []
+    lines = [f"## Probe estimates (selection split, {probe['rate']:.0%} of the samples pre and post agree on, "
+             "plus every one they disagree on)", "",
+             f"{len(probe['estimates'])} alphas scored on {probe['samples_per_probe']} docs each, then the pick on all "
+             f"{probe['samples_per_full_point']}: {probe['sample_evaluations']} doc evaluations against "
+             f"{probe['grid_sample_evaluations']} for the full grid. Indistinguishable from the pick by the estimates: "
+             f"{', '.join(map(repr, probe['indistinguishable'])) or 'none'}.", "",
+             "| alpha | old (est.) | new (est.) | harmonic mean (est.) | note |", "|---|---:|---:|---:|---|"]
+    for row in probe["estimates"]:
+        note = "pick" if row["alpha"] == probe["pick"] else ""
+        lines.append(f"| {row['alpha']!r} | {row['old']:.4f} ± {row['old_se']:.4f} | {row['new']:.4f} ± "
+                     f"{row['new_se']:.4f} | {row['harmonic_mean']:.4f} ± {row['harmonic_mean_se']:.4f} | {note} |")
+    return [*lines, ""]
 
 
 def _with_interval(value: float, interval) -> str:
@@ -147,6 +182,9 @@ def split_lines(results: dict) -> list[str]:
         lines.append(f"- intervals: {selection['confidence']:.0%} paired bootstrap, "
                      f"{selection['bootstrap']} resamples of the report docs")
     search = results["search"]
+    if results["probe"] is not None:
+        lines.append(f"- probe mode: alphas scored on probe samples of the selection docs (table below); only the "
+                     f"pick, alpha = {results['probe']['pick']!r}, was scored on every doc and is in the table")
     if search["method"] == "golden":
         lines.append(f"- search: golden section over the grid, {len(search['evaluated'])} of {len(search['grid'])} "
                      f"alphas evaluated ({search['stopped']}); the others are not in the table")
@@ -190,6 +228,7 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         "Forgetting recovered: " + (f"{recovered:.1%}" if recovered is not None else
                                     "N/A (post did not lose old-task accuracy)"),
         "",
+        *probe_lines(results),
         f"![sweep]({PLOT_FILE})",
         "",
         f"![forgetting map]({MAP_FILE})",

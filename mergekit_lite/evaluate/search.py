@@ -135,6 +135,48 @@ def estimate_accuracy(plan: ProbePlan, observed: Mapping[Hashable, bool]) -> tup
     return (exact + plan.agree_correct + plan.agree_total * mean) / total, standard_error / total
 
 
+def harmonic_mean(old: float, new: float) -> float:
+    """2on/(o+n): high only when both are high; 0 when both are 0."""
+    return 0.0 if old + new == 0 else 2 * old * new / (old + new)
+
+
+@dataclass(frozen=True)
+class ProbeEstimate:
+    """old, new and their harmonic mean estimated from probe samples, each with its standard error."""
+
+    old: float
+    new: float
+    harmonic_mean: float
+    old_se: float
+    new_se: float
+    harmonic_mean_se: float
+
+
+def estimate_scores(plans: Mapping[str, ProbePlan], groups: Mapping[str, str],
+                    observed: Mapping[str, Mapping[Hashable, bool]], aggregation: str = "paper") -> ProbeEstimate:
+    """Group scores from each task's `estimate_accuracy`, aggregated as the sweep aggregates full scores
+    ("paper": the unweighted mean over a group's tasks; "pooled": weighted by samples), with errors
+    propagated assuming independent tasks; the harmonic mean's error by the delta method. [ours]"""
+    values = {}
+    for group in ("old", "new"):
+        tasks = [task for task in plans if groups[task] == group]
+        if not tasks:
+            raise ValueError(f"no {group} task to estimate")
+        estimates = {task: estimate_accuracy(plans[task], observed[task]) for task in tasks}
+        weights = {task: 1 / len(tasks) for task in tasks}
+        if aggregation == "pooled":
+            sizes = {task: len(plans[task].disagree) + plans[task].agree_total for task in tasks}
+            weights = {task: sizes[task] / sum(sizes.values()) for task in tasks}
+        values[group] = (math.fsum(weights[task] * estimates[task][0] for task in tasks),
+                         math.sqrt(math.fsum((weights[task] * estimates[task][1]) ** 2 for task in tasks)))
+    (old, old_se), (new, new_se) = values["old"], values["new"]
+    if old + new == 0:
+        return ProbeEstimate(old, new, 0.0, old_se, new_se, 0.0)
+    d_old, d_new = 2 * new**2 / (old + new) ** 2, 2 * old**2 / (old + new) ** 2
+    return ProbeEstimate(old, new, harmonic_mean(old, new), old_se, new_se,
+                         math.sqrt((d_old * old_se) ** 2 + (d_new * new_se) ** 2))
+
+
 def evaluations_saved(plans: Sequence[ProbePlan], n_points: int) -> tuple[int, int]:
     """(sample evaluations with probes, without) over a sweep of `n_points` merged models."""
     full = sum(len(plan.disagree) + plan.agree_total for plan in plans)

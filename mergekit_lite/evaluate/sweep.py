@@ -53,7 +53,15 @@ from mergekit_lite.evaluate.forgetting import (
     aggregate,
     compare,
 )
-from mergekit_lite.evaluate.search import SearchTrace
+from mergekit_lite.evaluate.search import (
+    ProbeEstimate,
+    ProbePlan,
+    SearchTrace,
+    estimate_scores,
+    golden_section,
+    harmonic_mean,
+    probe_plan,
+)
 from mergekit_lite.io.outputs import (
     check_output_folder,
     prepare_run_folder,
@@ -69,6 +77,7 @@ from mergekit_lite.merge.config import (
 )
 
 POINTS_DIR = "points"
+PROBES_DIR = "probes"  # probe-mode points: scored on probe samples only, never resumed as full points
 RECALL_DIR = "recall"
 SIMILARITY_FILE = "similarity.json"
 LOCK_FILE = ".sweep.lock"
@@ -158,6 +167,7 @@ class SweepSettings:
     search: str = "grid"  # grid: every alpha; golden: golden-section search over the grid (fewer points)
     backend: str = "hf"  # hf: in-memory transformers model; vllm: lm-eval's vLLM backend on a merged folder
     vllm_args: str | None = None  # lm-eval model_args for vllm, e.g. tensor_parallel_size=2,gpu_memory_utilization=0.8
+    probe: float | None = None  # probe mode: share of the samples pre and post agree on that every alpha is scored on
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -186,6 +196,11 @@ class SweepSettings:
             raise InputError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
         if self.search == "golden" and self.ray is not None:
             raise InputError("--search golden evaluates one point after another: run it without --ray")
+        if self.probe is not None:
+            if isinstance(self.probe, bool) or not isinstance(self.probe, (int, float)) or not 0 < self.probe <= 1:
+                raise InputError(f"probe must be a share in (0, 1], got {self.probe!r}")
+            if self.ray is not None:
+                raise InputError("--probe evaluates its points in this process: run it without --ray")
         if self.selection not in SELECTIONS:
             raise InputError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if not 0 < self.selection_fraction < 1:
@@ -303,6 +318,7 @@ class SweepFile(BaseModel):
     eval_dtype: str | None = None
     backend: str | None = None
     vllm_args: str | None = None
+    probe: float | None = Field(None, gt=0, le=1)
 
 
 def load_sweep_file(path: str | Path) -> dict:
@@ -354,14 +370,15 @@ class TaskRun:
         k = self.outcomes.n_choices
         return {"task": self.task, "group": self.group, "metric": self.outcomes.metric,
                 "filter": self.outcomes.filter, "n_choices": None if math.isinf(k) else k,
-                "correct": self.outcomes.correct}
+                "correct": self.outcomes.correct, "doc_ids": self.outcomes.doc_ids}
 
     @classmethod
     def from_json(cls, data: dict) -> TaskRun:
         if "correct" not in data:
             return cls(data["task"], data["group"], None, str(data["skipped"]))
         k = math.inf if data["n_choices"] is None else float(data["n_choices"])
-        outcomes = SampleOutcomes(data["task"], data["correct"], k, data.get("metric", ""), data.get("filter", ""))
+        outcomes = SampleOutcomes(data["task"], data["correct"], k, data.get("metric", ""), data.get("filter", ""),
+                                  data.get("doc_ids") or {})
         return cls(data["task"], data["group"], outcomes)
 
 
@@ -409,11 +426,6 @@ class PointResult:
     @property
     def harmonic_mean(self) -> float:
         return self.report.harmonic_mean
-
-
-def harmonic_mean(old: float, new: float) -> float:
-    """2on/(o+n): high only when both are high; 0 when both are 0."""
-    return 0.0 if old + new == 0 else 2 * old * new / (old + new)
 
 
 def split_docs(keys, seed: int, fraction: float) -> tuple[list[str], list[str]]:
@@ -483,6 +495,19 @@ def pareto_front(points: list[PointResult]) -> list[float]:
 
 
 @dataclass
+class ProbeTrace:
+    """Probe mode: every alpha scored on probe samples of the selection docs, its estimated scores, and
+    what that cost against scoring every doc. [ours]"""
+
+    rate: float
+    estimates: dict[float, ProbeEstimate]  # alpha -> estimated selection-split scores
+    pick: float
+    indistinguishable: list[float]  # alphas whose estimated HM is within the interval of the pick's
+    samples_probed: int  # docs scored per probed alpha
+    samples_all: int  # docs of every scored task (both splits): what each alpha costs in a full grid
+
+
+@dataclass
 class SweepResult:
     """The whole sweep: the two reference endpoints, every alpha, the pick (best harmonic mean on the
     selection split), the alphas the report split cannot tell from it, and the Pareto front."""
@@ -500,6 +525,7 @@ class SweepResult:
     indistinguishable: list[float] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     search: SearchTrace | None = None  # the golden-section search's trace; None for a full grid
+    probe: ProbeTrace | None = None  # probe mode's estimates; None when every point was scored in full
 
     @property
     def recovered(self) -> float | None:
@@ -568,8 +594,8 @@ def add_intervals(result: SweepResult) -> None:
                                 and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]]
 
 
-def point_file(folder: Path, label: str) -> Path:
-    return folder / POINTS_DIR / f"{label.replace('=', '_')}.json"
+def point_file(folder: Path, label: str, directory: str = POINTS_DIR) -> Path:
+    return folder / directory / f"{label.replace('=', '_')}.json"
 
 
 def alpha_label(alpha: float) -> str:
@@ -586,6 +612,7 @@ class SavedTask(BaseModel):
     filter: str | None = None
     n_choices: int | float | None = None
     correct: dict[str, bool] | None = None
+    doc_ids: dict[str, int] | None = None
     skipped: str | None = None
 
 
@@ -599,11 +626,11 @@ class PointFile(BaseModel):
     tasks: list[SavedTask]
 
 
-def load_points(folder: Path, identity: dict) -> dict[str, list[TaskRun]]:
+def load_points(folder: Path, identity: dict, directory: str = POINTS_DIR) -> dict[str, list[TaskRun]]:
     """Every finished point in the run folder by label. One saved under other settings -> InputError,
     whether or not this grid includes it: the folder belongs to one sweep."""
     points = {}
-    for path in sorted((folder / POINTS_DIR).glob("*.json")):
+    for path in sorted((folder / directory).glob("*.json")):
         try:
             point = validate(PointFile, read_json(path), path)
         except InputError as error:
@@ -884,37 +911,38 @@ class PointEvaluator:
             return self.evaluate(self.loader.from_folder(self.settings.pre))
         return self.evaluate(post_model(self.loader, self.settings, self.sources))
 
-    def merged(self, config: MergeConfig) -> list[TaskRun]:
-        """A merge written into the resident model, or streamed to a folder in the run folder and loaded from it."""
+    def merged(self, config: MergeConfig, samples: dict[str, dict[str, list[int]]] | None = None) -> list[TaskRun]:
+        """A merge written into the resident model, or streamed to a folder in the run folder and loaded from it;
+        scored on every doc, or only on `samples` ({group: {task: doc ids}}, probe mode)."""
         from mergekit_lite.merge.engine import run_merge
 
         if self.resident is not None:
             self.resident.write(config)
-            return self.evaluate(self.resident.model)
+            return self.evaluate(self.resident.model, samples)
         temp = self.folder / f"{MERGE_TEMP}-{os.getpid()}"  # one per process: Ray actors share the run folder
         run_merge(config, temp, overwrite=True)
         try:
             if self.settings.backend == "vllm":
-                return self.evaluate_folder(temp)
-            return self.evaluate(self.loader.from_folder(temp))
+                return self.evaluate_folder(temp, samples)
+            return self.evaluate(self.loader.from_folder(temp), samples)
         finally:
             shutil.rmtree(temp, ignore_errors=True)
 
-    def evaluate_folder(self, folder) -> list[TaskRun]:
+    def evaluate_folder(self, folder, samples=None) -> list[TaskRun]:
         """Score a model folder with lm-eval's vLLM backend (it loads weights from disk itself)."""
         from mergekit_lite.evaluate.backends import vllm_model_args
 
         model_args = vllm_model_args(str(folder), str(self.tokenizer_dir), self.settings.vllm_options())
-        return self._runs(lambda evaluator: evaluator.evaluate_with("vllm", model_args))
+        return self._runs(lambda evaluator, chosen: evaluator.evaluate_with("vllm", model_args, chosen), samples)
 
-    def evaluate(self, model) -> list[TaskRun]:
+    def evaluate(self, model, samples=None) -> list[TaskRun]:
         """Score the in-memory model on both groups."""
-        return self._runs(lambda evaluator: evaluator.evaluate(model, self.tokenizer))
+        return self._runs(lambda evaluator, chosen: evaluator.evaluate(model, self.tokenizer, chosen), samples)
 
-    def _runs(self, scores) -> list[TaskRun]:
+    def _runs(self, scores, samples=None) -> list[TaskRun]:
         runs = []
         for group, evaluator in self.evaluators.items():
-            for task, score in scores(evaluator).items():
+            for task, score in scores(evaluator, None if samples is None else samples[group]).items():
                 runs.append(score_task(task, group, score, self.settings.scoring()))
             self.bar.update(len(evaluator.tasks))
         return runs
@@ -946,7 +974,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     identity = settings.identity()
     plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
-    search = None
+    search = probed = None
     with run_lock(folder):
         runs = load_points(folder, identity)
         todo = [(label, alpha) for label, alpha in plan if label not in runs]
@@ -965,26 +993,39 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
             else:
                 evaluator = None
 
-                def evaluate(label: str, alpha: float | None) -> None:
+                def point_evaluator() -> PointEvaluator:
                     nonlocal evaluator
-                    if label in runs:
-                        return
                     interrupts.check()
                     evaluator = evaluator or PointEvaluator(settings, folder, bar)
+                    return evaluator
+
+                def evaluate(label: str, alpha: float | None) -> None:
+                    if label in runs:
+                        return
+                    point = point_evaluator()
                     bar.set_postfix_str(label)
-                    runs[label] = evaluate_point(evaluator, settings, label, alpha,
-                                                 None if alpha is None else configs(alpha))
+                    runs[label] = evaluate_point(point, settings, label, alpha, None if alpha is None else configs(alpha))
                     evaluated.append(label)
 
-                for label, alpha in plan if settings.search == "grid" else plan[:2]:
+                def probe(label: str, alpha: float, samples: dict) -> list[TaskRun]:
+                    point = point_evaluator()
+                    bar.set_postfix_str(f"{label} (probe)")
+                    return point.merged(configs(alpha), samples)
+
+                full_grid = settings.search == "grid" and settings.probe is None
+                for label, alpha in plan if full_grid else plan[:2]:
                     evaluate(label, alpha)
-                if settings.search == "golden":
+                if settings.probe is not None:
+                    probed, search = run_probes(settings, folder, runs, probe)
+                    evaluate(alpha_label(probed.pick), probed.pick)  # the pick, scored on every doc
+                    plan = plan[:2] + [(alpha_label(probed.pick), probed.pick)]
+                elif settings.search == "golden":
                     search = golden_search(settings, runs, evaluate)
                     bar.total = (len(search.evaluated) + 2) * n_tasks
                     bar.refresh()
         plan = [(label, alpha) for label, alpha in plan if label in runs]
         result = _result(settings, folder, plan, runs, evaluated)
-        result.search = search
+        result.search, result.probe = search, probed
         write_report(result)
         if settings.save_best:
             from mergekit_lite.merge.engine import run_merge
@@ -1036,8 +1077,6 @@ def golden_search(settings: SweepSettings, runs: dict[str, list[TaskRun]], evalu
     difference on the selection docs holds 0. `evaluate(label, alpha)` adds a point to `runs`."""
     import numpy as np
 
-    from mergekit_lite.evaluate.search import golden_section
-
     baseline = runs["pre"]
     splits = doc_splits(settings, baseline)
     summaries: dict[int, PointResult] = {}
@@ -1059,3 +1098,115 @@ def golden_search(settings: SweepSettings, runs: dict[str, list[TaskRun]], evalu
 
     return golden_section(len(settings.alphas), lambda i: at(i).selection.harmonic_mean,
                           indistinguishable if settings.bootstrap else None)
+
+
+# --- probe mode ---------------------------------------------------------------------------------------
+
+
+def probe_identity(settings: SweepSettings) -> dict:
+    """What a probe point depends on beyond a full point's identity: the rate and the docs it samples from."""
+    return {**settings.identity(), "probe": settings.probe, "selection": settings.selection,
+            "selection_fraction": settings.selection_fraction}
+
+
+def probe_plans(settings: SweepSettings, runs: dict[str, list[TaskRun]],
+                splits: dict[str, tuple[list[str], list[str]]]) -> dict[str, ProbePlan]:
+    """Per scored task, on its selection docs: where pre and post disagree, plus a seeded share of the rest."""
+    post = {run.task: run.outcomes for run in runs["post"]}
+    plans = {}
+    for run in runs["pre"]:
+        if run.outcomes is None or post.get(run.task) is None:
+            continue
+        keys = splits[run.task][0]
+        if any(key not in run.outcomes.doc_ids for key in keys):
+            raise InputError(f"task {run.task!r}: pre's saved point has no lm-eval doc ids (written before --probe "
+                             "existed); use another --out")
+        plans[run.task] = probe_plan({key: run.outcomes.correct[key] for key in keys},
+                                     {key: post[run.task].correct[key] for key in keys if key in post[run.task].correct},
+                                     settings.probe, f"{settings.seed}:{run.task}")
+    return plans
+
+
+def probe_samples(plans: dict[str, ProbePlan], baseline: list[TaskRun]) -> dict[str, dict[str, list[int]]]:
+    """{group: {task: lm-eval doc ids}} of every probe sample."""
+    pre = {run.task: run for run in baseline}
+    samples: dict[str, dict[str, list[int]]] = {group: {} for group in GROUPS}
+    for task, plan in plans.items():
+        samples[pre[task].group][task] = sorted(pre[task].outcomes.doc_ids[key] for key in plan.scored)
+    empty = [group for group in GROUPS if not samples[group]]
+    if empty:
+        raise InputError(f"no {empty[0]} task could be scored (check --{empty[0]}-tasks and --metric)")
+    return samples
+
+
+def on_pre_keys(run: TaskRun, chosen: list[int], pre: SampleOutcomes) -> TaskRun:
+    """A probe run keyed as pre's full run. Records are matched to the chosen docs in doc order (lm-eval's
+    `samples` keeps the docs' order; whether a record's doc_id is the task's own or its rank among the chosen
+    differs between lm-eval versions) and each match is checked by doc_hash where lm-eval logs one."""
+    if run.outcomes is None:
+        raise InputError(f"task {run.task!r}: probe run skipped ({run.skipped}) though pre's full run was scored")
+    key_of = {doc_id: key for key, doc_id in pre.doc_ids.items()}
+    expected = [key_of[doc_id] for doc_id in sorted(chosen)]
+    observed = sorted(run.outcomes.correct, key=lambda key: run.outcomes.doc_ids.get(key, -1))
+    if len(observed) != len(expected):
+        raise InputError(f"task {run.task!r}: lm-eval scored {len(observed)} probe docs, {len(expected)} were asked for")
+    correct = {}
+    for key, original, doc_id in zip(observed, expected, sorted(chosen)):
+        hashed = original.split("#")[0] != str(doc_id)
+        if hashed and original.split("#")[0] != key.split("#")[0]:
+            raise InputError(f"task {run.task!r}: lm-eval returned a probe doc ({key}) that is not one asked for")
+        correct[original] = run.outcomes.correct[key]
+    outcomes = SampleOutcomes(run.task, correct, run.outcomes.n_choices, run.outcomes.metric, run.outcomes.filter)
+    return TaskRun(run.task, run.group, outcomes)
+
+
+def run_probes(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]],
+               probe) -> tuple[ProbeTrace, SearchTrace | None]:
+    """Score alphas on probe samples (every alpha, or those the golden search visits), estimate each one's
+    selection-split scores with their standard errors, and pick the best estimated harmonic mean (ties to the
+    smallest alpha). `probe(label, alpha, samples)` scores one merge on {group: {task: doc ids}}. Probe points
+    are saved in probes/ (rerunning resumes them); pre and post must be in `runs`. [ours]"""
+    from statistics import NormalDist
+
+    baseline = runs["pre"]
+    splits = doc_splits(settings, baseline)
+    plans = probe_plans(settings, runs, splits)
+    samples = probe_samples(plans, baseline)
+    pre = {run.task: run.outcomes for run in baseline}
+    groups = {run.task: run.group for run in baseline}
+    identity = probe_identity(settings)
+    (folder / PROBES_DIR).mkdir(exist_ok=True)
+    saved = load_points(folder, identity, PROBES_DIR)
+    estimates: dict[int, ProbeEstimate] = {}
+
+    def at(index: int) -> ProbeEstimate:
+        if index not in estimates:
+            alpha = settings.alphas[index]
+            label = alpha_label(alpha)
+            if label not in saved:
+                scored = [on_pre_keys(run, samples[run.group][run.task], pre[run.task])
+                          for run in probe(label, alpha, samples) if run.task in plans]
+                save_point(point_file(folder, label, PROBES_DIR), identity, label, alpha, scored)
+                saved[label] = scored
+            observed = {run.task: run.outcomes.correct for run in saved[label]}
+            estimates[index] = estimate_scores(plans, groups, observed, settings.aggregation)
+        return estimates[index]
+
+    z = NormalDist().inv_cdf((1 + settings.confidence) / 2)
+
+    def indistinguishable(i: int, j: int) -> bool:
+        return abs(at(i).harmonic_mean - at(j).harmonic_mean) <= z * math.hypot(at(i).harmonic_mean_se,
+                                                                                 at(j).harmonic_mean_se)
+
+    search = None
+    if settings.search == "golden":
+        search = golden_section(len(settings.alphas), lambda i: at(i).harmonic_mean, indistinguishable)
+        best = search.best
+    else:
+        best = max(range(len(settings.alphas)), key=lambda i: (at(i).harmonic_mean, -i))
+    trace = ProbeTrace(settings.probe, {settings.alphas[i]: estimates[i] for i in sorted(estimates)},
+                       settings.alphas[best], [settings.alphas[i] for i in sorted(estimates)
+                                               if i != best and indistinguishable(i, best)],
+                       sum(len(plan.scored) for plan in plans.values()),
+                       sum(len(run.outcomes.correct) for run in baseline if run.task in plans))
+    return trace, search
