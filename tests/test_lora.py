@@ -1,6 +1,8 @@
 """LoRA adapter reader: base + delta must equal PEFT's own merge_and_unload(), and bad adapters are refused."""
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -144,6 +146,27 @@ def drop_lora_b(tensors):
 def test_refuses_what_it_cannot_merge(saved_adapter, tmp_path, edit_config, edit_weights, message):
     folder = copy_adapter(saved_adapter, tmp_path / "edited", edit_config, edit_weights)
     with pytest.raises(InputError, match=message):
+        LoraAdapter.open(folder)
+
+
+@pytest.mark.parametrize("name", ["adapter_model.safetensors", "adapter_config.json"])
+def test_adapter_files_linking_out_of_the_folder_are_refused(saved_adapter, tmp_path, name):
+    """Reads stay inside the adapter folder the user named: a link to a file elsewhere is not followed."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(saved_adapter / name, outside / name)
+    folder = copy_adapter(saved_adapter, tmp_path / "linked")
+    (folder / name).unlink()
+    (folder / name).symlink_to(outside / name)
+    with pytest.raises(InputError, match="not a regular file inside"):
+        LoraAdapter.open(folder)
+
+
+def test_a_fifo_as_adapter_weights_is_refused_without_blocking(saved_adapter, tmp_path):
+    folder = copy_adapter(saved_adapter, tmp_path / "fifo")
+    (folder / "adapter_model.safetensors").unlink()
+    os.mkfifo(folder / "adapter_model.safetensors")
+    with pytest.raises(InputError, match="not a regular file inside"):
         LoraAdapter.open(folder)
 
 
