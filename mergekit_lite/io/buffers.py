@@ -76,6 +76,29 @@ class BufferRing:
         return newest_end if oldest - newest_end >= size else None
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+SMALL_ALLOCATION_LIMIT = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+KEPT_FREE_MEMORY = 1 << 30
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc serve the chunk loop's temporaries (a few MB each, thousands per GB) from memory it keeps.
+
+    By default glibc maps any allocation above a threshold that it adjusts as the program runs, and unmaps it
+    on free; whether the chunk temporaries land above or below it varied from run to run, and when above, every
+    one of them was a fresh mapping: 4 million page faults and 3x the system time for a 1 GB DARE merge
+    (benchmarks/RESULTS.md). Fixing the threshold at its ceiling and keeping up to KEPT_FREE_MEMORY of freed
+    heap makes every run take the fast path; larger allocations are still mapped and returned, so peak memory
+    is unchanged. False where the C library has no mallopt (musl, macOS): nothing changes there.
+    """
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, SMALL_ALLOCATION_LIMIT)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_MEMORY))
+
+
 def aligned(nbytes: int) -> int:
     """`nbytes` rounded up to whole pages."""
     return -(-nbytes // ALIGNMENT) * ALIGNMENT

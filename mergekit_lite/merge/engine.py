@@ -18,7 +18,7 @@ import yaml
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.buffers import BufferRing, aligned
+from mergekit_lite.io.buffers import BufferRing, aligned, reuse_freed_memory
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.outputs import (
     atomic_output_dir,
@@ -67,7 +67,7 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     if out is None:
         out = torch.empty(step.shape, dtype=step.out_dtype, device=flats[0].device)
     out_flat = out.view(-1)
-    with _math_threads():
+    with _math_threads(compute_bound(config.method)):
         for begin in range(0, out_flat.numel(), methods.CHUNK):
             chunk = slice(begin, begin + methods.CHUNK)
             out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
@@ -119,7 +119,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
-        with _math_threads():  # a chunked pass too; counts and selections do not depend on threads
+        with _math_threads(compute_bound=True):  # a chunked pass too; counts and selections do not depend on threads
             thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
                           for model, density in zip(tensors[1:], parameters["densities"])]
     if recipe.sparsifier == "outliers":
@@ -173,6 +173,7 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
 
     config = plan.config
     device = usable_device(config.device)
+    reuse_freed_memory()
     ring = BufferRing(max((_input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
@@ -209,21 +210,30 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
             ring.close()
 
 
-def math_threads() -> int:
-    """Intra-op threads for the chunk loop: the cores this process may use, minus one for reading and writing.
+def compute_bound(method: str) -> bool:
+    """Methods whose chunk math (sparsify, elect signs, disjoint mean: ~15 float32 ops per element and model)
+    costs several times the reading and writing; the others are bound by memory and I/O."""
+    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    return recipe is not None and recipe.sparsifier is not None
 
-    On 2 cores this is 1, which also keeps the loop's thousands of parallel regions from waiting on a worker
-    that another process has descheduled (5x slower runs on a busy machine, benchmarks/RESULTS.md). Only the
-    chunked loops change threads: whole-tensor reductions such as SLERP's dot products round differently with
-    another thread count, and keeping them as they were keeps the merged bytes as they were.
+
+def math_threads(compute_bound: bool = False) -> int:
+    """Intra-op threads for the chunk loop: the cores this process may use, minus one for reading and writing,
+    or all of them for compute-bound methods, whose reader and writer mostly wait.
+
+    Leaving a core free keeps an I/O-bound loop's thousands of parallel regions from waiting on a worker that
+    another process has descheduled (5x slower runs on a busy machine, benchmarks/RESULTS.md). Only the chunked
+    loops change threads: elementwise ops give the same bytes with any thread count, while whole-tensor
+    reductions such as SLERP's dot products round differently with another count and keep the default.
     """
-    return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)) - 1))
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(torch.get_num_threads(), cores if compute_bound else cores - 1))
 
 
 @contextmanager
-def _math_threads():
+def _math_threads(compute_bound: bool = False):
     threads = torch.get_num_threads()
-    torch.set_num_threads(math_threads())
+    torch.set_num_threads(math_threads(compute_bound))
     try:
         yield
     finally:
