@@ -138,8 +138,9 @@ def summary(result) -> str:
     split = ("picked on the same docs (--selection none)" if result.settings.selection == "none" else
              f"picked on {result.settings.selection_fraction:.0%} of the docs, reported on the rest")
     probe = result.probe
-    probed = ([f"probe {len(probe.estimates)} alphas on {probe.samples_probed} of {probe.samples_all} docs each; "
-               f"estimates in the report"] if probe else [])
+    probed = ([f"probe {len(probe.estimates)} alphas on {probe.samples_probed} of {probe.samples_all} docs each "
+               f"(estimates in the report); indistinguishable from the pick by the estimates: "
+               f"{', '.join(map(repr, probe.indistinguishable)) or 'none'}"] if probe else [])
     return "\n".join([
         f"pre   old {result.pre.old:.4f}  new {result.pre.new:.4f}",
         f"post  old {result.post.old:.4f}  new {result.post.new:.4f}",

@@ -298,11 +298,12 @@ def test_bandwidth_errors_and_uniform_warning():
 
 
 def test_layer_alphas_by_hand():
-    """drift = 1 - s = (0.1, 0.4, 0.1), mean 0.2, so r = (0.5, 2, 0.5) and alpha_l = alpha ** r."""
-    similarity = [[0.9, 1.0], [0.6, 1.0], [0.9, 1.0]]
-    assert layer_alphas(similarity, 0.64) == pytest.approx([0.8, 0.64**2, 0.8])
-    assert layer_alphas(similarity, 0.0) == [0.0, 0.0, 0.0]
-    assert layer_alphas(similarity, 1.0) == [1.0, 1.0, 1.0]
+    """Decoder rows' drift = 1 - s = (0.4, 0.1, 0.1), mean 0.2, so r = (2, 0.5, 0.5) and alpha_l = alpha ** r;
+    the embedding row (drift 0.3 here) takes alpha itself."""
+    similarity = [[0.7, 1.0], [0.6, 1.0], [0.9, 1.0], [0.9, 1.0]]
+    assert layer_alphas(similarity, 0.64) == pytest.approx([0.64, 0.64**2, 0.8, 0.8])
+    assert layer_alphas(similarity, 0.0) == [0.0, 0.0, 0.0, 0.0]
+    assert layer_alphas(similarity, 1.0) == [1.0, 1.0, 1.0, 1.0]
     flat = [[0.7, 1.0]] * 3
     assert layer_alphas(flat, 0.3) == [0.3, 0.3, 0.3]
     assert layer_alphas([[1.0, 1.0]] * 3, 0.3) == [0.3, 0.3, 0.3]  # no drift at all: linear
@@ -311,6 +312,7 @@ def test_layer_alphas_by_hand():
     weights = RecallWeights(["pre", "post"], 1, 1.0, similarity, similarity, [0])
     assert post_coefficients(weights, "recall_lerp", 0.64) == layer_alphas(similarity, 0.64)
     assert weights.lerp_alpha(0.64, 0, "layer") == pytest.approx(0.64**2)
+    assert weights.lerp_alpha(0.64, None, "embed") == pytest.approx(0.64)
     assert weights.lerp_alpha(0.64, None, "head") == pytest.approx(0.8)
     assert weights.lerp_alpha(0.64, None, "embed", embed_rule="base") == 0.0
 

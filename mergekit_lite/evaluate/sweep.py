@@ -980,7 +980,8 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         todo = [(label, alpha) for label, alpha in plan if label not in runs]
         configs = MergeConfigs(settings, folder)
         evaluated = []
-        with tqdm(total=len(plan) * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
+        total = len(plan) + (1 if settings.probe is not None else 0)  # probe mode: every alpha, then the pick
+        with tqdm(total=total * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
                   desc="sweep", disable=not progress) as bar:
             if settings.ray is not None and todo:
                 from mergekit_lite.evaluate.distributed import run_points_on_ray

@@ -251,19 +251,24 @@ def layer_drift(similarity: list[list[float]], model: int = 0) -> list[float]:
 
 
 def layer_alphas(similarity: list[list[float]], alpha: float, model: int = 0) -> list[float]:
-    """Our layer-wise LERP (`recall_lerp`): per depth row, the weight of the reference (post) is
-    alpha ** r, r being the row's drift over the mean drift of all rows (`layer_drift`). A flat
-    profile (r = 1 everywhere, or no drift at all) is exactly linear at alpha; rows that drifted
-    more than average move towards pre (alpha ** r -> 0 as r grows), rows that drifted less towards
-    post; alpha = 0 is pre and alpha = 1 is post in every row, so a sweep over alpha spans the same
-    ends as a linear one."""
+    """Our layer-wise LERP (`recall_lerp`): the weight of the reference (post) in every depth row.
+
+    Decoder layer l (row l + 1) gets alpha ** r_l, r_l being its drift (`layer_drift`) over the mean drift
+    of the decoder layers; the embedding row (row 0) gets alpha itself. A flat profile (r = 1 everywhere,
+    or no drift at all) is exactly linear at alpha; layers that drifted more than the average layer move
+    towards pre (alpha ** r -> 0 as r grows), the others towards post; alpha = 0 is pre and alpha = 1 is
+    post in every row, so a sweep over alpha spans the same ends as a linear one.
+
+    Why the embedding row stays out of the profile: it measures the lookup table alone, while row l + 1
+    measures everything up to layer l, so its drift is not on the layers' scale; mixing it into the mean
+    pushed the embeddings towards post and every layer towards pre (benchmarks/RESULTS.md, "recall_lerp")."""
     if not 0.0 <= alpha <= 1.0:
         raise InputError(f"recall_lerp alpha must be in [0, 1], got {alpha}")
-    drift = layer_drift(similarity, model)
-    mean = sum(drift) / len(drift)
+    drift = layer_drift(similarity, model)[1:]
+    mean = sum(drift) / len(drift) if drift else 0.0
     if mean <= 0 or max(drift) - min(drift) <= 1e-12 * mean:  # flat, up to rounding: exactly linear
-        return [alpha] * len(drift)
-    return [0.0 if alpha == 0 else alpha ** (value / mean) for value in drift]
+        return [alpha] * len(similarity)
+    return [alpha] + [0.0 if alpha == 0 else alpha ** (value / mean) for value in drift]
 
 
 def check_merge_settings(n_models: int, temperature: float) -> None:
