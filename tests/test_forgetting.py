@@ -194,12 +194,14 @@ def write_samples(folder, task, samples, stamp="2024-05-01T12-00-00.123456"):
 
 def test_outcomes_from_multiple_choice_records():
     outcomes = outcomes_from_lm_eval("arc_easy", [mc_sample(0, 1.0), mc_sample(1, 0)])
-    assert outcomes == SampleOutcomes("arc_easy", {"hash0": True, "hash1": False}, 4, "acc", "none")
+    assert outcomes == SampleOutcomes("arc_easy", {"hash0": True, "hash1": False}, 4, "acc", "none",
+                                      doc_ids={"hash0": 0, "hash1": 1})  # lm-eval's ids, for probe samples=
 
 
 def test_outcomes_arguments_as_list_and_key_fallback_to_doc_id():
     sample = {"doc_id": 7, "arguments": [["Q?", " yes"], ["Q?", " no"]], "acc": 1}  # older log: no "metrics"
-    assert outcomes_from_lm_eval("boolq", [sample]) == SampleOutcomes("boolq", {"7": True}, 2, "acc", "")
+    assert outcomes_from_lm_eval("boolq", [sample]) == SampleOutcomes("boolq", {"7": True}, 2, "acc", "",
+                                                                       doc_ids={"7": 7})
 
 
 def test_outcomes_generative_uses_first_filter_unless_told_and_no_chance():
@@ -207,7 +209,7 @@ def test_outcomes_generative_uses_first_filter_unless_told_and_no_chance():
     flexible = [gen_sample(0, 0, "flexible-extract"), gen_sample(1, 1, "flexible-extract")]
     samples = strict + flexible
     assert outcomes_from_lm_eval("gsm8k", samples) == SampleOutcomes(
-        "gsm8k", {"g0": True, "g1": False}, math.inf, "exact_match", "strict-match")
+        "gsm8k", {"g0": True, "g1": False}, math.inf, "exact_match", "strict-match", doc_ids={"g0": 0, "g1": 1})
     chosen = outcomes_from_lm_eval("gsm8k", samples, ScoringRule(filter="flexible-extract"))
     assert chosen.correct == {"g0": False, "g1": True} and chosen.filter == "flexible-extract"
     with pytest.raises(InputError, match="no filter 'typo'"):
