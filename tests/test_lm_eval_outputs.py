@@ -178,11 +178,12 @@ def test_seeds_are_compared_seed_by_seed_and_averaged(lm_eval_runs, tmp_path):
 
 
 def test_sweep_cli_end_to_end_on_a_gsm8k_style_task_scores_like_the_lm_eval_files(toy_pair, lm_eval_runs, tmp_path):
-    """`mergekit-lite sweep` with a generate_until task (two filters) as the new skill: it runs lm-eval
-    in-process; its pre/post outcomes must equal what the forgetting map reads from lm-eval's CLI files."""
+    """`mergekit-lite sweep` with a generate_until task (two filters) as the new skill and an acc_norm-only old
+    task: it runs lm-eval in-process; its pre/post outcomes must equal what the forgetting map reads from
+    lm-eval's CLI files."""
     out = tmp_path / "run"
     command = [str(Path(sys.executable).with_name("mergekit-lite")), "sweep", "--pre", str(toy_pair.pre_dir),
-               "--post", str(toy_pair.post_dir), "--alphas", "0.5", "--old-tasks", "toy_old,genmc_old",
+               "--post", str(toy_pair.post_dir), "--alphas", "0.5", "--old-tasks", "toy_old,genmc_old,norm_old",
                "--new-tasks", "gen_new", "--filter", "gen_new=flexible-extract", "--include-path",
                str(lm_eval_runs.include_path), "--limit", str(lm_eval_runs.limit), "--bootstrap", "200",
                "--out", str(out), "--quiet"]
@@ -199,6 +200,7 @@ def test_sweep_cli_end_to_end_on_a_gsm8k_style_task_scores_like_the_lm_eval_file
             assert task["correct"] == outcomes.correct and task["filter"] == outcomes.filter, (label, task["task"])
             assert (task["n_choices"] or math.inf) == outcomes.n_choices  # k = 4 for genmc_old, inf for gen_new
     assert results["post"]["tasks"]["gen_new"]["filter"] == "flexible-extract"
+    assert results["post"]["tasks"]["norm_old"]["metric"] == "acc_norm"
     assert results["post"]["new"] > results["pre"]["new"]
     docs = results["selection"]["docs"]
     assert all(split["selection"] + split["report"] == lm_eval_runs.limit and min(split.values()) > 0

@@ -15,12 +15,15 @@ import torch
 import yaml
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.forgetting import SampleOutcomes, aggregate, compare
 from mergekit_lite.evaluate.sweep import (
     LOCK_FILE,
     MERGE_TEMP,
     PointResult,
     Scores,
     SweepSettings,
+    TaskRun,
+    group_scores,
     load_sweep_file,
     pareto_front,
     parse_alphas,
@@ -85,6 +88,24 @@ def test_pick_reports_ties_and_pareto_front():
     best, ties = pick(points)
     assert best.alpha == 0.25 and ties == [0.25, 0.5]  # 0.9/0.6 and 0.6/0.9 have the same harmonic mean
     assert pareto_front(points) == [0.0, 0.25, 0.5, 1.0]  # 0.75 is beaten by 0.5 on old, equal on new
+
+
+@pytest.mark.parametrize("aggregation", ["paper", "pooled"])
+def test_sweep_scores_aggregate_tasks_as_the_forgetting_map_does(aggregation):
+    """A 4-doc and a 100-doc task: the sweep's old score is the map's group accuracy under the same rule
+    (paper: the unweighted task mean, (3/4 + 8/100) / 2; pooled: 11 of all 104 docs), not a rule of its own."""
+    def outcomes(task, n, right):
+        return SampleOutcomes(task, {f"{task}{i}": i < right for i in range(n)}, 4)
+
+    old = [outcomes("small", 4, 3), outcomes("large", 100, 8)]
+    new = outcomes("new", 10, 5)
+    runs = [TaskRun(o.task, "old", o) for o in old] + [TaskRun("new", "new", new)]
+    scores = group_scores(runs, {o.task: list(o.correct) for o in [*old, new]}, aggregation)
+    flat = [SampleOutcomes(o.task, dict.fromkeys(o.correct, False), 4) for o in old]  # pre: all wrong
+    group = aggregate([compare(pre, post) for pre, post in zip(flat, old)], "old", aggregation)
+    assert scores.old == pytest.approx(group.acc_post)
+    assert scores.old == pytest.approx(0.415 if aggregation == "paper" else 11 / 104)
+    assert scores.new == 0.5
 
 
 def test_settings_are_checked_before_any_model_is_read(tmp_path):
