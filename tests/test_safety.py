@@ -152,6 +152,18 @@ def test_sweep_run_folder_is_new_empty_or_its_own(fresh):
     assert tree_hash(fresh) == before
 
 
+def test_extract_never_replaces_an_input(fresh):
+    """extract follows merge's output rules: --out naming its own input is refused even with --overwrite and
+    even when that input is a mergekit-lite output (which --overwrite may otherwise replace)."""
+    assert run(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh).returncode == 0
+    before = tree_hash(fresh)
+    result = run("extract", "--base", "merged", "--model", "post", "--out", "merged", "--overwrite", cwd=fresh)
+    one_error_line(result, 2, r"merged: is also an input")
+    one_error_line(run("extract", "--base", "pre", "--model", "post", "--out", ".", cwd=fresh), 2,
+                   r"is the working folder")
+    assert tree_hash(fresh) == before
+
+
 def test_concurrent_merges_to_one_out_never_lose_a_result(fresh):
     """Four merges race to one --out: exactly one wins, the others fail in one line, the winner is complete."""
     def merge(alpha):
@@ -270,6 +282,26 @@ def test_side_file_linking_out_of_the_base_is_not_copied(fresh):
     copied = sorted(p.name for p in (fresh / "merged").iterdir())
     assert "tokenizer.json" not in copied and "special_tokens_map.json" in copied
     assert not any("hunter2" in p.read_text(errors="replace") for p in (fresh / "merged").iterdir())
+
+
+def test_post_trained_side_files_linking_out_are_not_copied(fresh):
+    """The chat template and generation config carried over from the post-trained input when the base lacks
+    them pass the same rule as the base's side files: a link out of the folder is not followed."""
+    (fresh / "secret.txt").write_text("password=hunter2")
+    (fresh / "pre" / "generation_config.json").unlink()
+    (fresh / "post" / "generation_config.json").unlink()
+    (fresh / "post" / "generation_config.json").symlink_to("../secret.txt")
+    (fresh / "post" / "chat_template.jinja").symlink_to(fresh / "secret.txt")
+    result = run(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh)
+    assert result.returncode == 0, result.stderr
+    copied = sorted(p.name for p in (fresh / "merged").iterdir())
+    assert "generation_config.json" not in copied and "chat_template.jinja" not in copied
+    assert not any("hunter2" in p.read_text(errors="replace") for p in (fresh / "merged").iterdir())
+
+    (fresh / "post" / "chat_template.jinja").unlink()
+    (fresh / "post" / "chat_template.jinja").write_text("{{ messages }}")  # a regular file is still carried
+    assert run(*lerp_args("pre", "post"), "--out", "kept", cwd=fresh).returncode == 0
+    assert (fresh / "kept" / "chat_template.jinja").read_text() == "{{ messages }}"
 
 
 def test_copy_files_from_a_missing_folder_is_refused(fresh):
@@ -416,6 +448,45 @@ def test_fingerprint_files_are_typed(work, tmp_path, change, pattern):
     path.write_text(json.dumps(fingerprint))
     with pytest.raises(InputError, match=pattern):
         load_fingerprint(path)
+
+
+LM_EVAL_STAMP = "2024-05-01T12-00-00.123456"
+
+
+def lm_eval_output(folder: Path, accuracies: list[int]) -> Path:
+    """A minimal lm-eval --log_samples output: one multiple-choice task's samples and the run's results file."""
+    folder.mkdir()
+    arguments = {f"gen_args_{i}": {"arg_0": "Q?", "arg_1": f" choice {i}"} for i in range(4)}
+    lines = [json.dumps({"doc_id": i, "doc_hash": f"h{i}", "arguments": arguments, "acc": acc, "filter": "none",
+                         "metrics": ["acc"]}) for i, acc in enumerate(accuracies)]
+    (folder / f"samples_arc_{LM_EVAL_STAMP}.jsonl").write_text("\n".join(lines) + "\n")
+    write_json(folder / f"results_{LM_EVAL_STAMP}.json", {"model_name": folder.name, "config": {"random_seed": 0}})
+    return folder
+
+
+@pytest.mark.parametrize("side, name, content, pattern", [
+    ("pre", f"results_{LM_EVAL_STAMP}.json", "[1, 2]\n", r"pre/results_\S+\.json: top level: expected a mapping"),
+    ("pre", f"results_{LM_EVAL_STAMP}.json", '{"config": "seed 0"}', r"pre/results_\S+\.json: config: expected a "),
+    ("post", f"samples_arc_{LM_EVAL_STAMP}.jsonl", '{"a": ' + "[" * 5000 + "]" * 5000 + "}\n",
+     r"post/samples_arc_\S+\.jsonl line 5: nested too deeply"),
+], ids=["results-is-a-list", "results-config-is-a-string", "samples-line-too-deep"])
+def test_forgetting_names_the_malformed_lm_eval_file(tmp_path, side, name, content, pattern):
+    """Malformed lm-eval outputs are user errors (exit 2) naming the file, and the line of a samples file."""
+    lm_eval_output(tmp_path / "pre", [1, 1, 0, 0])
+    lm_eval_output(tmp_path / "post", [1, 0, 1, 0])
+    assert run("forgetting", "pre", "post", cwd=tmp_path).returncode == 0
+    path = tmp_path / side / name
+    path.write_text(content if name.startswith("results_") else path.read_text() + content)
+    one_error_line(run("forgetting", "pre", "post", cwd=tmp_path), 2, pattern)
+
+
+def test_forgetting_refuses_a_fifo_named_like_a_samples_file_without_waiting_on_it(tmp_path):
+    lm_eval_output(tmp_path / "pre", [1, 1, 0, 0])
+    lm_eval_output(tmp_path / "post", [1, 0, 1, 0])
+    samples = next((tmp_path / "post").glob("samples_*.jsonl"))
+    samples.unlink()
+    os.mkfifo(samples)
+    one_error_line(run("forgetting", "pre", "post", cwd=tmp_path), 2, r"samples_arc_\S+\.jsonl: not a regular file")
 
 
 # ------------------------------------------------------------------ safetensors headers vs the library
@@ -727,6 +798,15 @@ def test_unexpected_exception_is_one_line_with_the_traceback_saved(tmp_path, wor
 ])
 def test_huge_numbers_and_missing_devices_are_one_line(fresh, args, pattern):
     one_error_line(run(*lerp_args("pre", "post"), *args, "--out", "merged", cwd=fresh), 2, pattern)
+
+
+@pytest.mark.parametrize("alphas, count", [("0:1:1e-12", "1,000,000,000,001"), ("0:1:1e-6", "1,000,001")])
+def test_absurd_alpha_grid_is_refused_at_once(fresh, alphas, count):
+    """The grid's size is checked before it is built: no hang, no run folder, the count and the cap named."""
+    started = time.monotonic()
+    args = ["sweep", "--pre", "pre", "--post", "post", "--alphas", alphas, "--old-tasks", "a", "--new-tasks", "b"]
+    one_error_line(run(*args, "--out", "runs", cwd=fresh), 2, rf"grid of {count} points; at most 500")
+    assert time.monotonic() - started < 30 and not (fresh / "runs").exists()
 
 
 def test_merge_config_anchor_bomb_is_refused_at_once(fresh):

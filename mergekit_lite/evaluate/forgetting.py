@@ -58,14 +58,20 @@ Reading lm-eval `--log_samples` output (`samples_<task>_<timestamp>.jsonl`) [our
 from __future__ import annotations
 
 import fnmatch
+import io
 import json
 import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.safetensors import open_regular
+from mergekit_lite.io.validation import MAX_DEPTH, check_depth, read_json, validate
 
 SAMPLES_FILE = re.compile(r"^samples_(?P<task>.+?)(?:_(?P<stamp>\d{4}-\d{2}-\d{2}T[0-9.:-]+))?\.jsonl$")
 AGGREGATIONS = ("paper", "pooled")
@@ -494,22 +500,30 @@ def task_from_filename(path: Path) -> tuple[str, str]:
     return match["task"], match["stamp"] or ""
 
 
+class ResultsFile(BaseModel):
+    """The keys of lm-eval's results_<stamp>.json that are read (model name, seeds, task configs), typed so a
+    malformed file is one line naming it and the key; the rest is lm-eval's and passes through."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model_name: str | None = None
+    config: dict[str, Any] | None = None
+    configs: dict[str, dict[str, Any]] | None = None
+
+
 def _run_info(samples_path: Path, stamp: str, cache: dict) -> tuple[str, str, dict]:
     """(seed label, model name, task configs) from results_<stamp>.json; without it one unseeded run of
     the model named by the folder."""
     results_path = samples_path.with_name(f"results_{stamp}.json")
     if results_path not in cache:
-        try:
-            cache[results_path] = json.loads(results_path.read_text()) if stamp and results_path.is_file() else {}
-        except (ValueError, UnicodeDecodeError):
-            raise InputError(f"{results_path}: not JSON (an lm-eval results file was expected)") from None
+        found = stamp and results_path.is_file()
+        cache[results_path] = validate(ResultsFile, read_json(results_path), results_path) if found else ResultsFile()
     results = cache[results_path]
-    config = results.get("config") if isinstance(results.get("config"), dict) else {}
+    config = results.config or {}
     seeds = [config.get(name) for name in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")]
     seed = NO_SEED if all(value is None for value in seeds) else (
         str(seeds[0]) if len(set(seeds)) == 1 else "/".join(map(str, seeds)))
-    model = results.get("model_name") or config.get("model_args") or str(samples_path.parent)
-    return seed, str(model), results.get("configs") if isinstance(results.get("configs"), dict) else {}
+    model = results.model_name or config.get("model_args") or str(samples_path.parent)
+    return seed, str(model), results.configs or {}
 
 
 def find_samples_files(path) -> list[SamplesFile]:
@@ -541,19 +555,30 @@ def find_samples_files(path) -> list[SamplesFile]:
 def read_samples_file(path: Path) -> tuple[list[dict], list[str]]:
     """Records of one jsonl file and a label naming file and line for each."""
     samples, labels = [], []
-    with open(path, "rb") as handle:  # bytes, so a binary file is reported by line like any other bad JSON
+    # bytes, so a binary file is reported by line like any other bad JSON; a FIFO or device is refused, not waited on
+    with io.BufferedReader(open_regular(path)) as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            try:
-                samples.append(json.loads(line))
-            except ValueError as error:
-                reason = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8"
-                raise InputError(f"{path} line {line_number}: not JSON ({reason})") from None
             labels.append(f"{path} line {line_number}")
+            samples.append(_parse_line(line, labels[-1]))
     if not samples:
         raise InputError(f"{path}: no samples in file")
     return samples, labels
+
+
+def _parse_line(line: bytes, label: str):
+    """One jsonl record; bad JSON, bad UTF-8 and nesting deeper than the project's limit (`check_depth`)
+    are user errors naming file and line (`label`), not a RecursionError from the json module."""
+    try:
+        record = json.loads(line)
+    except RecursionError:
+        raise InputError(f"{label}: nested too deeply (more than {MAX_DEPTH} levels)") from None
+    except ValueError as error:
+        reason = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8"
+        raise InputError(f"{label}: not JSON ({reason})") from None
+    check_depth(record, label)
+    return record
 
 
 def load_lm_eval_run(path, scoring: Scoring = Scoring()) -> LoadedRun:

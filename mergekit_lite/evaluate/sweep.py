@@ -120,16 +120,26 @@ def _number(value) -> float:
     return number
 
 
+MAX_ALPHA_POINTS = 500
+
+
 def _alpha_range(spec: str) -> list[float]:
-    """Inclusive range; values are rounded to 12 digits so 0:1:0.1 gives 0.3, not 0.30000000000000004."""
+    """Inclusive range; values are rounded to 12 digits so 0:1:0.1 gives 0.3, not 0.30000000000000004.
+
+    The number of points is computed before the grid is built and capped at MAX_ALPHA_POINTS: every point
+    is a merge and a full evaluation, so even a few hundred take hours, and more is a mistyped STEP
+    (0:1:1e-12 would not finish building its list, let alone its sweep)."""
     parts = spec.split(":")
     if len(parts) != 3:
         raise InputError(f"alphas: {spec!r} is not START:STOP:STEP")
     start, stop, step = map(_number, parts)
     if step <= 0 or stop < start:
         raise InputError(f"alphas: {spec!r} needs STEP > 0 and START <= STOP")
-    count = math.floor((stop - start) / step + 1e-9)
-    return [round(start + index * step, 12) for index in range(count + 1)]
+    steps = (stop - start) / step + 1e-9  # may be inf for a subnormal STEP
+    if not steps < MAX_ALPHA_POINTS:
+        raise InputError(f"alphas: {spec!r} is a grid of {steps + 1:,.0f} points; at most {MAX_ALPHA_POINTS} "
+                         "(each point is a merge and an evaluation), use a larger STEP")
+    return [round(start + index * step, 12) for index in range(math.floor(steps) + 1)]
 
 
 def parse_tasks(spec) -> list[str]:

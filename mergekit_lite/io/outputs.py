@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.safetensors import INDEX_FILE, WEIGHT_SUFFIXES, is_regular_inside
+from mergekit_lite.io.validation import read_json
 
 OUTPUT_MARKER = ".mergekit-lite-output"
 LEGACY_MARKERS = ("mergekit_lite_config.yaml", ".sweep.lock")  # outputs written before the marker existed
@@ -224,6 +225,19 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _side_file(folder: Path, name: str) -> Path | None:
+    """`folder/name` if it is a regular file inside `folder`, else None: the one rule every side file read
+    or copied from an input passes, so a link out of the model folder (to a secret, say) is never followed."""
+    path = Path(folder) / name
+    return path if is_regular_inside(path, folder) else None
+
+
+def _copy_file(path: Path, out_folder: Path) -> None:
+    """Contents and permission bits only: the output's files are plain files of its own."""
+    shutil.copyfile(path, out_folder / path.name)
+    shutil.copymode(path, out_folder / path.name)
+
+
 def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
     """Copy config, tokenizer and generation files (everything that is not weights) from a model folder.
 
@@ -239,9 +253,8 @@ def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
         if item.name.endswith(WEIGHT_SUFFIXES) or item.name in (INDEX_FILE, OUTPUT_MARKER) \
                 or item.name.startswith("adapter_"):
             continue
-        if is_regular_inside(item, source_folder):
-            shutil.copyfile(item, out_folder / item.name)
-            shutil.copymode(item, out_folder / item.name)
+        if _side_file(source_folder, item.name):
+            _copy_file(item, out_folder)
             copied.append(item.name)
     return copied
 
@@ -253,16 +266,18 @@ GENERATION_CONFIG = "generation_config.json"
 
 def has_chat_template(folder: Path) -> bool:
     """A chat template as its own file (transformers 5) or inside tokenizer_config.json (earlier versions)."""
-    folder = Path(folder)
-    if any((folder / name).is_file() for name in CHAT_TEMPLATE_FILES):
+    if any(_side_file(folder, name) for name in CHAT_TEMPLATE_FILES):
         return True
-    return "chat_template" in _json_or_empty(folder / TOKENIZER_CONFIG)
+    return "chat_template" in _json_or_empty(folder, TOKENIZER_CONFIG)
 
 
-def _json_or_empty(path: Path) -> dict:
+def _json_or_empty(folder: Path, name: str) -> dict:
+    """A side file's JSON object, or {} when it is missing, outside the folder or not a JSON object: these
+    files only decide what to carry over, so a bad one is simply not used."""
+    path = _side_file(folder, name)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_json(path) if path else {}
+    except InputError:
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -270,7 +285,8 @@ def _json_or_empty(path: Path) -> dict:
 def keep_post_trained_files(donor: Path, candidates: list[Path], out_folder: Path) -> list[str]:
     """The chat template and generation config of a post-trained input, when the donor (usually the
     pre-trained base) has none: a base merged with its instruct model should still chat and stop at the
-    instruct model's eos. The first candidate that has one gives it; a note says which."""
+    instruct model's eos. The first candidate that has one gives it; a note says which. Only files that
+    pass `_side_file` count, as for the donor's own side files: a link out of a folder is as good as absent."""
     notes = []
     if not has_chat_template(donor):
         for candidate in candidates:
@@ -278,25 +294,25 @@ def keep_post_trained_files(donor: Path, candidates: list[Path], out_folder: Pat
                 _copy_chat_template(Path(candidate), out_folder)
                 notes.append(f"chat template taken from {candidate} ({donor} has none)")
                 break
-    if not (Path(donor) / GENERATION_CONFIG).is_file():
+    if not _side_file(donor, GENERATION_CONFIG):
         for candidate in candidates:
-            if (Path(candidate) / GENERATION_CONFIG).is_file():
-                shutil.copy2(Path(candidate) / GENERATION_CONFIG, out_folder / GENERATION_CONFIG)
+            if generation_config := _side_file(candidate, GENERATION_CONFIG):
+                _copy_file(generation_config, out_folder)
                 notes.append(f"{GENERATION_CONFIG} taken from {candidate} ({donor} has none)")
                 break
     return notes
 
 
 def _copy_chat_template(candidate: Path, out_folder: Path) -> None:
-    files = [candidate / name for name in CHAT_TEMPLATE_FILES if (candidate / name).is_file()]
+    files = [path for name in CHAT_TEMPLATE_FILES if (path := _side_file(candidate, name))]
     for file in files:
-        shutil.copy2(file, out_folder / file.name)
+        _copy_file(file, out_folder)
     if files:
         return
-    template = _json_or_empty(candidate / TOKENIZER_CONFIG)["chat_template"]
+    template = _json_or_empty(candidate, TOKENIZER_CONFIG)["chat_template"]
     tokenizer_config = out_folder / TOKENIZER_CONFIG
     if tokenizer_config.is_file():
-        data = _json_or_empty(tokenizer_config)
+        data = _json_or_empty(out_folder, TOKENIZER_CONFIG)
         data["chat_template"] = template
         tokenizer_config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     else:

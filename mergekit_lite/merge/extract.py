@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.outputs import atomic_output_dir
+from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, open_inputs
 
@@ -105,13 +105,16 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
     `lora_bias`) when every factored layer has a bias; otherwise (PEFT cannot merge lora_bias into a
     layer without one) those layers are stored whole. `linear_only` stores nothing whole: a pure
     low-rank adapter (mergekit's --skip-undecomposable with embeddings excluded); what it leaves out
-    is reported in `dropped`.
+    is reported in `dropped`. The output rules are those of merge (`check_output_folder` before any work,
+    and again by `atomic_output_dir`): never an input, a folder holding one, or the working folder.
     """
     if rank < 1:
         raise InputError(f"rank must be at least 1, got {rank}")
+    inputs = [base_dir, tuned_dir]
+    check_output_folder(out_dir, inputs, overwrite)
     if not (Path(tuned_dir) / "config.json").is_file():
         raise InputError(f"{tuned_dir}: no config.json (extraction needs the architecture to find linear layers)")
-    base, tuned = open_inputs([base_dir, tuned_dir], base_dir, allow_pickle=False)
+    base, tuned = open_inputs(inputs, base_dir, allow_pickle=False)
     kinds = module_kinds(Path(tuned_dir), set(tuned.names), include, exclude)
     changed_bias = [module for module in kinds.linear if _changed(base, tuned, f"{module}.bias")]
     lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in kinds.linear)
@@ -145,7 +148,7 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
               "target_modules": peft_target_names(factored, all_modules), "lora_dropout": 0.0, "bias": "none",
               "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
               "modules_to_save": saved or None, "base_model_name_or_path": str(base_dir)}
-    with atomic_output_dir(out_dir, overwrite=overwrite) as folder:
+    with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
         writer = ShardedWriter(folder, planned, max_shard_bytes=2**63)
         for module in factored:
             weight = f"{module}.weight"
