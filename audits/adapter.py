@@ -10,6 +10,8 @@ failed is left out of the report:
               (--base-id or its config's _name_or_path), aliases normalised (audits/declared_base.py).
 3. structure  [ours] every adapted tensor exists in the base with the same shape, with the real cause when
               not (vision-language layout, module names of another revision, tied head, vocabulary size).
+              PEFT's in-memory module names are mapped to the base's on-disk names and the tied head is
+              found from the base's own tied-weight keys, as the merge does (mergekit_lite/io/sources.py).
 4. tokenizer  [paper App. I, stronger] tokenizer files and vocabulary size against the base's and the
               fingerprint's; only when there is something to compare.
 5. signature  [paper App. I, stronger] the base's config, tensor table and sampled weights against the
@@ -59,7 +61,9 @@ from audits.report import (
     make_report,
 )
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.architecture import checkpoint_names
 from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, LoraAdapter
+from mergekit_lite.io.sources import tied_head
 from mergekit_lite.merge.plan import layer_index
 
 BASE_COPY_TOLERANCE = 1e-2  # relative; a bf16 copy of the same tensor differs by ~4e-3, another base by ~1
@@ -231,7 +235,6 @@ def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, Lo
 # Where vision-language checkpoints put the text model, and the text-only name each stands for.
 VLM_LAYOUTS = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""),
                ("model.text_model.", "model."), ("text_model.", ""))
-TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"  # Llama-style names, for the reasons
 
 
 def _text_model_name(name: str) -> str:
@@ -241,19 +244,29 @@ def _text_model_name(name: str) -> str:
     return name
 
 
-def is_tied(base) -> bool:
-    """The base shares its head with the input embeddings and stores no lm_head.weight."""
-    config = base.config or {}
-    tied = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings"))
-    return TIED_HEAD not in base and TIED_EMBEDDING in base and tied is not False
+def stored_tied_head(base) -> tuple[str, str] | None:
+    """(head, embeddings) on disk when the base ties its head to its embeddings (transformers' own tied keys
+    for its architecture, e.g. GPT2's transformer.wte) and stores the embeddings only; else None."""
+    pair = tied_head(base.config)
+    return pair if pair is not None and pair[0] not in base and pair[1] in base else None
+
+
+def base_names(adapter: LoraAdapter, base) -> dict[str, str]:
+    """Each tensor the adapter holds -> the base's on-disk name for it. PEFT names modules as they are in memory
+    (a multimodal Gemma3's model.language_model...), the base as it is stored: mapped as the merge maps them."""
+    names = adapter.targets() + adapter.replaced() + adapter.copied_base()
+    unknown = [name for name in names if name not in base]
+    on_disk = checkpoint_names(base.config, unknown) if unknown else {}
+    return {name: on_disk.get(name, name) for name in names}
 
 
 def why_absent(name: str, base, replaced: bool) -> str | None:
-    """The real reason a name the adapter adapts is not in the base (None: it is fine, a tied head replaced)."""
-    if name == TIED_HEAD and is_tied(base):
+    """The real reason a base name the adapter adapts is not in the base (None: it is fine, a tied head replaced)."""
+    tied = stored_tied_head(base)
+    if tied and name == tied[0]:
         if replaced:
             return None
-        return (f"{name}: the base ties lm_head to {TIED_EMBEDDING} (tie_word_embeddings) and stores no lm_head.weight; "
+        return (f"{name}: the base ties {_module(name)} to {tied[1]} (tie_word_embeddings) and stores no {name}; "
                 "a LoRA on a tied head would change the input embeddings too")
     bare = _text_model_name(name)
     if any(_text_model_name(other) == bare for other in base.names):
@@ -269,7 +282,8 @@ def why_absent(name: str, base, replaced: bool) -> str | None:
 
 def why_shapes_differ(name: str, adapter_shape, base_shape, base) -> str:
     vocab = (base.config or {}).get("vocab_size")
-    if ("embed" in name or name == TIED_HEAD) and adapter_shape[1:] == base_shape[1:]:
+    vocabulary_rows = name in (tied_head(base.config) or ()) or "embed" in name or "lm_head" in name
+    if vocabulary_rows and adapter_shape[1:] == base_shape[1:]:
         return (f"{name}: vocabulary of {adapter_shape[0]} rows in the adapter, {base_shape[0]} in the base"
                 f"{f' (vocab_size {vocab})' if vocab else ''}: made with another tokenizer or resized embeddings")
     return f"{name} is {list(adapter_shape)} in the adapter, {list(base_shape)} in the base (another model size?)"
@@ -278,26 +292,29 @@ def why_shapes_differ(name: str, adapter_shape, base_shape, base) -> str:
 def check_structure(adapter: LoraAdapter, base) -> CheckResult:
     """Every adapted tensor maps onto a base tensor of the same shape; value = share of base matrices targeted."""
     problems, notes = [], []
-    for name in adapter.targets() + adapter.replaced() + adapter.copied_base():
-        base_name = TIED_EMBEDDING if name == TIED_HEAD and name not in base and is_tied(base) else name
-        if name not in base:
-            problem = why_absent(name, base, replaced=name in adapter.replaced())
+    on_disk = base_names(adapter, base)
+    for name, base_name in on_disk.items():
+        if base_name not in base:
+            problem = why_absent(base_name, base, replaced=name in adapter.replaced())
             if problem:
                 problems.append(problem)
                 continue
-            notes.append(f"{name} (modules_to_save) replaces the head the base ties to {TIED_EMBEDDING}: "
-                         "the merge writes an untied lm_head (tie_word_embeddings false)")
+            head, base_name = stored_tied_head(base)
+            notes.append(f"{name} (modules_to_save) replaces the head the base ties to {base_name}: "
+                         f"the merge writes an untied {head} (tie_word_embeddings false)")
         if tuple(base.shape(base_name)) != tuple(adapter.shape(name)):
-            problems.append(why_shapes_differ(name, adapter.shape(name), base.shape(base_name), base))
+            problems.append(why_shapes_differ(base_name, adapter.shape(name), base.shape(base_name), base))
     for name in adapter.copied_base():
-        if name in base and tuple(base.shape(name)) == tuple(adapter.shape(name)):
-            weight = base.load(name).to(torch.float32)
+        base_name = on_disk[name]
+        if base_name in base and tuple(base.shape(base_name)) == tuple(adapter.shape(name)):
+            weight = base.load(base_name).to(torch.float32)
             difference = float((adapter.base_copy(name).to(torch.float32) - weight).norm() / weight.norm().clamp_min(1e-12))
             if difference > BASE_COPY_TOLERANCE:
                 problems.append(f"the adapter's copy of {name} differs from the base's (relative {difference:.2g})")
     matrices = [name for name in base.names if is_weight_matrix(base, name)]
-    coverage = len(set(adapter.targets()) & set(matrices)) / len(matrices) if matrices else 0.0
-    measurements = {"targeted": adapter.targets(), "replaced": adapter.replaced(), "base_matrices": len(matrices)}
+    coverage = len({on_disk[name] for name in adapter.targets()} & set(matrices)) / len(matrices) if matrices else 0.0
+    measurements = {"targeted": adapter.targets(), "replaced": adapter.replaced(), "base_matrices": len(matrices),
+                    "merge_notes": notes}
     if problems:
         return CheckResult("structure", FAIL, coverage, None, f"does not fit the base ({len(problems)} problems): {'; '.join(problems[:SHOWN_NAMES])}",
                            measurements)
@@ -322,9 +339,11 @@ def effective_rank(singular_values: torch.Tensor) -> float:
     return float(torch.exp(-(shares * shares.log()).sum()))
 
 
-def measure_module(adapter: LoraAdapter, base, name: str, top_k: int, fingerprint_entry: dict | None) -> ModuleMeasure:
-    """Size, rank and placement of one module's update relative to its base weight (one base tensor read)."""
-    weight = base.load(name).to(torch.float32)
+def measure_module(adapter: LoraAdapter, base, name: str, base_name: str, top_k: int,
+                   fingerprint_entry: dict | None) -> ModuleMeasure:
+    """Size, rank and placement of one module's update (adapter name) relative to its base weight (on-disk name;
+    one base tensor read)."""
+    weight = base.load(base_name).to(torch.float32)
     left_vectors, singular_values = top_singular(weight, top_k)
     left, right = adapter.factors(name)
     delta_values = lowrank_singular_values(left, right)
@@ -349,9 +368,10 @@ def measure_module(adapter: LoraAdapter, base, name: str, top_k: int, fingerprin
 
 def replacement_changes(adapter: LoraAdapter, base) -> dict[str, float]:
     """||replacement - base|| / ||base|| per replaced tensor (a replaced tied head against the embeddings it was)."""
-    changes = {}
+    changes, on_disk = {}, base_names(adapter, base)
     for name in adapter.replaced():
-        weight = base.load(name if name in base else TIED_EMBEDDING).to(torch.float32)
+        base_name = on_disk[name]
+        weight = base.load(base_name if base_name in base else stored_tied_head(base)[1]).to(torch.float32)
         change = (adapter.replacement(name).to(torch.float32) - weight).norm()
         changes[name] = float(change / weight.norm().clamp_min(1e-12))
     return changes
@@ -601,7 +621,9 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
             checks.append(check_signature(fingerprint_data["signature"], base, fingerprint_source))
         if structure.status != FAIL:
             entries = fingerprint_data["modules"] if fingerprint_data else {}
-            measures = [measure_module(adapter, base, name, top_k, entries.get(name)) for name in adapter.targets()]
+            on_disk = base_names(adapter, base)
+            measures = [measure_module(adapter, base, name, on_disk[name], top_k, entries.get(on_disk[name]))
+                        for name in adapter.targets()]
             if measures:
                 checks.append(check_spectral(measures, fingerprint_source, thresholds))
             checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds))

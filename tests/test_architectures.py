@@ -1,8 +1,9 @@
 """Merges, sweeps and adapters on tiny random-initialised models of the architectures people merge.
 
-Every output is loaded with transformers' from_pretrained (no missing or unexpected keys) and its
-logits are compared with those of a plain-torch merge of the on-disk state dicts, written here from
-the papers' definitions. Models are built once per module (hidden 16, 2 layers, vocab 100).
+Every output is loaded with transformers' from_pretrained (no missing or unexpected keys) and, where a
+method has a closed form, its logits are compared with those of a plain-torch merge of the on-disk state
+dicts, written here from the papers' definitions; the rest (random masks, iterative means, RECALL's
+profile) must move away from their inputs. Models are built once per module (hidden 16, 2 layers, vocab 100).
 """
 
 import json
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import ARCHITECTURES, tiny_model, train_lora
 from transformers import AutoTokenizer
 
+from audits.adapter import audit_adapter
 from mergekit_lite.evaluate.sweep import (
     ModelLoader,
     ResidentPair,
@@ -25,7 +27,7 @@ from mergekit_lite.evaluate.sweep import (
     run_sweep,
 )
 from mergekit_lite.io.sources import open_inputs
-from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.config import METHODS, MergeConfig
 from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.merge.recall import RecallWeights
 from mergekit_lite.toy import torch_threads
@@ -89,6 +91,15 @@ def reference_ties(base: torch.Tensor, models: list[torch.Tensor], density: floa
     return base + scale * (stacked * agree).sum(0) / count
 
 
+def reference_model_stock(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Model Stock (Jang et al. 2024, eq. 3) for two fine-tunes: t = 2cos / (1 + cos), cos the angle between
+    their offsets from the base; t times their average plus (1 - t) times the base."""
+    a, b = (first - base).flatten(), (second - base).flatten()
+    cosine = float(torch.dot(a, b) / (a.norm() * b.norm()))
+    t = 2 * cosine / (1 + cosine)
+    return t * (first + second) / 2 + (1 - t) * base
+
+
 def recall_row(name: str) -> list[float]:
     """RECALL weights by depth: a decoder layer its own row; embeddings and towers the first; the rest the last."""
     decoder = name if not name.startswith(TOWERS) else ""
@@ -115,6 +126,12 @@ def reference(method: str, folders: list[Path]) -> dict[str, torch.Tensor]:
             merged[name] = reference_ties(b, [m1, m2], 0.5, 1.0)
         elif method == "dare_ties":
             merged[name] = reference_ties(b, [m1, m2], 1.0, 1.0)
+        elif method == "model_stock":
+            merged[name] = reference_model_stock(b, m1, m2)
+        elif method == "nuslerp":  # with a base: SLERP of the task vectors, t = 3 / (1 + 3)
+            merged[name] = b + reference_slerp(m1 - b, m2 - b, 0.75)
+        elif method == "passthrough":
+            merged[name] = 0.5 * m2
         else:
             row = recall_row(name)
             merged[name] = row[0] * b + row[1] * m1
@@ -129,9 +146,34 @@ MERGES = {
     "dare_linear": lambda paths: {"base": paths[0], "models": paths[1:], "parameters": {"lambda": 0.8, "drop": 0.0}},
     "dare_ties": lambda paths: {"base": paths[0], "models": paths[1:], "parameters": {"drop": 0.0}},
     "recall": lambda paths: {"models": paths[:2]},
+    "model_stock": lambda paths: {"base": paths[0], "models": paths[1:]},
+    "nuslerp": lambda paths: {"base": paths[0], "models": [{"model": paths[1], "weight": 1.0},
+                                                           {"model": paths[2], "weight": 3.0}]},
+    "passthrough": lambda paths: {"models": [{"model": paths[2], "parameters": {"scale": 0.5}}]},
 }
 CASES = [(architecture, method) for architecture in ARCHITECTURES for method in MERGES
          if architecture in ALL_METHODS_ON or method in ("linear", "ties")]
+# The methods with no closed form here: random masks (DARE past drop 0, DELLA), Breadcrumbs' outlier band
+# (its own tests compare it with mergekit), iterative or multi-way spherical means, RECALL's similarity profile.
+UNREFERENCED = {
+    "dare_linear_dropping": lambda paths: {"method": "dare_linear", "base": paths[0], "models": paths[1:],
+                                           "parameters": {"lambda": 0.8, "drop": 0.3}},
+    "dare_ties_dropping": lambda paths: {"method": "dare_ties", "base": paths[0], "models": paths[1:],
+                                         "parameters": {"drop": 0.3}},
+    "della": lambda paths: {"method": "della", "base": paths[0], "models": paths[1:],
+                            "parameters": {"density": 0.6, "epsilon": 0.2}},
+    "della_linear": lambda paths: {"method": "della_linear", "base": paths[0], "models": paths[1:],
+                                   "parameters": {"density": 0.6, "epsilon": 0.2}},
+    "breadcrumbs": lambda paths: {"method": "breadcrumbs", "base": paths[0], "models": paths[1:],
+                                  "parameters": {"density": 0.8, "gamma": 0.05}},
+    "breadcrumbs_ties": lambda paths: {"method": "breadcrumbs_ties", "base": paths[0], "models": paths[1:],
+                                       "parameters": {"density": 0.8, "gamma": 0.05}},
+    "multislerp": lambda paths: {"method": "multislerp", "base": paths[0],
+                                 "models": [{"model": paths[1], "weight": 1.0}, {"model": paths[2], "weight": 2.0}]},
+    "karcher": lambda paths: {"method": "karcher", "models": paths},
+    "recall_lerp": lambda paths: {"method": "recall_lerp", "base": paths[0], "models": [paths[1]],
+                                  "parameters": {"alpha": 0.5}},
+}
 
 
 def model_class(folder: Path):
@@ -156,23 +198,47 @@ def logits(model) -> torch.Tensor:
 
 
 def recall_weights_file(folder: Path, models: list[Path]) -> Path:
-    weights = RecallWeights([str(m) for m in models], -1, 1.0, RECALL_ROWS, RECALL_ROWS, [0])
+    weights = RecallWeights([str(m) for m in models], 1, 1.0, RECALL_ROWS, RECALL_ROWS, [0])  # post: the reference
     path = folder / "recall.json"
     path.write_text(json.dumps(weights.to_json()))
     return path
 
 
+def merge(data: dict, folders: list[Path], out: Path) -> Path:
+    """run_merge on `data`; the RECALL methods read their weights from a file over the first two models."""
+    if data["method"] in ("recall", "recall_lerp"):
+        data = {**data, "recall": {"weights_file": str(recall_weights_file(out.parent, folders[:2]))}}
+    run_merge(MergeConfig.from_dict(data), out)
+    return out
+
+
+def test_the_matrix_covers_every_registered_method():
+    """A method added to the registry without a case here would go untested on these architectures."""
+    placeholders = ["base", "first", "second"]
+    assert set(MERGES) | {case(placeholders)["method"] for case in UNREFERENCED.values()} == set(METHODS)
+
+
 @pytest.mark.parametrize("architecture,method", CASES)
 def test_every_method_merges_loads_and_matches_a_plain_torch_merge(checkpoints, architecture, method, tmp_path):
     paths = [str(folder) for folder in checkpoints[architecture]]
-    data = {"method": method, **MERGES[method](paths)}
-    if method == "recall":
-        data["recall"] = {"weights_file": str(recall_weights_file(tmp_path, checkpoints[architecture][:2]))}
-    run_merge(MergeConfig.from_dict(data), tmp_path / "out")
+    merge({"method": method, **MERGES[method](paths)}, checkpoints[architecture], tmp_path / "out")
 
     merged = loaded(tmp_path / "out")
     expected = {name: tensor.to(torch.float32) for name, tensor in reference(method, checkpoints[architecture]).items()}
     torch.testing.assert_close(logits(merged), logits(from_state(tmp_path / "out", expected)), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", UNREFERENCED)
+@pytest.mark.parametrize("architecture", ALL_METHODS_ON)
+def test_methods_without_a_closed_form_merge_load_and_move_away_from_their_inputs(
+        checkpoints, architecture, case, tmp_path):
+    """No reference to equal: the output must load and differ from the base and from the first fine-tune."""
+    folders = checkpoints[architecture]
+    loaded(merge(UNREFERENCED[case]([str(folder) for folder in folders]), folders, tmp_path / "out"))
+
+    merged = state(tmp_path / "out")
+    for folder in folders[:2]:
+        assert max(float((merged[name] - tensor).abs().max()) for name, tensor in state(folder).items()) > 1e-4
 
 
 def test_vision_tower_layers_are_not_decoder_layers(checkpoints, tmp_path):
@@ -214,21 +280,35 @@ ADAPTED = {"qwen2_tied": ["q_proj", "v_proj"], "mixtral": ["q_proj", "v_proj"], 
            "gemma3_multimodal": ["q_proj", "v_proj"]}
 
 
+def trained_adapter(base: Path, folder: Path, target_modules: list[str]) -> Path:
+    """A PEFT adapter on `base`, trained 3 steps. lora_alpha 32: a few steps on a tiny model must clear the
+    audit's absolute no-op norm (the paper's 1.0)."""
+    peft_model = get_peft_model(loaded(base), LoraConfig(r=4, lora_alpha=32, target_modules=target_modules,
+                                                         lora_dropout=0.0))
+    train_lora(peft_model, steps=3, seed=1, batch=(2, 8)).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.parametrize("architecture", ADAPTED)
 def test_adapter_merge_equals_peft_merge_and_unload(checkpoints, architecture, tmp_path):
     """PEFT names Gemma3's adapted modules as they are in memory (model.language_model...), not as on disk
-    (language_model.model...): the merge maps them; the adapter audit does not yet, hence force there.
-    lora_alpha 32: a few steps on a tiny model must clear the audit's absolute no-op norm (the paper's 1.0)."""
+    (language_model.model...): the merge and the adapter audit that gates it (no force) both map them."""
     base = checkpoints[architecture][0]
-    peft_model = get_peft_model(loaded(base), LoraConfig(r=4, lora_alpha=32, target_modules=ADAPTED[architecture],
-                                                         lora_dropout=0.0))
-    train_lora(peft_model, steps=3, seed=1, batch=(2, 8)).save_pretrained(tmp_path / "adapter")
+    trained_adapter(base, tmp_path / "adapter", ADAPTED[architecture])
     run_merge(MergeConfig.from_dict({"method": "linear", "base": str(base), "models": [str(tmp_path / "adapter")],
-                                     "parameters": {"alpha": 1.0}, "force": architecture == "gemma3_multimodal"}),
-              tmp_path / "out")
+                                     "parameters": {"alpha": 1.0}}), tmp_path / "out")
 
     expected = PeftModel.from_pretrained(loaded(base), tmp_path / "adapter").merge_and_unload().eval()
     torch.testing.assert_close(logits(loaded(tmp_path / "out")), logits(expected), rtol=0, atol=2e-6)
+
+
+def test_lora_on_gpt2s_tied_head_is_refused_with_the_reason(checkpoints, tmp_path):
+    """GPT2 ties lm_head to transformer.wte (its own tied keys, not Llama's names): a LoRA on the head would
+    change the input embeddings too, and the audit says so rather than "not in the base"."""
+    base = checkpoints["gpt2"][0]
+    report = audit_adapter(trained_adapter(base, tmp_path / "head-lora", ["lm_head", "c_attn"]), base)
+    assert report.verdict == "REJECTED"
+    assert "the base ties lm_head to transformer.wte.weight" in report.reasons[0]
 
 
 @pytest.fixture(scope="module")

@@ -31,10 +31,10 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.toy import torch_threads
 
 
-def make_adapter(base_dir, out_dir, target_modules, steps: int, **save_options):
+def make_adapter(base_dir, out_dir, target_modules, steps: int, modules_to_save=None, **save_options):
     """A real PEFT adapter on the saved base, trained `steps` Adam steps on random tokens (0 steps: B stays zero)."""
-    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
-                                LoraConfig(r=4, lora_alpha=16, target_modules=target_modules))
+    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir), LoraConfig(
+        r=4, lora_alpha=16, target_modules=target_modules, modules_to_save=modules_to_save))
     train_lora(peft_model, steps, seed=2, batch=(4, 16))
     peft_model.save_pretrained(out_dir, **save_options)
     return out_dir
@@ -78,6 +78,27 @@ def zoo(tmp_path_factory):
 
 def statuses(report) -> dict[str, str]:
     return {check.name: check.status for check in report.checks}
+
+
+def check_of(report, name: str):
+    """The report's check of that name: tests read its detail and measurements, not only its status."""
+    return next(check for check in report.checks if check.name == name)
+
+
+def edit_config(adapter_dir, edit):
+    """Rewrite the adapter's adapter_config.json through `edit` (dict -> dict): real tensors, one field changed."""
+    path = adapter_dir / "adapter_config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    return adapter_dir
+
+
+def scaled_adapter(source, target, factor_of):
+    """A copy of the adapter with each tensor multiplied by factor_of(its name): a crafted update size."""
+    shutil.copytree(source, target)
+    tensors = load_file(target / "adapter_model.safetensors")
+    scaled = {key: value * factor_of(key) for key, value in tensors.items()}
+    save_file(scaled, str(target / "adapter_model.safetensors"))
+    return target
 
 
 def test_good_adapter_is_verified(zoo):
@@ -366,6 +387,19 @@ def test_declared_base_needs_an_id_to_compare_with(hub_named, zoo):
     assert "the given base is quantised (quant_method bitsandbytes)" in audit_adapter(hub_named / "same", quantised).reasons[0]
 
 
+@pytest.mark.parametrize("edit", [lambda config: {k: v for k, v in config.items() if k != "base_model_name_or_path"},
+                                  lambda config: {**config, "base_model_name_or_path": ""}], ids=["missing", "empty"])
+def test_adapter_declaring_no_base_warns(zoo, tmp_path, edit):
+    """Nothing says which base the adapter was made on: the name check cannot pass or fail, so it warns (the
+    fingerprint's checks still pass)."""
+    anonymous = tmp_path / "anonymous"
+    shutil.copytree(zoo["good"], anonymous)
+    report = audit_adapter(edit_config(anonymous, edit), zoo["base"])
+    assert report.verdict == "WARN" and [c.name for c in report.checks if c.status != "pass"] == ["base-id"]
+    assert report.reasons == ["base-id: adapter_config.json declares no base_model_name_or_path: "
+                              "nothing says which base the adapter was made on"]
+
+
 # --- Behaviour (App. I): the KL check on tiny trained models, and the fingerprint's recorded outputs ---
 
 @pytest.fixture(scope="module")
@@ -400,6 +434,32 @@ def test_kl_check_separates_real_no_op_and_another_base(behaviour_zoo, pretraine
     assert measured["other-base"]["base_vs_fingerprint_kl"] > 10 * AuditThresholds().max_base_kl
     # Why the recorded outputs are needed: the adapter's own KL sits between the paper's two thresholds.
     assert AuditThresholds().min_kl < measured["other-base"]["mean_kl"] < AuditThresholds().max_kl
+
+
+def sharpened_copy(base_dir, factor: float, out_dir):
+    """The base with its head scaled by `factor`: the same greedy tokens, log-probabilities `factor` times further
+    apart. The tiny pretrained base spans ~11 nats between its likeliest and unlikeliest token, a real LLM far more;
+    the paper's 20-nat rule only has room to fire on a base that confident."""
+    model = LlamaForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_kl_above_the_paper_limit_is_rejected_as_another_base(pretrained_pair, tmp_path):
+    """Reaches the paper's 'KL > 20: likely wrong base' rule, which the other-base adapter above never does: on a
+    confident base an update 10x the trained one sends every probe's greedy token where the base puts ~e^-30."""
+    sharp = sharpened_copy(pretrained_pair / "base", 4, tmp_path / "sharp")
+    loud = scaled_adapter(pretrained_pair / "adapter", tmp_path / "loud", lambda key: 10.0 if "lora_B" in key else 1.0)
+    real = check_of(audit_adapter(pretrained_pair / "adapter", sharp, behaviour=True), "behaviour")
+    assert real.status == "pass" and real.measurements["mean_kl"] < AuditThresholds().max_kl
+    report = audit_adapter(loud, sharp, behaviour=True)
+    behaviour = check_of(report, "behaviour")
+    assert report.verdict == "REJECTED" and [c.name for c in report.checks if c.status == "fail"] == ["behaviour"]
+    assert report.reasons[0].startswith("behaviour: extreme divergence, likely another base: ")
+    assert behaviour.value > behaviour.threshold == AuditThresholds().max_kl
+    assert behaviour.measurements["top1_agreement"] == 0.0
 
 
 def test_kl_check_without_a_fingerprint_still_finds_the_no_op(behaviour_zoo, pretrained_pair, tmp_path):
@@ -444,6 +504,20 @@ def test_tokenizer_larger_than_the_base_vocabulary_is_rejected(zoo, tmp_path):
     assert tokenizer.status == "fail" and "120 tokens, the base's embeddings 100 rows" in tokenizer.detail
 
 
+def test_base_resized_since_the_fingerprint_fails_the_tokenizer_check(zoo, tmp_path):
+    """Embeddings resized after the adapter's fingerprint was taken (tokens added): its recorded vocab_size no longer
+    fits, even though the adapter's own modules (q, v, up) still fit the base's shapes."""
+    model = LlamaForCausalLM.from_pretrained(zoo["base"])
+    model.resize_token_embeddings(VOCAB + 28)
+    model.save_pretrained(tmp_path / "resized")
+    report = audit_adapter(zoo["good"], tmp_path / "resized")
+    tokenizer = check_of(report, "tokenizer")
+    assert report.verdict == "REJECTED" and statuses(report)["structure"] == "pass"
+    assert tokenizer.status == "fail"
+    assert f"vocab_size {VOCAB + 28} in the base, {VOCAB} in the base fingerprint" in tokenizer.detail
+    assert f"tokenizer: {tokenizer.detail}" in report.reasons
+
+
 # --- Each refusal states its real cause ---
 
 def renamed_adapter(source, target, rename):
@@ -462,34 +536,52 @@ def test_vision_language_layout_is_named(zoo, tmp_path):
 
 def test_module_names_of_another_revision_are_named(zoo, tmp_path):
     old = renamed_adapter(zoo["unshipped"], tmp_path / "old", lambda key: key.replace("q_proj", "Wqkv"))
-    config = json.loads((old / "adapter_config.json").read_text())
-    (old / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["Wqkv", "v_proj", "up_proj"]}))
+    edit_config(old, lambda config: {**config, "target_modules": ["Wqkv", "v_proj", "up_proj"]})
     assert "this base has no module named Wqkv" in audit_adapter(old, zoo["base"]).reasons[0]
 
 
-def test_lora_on_a_tied_head_is_refused_with_the_reason(tmp_path):
-    tiny_llama(0, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
-    adapter = make_adapter(tmp_path / "tied", tmp_path / "head-lora", ["lm_head", "q_proj"], steps=3)
-    report = audit_adapter(adapter, tmp_path / "tied")
+@pytest.fixture(scope="module")
+def tied_base(tmp_path_factory):
+    """Qwen2.5 / Llama-3.2-1B style: the head is tied to the embeddings and not stored."""
+    folder = tmp_path_factory.mktemp("tied") / "base"
+    tiny_llama(0, tie_word_embeddings=True).save_pretrained(folder)
+    return folder
+
+
+def test_lora_on_a_tied_head_is_refused_with_the_reason(tied_base, tmp_path):
+    adapter = make_adapter(tied_base, tmp_path / "head-lora", ["lm_head", "q_proj"], steps=3)
+    report = audit_adapter(adapter, tied_base)
     assert "the base ties lm_head to model.embed_tokens.weight" in report.reasons[0]
+
+
+def test_merge_tells_the_user_the_tied_head_is_written_untied(tied_base, tmp_path):
+    """The audit notes that a modules_to_save head on a tied base merges as an untied lm_head; the merge output
+    changes the model's config, so `merge` must say so too, in the audit's words."""
+    adapter = make_adapter(tied_base, tmp_path / "head-lora", ["q_proj", "v_proj"], steps=4,
+                           modules_to_save=["lm_head"])
+    structure = check_of(audit_adapter(adapter, tied_base), "structure")
+    result = CliRunner().invoke(main, ["merge", "--method", "linear", "--base", str(tied_base), "--model", str(adapter),
+                                       "--alpha", "1", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stdout.splitlines() if "untied lm_head" in line]
+    assert len(notes) == 1
+    assert notes[0].startswith("note: head-lora: lm_head.weight (modules_to_save) replaces the head")
+    assert notes[0].removeprefix("note: head-lora: ") in structure.detail
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
 
 
 def test_negative_alpha_warns(zoo, tmp_path):
     negative = tmp_path / "negative"
     shutil.copytree(zoo["good"], negative)
-    config = json.loads((negative / "adapter_config.json").read_text())
-    (negative / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": -16}))
+    edit_config(negative, lambda config: {**config, "lora_alpha": -16})
     report = audit_adapter(negative, zoo["base"])
     assert report.verdict == "WARN" and "negative lora_alpha (scaling -4" in report.reasons[0]
 
 
 def test_paper_total_norm_rejects_what_one_live_module_lets_through(zoo, tmp_path):
-    one_live = tmp_path / "one-live"
-    shutil.copytree(zoo["good"], one_live)
-    tensors = load_file(one_live / "adapter_model.safetensors")
     keep = "layers.0.self_attn.q_proj.lora_B"
-    save_file({k: v if "lora_A" in k or keep in k else v * 1e-3 for k, v in tensors.items()},
-              str(one_live / "adapter_model.safetensors"))
+    one_live = scaled_adapter(zoo["good"], tmp_path / "one-live",
+                              lambda key: 1.0 if "lora_A" in key or keep in key else 1e-3)
     strict = audit_adapter(one_live, zoo["base"], thresholds=AuditThresholds(min_total_norm=1.0))
     delta = next(c for c in strict.checks if c.name == "delta")
     assert delta.measurements["largest_relative"] > 1e-4, "the relative rule alone passes it"

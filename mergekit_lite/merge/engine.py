@@ -340,8 +340,9 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     inputs = [*config.inputs, config.copy_files_from, config.recall.texts, config.recall.weights_file]
     check_output_folder(out, inputs, overwrite)
     usable_device(config.device)
-    _audit_adapters(config)
+    reports = _audit_adapters(config)
     plan = plan_merge(config)
+    plan.notes.extend(_audit_notes(reports))
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
         writer = ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                                config.out_shard_size)
@@ -361,15 +362,23 @@ def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = N
     return state
 
 
-def _audit_adapters(config: MergeConfig) -> None:
+def _audit_adapters(config: MergeConfig) -> list:
     """Adapters are audited against the base before anything else reads them, so a refusal names the real cause;
     REJECTED ones stop the merge. Without a base, planning says an adapter needs one."""
     adapters = [path for path in config.inputs if LoraAdapter.is_adapter_dir(path)]
-    if adapters and config.base:
-        from audits.adapter import require_verified
+    if not (adapters and config.base):
+        return []
+    from audits.adapter import require_verified
 
-        for adapter in adapters:
-            require_verified(adapter, config.base, force=config.force, allow_pickle=config.allow_pickle)
+    return [require_verified(adapter, config.base, force=config.force, allow_pickle=config.allow_pickle)
+            for adapter in adapters]
+
+
+def _audit_notes(reports: list) -> list[str]:
+    """What the audits say about how an adapter merges (a tied base's head written untied), so the user hears it
+    from merge too."""
+    return [f"{Path(report.adapter).name}: {note}" for report in reports for check in report.checks
+            if check.name == "structure" for note in check.measurements.get("merge_notes", [])]
 
 
 def _restack_layers(model_config: dict, plan: MergePlan) -> None:
