@@ -44,7 +44,10 @@ class LazyGroup(click.Group):
         if name not in SUBCOMMANDS:
             return None
         module, attribute, _ = SUBCOMMANDS[name]
-        return getattr(importlib.import_module(module), attribute)
+        # Deferred: torch's import runs Python inside C++ (pybind11), where an exception raised by the handler
+        # cannot unwind and aborts the process (terminate called after error_already_set); raised right after
+        with interrupts.deferred():
+            return getattr(importlib.import_module(module), attribute)
 
     def format_commands(self, ctx, formatter):
         rows = [(name, help_text) for name, (_, _, help_text) in SUBCOMMANDS.items()]
