@@ -86,8 +86,8 @@ def reuse_freed_memory() -> bool:
 
     By default glibc maps any allocation above a threshold that it adjusts as the program runs, and unmaps it
     on free; whether the chunk temporaries land above or below it varied from run to run, and when above, every
-    one of them was a fresh mapping: 4 million page faults and 3x the system time for a 1 GB DARE merge
-    (benchmarks/RESULTS.md). Fixing the threshold at its ceiling and keeping up to KEPT_FREE_MEMORY of freed
+    one of them was a fresh mapping: 1-5 million page faults instead of 0.16 million, and up to 3x the system
+    time, for a 1 GB DARE merge (benchmarks/RESULTS.md, allocator A/B). Fixing the threshold at its ceiling and keeping up to KEPT_FREE_MEMORY of freed
     heap makes every run take the fast path; larger allocations are still mapped and returned, so peak memory
     is unchanged. False where the C library has no mallopt (musl, macOS): nothing changes there.
     """

@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import is_regular_inside
+from mergekit_lite.io.safetensors import require_regular_inside
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -195,15 +195,8 @@ class _TensorFile:
             return handle.get_tensor(key)
 
 
-def _inside(path: Path, folder: Path) -> Path:
-    """`path` if it is a regular file inside the adapter folder; a link out of it, a FIFO or a device is refused."""
-    if not is_regular_inside(path, folder):
-        raise InputError(f"{path}: not a regular file inside {folder} (a link out of the folder, a FIFO or a device)")
-    return path
-
-
 def _read_config(folder: Path) -> dict:
-    path = _inside(folder / CONFIG_FILE, folder)
+    path = require_regular_inside(folder / CONFIG_FILE, folder)
     try:
         config = json.loads(path.read_text())
     except ValueError as error:
@@ -225,11 +218,11 @@ def _read_config(folder: Path) -> dict:
 def _open_weights(folder: Path, allow_pickle: bool) -> _TensorFile:
     """Safetensors by default; a pickle only when allowed, and then with weights_only=True."""
     if os.path.lexists(folder / SAFETENSORS_FILE):
-        return _TensorFile(_inside(folder / SAFETENSORS_FILE, folder))
+        return _TensorFile(require_regular_inside(folder / SAFETENSORS_FILE, folder))
     pickle_path = folder / PICKLE_FILE
     if not os.path.lexists(pickle_path):
         raise InputError(f"{folder}: no {SAFETENSORS_FILE}")
-    _inside(pickle_path, folder)
+    require_regular_inside(pickle_path, folder)
     if not allow_pickle:
         raise InputError(f"{pickle_path}: pickle weights can run code when loaded; refused "
                          "(convert to safetensors, or pass --allow-pickle)")

@@ -75,6 +75,13 @@ def is_regular_inside(path: Path, folder: Path) -> bool:
     return any(real == allowed or allowed in real.parents for allowed in roots)
 
 
+def require_regular_inside(path: Path, folder: Path) -> Path:
+    """`path` if `is_regular_inside(path, folder)`; otherwise a user error, before anything opens it."""
+    if not is_regular_inside(path, folder):
+        raise InputError(f"{path}: not a regular file inside {folder} (a link out of the folder, a FIFO or a device)")
+    return path
+
+
 def open_regular(path: Path):
     """Open for reading only if it is a regular file: a FIFO or device is refused without blocking on it."""
     try:
@@ -264,9 +271,7 @@ def read_model_config(folder: Path) -> dict | None:
     path = folder / "config.json"
     if not os.path.lexists(path):
         return None
-    if not is_regular_inside(path, folder):
-        raise InputError(f"{path}: not a regular file inside {folder}")
-    data = read_json(path)
+    data = read_json(require_regular_inside(path, folder))
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object (got {type(data).__name__})")
     validate(ModelConfigFile, data, path)
@@ -280,15 +285,11 @@ def _weight_file(folder: Path, name: str, where: Path) -> Path:
     path = folder / name
     if not os.path.lexists(path):
         raise InputError(f"{where}: names shard {name}, which is missing")
-    if not is_regular_inside(path, folder):
-        raise InputError(f"{path}: not a regular file inside {folder} (a link out of the folder, a FIFO or a device)")
-    return path
+    return require_regular_inside(path, folder)
 
 
 def _indexed_entries(folder: Path) -> dict[str, TensorEntry]:
-    index_path = folder / INDEX_FILE
-    if not is_regular_inside(index_path, folder):
-        raise InputError(f"{index_path}: not a regular file inside {folder}")
+    index_path = require_regular_inside(folder / INDEX_FILE, folder)
     index = validate(ShardIndex, read_json(index_path), index_path)
     if not index.weight_map:
         raise InputError(f"{index_path}: no weight_map")

@@ -222,7 +222,7 @@ def math_threads(compute_bound: bool = False) -> int:
     or all of them for compute-bound methods, whose reader and writer mostly wait.
 
     Leaving a core free keeps an I/O-bound loop's thousands of parallel regions from waiting on a worker that
-    another process has descheduled (5x slower runs on a busy machine, benchmarks/RESULTS.md). Only the chunked
+    another process has descheduled (much slower runs on a busy machine). Only the chunked
     loops change threads: elementwise ops give the same bytes with any thread count, while whole-tensor
     reductions such as SLERP's dot products round differently with another count and keep the default.
     """

@@ -261,7 +261,7 @@ def layer_alphas(similarity: list[list[float]], alpha: float, model: int = 0) ->
 
     Why the embedding row stays out of the profile: it measures the lookup table alone, while row l + 1
     measures everything up to layer l, so its drift is not on the layers' scale; mixing it into the mean
-    pushed the embeddings towards post and every layer towards pre (benchmarks/RESULTS.md, "recall_lerp")."""
+    pushed the embeddings towards post and every layer towards pre (README, "RECALL")."""
     if not 0.0 <= alpha <= 1.0:
         raise InputError(f"recall_lerp alpha must be in [0, 1], got {alpha}")
     drift = layer_drift(similarity, model)[1:]
