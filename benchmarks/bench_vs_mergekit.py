@@ -128,17 +128,23 @@ def read_seconds(models: list[Path]) -> float:
     return best_of(lambda: _timed(cat))
 
 
-def write_seconds(nbytes: int) -> float:
-    """Writing `nbytes` from memory into 500 MB files (into the page cache, as the merges write)."""
+def write_seconds(nbytes: int) -> dict[str, float]:
+    """Writing `nbytes` from memory into 500 MB files, through the page cache (as mergekit writes) and past it
+    (`DirectFile`, as mergekit-lite writes); the bound takes the faster."""
+    from mergekit_lite.io.direct import DirectFile
+
     folder, block = WORK / "write-bound", memoryview(os.urandom(500 * 10**6))
 
-    def write():
+    def write(open_file):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         for index, begin in enumerate(range(0, nbytes, len(block))):
-            (folder / f"shard-{index}").write_bytes(block[:min(len(block), nbytes - begin)])
+            handle = open_file(folder / f"shard-{index}")
+            handle.write(block[:min(len(block), nbytes - begin)])
+            handle.close()
 
-    seconds = best_of(lambda: _timed(write))
+    seconds = {"buffered": best_of(lambda: _timed(lambda: write(lambda path: open(path, "wb")))),
+               "direct": best_of(lambda: _timed(lambda: write(DirectFile)))}
     shutil.rmtree(folder, ignore_errors=True)
     return seconds
 
@@ -221,7 +227,9 @@ def run_size(size: str, methods: list[str], args, venv: Path | None, summary: di
     log(f"checkpoints {ckpt}")
     subprocess.check_call([sys.executable, str(HERE / "make_checkpoints.py"), "--size", size, "--out", str(ckpt)])
     output_bytes = sum(f.stat().st_size for f in (ckpt / "base").glob("*.safetensors"))
-    bounds = {"startup_s": startup_seconds(), "write_s": write_seconds(output_bytes), "copy_gb_per_s": copy_gb_per_s()}
+    writes = write_seconds(output_bytes)
+    bounds = {"startup_s": startup_seconds(), "write_s": min(writes.values()), "write_buffered_s": writes["buffered"],
+              "write_direct_s": writes["direct"], "copy_gb_per_s": copy_gb_per_s()}
     entry = summary["sizes"][size] = {"checkpoint_gb": round(output_bytes / 1e9, 2), "bounds": bounds, "methods": {},
                                       "command": summary["command"], "started": time.strftime("%H:%M:%S"),
                                       "load_at_start": load_average()}

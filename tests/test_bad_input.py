@@ -213,6 +213,18 @@ def inf_in_base(models, tmp):
     return lerp_args(inf_model(models, tmp), models["base"])
 
 
+def nan_for_ties(models, tmp):
+    """TIES may trim the NaN entry away, so the inputs themselves must be checked, not only the result."""
+    return ["--method", "ties", "--base", models["base"], "--model", nan_model(models, tmp), "--density", "0.5"]
+
+
+def identical_inputs_overflowing_float16(models, tmp):
+    """Identical inputs are copied, not merged; the copy's cast to float16 overflows and must still be refused."""
+    huge = variant(models, tmp)
+    edit_tensor(huge, TARGET, lambda t: t.fill_(1e6))
+    return ["--method", "linear", "--model", huge, "--model", shutil.copytree(huge, tmp / "twin"), "--dtype", "float16"]
+
+
 def flags(*extra):
     return lambda models, tmp: ["--base", models["base"], "--model", models["other"], *extra]
 
@@ -254,6 +266,11 @@ ERROR_CASES = [
                                 r"or Inf values \(pass --allow-nonfinite"], id="nan-in-model"),
     pytest.param(inf_in_base, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
                                r"or Inf values"], id="inf-in-base"),
+    pytest.param(nan_for_ties, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
+                                r"or Inf values"], id="nan-in-model-ties"),
+    pytest.param(identical_inputs_overflowing_float16, [r"merged tensor " + re.escape(TARGET) + r" has NaN or Inf "
+                                                        r"values \(overflow in the merge or the output dtype float16"],
+                 id="copied-tensor-overflows-float16"),
     pytest.param(flags("--method", "linear", "--alpha", "1.5"), [r"alpha must be in \[0\.0, 1\.0\], got 1\.5"],
                  id="alpha-above-1"),
     pytest.param(flags("--method", "slerp", "--t", "2"), [r"t must be in \[0\.0, 1\.0\], got 2\.0"], id="t-above-1"),

@@ -1,7 +1,7 @@
 """Streaming safetensors I/O: read one tensor at a time, write shards whose layout is planned up front.
 
-This layer knows files, shards and indices, and nothing about merge methods. Reading goes through plain
-`readinto` at the offsets the header gives (no memory map), so a tensor costs its own bytes and nothing
+This layer knows files, shards and indices, and nothing about merge methods. Reading goes through positioned
+reads (`read_at`) at the offsets the header gives (no memory map), so a tensor costs its own bytes and nothing
 stays resident after it is dropped: peak memory is bounded by the tensors in flight, not by the model.
 """
 
@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.direct import DirectFile
 from mergekit_lite.io.validation import parse_json, read_json, validate
 
 SAFETENSORS_DTYPES = {
@@ -93,6 +94,21 @@ def open_regular(path: Path):
         raise InputError(f"{path}: not a regular file")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_at(handle, view: memoryview, offset: int) -> int:
+    """Fill `view` from `offset` with positioned reads; the bytes read (fewer only at the end of the file).
+
+    No shared file position, so threads may read one handle at once; and a loop, because Linux returns at most
+    2 GiB per read call (a large vocabulary's embedding is bigger).
+    """
+    done = 0
+    while done < len(view):
+        count = os.preadv(handle.fileno(), [view[done:]], offset + done)
+        if count == 0:
+            break
+        done += count
+    return done
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
@@ -209,9 +225,7 @@ class ModelSource:
         entry = self.entry(name)
         buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into[:entry.nbytes]
         if entry.nbytes:
-            handle = self._handle(entry.file)
-            handle.seek(entry.offset)
-            if handle.readinto(memoryview(buffer.numpy())) != entry.nbytes:
+            if read_at(self._handle(entry.file), memoryview(buffer.numpy()), entry.offset) != entry.nbytes:
                 raise InputError(f"{entry.file}: truncated file (tensor {name})")
         tensor = buffer.view(entry.dtype).reshape(entry.shape)
         return tensor.float() if entry.dtype in FLOAT8 else tensor
@@ -408,7 +422,9 @@ class ShardedWriter:
 
     The layout (which shard, which offset) is fixed from shapes and dtypes before any data exists, so every
     shard's header goes out first and each tensor is appended as soon as it is computed: no shard is ever
-    buffered in memory.
+    buffered in memory. Shards are written past the page cache where the filesystem allows (`DirectFile`) and
+    synced as each one is finished. Use it as a context manager: leaving on an error closes the open shard
+    without finishing it.
     """
 
     def __init__(self, folder: Path, tensors: Sequence[PlannedTensor], max_shard_bytes: int):
@@ -445,10 +461,19 @@ class ShardedWriter:
             where = getattr(self._handle, "name", self.folder)
             raise OSError(error.errno, error.strerror or str(error), str(where)) from None
 
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if self._handle is not None:
+            self._handle.abandon()
+            self._handle = None
+
     def _start_shard(self, shard_index: int) -> None:
         if self._handle is not None:
-            self._handle.close()
-        self._handle = open(self.folder / self.file_names[shard_index], "wb")
+            with self._naming_failed_file():
+                self._handle.close()
+        self._handle = DirectFile(self.folder / self.file_names[shard_index])
         self._handle.write(_header_bytes(self.shards[shard_index]))
         self._open_shard = shard_index
 
@@ -458,8 +483,6 @@ class ShardedWriter:
             raise RuntimeError(f"writer closed after {self._position} of {len(self._queue)} tensors")
         if self._handle is not None:
             with self._naming_failed_file():
-                self._handle.flush()
-                os.fsync(self._handle.fileno())
                 self._handle.close()
             self._handle = None
         if len(self.shards) > 1:

@@ -67,7 +67,7 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     if out is None:
         out = torch.empty(step.shape, dtype=step.out_dtype, device=flats[0].device)
     out_flat = out.view(-1)
-    with _math_threads(compute_bound(config.method)):
+    with _threads(math_threads(compute_bound(config.method))):
         for begin in range(0, out_flat.numel(), methods.CHUNK):
             chunk = slice(begin, begin + methods.CHUNK)
             out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
@@ -119,7 +119,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
-        with _math_threads(compute_bound=True):  # a chunked pass too; counts and selections do not depend on threads
+        with _threads(math_threads(compute_bound=True)):  # a chunked pass; counts do not depend on threads
             thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
                           for model, density in zip(tensors[1:], parameters["densities"])]
     if recipe.sparsifier == "outliers":
@@ -175,6 +175,9 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
     device = usable_device(config.device)
     reuse_freed_memory()
     ring = BufferRing(max((_input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
+    # the identity and finite checks are exact at any thread count; at the math's count, no OpenMP worker is
+    # left spinning between steps while the reader and writer need the core
+    step_threads = math_threads(compute_bound(config.method))
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
@@ -187,16 +190,20 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
                 block, tensors = next_read.result()
                 if position + 1 < len(steps):
                     next_read = reader.submit(_read_inputs, plan, steps[position + 1], ring)
-                if not config.allow_nonfinite:
-                    _check_finite(plan.inputs_of(step), tensors)
-                if step.action == "copy" or _all_identical(tensors):
+                checks = _FiniteChecks(plan, step) if not config.allow_nonfinite else None
+                with _threads(step_threads):
+                    copied = step.action == "copy" or _all_identical(tensors)
+                    if checks and not copied and sparsifies(config.method):
+                        checks.of_inputs(tensors)
+                if copied:
                     merged = tensors[0].to(step.out_dtype)
                 else:
                     merged = merge_tensor(config, step, [t.to(device, non_blocking=True) for t in tensors],
                                           _output_slot(step, tensors[0], block))
-                    if not config.allow_nonfinite:
-                        _check_merged_finite(step.name, merged)
                 _wait_for(device)
+                if checks:
+                    with _threads(step_threads):
+                        checks.of_result(merged)
                 del tensors
                 if sink_keeps_tensors and _within(merged, block):
                     merged = merged.clone()
@@ -210,11 +217,18 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
             ring.close()
 
 
+def sparsifies(method: str) -> bool:
+    """Methods that drop entries of the task vectors (TIES, DARE, DELLA, Breadcrumbs): a NaN or Inf input entry
+    may be dropped, so it need not show in the output. Every other method combines every input entry with a
+    float32 coefficient, and NaN or Inf survives that (Inf x 0 is NaN)."""
+    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    return recipe is not None and recipe.sparsifier is not None
+
+
 def compute_bound(method: str) -> bool:
     """Methods whose chunk math (sparsify, elect signs, disjoint mean: ~15 float32 ops per element and model)
     costs several times the reading and writing; the others are bound by memory and I/O."""
-    recipe = methods.TASK_VECTOR_METHODS.get(method)
-    return recipe is not None and recipe.sparsifier is not None
+    return sparsifies(method)
 
 
 def math_threads(compute_bound: bool = False) -> int:
@@ -231,9 +245,9 @@ def math_threads(compute_bound: bool = False) -> int:
 
 
 @contextmanager
-def _math_threads(compute_bound: bool = False):
+def _threads(count: int):
     threads = torch.get_num_threads()
-    torch.set_num_threads(math_threads(compute_bound))
+    torch.set_num_threads(count)
     try:
         yield
     finally:
@@ -300,19 +314,37 @@ def usable_device(name: str) -> torch.device:
     return device
 
 
-def _check_finite(inputs: list[tuple[TensorSource, str]], tensors: list[torch.Tensor]) -> None:
-    """min and max propagate NaN and reach Inf, so one aminmax pass (much faster than isfinite) decides."""
-    for (source, name), tensor in zip(inputs, tensors):
-        if tensor.is_floating_point() and tensor.numel() and not all(map(math.isfinite, _aminmax(tensor))):
-            where = source.entry(name).file if isinstance(source, ModelSource) else source.path
-            raise InputError(f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)")
+class _FiniteChecks:
+    """Refuse NaN or Inf in a step's inputs or its result, naming the input that has them.
 
+    The result is always checked: finite inputs can still overflow (a huge --lambda, a sum beyond float16's
+    range). Methods that do not sparsify carry every input entry into the result, so a finite result proves
+    the inputs finite and they need no pass of their own; only when the result is not finite are the inputs
+    read again (the result may overlay the first one) to name the culprit. Sparsifying methods may drop the
+    bad entry, so their inputs are checked before the merge.
+    """
 
-def _check_merged_finite(name: str, merged: torch.Tensor) -> None:
-    """Finite inputs can still overflow (a huge --lambda, a sum beyond float16's range): never write Inf/NaN."""
-    if merged.is_floating_point() and merged.numel() and not all(map(math.isfinite, _aminmax(merged))):
-        raise InputError(f"merged tensor {name} has NaN or Inf values (overflow in the merge or the output dtype "
-                         f"{str(merged.dtype).removeprefix('torch.')}; pass --allow-nonfinite to write it anyway)")
+    def __init__(self, plan: MergePlan, step: TensorStep):
+        self.step, self.inputs = step, plan.inputs_of(step)
+
+    def of_inputs(self, tensors: list[torch.Tensor]) -> None:
+        for (source, name), tensor in zip(self.inputs, tensors):
+            if not self._finite(tensor):
+                where = source.entry(name).file if isinstance(source, ModelSource) else source.path
+                raise InputError(f"tensor {name} in {where} has NaN or Inf values "
+                                 f"(pass --allow-nonfinite to merge anyway)")
+
+    def of_result(self, merged: torch.Tensor) -> None:
+        if self._finite(merged):
+            return
+        self.of_inputs([source.load(name) for source, name in self.inputs])
+        raise InputError(f"merged tensor {self.step.name} has NaN or Inf values (overflow in the merge or the "
+                         f"output dtype {str(merged.dtype).removeprefix('torch.')}; pass --allow-nonfinite to "
+                         f"write it anyway)")
+
+    def _finite(self, tensor: torch.Tensor) -> bool:
+        """min and max propagate NaN and reach Inf, so one aminmax pass (much faster than isfinite) decides."""
+        return not (tensor.is_floating_point() and tensor.numel()) or all(map(math.isfinite, _aminmax(tensor)))
 
 
 def _aminmax(tensor: torch.Tensor):
@@ -344,10 +376,10 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     plan = plan_merge(config)
     plan.notes.extend(_audit_notes(reports))
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
-        writer = ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
-                               config.out_shard_size)
-        execute(plan, writer.write, progress=progress)
-        writer.close()
+        with ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
+                           config.out_shard_size) as writer:
+            execute(plan, writer.write, progress=progress)
+            writer.close()
         _write_side_files(plan, folder)
         files = sorted(p.name for p in folder.iterdir())
     return MergeResult(Path(out), plan, time.perf_counter() - started, files)

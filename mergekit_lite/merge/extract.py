@@ -149,20 +149,20 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
               "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
               "modules_to_save": saved or None, "base_model_name_or_path": str(base_dir)}
     with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
-        writer = ShardedWriter(folder, planned, max_shard_bytes=2**63)
-        for module in factored:
-            weight = f"{module}.weight"
-            delta = tuned.load(weight).to(torch.float32) - base.load(weight).to(torch.float32)
-            lora_b, lora_a = low_rank_factors(delta, ranks[module])
-            writer.write(f"base_model.model.{module}.lora_A.weight", lora_a.to(tuned.dtype(weight)))
-            writer.write(f"base_model.model.{module}.lora_B.weight", lora_b.to(tuned.dtype(weight)))
-            if lora_bias:
-                bias = f"{module}.bias"
-                delta_bias = tuned.load(bias).to(torch.float32) - base.load(bias).to(torch.float32)
-                writer.write(f"base_model.model.{module}.lora_B.bias", delta_bias.to(tuned.dtype(bias)))
-        for name in saved_tensors:
-            writer.write(f"base_model.model.{name}", tuned.load(name))
-        writer.close()
+        with ShardedWriter(folder, planned, max_shard_bytes=2**63) as writer:
+            for module in factored:
+                weight = f"{module}.weight"
+                delta = tuned.load(weight).to(torch.float32) - base.load(weight).to(torch.float32)
+                lora_b, lora_a = low_rank_factors(delta, ranks[module])
+                writer.write(f"base_model.model.{module}.lora_A.weight", lora_a.to(tuned.dtype(weight)))
+                writer.write(f"base_model.model.{module}.lora_B.weight", lora_b.to(tuned.dtype(weight)))
+                if lora_bias:
+                    bias = f"{module}.bias"
+                    delta_bias = tuned.load(bias).to(torch.float32) - base.load(bias).to(torch.float32)
+                    writer.write(f"base_model.model.{module}.lora_B.bias", delta_bias.to(tuned.dtype(bias)))
+            for name in saved_tensors:
+                writer.write(f"base_model.model.{name}", tuned.load(name))
+            writer.close()
         (Path(folder) / SINGLE_FILE).rename(Path(folder) / ADAPTER_FILE)
         (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return Extraction(factored, saved, dropped)
