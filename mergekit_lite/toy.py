@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.threads import torch_threads
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, UNK, BOS, EOS]
@@ -128,18 +128,6 @@ def build_model(vocab_size: int, config: ToyConfig) -> LlamaForCausalLM:
         pad_token_id=SPECIAL_TOKENS.index(PAD),
     )
     return LlamaForCausalLM(llama_config)
-
-
-@contextmanager
-def torch_threads(n: int):
-    """Tiny models train fastest on one thread: on a busy 2-core machine, two threads ran 10-20x
-    slower from contention. Restores the caller's setting afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def answer_batch(

@@ -30,7 +30,7 @@ from mergekit_lite.io.sources import open_inputs
 from mergekit_lite.merge.config import METHODS, MergeConfig
 from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.merge.recall import RecallWeights
-from mergekit_lite.toy import torch_threads
+from mergekit_lite.threads import torch_threads
 
 ALL_METHODS_ON = ("gemma3_multimodal", "gpt2", "mixtral")
 TOKENS = torch.tensor([[1, 5, 17, 42, 63, 8, 2, 30, 77, 11]])

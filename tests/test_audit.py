@@ -28,7 +28,7 @@ from audits.fingerprint import (
 from audits.leakage import check_leakage, find_contamination
 from cli.main import main
 from mergekit_lite.errors import InputError
-from mergekit_lite.toy import torch_threads
+from mergekit_lite.threads import torch_threads
 
 
 def make_adapter(base_dir, out_dir, target_modules, steps: int, modules_to_save=None, **save_options):

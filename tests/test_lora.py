@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import LoraAdapter, refusal_reason
-from mergekit_lite.toy import torch_threads
+from mergekit_lite.threads import torch_threads
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.engine import run_merge
-from mergekit_lite.toy import torch_threads
+from mergekit_lite.threads import torch_threads
 
 CLI = str(Path(sys.executable).parent / "mergekit-lite")
 

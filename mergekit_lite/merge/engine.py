@@ -8,7 +8,6 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,6 +37,7 @@ from mergekit_lite.merge.plan import (
     plan_merge,
 )
 from mergekit_lite.merge.vocab import write_tokenizer
+from mergekit_lite.threads import torch_threads
 
 
 def dare_generator(seed: int, tensor_name: str, model_index: int) -> torch.Generator:
@@ -67,7 +67,7 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     if out is None:
         out = torch.empty(step.shape, dtype=step.out_dtype, device=flats[0].device)
     out_flat = out.view(-1)
-    with _threads(math_threads(compute_bound(config.method))):
+    with torch_threads(math_threads(compute_bound(config.method))):
         for begin in range(0, out_flat.numel(), methods.CHUNK):
             chunk = slice(begin, begin + methods.CHUNK)
             out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
@@ -119,7 +119,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":
-        with _threads(math_threads(compute_bound=True)):  # a chunked pass; counts do not depend on threads
+        with torch_threads(math_threads(compute_bound=True)):  # a chunked pass; counts do not depend on threads
             thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
                           for model, density in zip(tensors[1:], parameters["densities"])]
     if recipe.sparsifier == "outliers":
@@ -191,7 +191,7 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
                 if position + 1 < len(steps):
                     next_read = reader.submit(_read_inputs, plan, steps[position + 1], ring)
                 checks = _FiniteChecks(plan, step) if not config.allow_nonfinite else None
-                with _threads(step_threads):
+                with torch_threads(step_threads):
                     copied = step.action == "copy" or _all_identical(tensors)
                     if checks and not copied and sparsifies(config.method):
                         checks.of_inputs(tensors)
@@ -202,7 +202,7 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
                                           _output_slot(step, tensors[0], block))
                 _wait_for(device)
                 if checks:
-                    with _threads(step_threads):
+                    with torch_threads(step_threads):
                         checks.of_result(merged)
                 del tensors
                 if sink_keeps_tensors and _within(merged, block):
@@ -242,16 +242,6 @@ def math_threads(compute_bound: bool = False) -> int:
     """
     cores = len(os.sched_getaffinity(0))
     return max(1, min(torch.get_num_threads(), cores if compute_bound else cores - 1))
-
-
-@contextmanager
-def _threads(count: int):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _input_bytes(plan: MergePlan, step: TensorStep) -> int:
