@@ -1,6 +1,7 @@
 """Shared pytest fixtures. Expensive artefacts are session-scoped so every test file reuses them."""
 
 import os
+import signal
 
 # Tests never touch the network; set before anything imports huggingface_hub or datasets.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,6 +13,14 @@ from pathlib import Path
 import pytest
 
 from mergekit_lite.toy import ToyPair, build_toy_pair
+
+
+def pytest_configure(config):
+    """Tests press Ctrl-C on the CLI by sending SIGINT to it. A shell starts a background job (`.ci/run &`,
+    nohup) with SIGINT ignored, and every process it starts inherits that, so the CLI (rightly) keeps ignoring
+    it; give the test processes, and so their children, a terminal's default instead. Runs in every xdist worker."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -454,14 +454,10 @@ def big_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def start_and_wait_for_partial(big_pair, out: Path, stderr_file: Path) -> tuple[subprocess.Popen, Path]:
-    """Start a big merge and return once its temp folder holds a shard (the merge is midway).
-
-    TIES, several times slower per byte than a LERP: with the tests running on every core, this process can wait
-    a while for one between seeing the shard and sending its signal, and a LERP once finished in that time."""
+    """Start a big merge and return once its temp folder holds a shard (the merge is midway)."""
     a, b = big_pair
-    ties = ["--method", "ties", "--base", a, "--model", b, "--density", "0.5"]
     with open(stderr_file, "w") as stderr:
-        process = subprocess.Popen([str(CLI), "merge", *map(str, ties), "--out", str(out), "-q",
+        process = subprocess.Popen([str(CLI), "merge", *map(str, lerp_args(a, b)), "--out", str(out), "-q",
                                     "--out-shard-size", "2MB"], stdout=subprocess.DEVNULL, stderr=stderr, env=ENV)
     partial = out.parent / f".{out.name}.partial-{process.pid}"
     deadline = time.monotonic() + 120

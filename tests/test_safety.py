@@ -184,7 +184,7 @@ def test_concurrent_merges_to_one_out_never_lose_a_result(fresh):
 
 def test_folder_created_at_out_during_a_merge_is_left_untouched(big_pair, tmp_path):
     out = tmp_path / "merged"
-    process = start_big_merge(big_pair, out, slow=True)
+    process = start_big_merge(big_pair, out)
     wait_for_partial(process, out)
     out.mkdir()
     (out / "theirs.txt").write_text("created meanwhile")
@@ -708,11 +708,9 @@ def big_pair(tmp_path_factory) -> tuple[Path, Path]:
     return save_random_pair(tmp_path_factory.mktemp("big"), 50, (256, 256))
 
 
-def start_big_merge(big_pair, out: Path, slow: bool = False) -> subprocess.Popen:
-    """A LERP, or with `slow` a TIES merge (several times longer), for a test that must act while it runs."""
+def start_big_merge(big_pair, out: Path) -> subprocess.Popen:
     a, b = big_pair
-    args = ["merge", "--method", "ties", "--base", a, "--model", b, "--density", "0.5", "-q"] if slow else lerp_args(a, b)
-    return subprocess.Popen([str(CLI), *map(str, args), "--out", str(out), "--out-shard-size", "1MB"],
+    return subprocess.Popen([str(CLI), *map(str, lerp_args(a, b)), "--out", str(out), "--out-shard-size", "1MB"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -737,8 +735,6 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
     any of our code runs, gets Python's default action (death by SIGTERM, KeyboardInterrupt in start-up):
     nothing was written then either.
     """
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # run as a background job: children would ignore SIGINT
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(20261203)
     plans = [(index, rng.choice([signal.SIGINT, signal.SIGTERM]), rng.uniform(0.0, 4.0)) for index in range(STRESS_TRIES)]
 
