@@ -18,10 +18,10 @@ import errno
 import fcntl
 import mmap
 import os
-from pathlib import Path
+
+from mergekit_lite.io.buffers import aligned
 
 STAGE_BYTES = 16 << 20  # per write call: large enough to stream, small enough to keep in cache
-BLOCK = 4096  # the largest logical block size in common use; a multiple of the smaller ones
 
 
 class DirectFile:
@@ -67,7 +67,7 @@ class DirectFile:
             return
         try:
             if self._staged:
-                self._flush_stage(-(-self._staged // BLOCK) * BLOCK)
+                self._flush_stage(aligned(self._staged))  # whole pages: a multiple of any common block size
                 os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
         finally:
@@ -91,7 +91,7 @@ class DirectFile:
         except OSError as error:
             if error.errno != errno.EINVAL:
                 raise
-            # the filesystem took O_DIRECT at open but refuses these writes (a block size above BLOCK): a failed
+            # the filesystem took O_DIRECT at open but refuses these writes (a block size above a page): a failed
             # write wrote nothing, so the staged bytes are written again, the ordinary way, and so is the rest
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self.direct = False
