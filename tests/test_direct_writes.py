@@ -92,3 +92,33 @@ def test_an_abandoned_shard_is_closed_and_its_writer_reusable(tmp_path):
         writer.close()
     loaded = load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(loaded[f"t{i}"], tensor) for i, tensor in enumerate(tensors))
+
+
+def test_a_failed_background_write_is_raised_in_the_writer_and_names_the_file(tmp_path, monkeypatch):
+    """Stages after the first are written by a background thread; a full disk there must still stop the caller,
+    with the shard's name, and leave no descriptor open."""
+    real_write, direct_writes = os.write, []
+
+    def filling_write(fd, data):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct_writes.append(len(data))
+            if len(direct_writes) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    probe = DirectFile(tmp_path / "probe")
+    probe.abandon()
+    if not probe.direct:
+        pytest.skip("this filesystem refuses O_DIRECT: no background writes")
+    monkeypatch.setattr(os, "write", filling_write)
+    tensor = torch.zeros(4 * STAGE_BYTES // 4, dtype=torch.float32)
+    planned = [PlannedTensor("big", tuple(tensor.shape), tensor.dtype)]
+    descriptors = len(os.listdir("/proc/self/fd"))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(OSError, match="No space left") as raised, \
+            ShardedWriter(tmp_path / "out", planned, 2**40) as writer:
+        writer.write("big", tensor)
+        writer.close()
+    assert raised.value.filename == str(tmp_path / "out" / "model.safetensors")
+    assert len(direct_writes) == 3
+    assert len(os.listdir("/proc/self/fd")) == descriptors

@@ -145,6 +145,31 @@ def test_a_read_failure_in_the_reader_thread_surfaces_and_nothing_hangs(trio, tm
         execute(plan, lambda name, tensor: None)
 
 
+def test_a_slow_write_does_not_hold_the_reading_and_the_math(trio, monkeypatch):
+    """While the sink is stuck on one step (a slow disk), the engine goes on reading and merging the next ones, as
+    far as the ring allows: the disk's time and the math's overlap instead of taking turns."""
+    from mergekit_lite.merge import engine
+
+    plan = plan_merge(MergeConfig.from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
+    sizes = [engine._input_bytes(plan, step) for step in plan.steps]
+    stuck = next(i for i in range(1, len(sizes) - 3) if sum(sizes[i:i + 4]) <= max(sizes))  # four fit in the ring
+    later_read = threading.Event()
+    real_read_step = engine._read_step
+
+    def read_step(plan, step, ring):
+        if step is plan.steps[stuck + 3]:
+            later_read.set()
+        return real_read_step(plan, step, ring)
+
+    def sink(name, tensor):
+        if name == plan.steps[stuck].name:
+            assert later_read.wait(30), "reading stopped while a write was stuck"
+
+    monkeypatch.setattr(engine, "_read_step", read_step)
+    execute(plan, sink)
+    assert later_read.is_set()
+
+
 def test_positioned_reads_share_one_handle_across_threads(tmp_path):
     """The reader thread and an error path may read one shard at once: reads carry their own offsets (no shared
     seek position), and a read past the end returns what is there."""

@@ -18,15 +18,20 @@ import errno
 import fcntl
 import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from mergekit_lite.io.buffers import aligned
 
-STAGE_BYTES = 16 << 20  # per write call: large enough to stream, small enough to keep in cache
+STAGE_BYTES = 32 << 20  # per write call: large requests keep the device streaming; two such stages per file
 
 
 class DirectFile:
     """A new file written front to back, the way `open(path, "wb")` would, but past the page cache.
 
+    Two stages alternate: while one is written to the device by a background thread, the caller copies into the
+    other, so the copying and the device's time overlap instead of adding up. One write is in flight at a time,
+    so the file is written in order. The first stage is written in the caller's thread: it is where a filesystem
+    that took O_DIRECT at open may still refuse it, and the fallback must happen before anything else is written.
     `close` makes the bytes durable (fsync): with direct writes that costs only the metadata.
     """
 
@@ -41,8 +46,13 @@ class DirectFile:
                 raise
             self._fd = os.open(path, flags, 0o666)
             self.direct = False
-        self._stage = mmap.mmap(-1, STAGE_BYTES) if self.direct else None  # anonymous maps are page-aligned
+        # anonymous maps are page-aligned
+        self._stages = [mmap.mmap(-1, STAGE_BYTES), mmap.mmap(-1, STAGE_BYTES)] if self.direct else []
+        self._flusher = ThreadPoolExecutor(max_workers=1) if self.direct else None
+        self._in_flight: Future | None = None
+        self._filling = 0  # which stage is being filled
         self._staged = 0
+        self._flushed_once = False
         self._size = 0
 
     def write(self, data) -> int:
@@ -54,11 +64,12 @@ class DirectFile:
         done = 0
         while done < len(view):
             take = min(len(view) - done, STAGE_BYTES - self._staged)
-            self._stage[self._staged:self._staged + take] = view[done:done + take]
+            stage = self._stages[self._filling]
+            stage[self._staged:self._staged + take] = view[done:done + take]
             self._staged += take
             done += take
             if self._staged == STAGE_BYTES:
-                self._flush_stage(STAGE_BYTES)
+                self._hand_off(STAGE_BYTES)
         return len(view)
 
     def close(self) -> None:
@@ -66,8 +77,11 @@ class DirectFile:
         if self._fd < 0:
             return
         try:
-            if self._staged:
-                self._flush_stage(aligned(self._staged))  # whole pages: a multiple of any common block size
+            padded = self._staged > 0
+            if padded:
+                self._hand_off(aligned(self._staged))  # whole pages: a multiple of any common block size
+            self._wait_for_flush()
+            if padded:
                 os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
         finally:
@@ -78,26 +92,49 @@ class DirectFile:
         self._release()
 
     def _release(self) -> None:
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)  # a write in flight uses the descriptor: it must end before close
+            self._flusher = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        self._stage = None  # unmapped once no view of it is left (a failed write's traceback may hold one)
+        self._stages = []  # unmapped once no view of them is left (a failed write's traceback may hold one)
 
-    def _flush_stage(self, nbytes: int) -> None:
-        """Write the stage, `nbytes` of it (whole blocks: the staged bytes and, at the end, padding)."""
+    def _hand_off(self, nbytes: int) -> None:
+        """Write the filled stage (`nbytes` of it: the staged bytes and, at the end, padding) and switch stages.
+
+        The other stage is free once the write in flight, which was its own, has finished.
+        """
+        self._wait_for_flush()
+        stage, staged = self._stages[self._filling], self._staged
+        if self._flushed_once and self.direct:
+            self._in_flight = self._flusher.submit(self._flush, stage, nbytes, staged)
+        else:
+            self._flush(stage, nbytes, staged)
+            self._flushed_once = True
+        self._filling ^= 1
+        self._staged = 0
+
+    def _wait_for_flush(self) -> None:
+        """Wait for the write in flight; its error (a full disk) is raised here, in the caller's thread."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def _flush(self, stage: mmap.mmap, nbytes: int, staged: int) -> None:
+        """Write `nbytes` of a stage (whole blocks), of which `staged` are data."""
         try:
-            with memoryview(self._stage) as stage:
-                _write_all(self._fd, stage[:nbytes])
+            with memoryview(stage) as view:
+                _write_all(self._fd, view[:nbytes])
         except OSError as error:
-            if error.errno != errno.EINVAL:
+            if error.errno != errno.EINVAL or self._flushed_once:
                 raise
             # the filesystem took O_DIRECT at open but refuses these writes (a block size above a page): a failed
             # write wrote nothing, so the staged bytes are written again, the ordinary way, and so is the rest
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self.direct = False
-            with memoryview(self._stage) as stage:
-                _write_all(self._fd, stage[:self._staged])
-        self._staged = 0
+            with memoryview(stage) as view:
+                _write_all(self._fd, view[:staged])
 
 
 def _write_all(fd: int, view: memoryview) -> None:

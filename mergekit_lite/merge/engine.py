@@ -6,8 +6,10 @@ import hashlib
 import json
 import math
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -159,12 +161,13 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
             sink_keeps_tensors: bool = False) -> None:
     """Stream every step: read its inputs, check them, merge (or copy), hand the result to `sink`.
 
-    Three threads overlap: a reader fills step i+1's inputs while step i is merged, and a writer hands step
-    i-1 to `sink`. Inputs are read into one reused ring of the largest step's size, and each result is cast
-    chunk by chunk over its first input's bytes (every chunk is read before its slot is written), so memory
-    stays bounded by that ring and no tensor pays for fresh pages. Math gets the cores minus one (the reader
-    and writer mostly wait on the kernel's copies). With `sink_keeps_tensors` (an in-memory merge) each result
-    is given its own memory.
+    Three threads overlap: a reader fills the coming steps' inputs and checks them while step i is merged, and a
+    writer checks and hands the finished steps to `sink`. Inputs are read into one reused ring of the largest
+    step's size, and each result is cast chunk by chunk over its first input's bytes (every chunk is read before
+    its slot is written), so memory stays bounded by that ring and no tensor pays for fresh pages; a step's
+    block is free again once it is written, which is what holds a reader that runs ahead. Neither queue is
+    waited on in between, so a slow disk and slow math overlap instead of taking turns. With
+    `sink_keeps_tensors` (an in-memory merge) each result is given its own memory.
 
     On a GPU the ring is pinned: inputs go up with non-blocking copies while the reader fills the next block,
     results come back cast to the output dtype, and the host waits for the device once per step.
@@ -175,45 +178,35 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
     device = usable_device(config.device)
     reuse_freed_memory()
     ring = BufferRing(max((_input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
-    # the identity and finite checks are exact at any thread count; at the math's count, no OpenMP worker is
-    # left spinning between steps while the reader and writer need the core
-    step_threads = math_threads(compute_bound(config.method))
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
+        # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
+        reads: deque[Future] = deque(reader.submit(_read_step, plan, step, ring) for step in plan.steps)
+        writes: deque[Future] = deque()
+        write_failed = threading.Event()
         try:
-            steps = plan.steps
-            next_read = reader.submit(_read_inputs, plan, steps[0], ring) if steps else None
-            pending = None
-            for position, step in enumerate(steps):
+            for step in plan.steps:
                 interrupts.check()  # signals are handled here, never inside the executors' locks
-                block, tensors = next_read.result()
-                if position + 1 < len(steps):
-                    next_read = reader.submit(_read_inputs, plan, steps[position + 1], ring)
-                checks = _FiniteChecks(plan, step) if not config.allow_nonfinite else None
-                with torch_threads(step_threads):
-                    copied = step.action == "copy" or _all_identical(tensors)
-                    if checks and not copied and sparsifies(config.method):
-                        checks.of_inputs(tensors)
+                block, tensors, copied = reads.popleft().result()
                 if copied:
                     merged = tensors[0].to(step.out_dtype)
                 else:
                     merged = merge_tensor(config, step, [t.to(device, non_blocking=True) for t in tensors],
                                           _output_slot(step, tensors[0], block))
                 _wait_for(device)
-                if checks:
-                    with torch_threads(step_threads):
-                        checks.of_result(merged)
                 del tensors
                 if sink_keeps_tensors and _within(merged, block):
                     merged = merged.clone()
-                if pending is not None:
-                    pending.result()
-                pending = writer.submit(_write, sink, step.name, merged, ring, block)
+                while writes and writes[0].done():
+                    writes.popleft().result()  # a failed write or check stops the merge here
+                writes.append(writer.submit(_write_step, plan, step, sink, merged, ring, block, write_failed))
                 bar.update(step.nbytes)
-            if pending is not None:
-                pending.result()
+            while writes:
+                writes.popleft().result()
         finally:
+            for future in (*reads, *writes):
+                future.cancel()  # a failed merge waits for neither the queued reads nor the queued writes
             ring.close()
 
 
@@ -254,15 +247,24 @@ def _block_sizes(plan: MergePlan, step: TensorStep) -> list[int]:
     return [aligned(math.prod(step.shape) * source.dtype(name).itemsize) for source, name in inputs]
 
 
-def _read_inputs(plan: MergePlan, step: TensorStep, ring: BufferRing) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The reader thread's job: one ring block holding every input of `step` (waits while the ring is full)."""
+def _read_step(plan: MergePlan, step: TensorStep, ring: BufferRing) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+    """The reader thread's job: one ring block holding every input of `step` (waits while the ring is full),
+    whether the step is a plain copy (identical inputs), and the inputs' finite check where the method needs it.
+
+    The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
+    it runs on one thread, and fine-tuned inputs differ in their first entries.
+    """
     sizes = _block_sizes(plan, step)
     block = ring.take(sum(sizes))
     tensors, offset = [], 0
     for (source, name), size in zip(plan.inputs_of(step), sizes):
         tensors.append(source.load(name, block[offset:offset + size]))
         offset += size
-    return block, tensors
+    with torch_threads(1):
+        copied = step.action == "copy" or _all_identical(tensors)
+        if not (copied or plan.config.allow_nonfinite) and sparsifies(plan.config.method):
+            _FiniteChecks(plan, step).of_inputs(tensors)
+    return block, tensors, copied
 
 
 def _output_slot(step: TensorStep, first: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
@@ -277,10 +279,21 @@ def _within(tensor: torch.Tensor, block: torch.Tensor) -> bool:
     return block.data_ptr() <= tensor.data_ptr() < block.data_ptr() + max(block.numel(), 1)
 
 
-def _write(sink, name: str, tensor: torch.Tensor, ring: BufferRing, block: torch.Tensor) -> None:
-    """The writer thread's job; the step's ring block is free again once `sink` is done with it."""
+def _write_step(plan: MergePlan, step: TensorStep, sink, merged: torch.Tensor, ring: BufferRing,
+                block: torch.Tensor, failed: threading.Event) -> None:
+    """The writer thread's job: check the result (on one thread, beside the math) and hand it to `sink`; the
+    step's ring block is free again once that is done. After a failed write or check the queued steps are skipped,
+    so nothing more goes to a sink that broke before the merge stops."""
     try:
-        sink(name, tensor)
+        if failed.is_set():
+            return
+        if not plan.config.allow_nonfinite:
+            with torch_threads(1):
+                _FiniteChecks(plan, step).of_result(merged)
+        sink(step.name, merged)
+    except BaseException:
+        failed.set()
+        raise
     finally:
         ring.release(block)
 
