@@ -193,3 +193,55 @@ def test_magprune_probabilities_rise_linearly_with_rank_within_each_row():
     probabilities = methods.magprune_keep_probabilities(delta, density=0.5, epsilon=0.2)
     # ranks by magnitude: 0.1 -> 0, 0.2 -> 1, 0.3 -> 2, 0.4 -> 3, 0.5 -> 4; p = 0.3 + 0.4·rank/4
     assert torch.allclose(probabilities, t(0.5, 0.3, 0.7, 0.4, 0.6).reshape(1, 5))
+
+
+def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, seeds, consensus,
+                                    normalize):
+    """TIES / DARE / task arithmetic in the plain form of the papers, one whole-tensor op per step: the reference
+    the fused task_vector_merge must equal bit for bit (its shortcuts are exact, not approximations)."""
+    base32 = base.to(torch.float32)
+    deltas = []
+    for index, model in enumerate(models):
+        delta = model.to(torch.float32) - base32
+        if sparsifier == "magnitude":
+            delta = delta.masked_fill(delta.abs() < thresholds[index], 0.0)
+        if sparsifier == "random":
+            dropped = torch.rand(delta.shape, generator=torch.Generator().manual_seed(seeds[index])) < drops[index]
+            delta = (delta * (1.0 / (1.0 - drops[index]))).masked_fill(dropped, 0.0)
+        deltas.append(delta * weights[index])
+    stacked = torch.stack(deltas)
+    if not consensus:
+        merged = stacked[0]
+        for delta in stacked[1:]:
+            merged = merged + delta
+        if normalize:
+            merged = merged / math.fsum(weights)
+        return merged * scale + base32
+    agree = stacked.sign() == stacked.sum(dim=0).sign()
+    merged = (stacked * agree).sum(dim=0)
+    if normalize:
+        divisor = (agree * torch.tensor(weights).reshape(-1, *([1] * base.dim()))).sum(dim=0)
+        merged = merged / divisor.masked_fill(divisor.abs() < methods.NORM_EPS, 1.0)
+    return merged * scale + base32
+
+
+@pytest.mark.parametrize("weights, scale", [([1.0, 1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6)])
+@pytest.mark.parametrize("sparsifier, consensus, normalize", [
+    (None, False, False), (None, False, True), ("magnitude", True, True), ("magnitude", True, False),
+    ("random", True, True), ("random", False, False)])
+def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, scale, sparsifier, consensus, normalize):
+    generator = torch.Generator().manual_seed(3)
+    base = (torch.randn(4099, generator=generator) * 0.02).to(torch.bfloat16)
+    models = [(base.float() + torch.randn(4099, generator=generator) * 0.002).to(torch.bfloat16) for _ in weights]
+    base[:64] = -0.0  # signed zeros and unchanged entries, where a shortcut could flip a zero's sign
+    models[0][:32], models[1][16:48] = 0.0, -0.0
+    models[2][100:200] = base[100:200]
+    thresholds = [methods.trim_threshold(base, model, 0.5) for model in models]
+    drops, seeds = [0.5, 0.3, 0.6], [11, 12, 13]
+    fused = methods.task_vector_merge(
+        base, models, weights, scale=scale, sparsifier=sparsifier, thresholds=thresholds, drops=drops,
+        generators=[torch.Generator().manual_seed(seed) for seed in seeds], consensus=consensus, normalize=normalize)
+    reference = _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, seeds,
+                                                consensus, normalize)
+    assert torch.equal(fused.view(torch.int32), reference.view(torch.int32))
+    assert torch.equal(fused.to(torch.bfloat16).view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))
