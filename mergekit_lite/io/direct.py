@@ -1,10 +1,10 @@
 """Write large files past the page cache (O_DIRECT), falling back to ordinary writes where that is refused.
 
 A buffered write copies every byte into freshly allocated page-cache pages. On the machines this project is
-measured on, that copy cost 3 to 20 s of system time per 4 GB written, and it was most of a large merge's wall time;
-the same 4 GB written with O_DIRECT through a small aligned staging buffer took 2.8-4.2 s of wall time and 0.2-0.4 s
-of system time (benchmarks/RESULTS.md, "Writes past the page cache"). Direct writes also leave no dirty pages
-behind, so a merge's output is on the device when each shard is closed.
+measured on, 4 GB written that way and synced took 3.8-11.9 s of wall time and 2.7-10.4 s of system time from one
+round to the next; written with O_DIRECT through two aligned 32 MB stages, 3.5-3.7 s and 0.75 s
+(benchmarks/write_ab.py; benchmarks/RESULTS.md, "Writes past the page cache"). Direct writes also leave no dirty
+pages behind, so a merge's output is on the device when each shard is closed.
 
 O_DIRECT needs the buffer, the length and the file offset aligned to the device's block size. Bytes are staged in
 page-aligned memory and written in whole stages; the last, partial stage is padded and the file cut back to its

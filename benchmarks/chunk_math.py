@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""The merge math alone: nanoseconds per output element for each method, with its inputs already in memory.
+
+Separates the engine's arithmetic from its I/O (benchmarks/RESULTS.md, "How far from memory bandwidth"). The
+tensors of one decoder layer of the benchmark's checkpoints (`make_checkpoints.py`; 44.6 M parameters, the
+attention and MLP projections that make up 95 % of the model) are read into memory once; then each merge of
+`bench_vs_mergekit.py`, with its exact config, is applied by the engine's own `merge_tensor` into preallocated
+outputs, `--repeat` times, keeping the fastest. The floor beside it is a memory copy of the same bytes (each input
+read once, the output written once), timed the same way. Both run at the thread counts and with the allocator
+settings a merge uses.
+
+    PYTHONPATH=$PWD python benchmarks/chunk_math.py [--ckpt benchmarks/work/ckpt-1gb] [--repeat 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mergekit_lite.io.buffers import reuse_freed_memory
+from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.engine import merge_tensor
+from mergekit_lite.merge.plan import plan_merge
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_vs_mergekit import METHODS, merge_inputs, mergekit_config  # noqa: E402  (the benchmark's own merges)
+
+LAYER = "model.layers.0."
+
+
+def layer_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys() if name.startswith(LAYER)})
+    return tensors
+
+
+def fastest(run, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", type=Path, default=HERE / "work" / "ckpt-1gb")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not (args.ckpt / "base").is_dir():
+        raise SystemExit(f"error: no checkpoints in {args.ckpt}; run benchmarks/make_checkpoints.py --size 1gb "
+                         f"--out {args.ckpt}")
+    reuse_freed_memory()  # as the engine does before its chunk loops
+    loaded = {name: layer_tensors(args.ckpt / name) for name in ("base", "ft1", "ft2")}
+    rows = []
+    for method in args.methods.split(","):
+        config = MergeConfig.from_dict(mergekit_config(method, args.ckpt, "bfloat16"))
+        steps = [step for step in plan_merge(config).steps if step.name.startswith(LAYER) and len(step.shape) == 2]
+        inputs = {step.name: [loaded[path.name][step.name] for path in merge_inputs(method, args.ckpt)]
+                  for step in steps}
+        outputs = {step.name: torch.empty(step.shape, dtype=step.out_dtype) for step in steps}
+        elements = sum(output.numel() for output in outputs.values())
+        merge_s = fastest(lambda: [merge_tensor(config, step, inputs[step.name], out=outputs[step.name])
+                                   for step in steps], args.repeat)
+        moved = sum(t.nbytes for tensors in inputs.values() for t in tensors) + sum(o.nbytes for o in outputs.values())
+        source, target = torch.empty(moved // 2, dtype=torch.uint8), torch.empty(moved // 2, dtype=torch.uint8)
+        source.fill_(1)
+        copy_s = fastest(lambda: target.copy_(source), args.repeat)
+        row = {"method": method, "inputs": len(merge_inputs(method, args.ckpt)), "elements": elements,
+               "merge_ns_per_element": round(merge_s / elements * 1e9, 2),
+               "copy_ns_per_element": round(copy_s / elements * 1e9, 3),
+               "times_copy": round(merge_s / copy_s, 1)}
+        rows.append(row)
+        print(f"{method:>16}: {row['merge_ns_per_element']:6.2f} ns per element, copy of the same bytes "
+              f"{row['copy_ns_per_element']:.3f} ns ({row['times_copy']}x)", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
