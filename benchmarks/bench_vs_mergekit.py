@@ -125,7 +125,7 @@ def read_seconds(models: list[Path]) -> float:
     files = [str(f) for m in models for f in sorted(m.glob("*.safetensors"))]
     cat = lambda: subprocess.check_call(["cat", *files], stdout=subprocess.DEVNULL)
     cat()
-    return best_of(lambda: _timed(cat))
+    return best_of(lambda: timed(cat))
 
 
 def write_seconds(nbytes: int) -> dict[str, float]:
@@ -143,15 +143,15 @@ def write_seconds(nbytes: int) -> dict[str, float]:
             handle.write(block[:min(len(block), nbytes - begin)])
             handle.close()
 
-    seconds = {"buffered": best_of(lambda: _timed(lambda: write(lambda path: open(path, "wb")))),
-               "direct": best_of(lambda: _timed(lambda: write(DirectFile)))}
+    seconds = {"buffered": best_of(lambda: timed(lambda: write(lambda path: open(path, "wb")))),
+               "direct": best_of(lambda: timed(lambda: write(DirectFile)))}
     shutil.rmtree(folder, ignore_errors=True)
     return seconds
 
 
 def startup_seconds() -> float:
     """A fresh interpreter importing torch and the merge path: what any Python merge pays before reading a byte."""
-    return best_of(lambda: _timed(lambda: subprocess.check_call([sys.executable, "-c", STARTUP], cwd=REPO)))
+    return best_of(lambda: timed(lambda: subprocess.check_call([sys.executable, "-c", STARTUP], cwd=REPO)))
 
 
 def copy_gb_per_s() -> float:
@@ -172,7 +172,7 @@ def copy_gb_per_s() -> float:
     return round(2 * source.numel() / seconds / 1e9, 1)
 
 
-def _timed(action) -> float:
+def timed(action) -> float:
     started = time.perf_counter()
     action()
     return time.perf_counter() - started

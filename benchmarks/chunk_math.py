@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from mergekit_lite.merge.plan import plan_merge
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_vs_mergekit import METHODS, merge_inputs, mergekit_config  # noqa: E402  (the benchmark's own merges)
+from bench_vs_mergekit import METHODS, merge_inputs, mergekit_config, timed  # noqa: E402  (the benchmark's own merges)
 
 LAYER = "model.layers.0."
 
@@ -44,12 +43,8 @@ def layer_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def fastest(run, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times)
+    """Unrounded, unlike bench_vs_mergekit.best_of: a layer's linear merge takes a few tens of milliseconds."""
+    return min(timed(run) for _ in range(repeat))
 
 
 def main() -> None:

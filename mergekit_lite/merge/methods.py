@@ -296,13 +296,8 @@ def task_vector_merge(
             delta = l1_rescaled(delta, dense_l1)
         if weight != 1.0:  # x * 1.0 == x exactly: skipping the pass changes no byte
             delta.mul_(weight)
-        if consensus:
-            if delta is not slot:  # the sparsifiers work in place, so this copy is the exception
-                slot.copy_(delta)
-        elif merged is None:
-            merged = delta
-        else:
-            merged.add_(delta)
+        if not consensus:  # with consensus, delta is its row of the stack already: the sparsifiers work in place
+            merged = delta if merged is None else merged.add_(delta)
     if consensus:
         agree = sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)  # converted once
         merged = stacked.mul_(agree).sum(dim=0)
