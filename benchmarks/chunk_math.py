@@ -10,6 +10,7 @@ read once, the output written once), timed the same way. Both run at the thread 
 settings a merge uses.
 
     PYTHONPATH=$PWD python benchmarks/chunk_math.py [--ckpt benchmarks/work/ckpt-1gb] [--repeat 3] [--json FILE]
+        [--elementwise-chunk 18]   # log2 of the elements per chunk of the elementwise passes, to compare sizes
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from mergekit_lite.io.buffers import reuse_freed_memory
+from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.engine import merge_tensor
 from mergekit_lite.merge.plan import plan_merge
@@ -53,7 +55,10 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--elementwise-chunk", type=int, help="log2 of methods.ELEMENTWISE_CHUNK for this run")
     args = parser.parse_args()
+    if args.elementwise_chunk is not None:
+        methods.ELEMENTWISE_CHUNK = 1 << args.elementwise_chunk
     if not (args.ckpt / "base").is_dir():
         raise SystemExit(f"error: no checkpoints in {args.ckpt}; run benchmarks/make_checkpoints.py --size 1gb "
                          f"--out {args.ckpt}")
@@ -81,7 +86,8 @@ def main() -> None:
         print(f"{method:>16}: {row['merge_ns_per_element']:6.2f} ns per element, copy of the same bytes "
               f"{row['copy_ns_per_element']:.3f} ns ({row['times_copy']}x)", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "elementwise_chunk": methods.ELEMENTWISE_CHUNK,
+                                         "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
 from mergekit_lite.io.safetensors import open_regular, read_at
 from mergekit_lite.merge.config import MergeConfig
-from mergekit_lite.merge.engine import execute, math_threads, merge_tensor
+from mergekit_lite.merge import methods
+from mergekit_lite.merge.engine import dare_generator, execute, math_threads, merge_tensor
 from mergekit_lite.merge.plan import plan_merge
 
 
@@ -111,16 +112,10 @@ def test_streamed_outputs_equal_the_math_on_whole_tensors(trio, trio_bf16, metho
     streamed = {}
     execute(plan, lambda name, tensor: streamed.__setitem__(name, tensor.clone()))
 
-    def whole(folder, name):
-        for file in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as handle:
-                if name in handle.keys():
-                    return handle.get_tensor(name)
-
     assert [step.name for step in plan.steps] == list(streamed)
     merged_steps = 0
     for step in plan.steps:
-        tensors = [whole(folder, step.name) for folder in inputs]
+        tensors = [_whole_tensor(folder, step.name) for folder in inputs]
         if step.action == "copy" or all(torch.equal(t, tensors[0]) for t in tensors[1:]):
             expected = tensors[0].to(step.out_dtype)
         else:
@@ -130,6 +125,14 @@ def test_streamed_outputs_equal_the_math_on_whole_tensors(trio, trio_bf16, metho
         as_bytes = lambda tensor: tensor.reshape(-1).view(torch.uint8)
         assert as_bytes(streamed[step.name]).equal(as_bytes(expected)), step.name
     assert merged_steps > 5
+
+
+def _whole_tensor(folder, name):
+    """A tensor as the safetensors library reads it, into fresh memory."""
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            if name in handle.keys():
+                return handle.get_tensor(name)
 
 
 def test_a_read_failure_in_the_reader_thread_surfaces_and_nothing_hangs(trio, tmp_path):
@@ -231,3 +234,27 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     # with reuse, at most a round or two of a chunk's temporaries fault (seen: 0, once 7,168 pages, one round)
     assert faults["reuse"] < pages // 20, faults
     assert faults["default"] > pages // 2, faults
+
+
+@pytest.mark.parametrize("second_drop", [0.6, 0.0])
+def test_dare_draws_ahead_give_the_masks_of_drawing_whole_tensors(trio, monkeypatch, second_drop):
+    """The chunk loop draws each chunk's masks on other threads while the previous chunk's math runs: over many
+    chunks (a model with no drop drawing nothing) the bytes are those of one draw over the whole tensor."""
+    monkeypatch.setattr(methods, "ELEMENTWISE_CHUNK", 100)
+    config = MergeConfig.from_dict({
+        "method": "dare_ties", "base": str(trio[0]), "parameters": {"drop": 0.3}, "dtype": "float32",
+        "models": [str(trio[1]), {"model": str(trio[2]), "parameters": {"drop": second_drop}}]})
+    plan = plan_merge(config)
+    chunked = 0
+    for step in plan.steps:
+        if step.action == "copy":
+            continue
+        tensors = [_whole_tensor(folder, step.name) for folder in trio]
+        parameters = step.parameters
+        whole = methods.task_vector_merge(
+            tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier="random",
+            drops=parameters["drops"], generators=[dare_generator(config.seed, step.name, i) for i in (0, 1)],
+            consensus=True, normalize=parameters["normalize"], rescale=parameters["rescale"])
+        assert torch.equal(merge_tensor(config, step, tensors).view(torch.int32), whole.view(torch.int32)), step.name
+        chunked += tensors[0].numel() > 3 * methods.ELEMENTWISE_CHUNK
+    assert chunked > 5

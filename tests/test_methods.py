@@ -98,11 +98,36 @@ def test_magnitude_threshold_equals_the_sorted_value(size):
 
 def test_random_drop_rescales_survivors_and_is_seeded():
     delta = torch.ones(10_000)
-    dropped = methods.random_drop(delta.clone(), 0.75, torch.Generator().manual_seed(7))
+    dropped = methods.random_drop(delta.clone(), 0.75, torch.rand(10_000, generator=torch.Generator().manual_seed(7)))
     assert set(dropped.unique().tolist()) == {0.0, 4.0}
     assert abs((dropped != 0).float().mean().item() - 0.25) < 0.02
-    again = methods.random_drop(delta.clone(), 0.75, torch.Generator().manual_seed(7))
+    again = methods.random_drop(delta.clone(), 0.75, torch.rand(10_000, generator=torch.Generator().manual_seed(7)))
     assert torch.equal(dropped, again)
+
+
+def test_at_least_is_a_comparison_as_floats():
+    """The float-only keep indicator equals `values >= threshold` at and around every threshold, subnormals and
+    the ends of the range included, so trims and drops keep exactly what a comparison keeps."""
+    tiny = torch.finfo(torch.float32).tiny
+    special = torch.tensor([0.0, 1e-45, 2e-45, tiny, 0.1, 0.5, 0.5000001, 1.0, 3.4e38, math.inf])
+    values = torch.cat([special, torch.nextafter(special, torch.tensor(math.inf)),
+                        torch.nextafter(special, torch.tensor(0.0)), torch.rand(10_000)])
+    for threshold in [*special.tolist(), 0.3, 1.0 / 3.0, -1.0, math.nan]:
+        expected = (values >= threshold).to(torch.float32)
+        assert torch.equal(methods.at_least(values.clone(), threshold), expected), threshold
+
+
+def test_sum_rows_adds_in_model_order_as_torch_sums_up_to_four_rows():
+    generator = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 3, 4):
+        stacked = torch.randn(rows, 50_000, generator=generator) * torch.logspace(-6, 6, rows).reshape(-1, 1)
+        stacked[:, :1000] = -0.0
+        assert torch.equal(methods.sum_rows(stacked).view(torch.int32), stacked.sum(dim=0).view(torch.int32))
+    stacked = torch.randn(7, 1000, generator=generator)
+    in_order = stacked[0] + 0.0
+    for row in stacked[1:]:
+        in_order = in_order + row
+    assert torch.equal(methods.sum_rows(stacked), in_order)
 
 
 def test_sign_consensus_elects_the_sign_with_more_mass():
@@ -196,7 +221,7 @@ def test_magprune_probabilities_rise_linearly_with_rank_within_each_row():
 
 
 def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, seeds, consensus,
-                                    normalize):
+                                    normalize, mergekit_rules=False):
     """TIES / DARE / task arithmetic in the plain form of the papers, one whole-tensor op per step: the reference
     the fused task_vector_merge must equal bit for bit (its shortcuts are exact, not approximations)."""
     base32 = base.to(torch.float32)
@@ -217,7 +242,8 @@ def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, th
         if normalize:
             merged = merged / math.fsum(weights)
         return merged * scale + base32
-    agree = stacked.sign() == stacked.sum(dim=0).sign()
+    total = stacked.sum(dim=0)
+    agree = stacked.sign() == (torch.where(total >= 0, 1.0, -1.0) if mergekit_rules else total.sign())
     merged = (stacked * agree).sum(dim=0)
     if normalize:
         divisor = (agree * torch.tensor(weights).reshape(-1, *([1] * base.dim()))).sum(dim=0)
@@ -225,11 +251,14 @@ def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, th
     return merged * scale + base32
 
 
-@pytest.mark.parametrize("weights, scale", [([1.0, 1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6)])
-@pytest.mark.parametrize("sparsifier, consensus, normalize", [
-    (None, False, False), (None, False, True), ("magnitude", True, True), ("magnitude", True, False),
-    ("random", True, True), ("random", False, False)])
-def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, scale, sparsifier, consensus, normalize):
+@pytest.mark.parametrize("weights, scale", [([1.0, 1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6), ([0.5, 1e-8, 1.3], -1.0)])
+@pytest.mark.parametrize("sparsifier, consensus, normalize, mergekit_rules", [
+    (None, False, False, False), (None, False, True, False), ("magnitude", True, True, False),
+    ("magnitude", True, False, False), ("magnitude", True, True, True), ("random", True, True, False),
+    ("random", True, True, True), ("random", False, False, False)])
+def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, scale, sparsifier, consensus, normalize,
+                                                                     mergekit_rules):
+    """Positive weights take the float-only disjoint merge, others the general form; both must give these bytes."""
     generator = torch.Generator().manual_seed(3)
     base = (torch.randn(4099, generator=generator) * 0.02).to(torch.bfloat16)
     models = [(base.float() + torch.randn(4099, generator=generator) * 0.002).to(torch.bfloat16) for _ in weights]
@@ -240,8 +269,9 @@ def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, sca
     drops, seeds = [0.5, 0.3, 0.6], [11, 12, 13]
     fused = methods.task_vector_merge(
         base, models, weights, scale=scale, sparsifier=sparsifier, thresholds=thresholds, drops=drops,
-        generators=[torch.Generator().manual_seed(seed) for seed in seeds], consensus=consensus, normalize=normalize)
+        generators=[torch.Generator().manual_seed(seed) for seed in seeds], consensus=consensus, normalize=normalize,
+        mergekit_rules=mergekit_rules)
     reference = _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, seeds,
-                                                consensus, normalize)
+                                                consensus, normalize, mergekit_rules)
     assert torch.equal(fused.view(torch.int32), reference.view(torch.int32))
     assert torch.equal(fused.to(torch.bfloat16).view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))

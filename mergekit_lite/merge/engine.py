@@ -39,7 +39,7 @@ from mergekit_lite.merge.plan import (
     plan_merge,
 )
 from mergekit_lite.merge.vocab import write_tokenizer
-from mergekit_lite.threads import torch_threads
+from mergekit_lite.threads import start_on_other_cores, torch_threads
 
 
 def dare_generator(seed: int, tensor_name: str, model_index: int) -> torch.Generator:
@@ -69,9 +69,9 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     if out is None:
         out = torch.empty(step.shape, dtype=step.out_dtype, device=flats[0].device)
     out_flat = out.view(-1)
-    with torch_threads(math_threads(compute_bound(config.method))):
-        for begin in range(0, out_flat.numel(), methods.CHUNK):
-            chunk = slice(begin, begin + methods.CHUNK)
+    with torch_threads(chunk_threads(config.method)):
+        for begin in range(0, out_flat.numel(), methods.ELEMENTWISE_CHUNK):
+            chunk = slice(begin, begin + methods.ELEMENTWISE_CHUNK)
             out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
     return out
 
@@ -127,13 +127,41 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     if recipe.sparsifier == "outliers":
         thresholds = [methods.outlier_band(tensors[0], model, density, gamma)
                       for model, density, gamma in zip(tensors[1:], parameters["densities"], parameters["gammas"])]
+    draws = None
     if recipe.sparsifier == "random":
         generators = [dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)]
+        draws = DrawsAhead(generators, parameters["drops"], tensors[0].numel(), methods.ELEMENTWISE_CHUNK)
     return lambda chunk: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
-        thresholds=thresholds, drops=parameters.get("drops"), generators=generators,
+        thresholds=thresholds, drops=parameters.get("drops"), draws=draws and draws.take(),
         consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
         mergekit_rules=parameters.get("mergekit_rules", False))
+
+
+class DrawsAhead:
+    """DARE's uniform draws for a tensor's chunks, in order, each chunk's drawn on the other cores while the
+    previous chunk's math runs (a generator draws on one core, the slowest step of DARE).
+
+    A chunk's draws are started only once the previous chunk's are done, so each generator's stream is
+    consumed in order and the values are those of drawing in the loop.
+    """
+
+    def __init__(self, generators: list[torch.Generator], drops: list[float], total: int, chunk: int):
+        self._models = list(zip(generators, drops))
+        self._sizes = iter([min(chunk, total - begin) for begin in range(0, total, chunk)])
+        self._pending = self._start()
+
+    def _start(self) -> list[Future] | None:
+        size = next(self._sizes, None)
+        if size is None:
+            return None
+        return start_on_other_cores(lambda model: methods.uniform_draws((size,), *zip(model))[0], self._models)
+
+    def take(self) -> list[torch.Tensor | None]:
+        """The next chunk's draws per model (None where a model's drop is 0)."""
+        draws = [future.result() for future in self._pending]
+        self._pending = self._start()
+        return draws
 
 
 def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> list[float]:
@@ -222,6 +250,15 @@ def compute_bound(method: str) -> bool:
     """Methods whose chunk math (sparsify, elect signs, disjoint mean: ~15 float32 ops per element and model)
     costs several times the reading and writing; the others are bound by memory and I/O."""
     return sparsifies(method)
+
+
+def chunk_threads(method: str) -> int:
+    """Intra-op threads for a method's chunk loop: one for DARE, whose draws take the other cores (`DrawsAhead`;
+    a second math thread there ran its layers a third slower, benchmarks/RESULTS.md), else `math_threads`."""
+    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    if recipe is not None and recipe.sparsifier == "random":
+        return 1
+    return math_threads(compute_bound(method))
 
 
 def math_threads(compute_bound: bool = False) -> int:

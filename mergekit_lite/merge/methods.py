@@ -18,11 +18,15 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy
 import torch
 
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
-CHUNK = 1 << 20  # elements per chunk: a few MB of float32 temporaries, few enough calls to amortize
+CHUNK = 1 << 20  # elements per chunk of the reductions (SLERP's angle, Gram matrices); it fixes their rounding
+# Elements per chunk of the elementwise passes, exact at any size: a TIES or DARE chunk's float32 temporaries (several
+# per model) then stay in the caches (benchmarks/RESULTS.md, chunk_math.py --elementwise-chunk 18 against 20)
+ELEMENTWISE_CHUNK = 1 << 18
 THRESHOLD_SAMPLE = 1 << 16  # strided sample that brackets TIES's trim threshold on large tensors
 
 
@@ -98,6 +102,8 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, merg
     sample quantiles a few binomial standard deviations apart, one chunked pass counts the entries above
     the bracket and gathers the few inside it, and the answer is selected among those. When the bracket
     misses (rare), it falls back to kthvalue over all magnitudes. Same value as a full selection either way.
+    The counting and gathering run in numpy, whose comparisons and compress take a fraction of torch's time
+    on the CPU (torch builds bool tensors slowly).
     """
     total = base.numel()
     keep = max(1, int(density * total)) if mergekit_rules else round(density * total)
@@ -108,34 +114,54 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, merg
     base_flat, model_flat = base.reshape(-1), model.reshape(-1)
 
     def magnitudes(part: slice) -> torch.Tensor:
-        return (model_flat[part].to(torch.float32) - base_flat[part].to(torch.float32)).abs_()
+        return torch.sub(model_flat[part], base_flat[part].to(torch.float32)).abs_()
 
-    if total <= CHUNK:
+    if total <= ELEMENTWISE_CHUNK:
         return magnitude_threshold(magnitudes(slice(None)), keep)
     sample = magnitudes(slice(None, None, max(total // THRESHOLD_SAMPLE, 1))).sort().values
     quantile = 1.0 - keep / total
     margin = 6.0 * math.sqrt(sample.numel() * quantile * (1.0 - quantile)) + 8
-    low = sample[max(int(quantile * sample.numel() - margin), 0)].item()
-    high = sample[min(int(quantile * sample.numel() + margin), sample.numel() - 1)].item()
+    low = sample[max(int(quantile * sample.numel() - margin), 0)].cpu().numpy()
+    high = sample[min(int(quantile * sample.numel() + margin), sample.numel() - 1)].cpu().numpy()
     above, band = 0, []
-    for begin in range(0, total, CHUNK):
-        chunk = magnitudes(slice(begin, begin + CHUNK))
-        above += int(torch.count_nonzero(chunk > high))
-        band.append(chunk[(chunk >= low) & (chunk <= high)])
-    band = torch.cat(band)
-    rank_in_band = keep - above
+    for begin in range(0, total, ELEMENTWISE_CHUNK):
+        chunk = magnitudes(slice(begin, begin + ELEMENTWISE_CHUNK)).cpu().numpy()
+        above += numpy.count_nonzero(chunk > high)
+        band.append(numpy.compress((chunk >= low) & (chunk <= high), chunk))
+    band = torch.from_numpy(numpy.concatenate(band))  # kthvalue: numpy's partition slows on repeated values
+    rank_in_band = keep - int(above)
     if 1 <= rank_in_band <= band.numel():
         return torch.kthvalue(band, band.numel() - rank_in_band + 1).values.item()
     return magnitude_threshold(magnitudes(slice(None)), keep)
 
 
+def below(value: float) -> float:
+    """The largest float32 under a positive `value` (inf for NaN, which nothing reaches): for float32 x >= 0,
+    `x > below(v)` is `x >= v`."""
+    if math.isnan(value):
+        return math.inf
+    return float(numpy.nextafter(numpy.float32(value), numpy.float32(0.0)))
+
+
+def at_least(values: torch.Tensor, threshold: float) -> torch.Tensor:
+    """1.0 where non-negative `values` reach `threshold`, else 0.0, in place.
+
+    Float ops only (hardshrink keeps what exceeds the float just below the threshold, sign maps it to 1): a
+    comparison writing bools and a multiply by them cost several times more on the CPU. A NaN value gives 0.0,
+    1.0 or NaN, any of which carries a NaN delta through the multiply.
+    """
+    if threshold <= 0.0:
+        return values.fill_(1.0)
+    return torch.hardshrink(values, below(threshold), out=values).sign_()
+
+
 def trim(delta: torch.Tensor, threshold: float) -> torch.Tensor:
     """TIES's trim in place: zero the entries of magnitude below `threshold` (Yadav et al. 2023, section 3).
 
-    A multiply by the keep mask is about twice as fast as masked_fill; adding +0.0 turns the -0.0 it leaves
-    for trimmed negative entries into +0.0, so the bytes equal a masked_fill's (trimmed entries are finite).
+    Multiplies by the keep indicator; adding +0.0 turns the -0.0 this leaves for trimmed negative entries
+    into +0.0, so the bytes equal a masked_fill's (trimmed entries are finite).
     """
-    return delta.mul_(delta.abs() >= threshold).add_(0.0)
+    return delta.mul_(at_least(delta.abs(), threshold)).add_(0.0)
 
 
 def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma: float) -> tuple[float, float]:
@@ -157,18 +183,27 @@ def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma:
     return low, high
 
 
-def random_drop(delta: torch.Tensor, drop: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
-    """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation
-    (DARE §3; `rescale=False` keeps them as they are).
+def uniform_draws(shape: Sequence[int], generators: Sequence[torch.Generator],
+                  drops: Sequence[float]) -> list[torch.Tensor | None]:
+    """DARE's draws: float32 uniforms in [0, 1) of `shape` from each model's seeded CPU generator, None where
+    the model's drop is 0 (it draws nothing)."""
+    return [torch.rand(tuple(shape), generator=generator, dtype=torch.float32) if drop > 0.0 else None
+            for generator, drop in zip(generators, drops)]
 
-    The mask is drawn on the CPU from the caller's seeded generator, so the same seed gives the same
-    mask on any device. Dropping multiplies by the keep mask, several times faster than a masked_fill on a
-    random mask (no branch to mispredict); adding +0.0 turns the -0.0 left by dropped negative entries into
-    the +0.0 a masked_fill writes (a delta overflowed to inf would become NaN, which the result check reports).
+
+def random_drop(delta: torch.Tensor, drop: float, draws: torch.Tensor, rescale: bool = True) -> torch.Tensor:
+    """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation
+    (DARE §3; `rescale=False` keeps them as they are). An entry is kept where its uniform draw reaches `drop`.
+
+    The draws come from the caller's seeded CPU generator (`uniform_draws`), so the same seed gives the same
+    mask on any device. Dropping multiplies by the keep indicator (`at_least`), several times faster than a
+    masked_fill on a random mask (no branch to mispredict); adding +0.0 turns the -0.0 left by dropped negative
+    entries into the +0.0 a masked_fill writes (a delta overflowed to inf would become NaN, which the result
+    check reports).
     """
     if drop <= 0.0:
         return delta
-    keep = torch.rand(delta.shape, generator=generator, dtype=torch.float32) >= drop
+    keep = at_least(draws, drop)
     if rescale:
         delta.mul_(1.0 / (1.0 - drop))
     return delta.mul_(keep.to(delta.device)).add_(0.0)
@@ -204,15 +239,46 @@ def l1_rescaled(sparse: torch.Tensor, dense_l1: float) -> torch.Tensor:
     return sparse.mul_(dense_l1 / sparse_l1)
 
 
+def sum_rows(stacked: torch.Tensor) -> torch.Tensor:
+    """The rows' sum, model after model from +0.0: a fixed rounding order, unlike torch's blocked sum(dim=0)
+    (the same bytes for up to four rows), and a few times faster for few rows."""
+    total = stacked[0] + 0.0
+    for row in stacked[1:]:
+        total.add_(row)
+    return total
+
+
 def sign_consensus(weighted_deltas: torch.Tensor, zero_sum_positive: bool = False) -> torch.Tensor:
     """TIES's elect step (§3): the sign with the larger total mass wins per entry; True where a delta agrees.
 
     An exact tie elects no sign, so nothing is kept there; `zero_sum_positive` elects + as mergekit does.
     Zero deltas never agree with an elected sign.
     """
-    total = weighted_deltas.sum(dim=0)
+    total = sum_rows(weighted_deltas)
     elected = torch.where(total >= 0, 1.0, -1.0).to(total.dtype) if zero_sum_positive else total.sign()
     return weighted_deltas.sign() == elected
+
+
+def positive_disjoint_merge(stacked: torch.Tensor, weights: Sequence[float], normalize: bool,
+                            zero_sum_positive: bool) -> torch.Tensor:
+    """`sign_consensus` and the (disjoint mean) sum of the agreeing rows, for weights of at least NORM_EPS.
+
+    The same bytes as the general form in float ops only: sign(d)·elected, clamped at 0, is the agreement as
+    1.0 or ±0.0. A zero's sign differs only where a row disagrees or is zero: with an elected sign, some
+    row strictly agrees and the sum is theirs; with none (a zero sum of deltas, all +0.0 or cancelling, as
+    sparsifiers and positive weights leave them) the rows sum to +0.0 either way. Weights of at least
+    NORM_EPS make every non-zero divisor at least NORM_EPS, so a clamp replaces the general masked fill.
+    """
+    total = sum_rows(stacked)
+    elected = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total) if zero_sum_positive \
+        else total.sign_()
+    agree = torch.sign(stacked).mul_(elected).clamp_min_(0.0)
+    merged = sum_rows(stacked.mul_(agree))
+    if not normalize:
+        return merged
+    if any(weight != 1.0 for weight in weights):
+        agree.mul_(torch.tensor(weights, dtype=torch.float32, device=stacked.device).reshape(-1, *([1] * total.dim())))
+    return merged.div_(sum_rows(agree).clamp_min_(NORM_EPS))
 
 
 @dataclass(frozen=True)
@@ -249,6 +315,7 @@ def task_vector_merge(
     thresholds: Sequence[float] | None = None,
     drops: Sequence[float] | None = None,
     generators: Sequence[torch.Generator] | None = None,
+    draws: Sequence[torch.Tensor | None] | None = None,
     epsilons: Sequence[float] | None = None,
     gammas: Sequence[float] | None = None,
     consensus: bool = False,
@@ -262,8 +329,9 @@ def task_vector_merge(
     `normalize` divides by the sum of the weights that contributed to each entry (TIES's disjoint mean).
     The magnitude trim takes `thresholds` (from `trim_threshold`) and the outlier band takes (low, high)
     pairs (from `outlier_band`), so a tensor can be merged in chunks; both are computed here from
-    `densities` (and `gammas`) when not given. DARE draws with `drops`, MagPrune with `densities` and
-    `epsilons`, each from its model's generator. `rescale` is the sparsifier's own: DARE's 1/(1-drop),
+    `densities` (and `gammas`) when not given. DARE drops with `drops` and each model's uniform `draws`
+    (None where its drop is 0), drawn here from its generator when not given; MagPrune draws with `densities`
+    and `epsilons` from each model's generator. `rescale` is the sparsifier's own: DARE's 1/(1-drop),
     or for MagPrune and the outlier band the delta's L1 norm before sparsification (mergekit's; whole
     tensors only). `mergekit_rules` selects mergekit's trim count and sign vote (see `trim_threshold`,
     `sign_consensus`).
@@ -276,6 +344,8 @@ def task_vector_merge(
                       for model, density, gamma in zip(models, densities, gammas)]
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
+    if sparsifier == "random" and draws is None:
+        draws = uniform_draws(base32.shape, generators, drops)
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
         # bf16/fp16 -> float32 is exact, so promoting inside the subtraction gives the bytes of converting first
@@ -285,7 +355,7 @@ def task_vector_merge(
         if sparsifier == "magnitude":
             trim(delta, thresholds[index])
         elif sparsifier == "random":
-            delta = random_drop(delta, drops[index], generators[index], rescale)
+            delta = random_drop(delta, drops[index], draws[index], rescale)
         elif sparsifier == "magprune":
             delta = magprune(delta, densities[index], epsilons[index], generators[index])
         elif sparsifier == "outliers":
@@ -298,14 +368,16 @@ def task_vector_merge(
             delta.mul_(weight)
         if not consensus:  # with consensus, delta is its row of the stack already: the sparsifiers work in place
             merged = delta if merged is None else merged.add_(delta)
-    if consensus:
+    if consensus and all(weight >= NORM_EPS for weight in weights):
+        merged = positive_disjoint_merge(stacked, weights, normalize, mergekit_rules)
+    elif consensus:
         agree = sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)  # converted once
-        merged = stacked.mul_(agree).sum(dim=0)
+        merged = sum_rows(stacked.mul_(agree))
         if normalize:
             if any(weight != 1.0 for weight in weights):
                 weight_column = torch.tensor(weights, dtype=torch.float32, device=base32.device)
                 agree.mul_(weight_column.reshape(-1, *([1] * base32.dim())))
-            divisor = agree.sum(dim=0)
+            divisor = sum_rows(agree)
             divisor.masked_fill_(divisor.abs() < NORM_EPS, 1.0)
             merged.div_(divisor)
     elif normalize:
