@@ -263,11 +263,13 @@ def positive_disjoint_merge(stacked: torch.Tensor, weights: Sequence[float], nor
                             zero_sum_positive: bool) -> torch.Tensor:
     """`sign_consensus` and the (disjoint mean) sum of the agreeing rows, for weights of at least NORM_EPS.
 
-    The same bytes as the general form in float ops only: sign(d)·elected, clamped at 0, is the agreement as
-    1.0 or ±0.0. A zero's sign differs only where a row disagrees or is zero: with an elected sign, some
-    row strictly agrees and the sum is theirs; with none (a zero sum of deltas, all +0.0 or cancelling, as
-    sparsifiers and positive weights leave them) the rows sum to +0.0 either way. Weights of at least
-    NORM_EPS make every non-zero divisor at least NORM_EPS, so a clamp replaces the general masked fill.
+    The bytes of the general form, in float ops only (bool tensors are slow on the CPU): sign(d)·elected,
+    clamped at 0, is the agreement as 1.0 or ±0.0. It can differ from the comparison only in the sign of a
+    zero term, and a zero's sign reaches the result only where the base is -0.0. There every zero delta is
+    +0.0 (x - (-0.0) is never -0.0, the sparsifiers write +0.0, positive weights keep it), so where no sign
+    is elected both forms sum to +0.0, and where one is, some row strictly agrees and the sum is the
+    agreeing rows'. Weights of at least NORM_EPS make every non-zero divisor at least NORM_EPS, so a clamp
+    replaces the general masked fill.
     """
     total = sum_rows(stacked)
     elected = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total) if zero_sum_positive \
