@@ -11,6 +11,7 @@ settings a merge uses.
 
     PYTHONPATH=$PWD python benchmarks/chunk_math.py [--ckpt benchmarks/work/ckpt-1gb] [--repeat 3] [--json FILE]
         [--elementwise-chunk 18]   # log2 of the elements per chunk of the elementwise passes, to compare sizes
+        [--chunk-threads 2]        # intra-op threads of every method's chunk loop instead of the engine's choice
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import torch
 from safetensors import safe_open
 
 from mergekit_lite.io.buffers import reuse_freed_memory
-from mergekit_lite.merge import methods
+from mergekit_lite.merge import engine, methods
 from mergekit_lite.merge.config import MergeConfig
-from mergekit_lite.merge.engine import merge_tensor
 from mergekit_lite.merge.plan import plan_merge
 
 HERE = Path(__file__).resolve().parent
@@ -56,9 +56,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--elementwise-chunk", type=int, help="log2 of methods.ELEMENTWISE_CHUNK for this run")
+    parser.add_argument("--chunk-threads", type=int, help="intra-op threads of the chunk loops (engine.chunk_threads)")
     args = parser.parse_args()
     if args.elementwise_chunk is not None:
         methods.ELEMENTWISE_CHUNK = 1 << args.elementwise_chunk
+    if args.chunk_threads is not None:
+        engine.chunk_threads = lambda method: args.chunk_threads
     if not (args.ckpt / "base").is_dir():
         raise SystemExit(f"error: no checkpoints in {args.ckpt}; run benchmarks/make_checkpoints.py --size 1gb "
                          f"--out {args.ckpt}")
@@ -72,7 +75,7 @@ def main() -> None:
                   for step in steps}
         outputs = {step.name: torch.empty(step.shape, dtype=step.out_dtype) for step in steps}
         elements = sum(output.numel() for output in outputs.values())
-        merge_s = fastest(lambda: [merge_tensor(config, step, inputs[step.name], out=outputs[step.name])
+        merge_s = fastest(lambda: [engine.merge_tensor(config, step, inputs[step.name], out=outputs[step.name])
                                    for step in steps], args.repeat)
         moved = sum(t.nbytes for tensors in inputs.values() for t in tensors) + sum(o.nbytes for o in outputs.values())
         source, target = torch.empty(moved // 2, dtype=torch.uint8), torch.empty(moved // 2, dtype=torch.uint8)

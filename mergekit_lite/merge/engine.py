@@ -133,7 +133,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         draws = DrawsAhead(generators, parameters["drops"], tensors[0].numel(), methods.ELEMENTWISE_CHUNK)
     return lambda chunk: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
-        thresholds=thresholds, drops=parameters.get("drops"), draws=draws and draws.take(),
+        thresholds=thresholds, drops=parameters.get("drops"), draws=None if draws is None else draws.take(),
         consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
         mergekit_rules=parameters.get("mergekit_rules", False))
 
@@ -155,7 +155,7 @@ class DrawsAhead:
         size = next(self._sizes, None)
         if size is None:
             return None
-        return start_on_other_cores(lambda model: methods.uniform_draws((size,), *zip(model))[0], self._models)
+        return start_on_other_cores(lambda model: methods.uniform_draw((size,), *model), self._models)
 
     def take(self) -> list[torch.Tensor | None]:
         """The next chunk's draws per model (None where a model's drop is 0)."""
@@ -254,7 +254,7 @@ def compute_bound(method: str) -> bool:
 
 def chunk_threads(method: str) -> int:
     """Intra-op threads for a method's chunk loop: one for DARE, whose draws take the other cores (`DrawsAhead`;
-    a second math thread there ran its layers a third slower, benchmarks/RESULTS.md), else `math_threads`."""
+    a second math thread beside them is slower, `benchmarks/chunk_math.py --chunk-threads 2`), else `math_threads`."""
     recipe = methods.TASK_VECTOR_METHODS.get(method)
     if recipe is not None and recipe.sparsifier == "random":
         return 1

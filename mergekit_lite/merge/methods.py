@@ -183,19 +183,17 @@ def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma:
     return low, high
 
 
-def uniform_draws(shape: Sequence[int], generators: Sequence[torch.Generator],
-                  drops: Sequence[float]) -> list[torch.Tensor | None]:
-    """DARE's draws: float32 uniforms in [0, 1) of `shape` from each model's seeded CPU generator, None where
-    the model's drop is 0 (it draws nothing)."""
-    return [torch.rand(tuple(shape), generator=generator, dtype=torch.float32) if drop > 0.0 else None
-            for generator, drop in zip(generators, drops)]
+def uniform_draw(shape: Sequence[int], generator: torch.Generator, drop: float) -> torch.Tensor | None:
+    """DARE's draws for one model: float32 uniforms in [0, 1) of `shape` from its seeded CPU generator, None
+    where its drop is 0 (it draws nothing)."""
+    return torch.rand(tuple(shape), generator=generator, dtype=torch.float32) if drop > 0.0 else None
 
 
 def random_drop(delta: torch.Tensor, drop: float, draws: torch.Tensor, rescale: bool = True) -> torch.Tensor:
     """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation
     (DARE §3; `rescale=False` keeps them as they are). An entry is kept where its uniform draw reaches `drop`.
 
-    The draws come from the caller's seeded CPU generator (`uniform_draws`), so the same seed gives the same
+    The draws come from the caller's seeded CPU generator (`uniform_draw`), so the same seed gives the same
     mask on any device. Dropping multiplies by the keep indicator (`at_least`), several times faster than a
     masked_fill on a random mask (no branch to mispredict); adding +0.0 turns the -0.0 left by dropped negative
     entries into the +0.0 a masked_fill writes (a delta overflowed to inf would become NaN, which the result
@@ -259,28 +257,19 @@ def sign_consensus(weighted_deltas: torch.Tensor, zero_sum_positive: bool = Fals
     return weighted_deltas.sign() == elected
 
 
-def positive_disjoint_merge(stacked: torch.Tensor, weights: Sequence[float], normalize: bool,
-                            zero_sum_positive: bool) -> torch.Tensor:
-    """`sign_consensus` and the (disjoint mean) sum of the agreeing rows, for weights of at least NORM_EPS.
+def positive_agreement(weighted_deltas: torch.Tensor, zero_sum_positive: bool = False) -> torch.Tensor:
+    """`sign_consensus` as float32 for deltas weighted by at least NORM_EPS: 1.0 where a delta agrees, else ±0.0.
 
-    The bytes of the general form, in float ops only (bool tensors are slow on the CPU): sign(d)·elected,
-    clamped at 0, is the agreement as 1.0 or ±0.0. It can differ from the comparison only in the sign of a
-    zero term, and a zero's sign reaches the result only where the base is -0.0. There every zero delta is
-    +0.0 (x - (-0.0) is never -0.0, the sparsifiers write +0.0, positive weights keep it), so where no sign
-    is elected both forms sum to +0.0, and where one is, some row strictly agrees and the sum is the
-    agreeing rows'. Weights of at least NORM_EPS make every non-zero divisor at least NORM_EPS, so a clamp
-    replaces the general masked fill.
+    The merge's bytes are those of the comparison, in float ops only (bool tensors are slow on the CPU):
+    sign(d)·elected, clamped at 0, can differ from it only in the sign of a zero term, and a zero's sign
+    reaches the result only where the base is -0.0. There every zero delta is +0.0 (x - (-0.0) is never
+    -0.0, the sparsifiers write +0.0, positive weights keep it), so where no sign is elected both sum to
+    +0.0, and where one is, some row strictly agrees and the sum is the agreeing rows'.
     """
-    total = sum_rows(stacked)
+    total = sum_rows(weighted_deltas)
     elected = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total) if zero_sum_positive \
         else total.sign_()
-    agree = torch.sign(stacked).mul_(elected).clamp_min_(0.0)
-    merged = sum_rows(stacked.mul_(agree))
-    if not normalize:
-        return merged
-    if any(weight != 1.0 for weight in weights):
-        agree.mul_(torch.tensor(weights, dtype=torch.float32, device=stacked.device).reshape(-1, *([1] * total.dim())))
-    return merged.div_(sum_rows(agree).clamp_min_(NORM_EPS))
+    return torch.sign(weighted_deltas).mul_(elected).clamp_min_(0.0)
 
 
 @dataclass(frozen=True)
@@ -347,7 +336,7 @@ def task_vector_merge(
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
     if sparsifier == "random" and draws is None:
-        draws = uniform_draws(base32.shape, generators, drops)
+        draws = [uniform_draw(base32.shape, generator, drop) for generator, drop in zip(generators, drops)]
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
         # bf16/fp16 -> float32 is exact, so promoting inside the subtraction gives the bytes of converting first
@@ -370,17 +359,20 @@ def task_vector_merge(
             delta.mul_(weight)
         if not consensus:  # with consensus, delta is its row of the stack already: the sparsifiers work in place
             merged = delta if merged is None else merged.add_(delta)
-    if consensus and all(weight >= NORM_EPS for weight in weights):
-        merged = positive_disjoint_merge(stacked, weights, normalize, mergekit_rules)
-    elif consensus:
-        agree = sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)  # converted once
+    if consensus:
+        positive = all(weight >= NORM_EPS for weight in weights)
+        agree = positive_agreement(stacked, mergekit_rules) if positive else \
+            sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)  # converted once
         merged = sum_rows(stacked.mul_(agree))
         if normalize:
             if any(weight != 1.0 for weight in weights):
                 weight_column = torch.tensor(weights, dtype=torch.float32, device=base32.device)
                 agree.mul_(weight_column.reshape(-1, *([1] * base32.dim())))
             divisor = sum_rows(agree)
-            divisor.masked_fill_(divisor.abs() < NORM_EPS, 1.0)
+            if positive:  # every non-zero divisor is then at least NORM_EPS: a clamp does the masked fill's work
+                divisor.clamp_min_(NORM_EPS)
+            else:
+                divisor.masked_fill_(divisor.abs() < NORM_EPS, 1.0)
             merged.div_(divisor)
     elif normalize:
         total = math.fsum(weights)
