@@ -60,7 +60,9 @@ class LazyGroup(click.Group):
             quiet_third_party()
         try:
             interrupts.started()
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            interrupts.finished()
+            return result
         except InputError as error:
             click.echo(f"error: {error}", err=True)
             sys.exit(error.exit_code)

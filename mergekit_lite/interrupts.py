@@ -69,6 +69,14 @@ def deferred() -> Iterator[None]:
     check()
 
 
+def finished() -> None:
+    """The command's work is done and its outputs are in place: from here to the exit a signal is only recorded,
+    so it cannot interrupt the interpreter's shutdown (libraries' atexit callbacks would print "Exception
+    ignored") or turn a complete run into a failed one."""
+    global _deferring
+    _deferring += 1
+
+
 def check() -> None:
     """A safe point: raise `Interrupted` if a handled signal arrived."""
     if _received is not None:

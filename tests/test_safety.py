@@ -772,6 +772,18 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
     assert interrupted >= STRESS_TRIES // 3, outcomes
 
 
+def test_a_signal_during_the_exit_of_a_finished_run_is_quiet(tmp_path, work):
+    """A signal after the output is in place, while the interpreter shuts down (here from an atexit callback,
+    which runs last): the run still exits 0 with nothing on stderr, and its output is whole."""
+    program = ("import atexit, os, signal, sys, cli.main\n"
+               "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+               "sys.argv[0] = 'mergekit-lite'\ncli.main.main()\n")
+    result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
+                             "--out", tmp_path / "merged"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert list((tmp_path / "merged").glob("*.safetensors"))
+
+
 # ------------------------------------------------------------------------------- the last line of defence
 
 
