@@ -117,17 +117,45 @@ def test_at_least_is_a_comparison_as_floats():
         assert torch.equal(methods.at_least(values.clone(), threshold), expected), threshold
 
 
-def test_sum_rows_adds_in_model_order_as_torch_sums_up_to_four_rows():
+
+def test_trim_is_a_masked_fill_bit_for_bit():
+    """One hardshrink equals masking magnitudes below the threshold with +0.0, at and around every threshold,
+    signed zeros, subnormals, inf and NaN entries included (NaN and inf are kept as the mask keeps them)."""
+    tiny = torch.finfo(torch.float32).tiny
+    special = torch.tensor([0.0, 1e-45, 2e-45, tiny, 0.1, 0.5, 0.5000001, 1.0, 3.4e38, math.inf])
+    magnitudes = torch.cat([special, torch.nextafter(special, torch.tensor(math.inf)),
+                            torch.nextafter(special, torch.tensor(0.0)), torch.rand(10_000)])
+    deltas = torch.cat([magnitudes, -magnitudes, torch.tensor([math.nan, -math.nan])])
+    for threshold in [*special.tolist(), 0.3, 1.0 / 3.0]:
+        expected = deltas.masked_fill(deltas.abs() < threshold, 0.0).add_(0.0)  # + 0.0: a kept -0.0 becomes +0.0
+        trimmed = methods.trim(deltas.clone(), threshold)
+        assert torch.equal(trimmed.view(torch.int32), expected.view(torch.int32)), threshold
+
+def test_sum_of_products_adds_in_model_order_as_torch_sums_up_to_four_rows():
+    """Agreement-weighted sums: exact 0/1 factors (as floats, with -0.0 products), rows of mixed scales."""
     generator = torch.Generator().manual_seed(5)
     for rows in (1, 2, 3, 4):
         stacked = torch.randn(rows, 50_000, generator=generator) * torch.logspace(-6, 6, rows).reshape(-1, 1)
         stacked[:, :1000] = -0.0
-        assert torch.equal(methods.sum_rows(stacked).view(torch.int32), stacked.sum(dim=0).view(torch.int32))
-    stacked = torch.randn(7, 1000, generator=generator)
+        factors = torch.randint(0, 2, stacked.shape, generator=generator).to(torch.float32)
+        expected = (stacked * factors).sum(dim=0)
+        assert torch.equal(methods.sum_of_products(stacked, factors).view(torch.int32), expected.view(torch.int32))
+    stacked, factors = torch.randn(7, 1000, generator=generator), torch.ones(7, 1000)
     in_order = stacked[0] + 0.0
     for row in stacked[1:]:
         in_order = in_order + row
-    assert torch.equal(methods.sum_rows(stacked), in_order)
+    assert torch.equal(methods.sum_of_products(stacked, factors), in_order)
+
+
+def test_row_sum_weighs_agreement_rows_in_model_order():
+    generator = torch.Generator().manual_seed(6)
+    agree = torch.randint(0, 2, (3, 10_000), generator=generator).to(torch.float32)
+    weights = [0.7, 1.0, 1e-8]
+    expected = agree[0] * 0.7 + agree[1] + agree[2] * 1e-8
+    assert torch.equal(methods.row_sum(agree, weights), expected)
+    deltas = torch.randn(4, 10_000, generator=generator)
+    assert torch.equal(methods.row_sum(deltas), deltas[0] + deltas[1] + deltas[2] + deltas[3])
+    assert methods.row_sum(deltas[:1]).data_ptr() == deltas.data_ptr()  # one row with weight 1: no copy
 
 
 def test_sign_consensus_elects_the_sign_with_more_mass():

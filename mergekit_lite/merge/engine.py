@@ -120,10 +120,10 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         return lambda chunk: methods.linear(chunk, coefficients, normalize=False)
     recipe = methods.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
-    if recipe.sparsifier == "magnitude":
-        with torch_threads(math_threads(compute_bound=True)):  # a chunked pass; counts do not depend on threads
-            thresholds = [methods.trim_threshold(tensors[0], model, density, parameters.get("mergekit_rules", False))
-                          for model, density in zip(tensors[1:], parameters["densities"])]
+    if recipe.sparsifier == "magnitude":  # one model per core: the passes are exact selections, in any order
+        thresholds = [future.result() for future in start_on_other_cores(
+            lambda pair: methods.trim_threshold(tensors[0], *pair, parameters.get("mergekit_rules", False)),
+            zip(tensors[1:], parameters["densities"]))]
     if recipe.sparsifier == "outliers":
         thresholds = [methods.outlier_band(tensors[0], model, density, gamma)
                       for model, density, gamma in zip(tensors[1:], parameters["densities"], parameters["gammas"])]

@@ -118,17 +118,18 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, merg
 
     if total <= ELEMENTWISE_CHUNK:
         return magnitude_threshold(magnitudes(slice(None)), keep)
-    sample = magnitudes(slice(None, None, max(total // THRESHOLD_SAMPLE, 1))).sort().values
+    sample = magnitudes(slice(None, None, max(total // THRESHOLD_SAMPLE, 1))).cpu().numpy()
     quantile = 1.0 - keep / total
-    margin = 6.0 * math.sqrt(sample.numel() * quantile * (1.0 - quantile)) + 8
-    low = sample[max(int(quantile * sample.numel() - margin), 0)].cpu().numpy()
-    high = sample[min(int(quantile * sample.numel() + margin), sample.numel() - 1)].cpu().numpy()
+    margin = 6.0 * math.sqrt(sample.size * quantile * (1.0 - quantile)) + 8
+    bracket = (max(int(quantile * sample.size - margin), 0), min(int(quantile * sample.size + margin), sample.size - 1))
+    low, high = numpy.partition(sample, bracket)[list(bracket)]  # two order statistics, a fifth of a sort's time
     above, band = 0, []
     for begin in range(0, total, ELEMENTWISE_CHUNK):
         chunk = magnitudes(slice(begin, begin + ELEMENTWISE_CHUNK)).cpu().numpy()
         above += numpy.count_nonzero(chunk > high)
         band.append(numpy.compress((chunk >= low) & (chunk <= high), chunk))
-    band = torch.from_numpy(numpy.concatenate(band))  # kthvalue: numpy's partition slows on repeated values
+    # kthvalue, not numpy's partition, which slowed down badly on the band's millions of repeated magnitudes
+    band = torch.from_numpy(numpy.concatenate(band))
     rank_in_band = keep - int(above)
     if 1 <= rank_in_band <= band.numel():
         return torch.kthvalue(band, band.numel() - rank_in_band + 1).values.item()
@@ -158,10 +159,11 @@ def at_least(values: torch.Tensor, threshold: float) -> torch.Tensor:
 def trim(delta: torch.Tensor, threshold: float) -> torch.Tensor:
     """TIES's trim in place: zero the entries of magnitude below `threshold` (Yadav et al. 2023, section 3).
 
-    Multiplies by the keep indicator; adding +0.0 turns the -0.0 this leaves for trimmed negative entries
-    into +0.0, so the bytes equal a masked_fill's (trimmed entries are finite).
+    One float op: hardshrink at the float just below the threshold keeps exactly the entries whose magnitude
+    reaches it and writes +0.0 elsewhere, the bytes of a masked_fill. A threshold of 0 keeps everything and
+    turns -0.0 into +0.0, as masking nothing and adding +0.0 would.
     """
-    return delta.mul_(at_least(delta.abs(), threshold)).add_(0.0)
+    return torch.hardshrink(delta, below(threshold) if threshold > 0.0 else 0.0, out=delta)
 
 
 def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma: float) -> tuple[float, float]:
@@ -195,16 +197,16 @@ def random_drop(delta: torch.Tensor, drop: float, draws: torch.Tensor, rescale: 
 
     The draws come from the caller's seeded CPU generator (`uniform_draw`), so the same seed gives the same
     mask on any device. Dropping multiplies by the keep indicator (`at_least`), several times faster than a
-    masked_fill on a random mask (no branch to mispredict); adding +0.0 turns the -0.0 left by dropped negative
-    entries into the +0.0 a masked_fill writes (a delta overflowed to inf would become NaN, which the result
-    check reports).
+    masked_fill on a random mask (no branch to mispredict). One addcmul does it all: +0.0 + (scale·delta)·keep,
+    the rescaled delta times an exact 0 or 1, plus +0.0, which turns the -0.0 of dropped negative entries into
+    the +0.0 a masked_fill writes; a fused multiply-add rounds it the same (a delta overflowed to inf would
+    become NaN, which the result check reports).
     """
     if drop <= 0.0:
         return delta
-    keep = at_least(draws, drop)
-    if rescale:
-        delta.mul_(1.0 / (1.0 - drop))
-    return delta.mul_(keep.to(delta.device)).add_(0.0)
+    keep = at_least(draws, drop).to(delta.device)
+    scale = 1.0 / (1.0 - drop) if rescale else 1.0
+    return torch.addcmul(delta.new_zeros(()), delta, keep, value=scale, out=delta)
 
 
 def magprune_keep_probabilities(delta: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -237,12 +239,24 @@ def l1_rescaled(sparse: torch.Tensor, dense_l1: float) -> torch.Tensor:
     return sparse.mul_(dense_l1 / sparse_l1)
 
 
-def sum_rows(stacked: torch.Tensor) -> torch.Tensor:
-    """The rows' sum, model after model from +0.0: a fixed rounding order, unlike torch's blocked sum(dim=0)
-    (the same bytes for up to four rows), and a few times faster for few rows."""
-    total = stacked[0] + 0.0
-    for row in stacked[1:]:
-        total.add_(row)
+def sum_of_products(rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Σ rows[i]·factors[i] added model after model from +0.0, one addcmul per row: a fixed rounding order,
+    unlike torch's blocked sum(dim=0) (the same bytes for up to four rows). For factors of exact 0s and 1s (the
+    agreement), where a fused multiply-add rounds as a multiply and an add do."""
+    total = torch.addcmul(rows.new_zeros(()), rows[0], factors[0])
+    for row, factor in zip(rows[1:], factors[1:]):
+        total.addcmul_(row, factor)
+    return total
+
+
+def row_sum(rows: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Σ weights[i]·rows[i] in model order, one add per row. Unlike `sum_of_products` it does not start from
+    +0.0, so a zero sum may be -0.0: for sums whose zero's sign nothing reads (the total whose sign is elected,
+    the guarded divisor). Weighted rows must be of exact 0s and 1s, where add's alpha rounds as a multiply."""
+    weights = [1.0] * len(rows) if weights is None else weights
+    total = rows[0] if weights[0] == 1.0 else rows[0] * weights[0]
+    for row, weight in zip(rows[1:], weights[1:]):
+        total = torch.add(total, row, alpha=weight)
     return total
 
 
@@ -252,7 +266,7 @@ def sign_consensus(weighted_deltas: torch.Tensor, zero_sum_positive: bool = Fals
     An exact tie elects no sign, so nothing is kept there; `zero_sum_positive` elects + as mergekit does.
     Zero deltas never agree with an elected sign.
     """
-    total = sum_rows(weighted_deltas)
+    total = row_sum(weighted_deltas)  # -0.0 >= 0 and -0.0 == 0.0: a zero's sign changes nothing below
     elected = torch.where(total >= 0, 1.0, -1.0).to(total.dtype) if zero_sum_positive else total.sign()
     return weighted_deltas.sign() == elected
 
@@ -264,11 +278,12 @@ def positive_agreement(weighted_deltas: torch.Tensor, zero_sum_positive: bool = 
     sign(d)·elected, clamped at 0, can differ from it only in the sign of a zero term, and a zero's sign
     reaches the result only where the base is -0.0. There every zero delta is +0.0 (x - (-0.0) is never
     -0.0, the sparsifiers write +0.0, positive weights keep it), so where no sign is elected both sum to
-    +0.0, and where one is, some row strictly agrees and the sum is the agreeing rows'.
+    +0.0, and where one is, some row strictly agrees and the sum is the agreeing rows'. The total's zero may
+    be -0.0 (`row_sum`): only when every delta is a zero, which no elected sign keeps.
     """
-    total = sum_rows(weighted_deltas)
+    total = row_sum(weighted_deltas)
     elected = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total) if zero_sum_positive \
-        else total.sign_()
+        else torch.sign(total)
     return torch.sign(weighted_deltas).mul_(elected).clamp_min_(0.0)
 
 
@@ -363,16 +378,15 @@ def task_vector_merge(
         positive = all(weight >= NORM_EPS for weight in weights)
         agree = positive_agreement(stacked, mergekit_rules) if positive else \
             sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)  # converted once
-        merged = sum_rows(stacked.mul_(agree))
+        merged = sum_of_products(stacked, agree)
         if normalize:
-            if any(weight != 1.0 for weight in weights):
-                weight_column = torch.tensor(weights, dtype=torch.float32, device=base32.device)
-                agree.mul_(weight_column.reshape(-1, *([1] * base32.dim())))
-            divisor = sum_rows(agree)
+            divisor = row_sum(agree, weights)
             if positive:  # every non-zero divisor is then at least NORM_EPS: a clamp does the masked fill's work
-                divisor.clamp_min_(NORM_EPS)
+                divisor = divisor.clamp_min(NORM_EPS)
             else:
-                divisor.masked_fill_(divisor.abs() < NORM_EPS, 1.0)
+                divisor = divisor.masked_fill(divisor.abs() < NORM_EPS, 1.0)
+            if scale == 1.0:  # base + merged / divisor in one pass: a division, then an addition, as unfused
+                return torch.addcdiv(base32, merged, divisor, out=merged)
             merged.div_(divisor)
     elif normalize:
         total = math.fsum(weights)
