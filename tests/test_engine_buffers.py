@@ -6,6 +6,7 @@ only pinning and the per-step device wait differ, so running it on CPU tensors c
 
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,7 +20,7 @@ from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
 from mergekit_lite.io.safetensors import open_regular, read_at
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge import methods
-from mergekit_lite.merge.engine import dare_generator, execute, math_threads, merge_tensor
+from mergekit_lite.merge.engine import DrawsAhead, dare_generator, execute, math_threads, merge_tensor
 from mergekit_lite.merge.plan import plan_merge
 
 
@@ -258,3 +259,34 @@ def test_dare_draws_ahead_give_the_masks_of_drawing_whole_tensors(trio, monkeypa
         assert torch.equal(merge_tensor(config, step, tensors).view(torch.int32), whole.view(torch.int32)), step.name
         chunked += tensors[0].numel() > 3 * methods.ELEMENTWISE_CHUNK
     assert chunked > 5
+
+
+def test_draws_ahead_keep_each_stream_in_order_and_draw_at_most_the_window():
+    """More models than pool workers, a short last chunk, one model without a drop: every chunk equals drawing in a
+    loop, and a consumer that stops taking leaves each generator exactly `depth` chunks ahead, no further."""
+    seeds, drops, total, chunk, depth = [1, 2, 3, 4, 5], [0.5, 0.1, 0.0, 0.9, 0.3], 1050, 100, 3
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    draws = DrawsAhead(generators, drops, total, chunk, depth=depth)
+    references = [torch.Generator().manual_seed(seed) for seed in seeds]
+    for begin in range(0, total, chunk):
+        expected = [methods.uniform_draw((min(chunk, total - begin),), generator, drop)
+                    for generator, drop in zip(references, drops)]
+        for got, want in zip(draws.take(), expected):
+            assert (got is None and want is None) or torch.equal(got, want)
+        if begin == 5 * chunk:  # stop taking for a while: the jobs fill the window and end
+            ahead = [torch.Generator().manual_seed(seed) for seed in seeds]
+            for _ in range(6 + depth):
+                for generator, drop in zip(ahead, drops):
+                    methods.uniform_draw((chunk,), generator, drop)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not all(
+                    torch.equal(g.get_state(), a.get_state()) for g, a in zip(generators, ahead)):
+                time.sleep(0.01)
+            time.sleep(0.1)
+            assert all(torch.equal(g.get_state(), a.get_state()) for g, a in zip(generators, ahead))
+
+
+def test_draws_ahead_hand_a_failed_draw_to_the_taker():
+    draws = DrawsAhead([torch.Generator().manual_seed(1), "not a generator"], [0.5, 0.5], 300, 100)
+    with pytest.raises(TypeError):
+        draws.take()

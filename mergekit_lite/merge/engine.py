@@ -139,29 +139,68 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
 
 
 class DrawsAhead:
-    """DARE's uniform draws for a tensor's chunks, in order, each chunk's drawn on the other cores while the
-    previous chunk's math runs (a generator draws on one core, the slowest step of DARE).
+    """DARE's uniform draws for a tensor's chunks, in order, drawn on the other cores up to `depth` chunks ahead of
+    the math (a generator draws on one core, the slowest step of DARE).
 
-    A chunk's draws are started only once the previous chunk's are done, so each generator's stream is
-    consumed in order and the values are those of drawing in the loop.
+    Each model's chunks are drawn by one job at a time, in order, so each generator's stream is consumed as in a
+    loop and the values are those of drawing there. A job draws until the window is full and ends; taking a chunk
+    reopens the window and restarts the jobs that ended. No job waits on another, so any number of models shares
+    the pool, and a merge that stops taking leaves at most `depth` chunks drawn.
     """
 
-    def __init__(self, generators: list[torch.Generator], drops: list[float], total: int, chunk: int):
+    def __init__(self, generators: list[torch.Generator], drops: list[float], total: int, chunk: int,
+                 depth: int = 4):
         self._models = list(zip(generators, drops))
-        self._sizes = iter([min(chunk, total - begin) for begin in range(0, total, chunk)])
-        self._pending = self._start()
-
-    def _start(self) -> list[Future] | None:
-        size = next(self._sizes, None)
-        if size is None:
-            return None
-        return start_on_other_cores(lambda model: methods.uniform_draw((size,), *model), self._models)
+        self._sizes = [min(chunk, total - begin) for begin in range(0, total, chunk)]
+        self._depth = depth
+        self._lock = threading.Lock()
+        self._slots: list[dict[int, Future]] = [{} for _ in self._models]
+        self._next = [0] * len(self._models)  # each model's next chunk to draw
+        self._drawing = [False] * len(self._models)
+        self._taken = 0
+        with self._lock:
+            for model in range(len(self._models)):
+                self._start(model)
 
     def take(self) -> list[torch.Tensor | None]:
         """The next chunk's draws per model (None where a model's drop is 0)."""
-        draws = [future.result() for future in self._pending]
-        self._pending = self._start()
+        index = self._taken
+        with self._lock:
+            slots = [self._slot(model, index) for model in range(len(self._models))]
+        draws = [slot.result() for slot in slots]
+        with self._lock:
+            self._taken += 1
+            for model, model_slots in enumerate(self._slots):
+                del model_slots[index]
+                self._start(model)
         return draws
+
+    def _slot(self, model: int, index: int) -> Future:
+        return self._slots[model].setdefault(index, Future())
+
+    def _start(self, model: int) -> None:
+        """Under the lock: start the model's job if it has ended and its next chunk is inside the window."""
+        if not self._drawing[model] and self._next[model] < min(len(self._sizes), self._taken + self._depth):
+            self._drawing[model] = True
+            start_on_other_cores(self._draw, [model])
+
+    def _draw(self, model: int) -> None:
+        """One model's job on a pool worker: draw its next chunks in order until the window is full."""
+        while True:
+            with self._lock:
+                index = self._next[model]
+                if index >= min(len(self._sizes), self._taken + self._depth):
+                    self._drawing[model] = False
+                    return
+                slot = self._slot(model, index)
+            try:
+                draws = methods.uniform_draw((self._sizes[index],), *self._models[model])
+            except BaseException as error:  # handed to the taker; the merge stops there
+                slot.set_exception(error)
+                return
+            slot.set_result(draws)
+            with self._lock:
+                self._next[model] = index + 1
 
 
 def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> list[float]:
