@@ -126,8 +126,9 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, merg
     above, band = 0, []
     for begin in range(0, total, ELEMENTWISE_CHUNK):
         chunk = magnitudes(slice(begin, begin + ELEMENTWISE_CHUNK)).cpu().numpy()
-        above += numpy.count_nonzero(chunk > high)
-        band.append(numpy.compress((chunk >= low) & (chunk <= high), chunk))
+        reach_low = chunk >= low
+        band.append(numpy.compress(reach_low & (chunk <= high), chunk))
+        above += numpy.count_nonzero(reach_low) - band[-1].size  # above the bracket: reaching it, not inside it
     # kthvalue, not numpy's partition, which slowed down badly on the band's millions of repeated magnitudes
     band = torch.from_numpy(numpy.concatenate(band))
     rank_in_band = keep - int(above)
