@@ -117,7 +117,6 @@ def test_at_least_is_a_comparison_as_floats():
         assert torch.equal(methods.at_least(values.clone(), threshold), expected), threshold
 
 
-
 def test_trim_is_a_masked_fill_bit_for_bit():
     """One hardshrink equals masking magnitudes below the threshold with +0.0, at and around every threshold,
     signed zeros, subnormals, inf and NaN entries included (NaN and inf are kept as the mask keeps them)."""
@@ -130,6 +129,7 @@ def test_trim_is_a_masked_fill_bit_for_bit():
         expected = deltas.masked_fill(deltas.abs() < threshold, 0.0).add_(0.0)  # + 0.0: a kept -0.0 becomes +0.0
         trimmed = methods.trim(deltas.clone(), threshold)
         assert torch.equal(trimmed.view(torch.int32), expected.view(torch.int32)), threshold
+
 
 def test_sum_of_products_adds_in_model_order_as_torch_sums_up_to_four_rows():
     """Agreement-weighted sums: exact 0/1 factors (as floats, with -0.0 products), rows of mixed scales."""

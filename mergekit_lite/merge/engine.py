@@ -178,9 +178,13 @@ class DrawsAhead:
     def _slot(self, model: int, index: int) -> Future:
         return self._slots[model].setdefault(index, Future())
 
+    def _window_end(self) -> int:
+        """Under the lock: the first chunk not to draw yet."""
+        return min(len(self._sizes), self._taken + self._depth)
+
     def _start(self, model: int) -> None:
         """Under the lock: start the model's job if it has ended and its next chunk is inside the window."""
-        if not self._drawing[model] and self._next[model] < min(len(self._sizes), self._taken + self._depth):
+        if not self._drawing[model] and self._next[model] < self._window_end():
             self._drawing[model] = True
             start_on_other_cores(self._draw, [model])
 
@@ -189,7 +193,7 @@ class DrawsAhead:
         while True:
             with self._lock:
                 index = self._next[model]
-                if index >= min(len(self._sizes), self._taken + self._depth):
+                if index >= self._window_end():
                     self._drawing[model] = False
                     return
                 slot = self._slot(model, index)
