@@ -122,7 +122,7 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, merg
     quantile = 1.0 - keep / total
     margin = 6.0 * math.sqrt(sample.size * quantile * (1.0 - quantile)) + 8
     bracket = (max(int(quantile * sample.size - margin), 0), min(int(quantile * sample.size + margin), sample.size - 1))
-    low, high = numpy.partition(sample, bracket)[list(bracket)]  # two order statistics, a fifth of a sort's time
+    low, high = numpy.partition(sample, bracket)[list(bracket)]  # two order statistics, not a full sort
     above, band = 0, []
     for begin in range(0, total, ELEMENTWISE_CHUNK):
         chunk = magnitudes(slice(begin, begin + ELEMENTWISE_CHUNK)).cpu().numpy()
