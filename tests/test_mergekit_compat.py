@@ -1,6 +1,7 @@
 """mergekit's configs run as-is: the same YAML through mergekit 0.1.5 and mergekit-lite, outputs compared tensor
 by tensor (deterministic methods within float32 tolerance, DARE by distribution), vocabularies merged by token,
-and hub ids resolved from a cache laid out here. Every config below is ours, written for this test."""
+and hub ids resolved from a cache laid out here. CONFIGS are ours, written for this test; REAL_CONFIGS and the
+tests after them are real users' configs, each citing where it was found."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from mergekit_reference import mergekit_cli, run_mergekit, run_mergekit_batch
 from safetensors.torch import load_file
 from tiny_models import VOCAB, tiny_llama
@@ -433,7 +435,7 @@ def test_vocabulary_mismatch_without_a_tokenizer_setting_names_the_option(zoo):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("merge_method: linear\nmodels:\n  - model: {a}\n    parameters:\n      weight: 1\n      normalize: 'false'\n",
+    ("method: linear\nmodels:\n  - model: {a}\n    parameters:\n      weight: 1\n      normalize: false\n",
      r"cannot be set per model"),
     ("merge_method: linear\nmodels: [{{model: {a}}}]\nparameters:\n  normalize: 'false'\n",
      r"normalize must be true or false, got 'false'"),
@@ -533,3 +535,197 @@ def test_slices_match_mergekit(side_by_side):
     for tensor_name, tensor in expected.items():
         torch.testing.assert_close(merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}")
     assert json.loads((ours / "config.json").read_text())["num_hidden_layers"] == 3
+
+
+# ------------------------------------------------------------------------------- configs from the wild
+# Real mergekit configs from model cards and repositories, as written, with the zoo's models for the hub ids,
+# layer ranges cut to its 3 layers and dtype float32 (so deterministic methods agree bit for bit).
+
+REAL_CONFIGS = {
+    # adriansterr/fine-tuning-for-absa merging_configurations/german/karcher/karcher_default/mergekit_config.yml:
+    # YAML reads `1e-5` (no dot) as a string, mergekit reads it as the number
+    "karcher_tol_string": """
+models:
+  - model: "{a}"
+  - model: "{b}"
+
+merge_method: karcher
+dtype: float32
+
+parameters:
+  max_iter: 10
+  tol: 1e-5
+""",
+    # the breadcrumbs_ties example of a public mergekit config collection (code search, "Mergekit Example: Model
+    # Breadcrumbs (breadcrumbs_ties)"): per-model gamma, which the CLI lost on its way to the plan
+    "breadcrumbs_per_model_gamma": """
+base_model: "{base}"
+models:
+  - model: "{a}"
+    parameters:
+      weight: 0.6                     # Contribution of this model (e.g., 60%)
+      gamma: 0.02                     # Prune top 2% largest magnitude parameters from this model's task vector
+      density: 0.9                    # Retain 90% of parameters in this model's task vector after pruning
+  - model: "{b}"
+    parameters:
+      weight: 0.4
+      gamma: 0.02
+      density: 0.9
+merge_method: breadcrumbs_ties
+dtype: float32
+""",
+    # https://huggingface.co/YOYO-AI/Qwen2.5-7B-YOYO-super (its Qwen2.5-7B-della stage): mergekit-multi's `name:`,
+    # a per-model lambda (mergekit ignores it), density 1 (so DELLA drops nothing: deterministic)
+    "della_name_and_model_lambda": """
+models:
+  - model: {a}
+    parameters:
+      density: 1
+      weight: 1
+      lambda: 0.9
+merge_method: della
+base_model: {base}
+parameters:
+  density: 1
+  weight: 1
+  lambda: 0.9
+  normalize: true
+  int8_mask: true
+dtype: float32
+tokenizer_source: base
+name: Qwen2.5-7B-della
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def real_side_by_side(zoo) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess]]:
+    """Each real config through mergekit and through our CLI (which reads the file and re-reads it in our own
+    schema, so every key has to survive that trip): name -> (theirs, ours, our CLI run)."""
+    mergekit_cli()
+    root = zoo["root"] / "real"
+    root.mkdir()
+    written = {}
+    for name, text in REAL_CONFIGS.items():
+        written[name] = root / f"{name}.yml"
+        written[name].write_text(text.format(**{k: str(v) for k, v in zoo.items()}))
+    run_mergekit_batch({path: root / f"mergekit-{name}" for name, path in written.items()})
+    return {name: (root / f"mergekit-{name}", root / f"lite-{name}", run_cli(path, root / f"lite-{name}"))
+            for name, path in written.items()}
+
+
+def run_cli(config: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([str(CLI), "merge", str(config), "--out", str(out), *flags], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(REAL_CONFIGS))
+def test_real_configs_run_through_the_cli_as_mergekit_runs_them(real_side_by_side, name):
+    theirs, ours, run = real_side_by_side[name]
+    assert run.returncode == 0, run.stderr
+    expected, merged = read_state(theirs), read_state(ours)
+    assert sorted(merged) == sorted(expected)
+    for tensor_name, tensor in expected.items():
+        torch.testing.assert_close(merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}")
+
+
+def test_settings_mergekit_ignores_are_accepted_and_named(real_side_by_side):
+    _, _, run = real_side_by_side["della_name_and_model_lambda"]
+    assert "lambda has no effect per model (mergekit reads it from parameters: only)" in run.stdout
+
+
+def test_della_per_model_epsilon_reaches_the_plan(zoo, tmp_path):
+    """adriansterr/fine-tuning-for-absa merging_configurations/german/della/della_1_08_07_08_02_01: per-model
+    epsilon was refused by the CLI ("models[0]: unknown key 'epsilon'")."""
+    config = tmp_path / "della.yml"
+    config.write_text(f"""
+models:
+  - model: "{zoo['a']}"
+    parameters:
+      weight: 1.0
+      density: 0.7
+      epsilon: 0.2
+  - model: "{zoo['b']}"
+    parameters:
+      weight: 0.8
+      density: 0.8
+      epsilon: 0.1
+
+base_model: "{zoo['base']}"
+
+merge_method: della
+dtype: bfloat16
+
+parameters:
+  lambda: 1.0
+""")
+    run = run_cli(config, tmp_path / "out", "--dry-run")
+    assert run.returncode == 0, run.stderr
+    assert "epsilons=[0.2, 0.1]" in run.stdout
+
+
+def test_default_module_is_the_whole_model(zoo, tmp_path):
+    """https://huggingface.co/Alelcv27/Llama3.1-8B-Base-DELLA-Math-Code: mergekit writes a merge's slices as
+    `modules: default:` in the config it saves, and model cards show that form; `normalize: 1.0` is true."""
+    text = """
+base_model: {base}
+dtype: float16
+merge_method: della
+modules:
+  default:
+    slices:
+    - sources:
+      - layer_range: [0, 3]
+        model: {a}
+        parameters:
+          density: 0.8
+          weight: 0.7
+      - layer_range: [0, 3]
+        model: {b}
+        parameters:
+          density: 0.7
+          weight: 0.5
+      - layer_range: [0, 3]
+        model: {base}
+parameters:
+  epsilon: 0.1
+  lambda: 0.9
+  normalize: 1.0
+""".format(**{k: str(v) for k, v in zoo.items()})
+    modules, sliced = tmp_path / "modules.yml", tmp_path / "slices.yml"
+    modules.write_text(text)
+    sliced.write_text(text.replace("modules:\n  default:\n", "").replace("\n    ", "\n"))
+    config = load_config(modules)
+    assert config == load_config(sliced) and len(config.slices) == 1
+    assert config.parameter("normalize") is True
+    with pytest.raises(InputError, match=r"modules: \(multi-module architectures\) is not supported"):
+        MergeConfig.from_dict({**yaml.safe_load(text), "modules": {"text_decoder": {}, "vision_tower": {}}})
+
+
+def test_a_base_alone_under_models_is_named(zoo, tmp_path):
+    """https://huggingface.co/007ankit/della-linear-BioMistral-mistral-hindi: its only model is its base, so
+    mergekit writes the base unchanged; we say so instead of writing a copy."""
+    config = tmp_path / "base-only.yml"
+    config.write_text(f"""
+models:
+  - model: {zoo['base']}
+    parameters:
+      density: 1 # Fraction of weights in differences from the base model to retain
+      epsilon: 0.1 # Maximum change in drop probability based on magnitude (range: density ± epsilon)
+      weight: 1
+      lambda: 0.9
+merge_method: della_linear
+base_model: {zoo['base']}
+parameters:
+  density: 1
+  epsilon: 0.1
+  weight: 1
+  lambda: 0.9
+  normalize: true
+  int8_mask: true
+dtype: bfloat16
+""")
+    run = run_cli(config, tmp_path / "out")
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("error:") and "every entry under models: is the base" in run.stderr

@@ -23,7 +23,7 @@ from __future__ import annotations
 import difflib
 import math
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -268,6 +268,16 @@ class MergeConfig:
         if self.tokenizer_source and self.tokenizer_source not in TOKENIZER_SOURCES:
             self.tokenizer_source = resolve_model(self.tokenizer_source)
 
+    def unused_settings(self) -> list[str]:
+        """Per-model settings of a parameter mergekit reads only from `parameters:` (lambda, normalize, ...):
+        mergekit accepts them and ignores them, so mergekit_compat mode does too, and the plan says so."""
+        owners = [(f"model {spec.path}", spec.parameters) for spec in self.models] + \
+            [(f"base {self.base}", self.base_parameters)] + \
+            [(f"slices[{number}]: {source.model}", source.parameters)
+             for number, part in enumerate(self.slices) for source in part.sources]
+        return [f"{owner}: {name} has no effect per model (mergekit reads it from parameters: only)"
+                for owner, parameters in owners for name in parameters if name not in PER_MODEL_PARAMETERS]
+
     def _check_parameters(self, parameters: dict, allowed: set[str], where: str, per_model: bool) -> None:
         for name, value in parameters.items():
             if name not in allowed:
@@ -275,7 +285,7 @@ class MergeConfig:
                                  f"(it takes {', '.join(sorted(allowed))}){_did_you_mean(name, allowed)}"
                                  if not per_model else
                                  f"{where} {name!r} cannot be set per model for method {self.method}")
-            if per_model and name not in PER_MODEL_PARAMETERS:
+            if per_model and name not in PER_MODEL_PARAMETERS and not self.mergekit_compat:
                 raise InputError(f"{where} {name!r} cannot be set per model for method {self.method}")
             _check_value(name, value)
 
@@ -342,6 +352,7 @@ class MergeConfig:
         schema = _MergekitConfig if "merge_method" in data else _LiteConfig
         if "merge_method" in data and "method" in data:
             raise InputError(f"{prefix}give method: (mergekit-lite's schema) or merge_method: (mergekit's), not both")
+        data = _default_module(data) if "merge_method" in data else data
         if "modules" in data:
             raise InputError(f"{prefix}mergekit's modules: (multi-module architectures) is not supported; use slices:")
         try:
@@ -357,7 +368,8 @@ class MergeConfig:
     def to_dict(self) -> dict:
         """mergekit-lite's own schema (what --dry-run's provenance file and flag overrides use)."""
         data = asdict(self)
-        data["models"] = [{"model": spec.path, **spec.parameters} for spec in self.models]
+        # under parameters:, where the own schema takes any per-model parameter (epsilon, gamma, scale too)
+        data["models"] = [{"model": spec.path, "parameters": dict(spec.parameters)} for spec in self.models]
         for part in data["slices"]:
             for source in part["sources"]:
                 source["layer_range"] = list(source["layer_range"])
@@ -499,6 +511,7 @@ class _MergekitConfig(_Options):
     models: Optional[list[_MergekitModel]] = None
     slices: Optional[list[_MergekitSlice]] = None
     out_dtype: Optional[StrictStr] = None
+    name: Optional[StrictStr] = None  # mergekit-multi's name for a stage; mergekit-yaml ignores it, as we do
 
     def to_fields(self) -> dict:
         if bool(self.models) == bool(self.slices):
@@ -507,21 +520,65 @@ class _MergekitConfig(_Options):
         models, base_parameters = [], {}
         for entry in self.models or []:
             if _reference(entry.model) == base:  # the base listed among the models is still the base
-                base_parameters = dict(entry.parameters or {})
+                base_parameters = _as_mergekit_reads(entry.parameters)
             else:
-                models.append(ModelSpec(_reference(entry.model), dict(entry.parameters or {})))
+                models.append(ModelSpec(_reference(entry.model), _as_mergekit_reads(entry.parameters)))
+        if self.models and not models:
+            raise InputError(f"every entry under models: is the base ({base}): nothing to merge into it "
+                             "(mergekit writes the base unchanged)")
         slices = []
         for part in self.slices or []:
             if part.residual_weight is not None:
                 raise InputError("slices: residual_weight is not supported")
-            slices.append(Slice([source.to_source() for source in part.sources],
-                                _reference(part.base_model) if part.base_model else None,
-                                dict(part.parameters or {})))
+            sources = [replace(source.to_source(), parameters=_as_mergekit_reads(source.parameters))
+                       for source in part.sources]
+            slices.append(Slice(sources, _reference(part.base_model) if part.base_model else None,
+                                _as_mergekit_reads(part.parameters)))
         # mergekit's dtype is the compute dtype, which also becomes the stored one unless out_dtype is given;
         # here the math is float32 always, so only the stored dtype is taken.
-        return {**self.common_fields(), "method": self.merge_method, "base": base, "models": models,
-                "slices": slices, "dtype": self.out_dtype or self.dtype, "base_parameters": base_parameters,
+        return {**self.common_fields(), "parameters": _as_mergekit_reads(self.parameters), "method": self.merge_method,
+                "base": base, "models": models, "slices": slices, "dtype": self.out_dtype or self.dtype,
+                "base_parameters": base_parameters,
                 "mergekit_compat": True if self.mergekit_compat is None else self.mergekit_compat}
+
+
+def _default_module(data: dict) -> dict:
+    """mergekit saves a plain decoder's merge as `modules: {default: {slices: ...}}` (model cards show that
+    form): the one default module is the whole model, so its slices or models are read as top-level ones and
+    its parameters override the top-level ones (mergekit's precedence: slice, module, global). Other modules
+    (a multimodal model's towers) stay refused."""
+    modules = data.get("modules")
+    if not isinstance(modules, dict) or set(modules) != {"default"} or not isinstance(modules["default"], dict) \
+            or data.get("models") or data.get("slices"):
+        return data
+    module = modules["default"]
+    unwrapped = {**{key: value for key, value in data.items() if key != "modules"},
+                 **{key: value for key, value in module.items() if key != "parameters"}}
+    if module.get("parameters"):
+        unwrapped["parameters"] = {**(data.get("parameters") or {}), **module["parameters"]}
+    return unwrapped
+
+
+def _as_mergekit_reads(parameters: dict | None) -> dict:
+    """A parameter map with each value as mergekit's typed validation reads it: YAML takes `1e-5` (no dot) for
+    a string, which mergekit reads as the number; a boolean parameter given as 1 or 0 is true or false. A
+    string for a boolean (`'false'`) is still refused by _check_value: Python would read it as true."""
+    return {name: _typed(name, value) for name, value in (parameters or {}).items()}
+
+
+def _typed(name: str, value: Any) -> Any:
+    if isinstance(value, list):
+        return [_typed(name, entry) for entry in value]
+    if isinstance(value, dict):
+        return {**value, "value": _typed(name, value["value"])} if "value" in value else value
+    if name in BOOLEAN_PARAMETERS:
+        return bool(value) if type(value) in (int, float) and value in (0, 1) else value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _reference(model: str) -> str:

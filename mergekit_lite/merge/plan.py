@@ -144,7 +144,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
     model_layout = layout(reference.config)
     n_layers = layer_count(model_layout, names)
     recall_weights = load_recall_weights(config) if config.method in RECALL_METHODS else None
-    notes, mixed = [], set()
+    notes, mixed = config.unused_settings(), set()
     steps = []
     for name in names:
         shape = reference.shape(name)
@@ -241,7 +241,7 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
     for name in (n for n in outside if not is_embedding(n)):
         merge, indices, ranges = pieces[-1]
         add(merge, indices, [name] * len(indices), name, (None, "head"), ranges[0][1] - ranges[0][0])
-    notes = [f"slices: {len(origins)} output layers from {len(pieces)} slices"]
+    notes = [f"slices: {len(origins)} output layers from {len(pieces)} slices", *config.unused_settings()]
     return MergePlan(config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins)
 
 
