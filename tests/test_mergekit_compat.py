@@ -249,6 +249,26 @@ dtype: float32
 """,
 }
 # The task_arithmetic config stored in float32: the bf16 one only shows agreement to bf16 rounding.
+# filter lists without a default entry: a tensor none of them matches falls through to the next level (the global
+# parameters, then the default), as mergekit resolves it
+CONFIGS["filters_fall_through"] = """
+merge_method: linear
+models:
+  - model: {a}
+    parameters:
+      weight:
+        - filter: mlp
+          value: 0.2
+  - model: {b}
+parameters:
+  weight:
+    - filter: self_attn
+      value: [0.5, 1.5]
+    - filter: input_layernorm
+      value: 3.0
+    - value: 1.0
+dtype: float32
+"""
 CONFIGS["task_arithmetic_fp32"] = CONFIGS["task_arithmetic"].replace("out_dtype: bfloat16", "out_dtype: float32")
 SLICE_CONFIGS = {
     "slerp_slices": """
@@ -272,6 +292,8 @@ parameters:
 dtype: float32
 """,
 }
+SLICE_CONFIGS["slerp_slices_fall_through"] = SLICE_CONFIGS["slerp_slices"].replace(
+    "      t: 0.3\n", "      t:\n        - filter: self_attn\n          value: 0.3\n")
 
 
 def read_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -303,7 +325,7 @@ def side_by_side(zoo) -> dict[str, tuple[Path, Path]]:
 
 
 @pytest.mark.parametrize("name", ["linear", "task_arithmetic_fp32", "ties", "ties_zero_sum", "dare_ties_no_drop",
-                                  "slerp", "union", "base_vocab", "model_vocab"])
+                                  "slerp", "union", "base_vocab", "model_vocab", "filters_fall_through"])
 def test_deterministic_methods_match_mergekit_tensor_by_tensor(side_by_side, name):
     theirs, ours, _ = side_by_side[name]
     expected, merged = read_state(theirs), read_state(ours)
@@ -526,10 +548,12 @@ def test_hub_ids_resolve_offline_from_the_cache(zoo, tmp_path):
     assert "tiny-org/missing: not in the Hugging Face cache" in run.stderr and "HF_HUB_OFFLINE=1" in run.stderr
 
 
-def test_slices_match_mergekit(side_by_side):
-    """Layer ranges from several models stacked (slices execution is plan.py's), per-slice parameters, gradients."""
-    theirs, _, config_file = side_by_side["slerp_slices"]
-    ours = run_merge(load_config(config_file), config_file.parent / "lite-slerp_slices").out
+@pytest.mark.parametrize("name", list(SLICE_CONFIGS))
+def test_slices_match_mergekit(side_by_side, name):
+    """Layer ranges from several models stacked (slices execution is plan.py's), per-slice parameters, gradients,
+    a slice's filter list falling through to the global parameters."""
+    theirs, _, config_file = side_by_side[name]
+    ours = run_merge(load_config(config_file), config_file.parent / f"lite-{name}").out
     expected, merged = read_state(theirs), read_state(ours)
     assert sorted(merged) == sorted(expected)
     for tensor_name, tensor in expected.items():

@@ -189,10 +189,10 @@ class MergeConfig:
         return references
 
     def parameter(self, name: str, model_index: int | None = None) -> Any:
-        """A parameter's raw value spec: the model's own, else the global one, else the default."""
-        if model_index is not None and name in self.models[model_index].parameters:
-            return self.models[model_index].parameters[name]
-        return self.parameters.get(name, self.default(name))
+        """A parameter's raw value spec: the model's own, else the global one, else the default; a filter list
+        that matches no tensor passes it on to the next of them (`fall_through`)."""
+        own = self.models[model_index].parameters.get(name) if model_index is not None else None
+        return fall_through(own, self.parameters.get(name), self.default(name))
 
     def default(self, name: str) -> Any:
         """A parameter's default for this method, mergekit's in mergekit_compat mode."""
@@ -697,6 +697,22 @@ def _complement(value: Any) -> Any:
     if isinstance(value, list):
         return [_complement(entry) for entry in value]
     return 1.0 - float(value)
+
+
+def fall_through(*specs: Any) -> Any:
+    """Value specs from the highest precedence down (a model's own, a slice's, the global one, the default) as
+    one spec, with mergekit's precedence: a level whose filter list matches no tensor name passes that tensor
+    on to the next level. Filter lists are chained into one; the first number or gradient ends the chain, as
+    it gives every tensor a value. None when no level sets the parameter."""
+    entries: list[dict] = []
+    for spec in specs:
+        if spec is None:
+            continue
+        if isinstance(spec, dict) or (isinstance(spec, list) and spec and all(isinstance(e, dict) for e in spec)):
+            entries.extend([spec] if isinstance(spec, dict) else spec)
+            continue
+        return [*entries, {"value": spec}] if entries else spec
+    return entries or None
 
 
 def resolve(name: str, value: Any, tensor_name: str, layer: int | None, n_layers: int,

@@ -23,6 +23,7 @@ from mergekit_lite.merge.config import (
     MergeConfig,
     ModelSpec,
     Slice,
+    fall_through,
     is_embedding,
     resolve,
 )
@@ -250,7 +251,7 @@ def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeC
 
     Its base is the slice's, else the config's, when the method uses one and it is among the sources
     (mergekit's rule); the other sources are its models, with their parameters; the slice's parameters
-    override the config's.
+    override the config's, and where a slice's filter list matches no tensor the config's apply.
     """
     paths = [source.model for source in piece.sources]
     base = piece.base or config.base
@@ -261,8 +262,9 @@ def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeC
     ordered = ([base_source] if base_source else []) + others
     models = [ModelSpec(source.model, dict(source.parameters)) for source in others]
     try:
-        merge = replace(config, base=base, models=models, parameters={**config.parameters, **piece.parameters},
-                        slices=[])
+        parameters = {name: fall_through(piece.parameters.get(name), config.parameters.get(name))
+                      for name in {**config.parameters, **piece.parameters}}
+        merge = replace(config, base=base, models=models, parameters=parameters, slices=[])
     except InputError as error:
         raise InputError(f"slice {number}: {error}") from None
     return merge, [(source.model, tuple(source.layer_range)) for source in ordered]
@@ -289,7 +291,8 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
     if method == "linear":
         if "alpha" in config.parameters:
             return {"alpha": value("alpha")}
-        base_weight = config.base_parameters.get("weight", config.parameter("weight") if config.mergekit_compat else 1.0)
+        base_weight = fall_through(config.base_parameters.get("weight"),
+                                   config.parameter("weight") if config.mergekit_compat else 1.0)
         weights = ([resolve("weight", base_weight, name, position, n_layers, config.mergekit_compat)] if config.base else []) \
             + [value("weight", i) for i in models]
         return {"weights": weights, "normalize": config.parameter("normalize")}
