@@ -79,7 +79,8 @@ def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, agg
     pre, post = load_lm_eval_run(pre_samples, scoring), load_lm_eval_run(post_samples, scoring)
     result = forgetting_map(pre, post)
     for task, reason in result.skipped.items():
-        click.echo(f"warning: task {task!r} skipped: {reason}", err=True)
+        what = "has seeds skipped" if task in result.rows else "skipped"  # its other seeds still make its row
+        click.echo(f"warning: task {task!r} {what}: {reason}", err=True)
     if not result.rows:
         raise InputError(f"no task could be compared between {pre_samples} and {post_samples}")
     known_tasks = set(pre.outcomes) | set(post.outcomes) | set(result.skipped)

@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 from cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import (
+    LoadedRun,
     SampleOutcomes,
     ScoringRule,
     TaskSkipped,
     aggregate,
     compare,
+    forgetting_map,
     forgetting_metrics,
     format_table,
     load_lm_eval_run,
@@ -148,6 +150,39 @@ def test_small_and_large_task_paper_mean_differs_from_pooled():
     large = forgetting_metrics([1] * 1000, [1] * 1000, k=math.inf, task="large")
     assert aggregate([small, large], "g").F_true == pytest.approx(0.5)
     assert aggregate([small, large], "g", "pooled").F_true == pytest.approx(10 / 1010)
+
+
+def outcomes(task, values, k):
+    return SampleOutcomes(task, {f"d{i}": bool(value) for i, value in enumerate(values)}, k)
+
+
+def test_a_misaligned_seed_skips_only_that_seed():
+    """Official code (process_data.py compare_models): a sample-count mismatch skips that (task, seed) pair
+    only; create_csv.py create_pivot_table then averages each task, and each category per seed, over the
+    seeds that were compared (paper Appendix B.2 categories, §2 metrics)."""
+    pre = LoadedRun("pre", {"arc": {"1": outcomes("arc", PRE_8, 4), "2": outcomes("arc", PRE_8, 4)},
+                            "gen": {"1": outcomes("gen", [1, 0], math.inf), "2": outcomes("gen", [1, 1], math.inf)},
+                            "bad": {"1": outcomes("bad", [1, 0], 2), "2": outcomes("bad", [1, 0], 2)}})
+    post = LoadedRun("post", {"arc": {"1": outcomes("arc", POST_8, 4), "2": outcomes("arc", POST_8[:7], 4)},
+                              "gen": {"1": outcomes("gen", [0, 0], math.inf), "2": outcomes("gen", [1, 1], math.inf)},
+                              "bad": {"1": outcomes("bad", [1], 2), "2": outcomes("bad", [1, 0], 3)}})
+    result = forgetting_map(pre, post)
+    # arc: seed 2 misaligned (8 vs 7 samples), so arc is seed 1 alone: F = 2/8, F_true = 3/16 (see
+    # test_hand_computed_eight_samples_four_choices)
+    arc = result.rows["arc"]
+    assert arc.seeds == 1 and arc.F == 0.25 and arc.F_true == pytest.approx(3 / 16)
+    assert "seed 2: samples differ" in result.skipped["arc"] and "compared on seed 1 only" in result.skipped["arc"]
+    assert sorted(result.rows_by_seed["1"]) == ["arc", "gen"] and sorted(result.rows_by_seed["2"]) == ["gen"]
+    # gen (k = inf): seed 1 F = 1/2, seed 2 F = 0: the task's row is their mean
+    assert result.rows["gen"].seeds == 2 and result.rows["gen"].F_true == pytest.approx(0.25)
+    # bad: every seed misaligned (seed 1 samples, seed 2 k), so no row, and both reasons listed
+    assert "bad" not in result.rows
+    assert "seed 1: samples differ" in result.skipped["bad"] and "seed 2: number of choices" in result.skipped["bad"]
+    # category per seed, then the mean over seeds: seed 1 = mean(arc, gen), seed 2 = gen alone
+    group = result.group("old", ["arc", "gen", "bad"])
+    assert group.F == pytest.approx(((0.25 + 0.5) / 2 + 0) / 2)  # 0.1875
+    assert group.F_true == pytest.approx(((3 / 16 + 0.5) / 2 + 0) / 2)  # 11/64
+    assert group.acc_pre == pytest.approx(((5 / 8 + 1 / 2) / 2 + 1) / 2)
 
 
 def test_aggregate_of_nothing_errors():

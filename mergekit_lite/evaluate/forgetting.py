@@ -24,12 +24,15 @@ Per task, over N samples aligned between pre and post, with k choices per sample
     BT_max      a_post_true = max((k * a_post - 1) / (k - 1), 0)               (paper §2, "Ceilings";
                 official code: "Max Possible Improvement" uses acc_after)
 
-k (paper §2: "number of choices in benchmark"; official code: a per-task `num_choices`):
+k (paper §2: "number of choices in benchmark"; official code: a per-task `num_choices` table in
+create_csv.py for the bbh subtasks, 4 for every other task, piqa and ifeval included; `--choices TASK=K`
+reproduces one of its values where it differs from the rule below):
   - multiple_choice tasks: the number of choices lm-eval scored (one request per choice);
   - generative multiple choice (the paper's own setting, Appendix B.1: chain of thought, a letter
     extracted and exact-matched): `--choices TASK=K`, else the doc's options named by the task's
     `doc_to_choice` (from lm-eval's results_<timestamp>.json beside the samples, or in-process);
-  - free-form generation (gsm8k): k = inf, no chance term. [ours: the paper ignores such tasks]
+  - free-form generation (gsm8k, ifeval): k = inf, no chance term, as the paper's §2 chance correction is
+    for multiple choice. [ours: the official code applies its default k = 4 to ifeval]
   - choices varying per doc: the effective k = 1 / mean(1 / k_i), which keeps the expected chance
     accuracy right. [ours]
 
@@ -43,8 +46,10 @@ seeds): a results folder may hold several lm-eval runs of one model; runs are to
 seeds lm-eval records in the `results_<timestamp>.json` beside each samples file, and pre and post
 are compared seed by seed.
 
-Misaligned tasks (official code: a sample-count mismatch is skipped and listed): a task whose samples,
-or k, differ between pre and post is skipped with a warning and listed in the output.
+Misaligned tasks (official code: a sample-count mismatch skips that (task, seed) and is listed): a seed of
+a task whose samples, or k, differ between pre and post is skipped with a warning and listed in the
+output; the task's row and the groups use its other seeds, as the official per-seed means do. [ours: the
+official code checks only the count, then pairs the samples sorted by prompt, different docs included]
 
 Reading lm-eval `--log_samples` output (`samples_<task>_<timestamp>.jsonl`) [ours]:
   - a sample's key is its `doc_hash` (else `str(doc_id)`); identical documents share a hash, so the
@@ -626,15 +631,29 @@ def forgetting_map(pre: LoadedRun, post: LoadedRun) -> ForgettingMap:
             skipped[task] = (f"no seed in common (pre {', '.join(sorted(pre.outcomes[task]))}; "
                              f"post {', '.join(sorted(post.outcomes[task]))})")
             continue
-        try:
-            per_seed = {seed: compare(pre.outcomes[task][seed], post.outcomes[task][seed]) for seed in seeds}
-        except TaskSkipped as reason:
-            skipped[task] = str(reason)
+        per_seed, reasons = {}, {}
+        for seed in seeds:  # official code: a mismatch skips that (task, seed) only, not the task's other seeds
+            try:
+                per_seed[seed] = compare(pre.outcomes[task][seed], post.outcomes[task][seed])
+            except TaskSkipped as reason:
+                reasons[seed] = str(reason)
+        if reasons:
+            skipped[task] = _seed_skips(reasons, list(per_seed))
+        if not per_seed:
             continue
         rows[task] = mean_over_seeds(list(per_seed.values()))
         for seed, row in per_seed.items():
             rows_by_seed.setdefault(seed, {})[task] = row
     return ForgettingMap(rows, rows_by_seed, dict(sorted(skipped.items())))
+
+
+def _seed_skips(reasons: dict[str, str], compared: list[str]) -> str:
+    """Why a task's seeds were skipped: the bare reason when its only seed was, else seed by seed, naming
+    the seeds its row and groups still use."""
+    if len(reasons) == 1 and not compared:
+        return next(iter(reasons.values()))
+    text = "; ".join(f"seed {seed}: {reason}" for seed, reason in reasons.items())
+    return f"{text} (compared on seed {', '.join(compared)} only)" if compared else text
 
 
 # --- tables ------------------------------------------------------------------------------------------
