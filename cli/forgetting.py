@@ -9,6 +9,7 @@ import click
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import (
     AGGREGATIONS,
+    OVERALL,
     Scoring,
     forgetting_map,
     format_table,
@@ -55,8 +56,10 @@ def group_tasks(name: str, patterns: list[str], compared: Sequence[str], known_t
               help="Number of options of a generative multiple-choice task (default: from the docs; inf if none).")
 @click.option("--aggregation", type=click.Choice(AGGREGATIONS), default="paper", show_default=True,
               help="Group values: paper = unweighted mean of the tasks' values; pooled = all samples pooled.")
+@click.option("--overall", is_flag=True,
+              help="Add the paper's OVERALL row: the mean of the --group rows, each group weighing the same.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
-def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, aggregation, as_json):
+def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, aggregation, overall, as_json):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected
     as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2).
 
@@ -75,6 +78,10 @@ def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, agg
     names = [name for name, _ in parsed_groups]
     if len(set(names)) != len(names):
         raise InputError(f"--group names must be unique, got {', '.join(names)}")
+    if overall and not parsed_groups:
+        raise InputError("--overall averages the --group rows: give at least one --group")
+    if overall and OVERALL in names:
+        raise InputError(f"--group {OVERALL} is the name of --overall's row; choose another name")
     scoring = Scoring.from_specs(metrics, filters, choices)
     pre, post = load_lm_eval_run(pre_samples, scoring), load_lm_eval_run(post_samples, scoring)
     result = forgetting_map(pre, post)
@@ -84,8 +91,10 @@ def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, agg
     if not result.rows:
         raise InputError(f"no task could be compared between {pre_samples} and {post_samples}")
     known_tasks = set(pre.outcomes) | set(post.outcomes) | set(result.skipped)
-    group_results = [result.group(name, group_tasks(name, patterns, list(result.rows), known_tasks), aggregation)
-                     for name, patterns in parsed_groups]
+    members = [(name, group_tasks(name, patterns, list(result.rows), known_tasks)) for name, patterns in parsed_groups]
+    group_results = [result.group(name, tasks, aggregation) for name, tasks in members]
+    if overall:
+        group_results.append(result.overall(members, aggregation))
     if as_json:
         payload = {
             "tasks": [row.to_dict() for row in result.rows.values()],

@@ -185,6 +185,31 @@ def test_a_misaligned_seed_skips_only_that_seed():
     assert group.acc_pre == pytest.approx(((5 / 8 + 1 / 2) / 2 + 1) / 2)
 
 
+def test_overall_weighs_each_group_the_same():
+    """Official code (create_csv.py create_pivot_table): OVERALL is, per seed, the mean of the category means,
+    then the mean over seeds, so a category of three tasks weighs as much as one of one task. k = inf here,
+    so F is the forgotten share (paper §2)."""
+    pre_rows, post_rows = {}, {}
+    forgotten = {"a1": ([0, 1, 1, 1],) * 2, "a2": ([0, 0, 1, 1],) * 2, "a3": ([1, 1, 1, 1],) * 2, "b": ([0, 0], [1, 0])}
+    for task, post_by_seed in forgotten.items():
+        pre_rows[task] = {seed: outcomes(task, [1] * len(post), math.inf) for seed, post in zip("12", post_by_seed)}
+        post_rows[task] = {seed: outcomes(task, post, math.inf) for seed, post in zip("12", post_by_seed)}
+    result = forgetting_map(LoadedRun("pre", pre_rows), LoadedRun("post", post_rows))
+    groups = [("knowledge", ["a1", "a2", "a3"]), ("math", ["b"])]
+    overall = result.overall(groups)
+    # knowledge: F = (1/4 + 1/2 + 0) / 3 = 1/4 in both seeds; math: 1 in seed 1, 1/2 in seed 2
+    assert overall.group == "OVERALL" and overall.tasks == ("a1", "a2", "a3", "b")
+    assert overall.F == pytest.approx(((0.25 + 1) / 2 + (0.25 + 0.5) / 2) / 2)  # 0.5
+    # the mean over the four tasks is another number: (7/16 + 5/16) / 2
+    assert result.group("all", ["a1", "a2", "a3", "b"]).F == pytest.approx(0.375)
+    assert overall.F_true == overall.F and overall.acc_pre == 1.0
+
+
+def test_cli_overall_needs_groups(tmp_path):
+    result = run_cli(tmp_path, tmp_path, "--overall")
+    assert result.exit_code == 2 and "give at least one --group" in result.output
+
+
 def test_aggregate_of_nothing_errors():
     with pytest.raises(InputError, match="group 'old'"):
         aggregate([], "old")
@@ -367,6 +392,13 @@ def test_cli_json_per_task_and_group(runs):
     assert "'only_pre' skipped: only in pre" in result.stderr
     assert "'only_post' skipped: only in post" in result.stderr
     assert {row["task"] for row in payload["skipped"]} == {"only_pre", "only_post"}
+
+
+def test_cli_overall_row_follows_the_groups(runs):
+    result = run_cli(*runs, "--group", "old=arc_*", "--group", "new=gsm8k", "--overall", "--json")
+    assert result.exit_code == 0, result.output
+    old, new, overall = json.loads(result.stdout)["groups"]
+    assert overall["group"] == "OVERALL" and overall["F"] == pytest.approx((old["F"] + new["F"]) / 2)
 
 
 def test_cli_tables_from_single_files(runs):

@@ -68,7 +68,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ from mergekit_lite.io.validation import MAX_DEPTH, check_depth, read_json, valid
 
 SAMPLES_FILE = re.compile(r"^samples_(?P<task>.+?)(?:_(?P<stamp>\d{4}-\d{2}-\d{2}T[0-9.:-]+))?\.jsonl$")
 AGGREGATIONS = ("paper", "pooled")
+OVERALL = "OVERALL"  # the official tables' name for the mean over categories
 NO_SEED = "-"
 SHARES = ("acc_pre", "acc_post", "F", "BT", "F_chance", "BT_chance", "F_true", "BT_true", "F_max", "BT_max")
 
@@ -334,14 +335,19 @@ def aggregate(rows: Sequence[TaskForgetting], name: str, aggregation: str = "pap
 def aggregate_seeds(rows_by_seed: dict[str, Sequence[TaskForgetting]], name: str,
                     aggregation: str = "paper") -> GroupForgetting:
     """Group values per seed, then their mean over seeds (official code `create_pivot_table`)."""
-    per_seed = [aggregate(rows, name, aggregation) for rows in rows_by_seed.values() if rows]
-    if not per_seed:
+    return mean_of_groups([aggregate(rows, name, aggregation) for rows in rows_by_seed.values() if rows], name)
+
+
+def mean_of_groups(rows: Sequence[GroupForgetting], name: str) -> GroupForgetting:
+    """Group rows averaged field by field, each weighing the same: one group's seeds, or the groups of the
+    official code's OVERALL row (`create_pivot_table`: the mean of the category means)."""
+    if not rows:
         raise InputError(f"group {name!r}: no tasks to aggregate")
-    if len(per_seed) == 1:
-        return per_seed[0]
-    tasks = tuple(dict.fromkeys(task for row in per_seed for task in row.tasks))
-    means = {name_: math.fsum(getattr(row, name_) for row in per_seed) / len(per_seed) for name_ in ("n", *SHARES)}
-    return GroupForgetting(group=name, aggregation=aggregation, tasks=tasks, **means)
+    if len(rows) == 1:
+        return replace(rows[0], group=name)
+    tasks = tuple(dict.fromkeys(task for row in rows for task in row.tasks))
+    means = {name_: math.fsum(getattr(row, name_) for row in rows) / len(rows) for name_ in ("n", *SHARES)}
+    return GroupForgetting(group=name, aggregation=rows[0].aggregation, tasks=tasks, **means)
 
 
 # --- scoring lm-eval records -----------------------------------------------------------------------
@@ -615,6 +621,17 @@ class ForgettingMap:
     def group(self, name: str, tasks: Sequence[str], aggregation: str = "paper") -> GroupForgetting:
         by_seed = {seed: [rows[task] for task in tasks if task in rows] for seed, rows in self.rows_by_seed.items()}
         return aggregate_seeds(by_seed, name, aggregation)
+
+    def overall(self, groups: Sequence[tuple[str, Sequence[str]]], aggregation: str = "paper") -> GroupForgetting:
+        """The paper's OVERALL row (official `create_pivot_table`): per seed, the mean of the groups' values,
+        so each group (category) weighs the same whatever its number of tasks; then the mean over seeds."""
+        per_seed = []
+        for rows in self.rows_by_seed.values():
+            present = [(name, [rows[task] for task in tasks if task in rows]) for name, tasks in groups]
+            group_rows = [aggregate(members, name, aggregation) for name, members in present if members]
+            if group_rows:
+                per_seed.append(mean_of_groups(group_rows, OVERALL))
+        return mean_of_groups(per_seed, OVERALL)
 
 
 def forgetting_map(pre: LoadedRun, post: LoadedRun) -> ForgettingMap:
