@@ -284,6 +284,17 @@ def test_generative_multiple_choice_takes_k_from_the_docs_or_the_rule():
     assert outcomes_from_lm_eval("gpqa_cot", records).n_choices == math.inf  # free-form unless told
 
 
+def test_generative_choices_follow_lm_evals_reading_of_doc_to_choice():
+    """lm-eval's ConfigurableTask.doc_to_choice: a doc field, a mapping's values, or a Jinja template rendered
+    against the doc and read as a Python literal (commonsense_qa-style nested options)."""
+    doc = {"question": {"choices": [{"text": "a"}, {"text": "b"}, {"text": "c"}]}, "options": {"text": ["x", "y"]}}
+    records = [{**gen_sample(i, 1), "doc": doc} for i in range(2)]
+    for spec, k in [("{{options.text}}", 2), ("{{question.choices | map(attribute='text') | list}}", 3),
+                    ({"A": "first", "B": "second", "C": "third", "D": "fourth", "E": "fifth"}, 5),
+                    ("{{options.missing}}", math.inf), ("{{ ''.__class__.__mro__ }}", math.inf)]:
+        assert outcomes_from_lm_eval("mc_gen", records, config={"doc_to_choice": spec}).n_choices == k, spec
+
+
 def test_metric_is_chosen_from_the_config_or_the_rule_and_must_be_binary():
     both = [mc_sample(i, acc, acc_norm=1 - acc, metrics=["acc", "acc_norm"]) for i, acc in enumerate([1, 0])]
     assert outcomes_from_lm_eval("hellaswag", both).metric == "acc"

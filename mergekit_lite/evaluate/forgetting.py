@@ -62,7 +62,9 @@ Reading lm-eval `--log_samples` output (`samples_<task>_<timestamp>.jsonl`) [our
 
 from __future__ import annotations
 
+import ast
 import fnmatch
+import functools
 import io
 import json
 import math
@@ -363,17 +365,34 @@ def is_generative(sample: dict) -> bool:
 
 
 def _doc_choices(sample: dict, config: dict | None) -> int | None:
-    """Number of options a generative multiple-choice doc offers, from the task's doc_to_choice (a list, a
-    doc field, or "{{field}}"); None for free-form generation (no doc_to_choice), even if docs list options."""
+    """Number of options a generative multiple-choice doc offers, read from the task's doc_to_choice as lm-eval
+    reads it (`ConfigurableTask.doc_to_choice`: a list, a mapping, a doc field, or a Jinja template giving a
+    list, "{{choices.text}}" included); None for free-form generation (no doc_to_choice), even if docs list
+    options, and where the template gives no list."""
     doc = sample.get("doc") if isinstance(sample.get("doc"), dict) else {}
     spec = (config or {}).get("doc_to_choice")
-    if isinstance(spec, list):
+    if isinstance(spec, (list, dict)):
         return len(spec)
     if isinstance(spec, str):
-        name = spec.strip().removeprefix("{{").removesuffix("}}").strip()
-        if isinstance(doc.get(name), list):
-            return len(doc[name])
+        choices = doc[spec] if spec in doc else _rendered_literal(spec, doc)
+        return len(choices) if isinstance(choices, list) else None
     return None
+
+
+@functools.cache
+def _template(text: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment().from_string(text)
+
+
+def _rendered_literal(template: str, doc: dict) -> Any:
+    """A template rendered against the doc and read as a Python literal, as lm-eval does; in Jinja's sandbox,
+    because a results file is an input that may run nothing. None where it does not render or parse."""
+    try:
+        return ast.literal_eval(_template(template).render(**doc))
+    except Exception:  # any template or literal error: the doc names no options, so k stays inf
+        return None
 
 
 def sample_choices(sample: dict, config: dict | None, label: str) -> float:
