@@ -9,9 +9,11 @@ interrupts.install()
 import datetime  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
+import unicodedata  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
@@ -64,11 +66,11 @@ class LazyGroup(click.Group):
             interrupts.finished()
             return result
         except InputError as error:
-            click.echo(f"error: {error}", err=True)
+            click.echo(one_line(f"error: {error}"), err=True)
             sys.exit(error.exit_code)
         except OSError as error:
             where = f" ({error.filename})" if getattr(error, "filename", None) else ""
-            click.echo(f"error: {error.strerror or error}{where}", err=True)
+            click.echo(one_line(f"error: {error.strerror or error}{where}"), err=True)
             sys.exit(2)
         except interrupts.Interrupted as interrupt:
             click.echo(f"interrupted ({signal.Signals(interrupt.signum).name})", err=True)
@@ -78,14 +80,25 @@ class LazyGroup(click.Group):
             sys.exit(130)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except re.error as error:  # only patterns from the command line or an input file reach re at run time
+            pattern = error.pattern if isinstance(error.pattern, str) else repr(error.pattern)
+            click.echo(one_line(f"error: {pattern[:80]!r} is not a regular expression ({error.msg})"), err=True)
+            sys.exit(2)
         except tuple(BAD_INPUT_ERRORS) as error:
-            click.echo(f"error: {BAD_INPUT_ERRORS[type(error)] if type(error) in BAD_INPUT_ERRORS else error} "
-                       f"({type(error).__name__}{_saved_traceback()})", err=True)
+            click.echo(one_line(f"error: {BAD_INPUT_ERRORS[type(error)] if type(error) in BAD_INPUT_ERRORS else error} "
+                                f"({type(error).__name__}{_saved_traceback()})"), err=True)
             sys.exit(2)
         except Exception as error:  # a bug: one line for the user, the traceback in a file for the report
             message = " ".join(str(error).split())[:300]
-            click.echo(f"error: internal error: {type(error).__name__}: {message}{_saved_traceback()}", err=True)
+            click.echo(one_line(f"error: internal error: {type(error).__name__}: {message}{_saved_traceback()}"),
+                       err=True)
             sys.exit(1)
+
+
+def one_line(text: str) -> str:
+    """`text` as one terminal line: control characters and line separators (a newline in a path or a tensor
+    name) are written as escapes, the way repr() writes them, so an error is always exactly one line."""
+    return "".join(repr(char)[1:-1] if unicodedata.category(char) in ("Cc", "Zl", "Zp") else char for char in text)
 
 
 def _saved_traceback() -> str:

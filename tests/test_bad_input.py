@@ -237,6 +237,48 @@ def yaml_config(text):
     return build
 
 
+def newline_in_path(models, tmp):
+    return lerp_args(models["base"], tmp / "no\nsuch")
+
+
+def newline_in_tensor_name(models, tmp):
+    state = load_state(models["other"])
+    state["model.layers.1.extra\nweight"] = torch.zeros(4)
+    return lerp_args(models["base"], save_single(tmp / "bad", state, models["other"]))
+
+
+ADAPTER_KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+
+
+def hand_adapter(config_text=None, weights=None, **changes):
+    """A LoRA adapter on the tiny Llama's layer-0 q_proj, written by hand: its config (changed, or this text)
+    and its weights (these bytes, or plain factors)."""
+    def build(models, tmp):
+        folder = tmp / "adapter"
+        folder.mkdir()
+        text = config_text if config_text is not None else json.dumps({**ADAPTER_CONFIG, **changes})
+        (folder / "adapter_config.json").write_text(text)
+        if weights is None:
+            generator = torch.Generator().manual_seed(0)
+            save_file({ADAPTER_KEY.format("A"): torch.randn(4, 32, generator=generator),
+                       ADAPTER_KEY.format("B"): torch.randn(32, 4, generator=generator)},
+                      folder / "adapter_model.safetensors")
+        else:
+            (folder / "adapter_model.safetensors").write_bytes(weights)
+        return lerp_args(models["base"], folder)
+    return build
+
+
+def safetensors_bytes(header: bytes, data: bytes) -> bytes:
+    return len(header).to_bytes(8, "little") + header + data
+
+
+SECRET_HEADER = safetensors_bytes(json.dumps({ADAPTER_KEY.format("A"): {"dtype": "F32", "shape": [1],
+                                                                          "data_offsets": [0, 4]},
+                                              "note": "password=hunter2"}).encode(), bytes(4))
+
+
 VALID_HEAD = "method: linear\nbase: {base}\nmodels:\n  - model: {other}\n"
 
 ERROR_CASES = [
@@ -295,6 +337,27 @@ ERROR_CASES = [
                  [r"normalize must be true or false, got 'false'"], id="yaml-quoted-boolean"),
     pytest.param(yaml_config("method: linear\nmodels: [a, b\n"), [r"merge\.yaml: invalid YAML"], id="yaml-invalid"),
     pytest.param(yaml_config("- linear\n- {base}\n"), [r"merge\.yaml: expected a mapping"], id="yaml-not-a-mapping"),
+    # control characters in a path or a tensor name are escaped: the error stays one line
+    pytest.param(newline_in_path, [r"/no\\nsuch: no such file or folder"], id="newline-in-path"),
+    pytest.param(newline_in_tensor_name, [r"/bad: extra tensor model\.layers\.1\.extra\\nweight"],
+                 id="newline-in-tensor-name"),
+    # adapter_config.json is read like every other JSON input, and the adapter's header like a model's
+    pytest.param(hand_adapter(config_text=json.dumps(ADAPTER_CONFIG)[:-1] + ', "r": 8}'),
+                 [r"adapter/adapter_config\.json: invalid JSON \(duplicate key 'r'\)"],
+                 id="adapter-config-duplicate-key"),
+    pytest.param(hand_adapter(config_text='{"r": 4, "x": ' + "[" * 100000 + "]" * 100000 + "}"),
+                 [r"adapter/adapter_config\.json: nested too deeply"], id="adapter-config-too-deep"),
+    pytest.param(hand_adapter(lora_alpha=float("nan")), [r"adapter/adapter_config\.json: invalid JSON \(NaN"],
+                 id="adapter-config-nan"),
+    pytest.param(hand_adapter(rank_pattern={"[": 4}),
+                 [r"adapter/adapter_config\.json: rank_pattern: '\[' is not a regular expression"],
+                 id="adapter-rank-pattern-not-a-regex"),
+    pytest.param(hand_adapter(target_modules="["),
+                 [r"adapter/adapter_config\.json: target_modules: '\[' is not a regular expression"],
+                 id="adapter-target-modules-not-a-regex"),
+    pytest.param(hand_adapter(weights=SECRET_HEADER),
+                 [r"adapter/adapter_model\.safetensors: corrupted safetensors header", r"^(?!.*hunter2)"],
+                 id="adapter-header-never-echoed"),
 ]
 
 
@@ -380,6 +443,23 @@ def test_nonfinite_merges_with_allow_nonfinite(models, tmp_path):
     assert merged.flatten()[3].isnan() and torch.isfinite(merged).sum() == merged.numel() - 1
 
 
+def test_zero_size_tensors_merge(models, tmp_path):
+    """A tensor with a 0 dimension (valid safetensors) takes an empty block of the read ring: it is merged and
+    written like any other, not an internal error when the block is given back."""
+    pair = []
+    for seed, name in enumerate(("a", "b")):
+        state = {**load_state(models["base"] if seed == 0 else models["other"]), "model.empty": torch.zeros(0, 3)}
+        pair.append(save_single(tmp_path / name, state, models["other"]))
+    for method in ("linear", "ties"):
+        out = tmp_path / method
+        args = lerp_args(*pair) if method == "linear" else ["--method", "ties", "--base", pair[0], "--model", pair[1]]
+        result = run_cli(*args, "--out", out, "-q")
+        assert result.returncode == 0, result.stderr
+        merged = load_file(out / "model.safetensors")
+        assert merged["model.empty"].shape == (0, 3)
+        assert merged.keys() == load_file(pair[0] / "model.safetensors").keys()
+
+
 # ------------------------------------------------------------------------------------------ the output
 
 
@@ -419,6 +499,34 @@ def test_full_disk_is_one_line_and_leaves_nothing(models, tiny_disk):
     result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "-q")
     line = assert_clean_error(result, out, [r"No space left on device", r"merged\.partial-\d+/model\.safetensors"])
     assert list(tiny_disk.iterdir()) == [], line
+
+
+def fill(disk: Path) -> None:
+    """Leave (almost) no room on the tiny disk."""
+    with open(disk / "filler", "wb", buffering=0) as handle:
+        try:
+            while handle.write(bytes(1024)):
+                pass
+        except OSError:
+            pass
+
+
+def test_full_disk_for_run_folders_and_files_names_the_file_and_leaves_nothing(models, tiny_disk):
+    """A sweep's run folder and a fingerprint file on a full disk: one line naming the file, and no empty
+    marker, run folder or temp file left behind (an empty marker would make the folder look like ours)."""
+    fill(tiny_disk)
+    before = sorted(p.name for p in tiny_disk.iterdir())
+    sweep = subprocess.run([str(CLI), "sweep", "--pre", str(models["base"]), "--post", str(models["other"]),
+                            "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b", "--out", str(tiny_disk / "run")],
+                           capture_output=True, text=True, env=ENV, timeout=180)
+    assert sweep.returncode == 2 and "Traceback" not in sweep.stderr, sweep.stderr
+    assert sweep.stderr.strip() == f"error: No space left on device ({tiny_disk / 'run' / '.mergekit-lite-output'})"
+    fingerprint = subprocess.run([str(CLI), "audit", "fingerprint", str(models["base"]), "--out",
+                                  str(tiny_disk / "fp.json")], capture_output=True, text=True, env=ENV, timeout=180)
+    assert fingerprint.returncode == 2 and "Traceback" not in fingerprint.stderr, fingerprint.stderr
+    last_line = fingerprint.stderr.strip().splitlines()[-1]  # after transformers' loading bar (no -q here)
+    assert re.search(r"^error: No space left on device \(\S+/\.fp\.json\.tmp-\d+\)$", last_line)
+    assert sorted(p.name for p in tiny_disk.iterdir()) == before
 
 
 def test_write_error_in_process_removes_temp_folder(models, tmp_path, monkeypatch):

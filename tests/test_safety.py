@@ -117,6 +117,32 @@ def test_overwrite_replaces_only_mergekit_lite_outputs(fresh):
     assert sorted(p.name for p in fresh.iterdir()) == ["merged", "mine", "post", "pre"]  # no temp folder left
 
 
+def test_a_provenance_file_name_does_not_make_a_users_folder_ours(fresh):
+    """Outputs of older versions are recognised by their provenance file or sweep lock only beside what such an
+    output holds: a user's folder that merely has a file of that name (a config kept for reuse) is not replaced
+    by --overwrite, nor written into by a sweep."""
+    (fresh / "configs").mkdir()
+    (fresh / "configs" / "mergekit_lite_config.yaml").write_text("method: linear\n")
+    (fresh / "configs" / "notes.txt").write_text("keep me")
+    (fresh / "runs").mkdir()
+    (fresh / "runs" / ".sweep.lock").write_text("")
+    (fresh / "runs" / "results.json").write_text("mine")
+    before = tree_hash(fresh)
+    one_error_line(run(*lerp_args("pre", "post"), "--out", "configs", "--overwrite", cwd=fresh), 2,
+                   r"configs: already exists and was not written by mergekit-lite")
+    one_error_line(run(*sweep_args("pre", "post", "runs"), cwd=fresh), 2,
+                   r"runs: is a non-empty folder that mergekit-lite did not create")
+    assert tree_hash(fresh) == before
+
+
+def test_output_under_a_file_is_refused_naming_it(fresh):
+    (fresh / "notes.txt").write_text("keep me")
+    before = tree_hash(fresh)
+    one_error_line(run(*lerp_args("pre", "post"), "--out", "notes.txt/merged", cwd=fresh), 2,
+                   r"notes\.txt/merged: \S+/notes\.txt is not a folder")
+    assert tree_hash(fresh) == before
+
+
 def test_fingerprint_out_never_overwrites_a_file_it_did_not_write(fresh):
     shard = sorted((fresh / "pre").glob("*.safetensors"))[0]
     before = tree_hash(fresh)
@@ -808,6 +834,29 @@ def test_unexpected_exception_is_one_line_with_the_traceback_saved(tmp_path, wor
 ])
 def test_huge_numbers_and_missing_devices_are_one_line(fresh, args, pattern):
     one_error_line(run(*lerp_args("pre", "post"), *args, "--out", "merged", cwd=fresh), 2, pattern)
+
+
+def test_a_regular_expression_that_does_not_compile_is_one_line(fresh):
+    one_error_line(run("extract", "--base", "pre", "--model", "post", "--out", "lora", "-i", "[", cwd=fresh), 2,
+                   r"^error: '\[' is not a regular expression \(unterminated character set\)$")
+    assert not (fresh / "lora").exists()
+
+
+def test_a_config_declaring_millions_of_layers_is_not_built():
+    """transformers builds a config's model (on the meta device) to learn its tied tensors and towers, at some
+    30 KB and 2 ms a layer: a few bytes of config.json asking for millions of layers are not built (names alone
+    decide, as for an unknown architecture) instead of taking hours and all the memory."""
+    from mergekit_lite.io import architecture
+
+    text = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 16, "intermediate_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    composite = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+                 "text_config": {**text, "num_hidden_layers": 10**7}}
+    started = time.monotonic()
+    assert architecture.skeleton(composite) is None and architecture.tied_tensors(composite) == {}
+    assert architecture.skeleton({**text, "architectures": ["LlamaForCausalLM"], "num_local_experts": 10**9}) is None
+    assert time.monotonic() - started < 5
+    assert architecture.skeleton({**text, "architectures": ["LlamaForCausalLM"]}) is not None  # real sizes still built
 
 
 @pytest.mark.parametrize("alphas, count", [("0:1:1e-12", "1,000,000,000,001"), ("0:1:1e-6", "1,000,001")])

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 SUB_CONFIG_KEYS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
+# Far above any released model (Llama 3.1 405B: 126 layers; the largest MoE: a few hundred experts per layer), far
+# below what a config.json of a few bytes can ask for: building a skeleton costs time and memory per module even on
+# the meta device (about 30 KB and 2 ms a layer), so a config declaring millions of layers would take hours and
+# all the memory. Such a config is treated like an unknown architecture: names alone.
+MAX_SKELETON_LAYERS = 1024
+MAX_SKELETON_EXPERTS = 4096
 
 
 def is_composite(config: dict | None) -> bool:
@@ -30,6 +36,8 @@ def _skeleton(config_json: str):
     import transformers
 
     data = json.loads(config_json)
+    if not _buildable_size(data):
+        return None
     try:
         config = transformers.AutoConfig.for_model(**data)
         architecture = next(iter(data.get("architectures") or []), None)
@@ -40,6 +48,24 @@ def _skeleton(config_json: str):
             return transformers.AutoModelForCausalLM.from_config(config)
     except Exception:  # a custom or unknown architecture: callers fall back to names alone
         return None
+
+
+def _buildable_size(config) -> bool:
+    """No count of layers or experts anywhere in the config (sub-configs included) above the caps."""
+    stack = [config]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                if isinstance(value, int) and not isinstance(value, bool) and isinstance(key, str):
+                    limit = (MAX_SKELETON_EXPERTS if "experts" in key else  # counts, not sizes or capacities
+                             MAX_SKELETON_LAYERS if key.endswith(("layers", "layer")) else None)
+                    if limit is not None and value > limit:
+                        return False
+                stack.append(value)
+    return True
 
 
 def skeleton(config: dict | None):

@@ -52,7 +52,8 @@ class BufferRing:
 
     def release(self, block: torch.Tensor) -> None:
         """Give back the oldest live block (blocks are released in the order they were taken)."""
-        begin = block.data_ptr() - self._arena.data_ptr()
+        # by storage offset, not data_ptr(): an empty block (a zero-size tensor's) has data_ptr() 0
+        begin = block.storage_offset() - self._arena.storage_offset()
         with self._changed:
             if not self._live or self._live[0][0] != begin:
                 raise RuntimeError("ring blocks must be released oldest first")

@@ -11,7 +11,6 @@ When PEFT targets an embedding it also saves an untouched copy of the base embed
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -23,7 +22,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import require_regular_inside
+from mergekit_lite.io.safetensors import read_header, require_regular_inside
+from mergekit_lite.io.validation import read_json
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -172,6 +172,7 @@ class _TensorFile:
         if tensors is None:
             from safetensors import safe_open
 
+            read_header(path)  # the strict header check models get: refused in one line that echoes nothing of it
             try:
                 with safe_open(path, framework="pt") as handle:
                     self._shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
@@ -197,10 +198,7 @@ class _TensorFile:
 
 def _read_config(folder: Path) -> dict:
     path = require_regular_inside(folder / CONFIG_FILE, folder)
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as error:
-        raise InputError(f"{path}: invalid JSON ({error})") from None
+    config = read_json(path)  # size and depth limits, duplicate keys and NaN refused, as for every JSON input
     if not isinstance(config, dict):
         raise InputError(f"{path}: not a JSON object")
     peft_type = config.get("peft_type", "LORA")
@@ -209,10 +207,24 @@ def _read_config(folder: Path) -> dict:
     schema = validate_config(config, path)
     if schema.r <= 0:
         raise InputError(f"{path}: r must be a positive int (got {schema.r})")
+    _check_patterns(config, path)
     why = refusal_reason(config)
     if why:
         raise InputError(f"{path}: unsupported: {why}")
     return config
+
+
+def _check_patterns(config: dict, path: Path) -> None:
+    """The options PEFT reads as regular expressions (rank/alpha_pattern keys, a target_modules or exclude_modules
+    string) must compile: a broken one is the adapter's fault, said in one line."""
+    patterns = [(option, key) for option in ("rank_pattern", "alpha_pattern") for key in config.get(option) or {}]
+    patterns += [(option, config[option]) for option in ("target_modules", "exclude_modules")
+                 if isinstance(config.get(option), str)]
+    for option, pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise InputError(f"{path}: {option}: {pattern[:80]!r} is not a regular expression ({error})") from None
 
 
 def _open_weights(folder: Path, allow_pickle: bool) -> _TensorFile:

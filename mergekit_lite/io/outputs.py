@@ -22,11 +22,13 @@ from typing import Iterable, Iterator
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import INDEX_FILE, WEIGHT_SUFFIXES, is_regular_inside
+from mergekit_lite.io.safetensors import INDEX_FILE, SINGLE_FILE, WEIGHT_SUFFIXES, is_regular_inside
 from mergekit_lite.io.validation import read_json
 
 OUTPUT_MARKER = ".mergekit-lite-output"
-LEGACY_MARKERS = ("mergekit_lite_config.yaml", ".sweep.lock")  # outputs written before the marker existed
+# Outputs written before the marker existed: their provenance file or sweep lock, each only beside what that
+# output holds (weights; a sweep's points/), since a user may keep a file of that name in a folder of their own.
+LEGACY_MARKERS = {"mergekit_lite_config.yaml": (SINGLE_FILE, INDEX_FILE), ".sweep.lock": ("points",)}
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
 
@@ -36,8 +38,13 @@ def _temp_name(out: Path) -> str:
 
 
 def written_by_us(folder: Path) -> bool:
-    """A folder mergekit-lite wrote: it holds the output marker (or a provenance file of older versions)."""
-    return any((Path(folder) / name).is_file() for name in (OUTPUT_MARKER, *LEGACY_MARKERS))
+    """A folder mergekit-lite wrote: it holds the output marker (or, from older versions, a provenance file beside
+    weights, or a sweep lock beside points/)."""
+    folder = Path(folder)
+    if (folder / OUTPUT_MARKER).is_file():
+        return True
+    return any((folder / name).is_file() and any(os.path.lexists(folder / other) for other in beside)
+               for name, beside in LEGACY_MARKERS.items())
 
 
 def check_output_path(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
@@ -58,6 +65,9 @@ def check_output_path(out: str | os.PathLike, inputs: Iterable[str | os.PathLike
             raise InputError(f"{out}: contains the input {source}; choose a new folder for the output")
         if source_path in target.parents and source_path.is_dir():
             raise InputError(f"{out}: is inside the input {source}; choose a folder outside the inputs")
+    parent = next((folder for folder in out.absolute().parents if os.path.lexists(folder)), None)
+    if parent is not None and not parent.is_dir():
+        raise InputError(f"{out}: {parent} is not a folder; the output cannot go under it")
     return out
 
 
@@ -189,10 +199,17 @@ def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLik
     if out.is_dir() and any(out.iterdir()) and not written_by_us(out):
         raise InputError(f"{out}: is a non-empty folder that mergekit-lite did not create (no {OUTPUT_MARKER}); "
                          "choose a new or empty run folder")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     marker = out / OUTPUT_MARKER
     if not marker.exists():
-        marker.write_text("a mergekit-lite run folder; reruns resume here\n")
+        try:
+            _write_naming_file(marker, "a mergekit-lite run folder; reruns resume here\n")
+        except BaseException:  # a full disk: no empty marker (nor a folder this run made) is left behind
+            marker.unlink(missing_ok=True)
+            if created:
+                out.rmdir()
+            raise
     return out
 
 
@@ -218,11 +235,21 @@ def write_atomic(path: Path, text: str) -> None:
     path = Path(path)
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        temp.write_text(text)
+        _write_naming_file(temp, text)
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+def _write_naming_file(path: Path, text: str) -> None:
+    """`path.write_text(text)`, but a failed write (a full disk) names the file: write() errors carry no filename."""
+    try:
+        path.write_text(text)
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from None
 
 
 def _side_file(folder: Path, name: str) -> Path | None:
