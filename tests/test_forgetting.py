@@ -405,6 +405,17 @@ def test_cli_json_per_task_and_group(runs):
     assert {row["task"] for row in payload["skipped"]} == {"only_pre", "only_post"}
 
 
+@pytest.mark.parametrize("linked", ["samples_gsm8k_2024-05-01T12-00-00.123456.jsonl", "results_2024-05-01T12-00-00.123456.json"])
+def test_a_file_linking_out_of_the_named_folder_is_refused_not_read(runs, tmp_path, linked):
+    outside = tmp_path / "secret.jsonl"
+    outside.write_text(json.dumps(gen_sample(0, 1)) + "\n")
+    target = runs[1] / "instruct" / linked
+    target.unlink(missing_ok=True)
+    target.symlink_to(outside)
+    result = run_cli(*runs)
+    assert result.exit_code == 2 and "a link out of the folder" in result.output, result.output
+
+
 def test_cli_overall_row_follows_the_groups(runs):
     result = run_cli(*runs, "--group", "old=arc_*", "--group", "new=gsm8k", "--overall", "--json")
     assert result.exit_code == 0, result.output

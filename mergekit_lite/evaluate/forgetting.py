@@ -68,6 +68,7 @@ import functools
 import io
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -77,7 +78,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import open_regular
+from mergekit_lite.io.safetensors import open_regular, require_regular_inside
 from mergekit_lite.io.validation import MAX_DEPTH, check_depth, read_json, validate
 
 SAMPLES_FILE = re.compile(r"^samples_(?P<task>.+?)(?:_(?P<stamp>\d{4}-\d{2}-\d{2}T[0-9.:-]+))?\.jsonl$")
@@ -540,12 +541,12 @@ class ResultsFile(BaseModel):
     configs: dict[str, dict[str, Any]] | None = None
 
 
-def _run_info(samples_path: Path, stamp: str, cache: dict) -> tuple[str, str, dict]:
+def _run_info(samples_path: Path, stamp: str, cache: dict, root: Path) -> tuple[str, str, dict]:
     """(seed label, model name, task configs) from results_<stamp>.json; without it one unseeded run of
-    the model named by the folder."""
+    the model named by the folder. A results file that links out of `root` is refused, not read."""
     results_path = samples_path.with_name(f"results_{stamp}.json")
     if results_path not in cache:
-        found = stamp and results_path.is_file()
+        found = stamp and os.path.lexists(results_path) and require_regular_inside(results_path, root)
         cache[results_path] = validate(ResultsFile, read_json(results_path), results_path) if found else ResultsFile()
     results = cache[results_path]
     config = results.config or {}
@@ -564,11 +565,14 @@ def find_samples_files(path) -> list[SamplesFile]:
     paths = sorted(path.rglob("samples_*.jsonl")) if path.is_dir() else [path]
     if not paths:
         raise InputError(f"{path}: no samples_<task>_<timestamp>.jsonl files (run lm-eval with --log_samples)")
+    root = path if path.is_dir() else path.parent  # reads stay inside what the user named: no link out of it
     cache: dict = {}
     entries = []
     for file in paths:
         task, stamp = task_from_filename(file)
-        seed, model, configs = _run_info(file, stamp, cache)
+        if path.is_dir():
+            require_regular_inside(file, root)
+        seed, model, configs = _run_info(file, stamp, cache, root)
         entries.append(SamplesFile(file, task, stamp, seed, model, configs.get(task)))
     models = sorted({entry.model for entry in entries})
     if len(models) > 1:
