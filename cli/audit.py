@@ -157,8 +157,13 @@ def audit():
 @click.option("--behaviour/--no-behaviour", default=True, show_default=True,
               help="Run the base once to record its first-token outputs on the probes.")
 @click.option("--device", default="cpu", show_default=True, help="Device for --behaviour.")
-def fingerprint(base, out, top_k, behaviour, device):
+@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+def fingerprint(base, out, top_k, behaviour, device, quiet):
     """Write BASE's fingerprint (spectra, signature, tokenizer, outputs) to ship inside adapter folders."""
+    if quiet:
+        from cli.main import quiet_third_party
+
+        quiet_third_party()
     from audits.fingerprint import compute_fingerprint, fingerprint_destination, write_fingerprint
 
     fingerprint_destination(out, base)
