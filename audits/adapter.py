@@ -20,7 +20,7 @@ failed is left out of the report:
               update lives in the base's top singular subspace (a warning at most).
 7. delta      [paper Table 2, App. G] total norm sqrt(sum ||scaling*B@A||_F^2) >= 1.0 and its per-module
               mean; [ours] the largest relative update ||dW||/||W|| >= 1e-4; effective rank.
-8. behaviour  [paper App. I, stronger] only when asked: first-token KL(base+adapter || base) on probes,
+8. behaviour  [paper App. I, stronger] only when asked: first-token KL(base || base+adapter) on probes,
               and the base's divergence from the fingerprint's recorded outputs (audits/behaviour.py).
 9. leakage    [ours] only with training data and a holdout: holdout items found in the training data.
 
@@ -30,7 +30,6 @@ Verdict: REJECTED if any check fails, WARN if any warns, else VERIFIED.
 from __future__ import annotations
 
 import math
-import os
 import re
 import statistics
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from audits.declared_base import compare, given_base_id, is_local_path
+from audits.declared_base import compare, given_base_id, names_local_folder, same_folder
 from audits.fingerprint import (
     DEFAULT_TOP_K,
     FINGERPRINT_FILE,
@@ -417,7 +416,10 @@ def check_spectral(measures: list[ModuleMeasure], fingerprint_source: str | None
 
 def paper_norms(measures: list[ModuleMeasure]) -> tuple[float, float]:
     """The paper's total norm sqrt(sum ||scaling*B@A||_F^2) over LoRA modules and its per-module mean (App. G's
-    norm_per_layer: total / number of modules). Scaling per module (rank and alpha patterns); theirs is global."""
+    norm_per_layer: total / number of modules). Two deliberate differences from the authors' audit_one
+    (src/experiments/audit_pool.py), both to measure the update PEFT applies: the scaling is per module (rank_pattern,
+    alpha_pattern; theirs is the global alpha/r or alpha/sqrt(r)), and LoRA on embeddings counts (PEFT merges it;
+    their `"lora_A" in key` filter does not see PEFT's lora_embedding_A/B keys)."""
     total = math.sqrt(sum(m.delta_norm ** 2 for m in measures))
     return total, total / len(measures) if measures else 0.0
 
@@ -470,8 +472,8 @@ def check_declared_base(adapter: LoraAdapter, base, base_dir, base_id: str | Non
     if not declared:
         return CheckResult("base-id", WARN, None, None, "adapter_config.json declares no base_model_name_or_path: "
                            "nothing says which base the adapter was made on", measurements)
-    if is_local_path(declared):
-        if os.path.abspath(declared) == os.path.abspath(base_dir):
+    if names_local_folder(declared):
+        if same_folder(declared, base_dir):
             return CheckResult("base-id", PASS, None, None, f"declares this base folder ({declared})", measurements)
         return CheckResult("base-id", WARN, None, None, f"declares a local path ({declared}), not a hub id: cannot "
                            "verify it by name (pass --base-id to name the given base)", measurements)
@@ -554,17 +556,19 @@ def check_signature(signature: dict, base, source: str) -> CheckResult:
 
 def check_behaviour(adapter: LoraAdapter, base_dir, fingerprint: dict | None, thresholds: AuditThresholds,
                     device: str) -> CheckResult:
-    """First-token KL(base+adapter || base) on probes (App. I) and, with a recorded reference, the base's own KL."""
+    """First-token KL(base || base+adapter) on probes (App. I, the authors' direction) and, with a recorded
+    reference, the base's own KL."""
     from audits.behaviour import measure_divergence
 
     reference = (fingerprint or {}).get("behaviour")
     divergence, probes, skipped = measure_divergence(base_dir, adapter, device, reference)
     kl, agreement, base_kl = divergence.mean_kl, divergence.top1_agreement, divergence.mean_base_kl
-    measurements = {"mean_kl": kl, "per_probe_kl": divergence.kl, "top1_agreement": agreement,
+    measurements = {"mean_kl": kl, "per_probe_kl": divergence.kl, "kl_direction": "KL(base || base+adapter)",
+                    "mean_reverse_kl": divergence.mean_reverse_kl, "top1_agreement": agreement,
                     "base_vs_fingerprint_kl": base_kl, "probes": probes, "device": device, "not_applied": skipped,
                     "min_kl": thresholds.min_kl, "min_noop_top1": thresholds.min_noop_top1,
                     "max_kl": thresholds.max_kl, "max_base_kl": thresholds.max_base_kl}
-    summary = (f"first-token KL(base+adapter || base) {kl:.3g} nats, greedy token kept on {agreement:.0%} of "
+    summary = (f"first-token KL(base || base+adapter) {kl:.3g} nats, greedy token kept on {agreement:.0%} of "
                f"{len(divergence.kl)} probes ({probes})")
     if base_kl is not None:
         summary += f"; the base's KL from the fingerprinted base's outputs {base_kl:.3g}"

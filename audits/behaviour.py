@@ -1,9 +1,13 @@
 """Run the model: what the adapter does to the base's next-token distribution on a few probe inputs.
 
-Aharon et al., App. I ("output divergence"): the mean first-token KL between base+adapter and base over a
+Aharon et al., App. I ("output divergence"): the mean first-token KL between base and base+adapter over a
 fixed set of prompts; below ~1e-3 the adapter is a no-op, very large (20 nats in the authors' code)
-suggests it was made for another base. We take KL(base+adapter || base) and do the arithmetic in float32
-with log-softmax (their code adds 1e-12 to bf16 probabilities, which can give a negative KL).
+suggests it was made for another base. The direction is theirs, KL(base || base+adapter) (the authors'
+src/audit_checks.py, check_output_divergence: base probabilities weight the log-ratio), which is what their
+1e-3 and 20-nat thresholds were read on; KL is not symmetric, and on a confident base the other direction
+is 2-3x larger (tests/test_audit.py), so it would call real adapters "another base" long before the
+paper does. The other direction is kept as a measurement only. We do the arithmetic in float32 with
+log-softmax (their code adds 1e-12 to bf16 probabilities, which can give a negative KL).
 
 Stronger than the paper (ours): a base fingerprint also records the base's own first-token distribution
 on the same probe token ids (its top tokens). On tiny models we measured that an adapter made on another
@@ -39,15 +43,21 @@ REFERENCE_TOP_K = 32  # tokens of the base's distribution a fingerprint records 
 
 @dataclass
 class Divergence:
-    """Per-probe first-token KL(base+adapter || base) and whether the greedy token stayed the same."""
+    """Per-probe first-token KL(base || base+adapter) (the paper's direction), the reverse KL (recorded only), and
+    whether the greedy token stayed the same."""
 
     kl: list[float]
     same_top1: list[bool]
     base_vs_reference_kl: list[float] | None  # the given base against the fingerprinted one, if recorded
+    reverse_kl: list[float] | None = None  # KL(base+adapter || base): reported, never held to a threshold
 
     @property
     def mean_kl(self) -> float:
         return sum(self.kl) / len(self.kl)
+
+    @property
+    def mean_reverse_kl(self) -> float | None:
+        return None if self.reverse_kl is None else sum(self.reverse_kl) / len(self.reverse_kl)
 
     @property
     def top1_agreement(self) -> float:
@@ -150,8 +160,9 @@ def measure_divergence(base_dir, adapter, device: str = "cpu",
     base_vs_reference = kl_to_reference(base, reference) if reference is not None else None
     skipped = apply_adapter_(model, adapter)
     adapted = first_token_logprobs(model, probes)
-    divergence = Divergence(kl_divergence(adapted, base).tolist(),
-                            (adapted.argmax(-1) == base.argmax(-1)).tolist(), base_vs_reference)
+    # KL(base || base+adapter), as the authors' check_output_divergence computes it (src/audit_checks.py)
+    divergence = Divergence(kl_divergence(base, adapted).tolist(), (adapted.argmax(-1) == base.argmax(-1)).tolist(),
+                            base_vs_reference, reverse_kl=kl_divergence(adapted, base).tolist())
     return divergence, how, skipped
 
 

@@ -13,6 +13,7 @@ a quantised checkpoint, a different version, the base vs the Instruct variant, o
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,22 @@ class ModelName:
 def is_local_path(name: str) -> bool:
     """A filesystem path, not a hub id (`org/name`): it cannot be compared by name."""
     return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or ":" in name
+
+
+def names_local_folder(name: str) -> bool:
+    """A path by its form, or a name that is a folder here. transformers' from_pretrained loads an existing folder
+    before it asks the hub, and PEFT records the string it was given, so an adapter trained from `models/pre`
+    declares `models/pre`: one slash, the form of a hub id, but a local path (ours; the paper compares strings)."""
+    return is_local_path(name) or os.path.isdir(os.path.expanduser(name))
+
+
+def same_folder(declared: str, base_dir) -> bool:
+    """The declared path is the given base's folder (symlinks, `~`, `./` and relative spellings resolved)."""
+    declared = os.path.expanduser(declared)
+    try:
+        return os.path.samefile(declared, base_dir)
+    except OSError:  # one of them does not exist here: compare the spellings
+        return os.path.abspath(declared) == os.path.abspath(base_dir)
 
 
 def parse(name: str) -> ModelName:

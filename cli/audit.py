@@ -91,7 +91,7 @@ def _measured(check) -> str:
               help="Reject as a no-op when the largest ||dW||/||W|| is below this.")
 @click.option("--min-total-norm", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="Reject as a no-op when sqrt(sum ||scaling*B@A||^2) is below this (the paper's rule, for 7-8B models).")
-@click.option("--behaviour", is_flag=True, help="Also run the model: first-token KL(base+adapter || base) on probe texts.")
+@click.option("--behaviour", is_flag=True, help="Also run the model: first-token KL(base || base+adapter) on probe texts.")
 @click.option("--device", default="cpu", show_default=True, help="Device for --behaviour (cpu for tiny models, cuda for real ones).")
 @click.option("--max-kl", default=20.0, show_default=True, type=click.FloatRange(min=0),
               help="With --behaviour: reject above this KL as likely made on another base.")

@@ -449,11 +449,15 @@ def sharpened_copy(base_dir, factor: float, out_dir):
 
 def test_kl_above_the_paper_limit_is_rejected_as_another_base(pretrained_pair, tmp_path):
     """Reaches the paper's 'KL > 20: likely wrong base' rule, which the other-base adapter above never does: on a
-    confident base an update 10x the trained one sends every probe's greedy token where the base puts ~e^-30."""
-    sharp = sharpened_copy(pretrained_pair / "base", 4, tmp_path / "sharp")
+    confident base an update 10x the trained one moves every probe's greedy token, and the base's likely tokens
+    lose their mass. Held in the authors' direction KL(base || base+adapter) (src/audit_checks.py,
+    check_output_divergence): the real adapter on that base measures ~10 nats that way, but ~25 the other way,
+    which the 20-nat rule would have called another base."""
+    sharp = sharpened_copy(pretrained_pair / "base", 10, tmp_path / "sharp")
     loud = scaled_adapter(pretrained_pair / "adapter", tmp_path / "loud", lambda key: 10.0 if "lora_B" in key else 1.0)
     real = check_of(audit_adapter(pretrained_pair / "adapter", sharp, behaviour=True), "behaviour")
     assert real.status == "pass" and real.measurements["mean_kl"] < AuditThresholds().max_kl
+    assert real.measurements["mean_reverse_kl"] > AuditThresholds().max_kl, "recorded only: never held to the rule"
     report = audit_adapter(loud, sharp, behaviour=True)
     behaviour = check_of(report, "behaviour")
     assert report.verdict == "REJECTED" and [c.name for c in report.checks if c.status == "fail"] == ["behaviour"]
@@ -469,6 +473,76 @@ def test_kl_check_without_a_fingerprint_still_finds_the_no_op(behaviour_zoo, pre
     check = next(c for c in audit_adapter(no_op, pretrained_pair / "base", behaviour=True).checks if c.name == "behaviour")
     assert check.status == "fail" and "seeded token ids" in check.measurements["probes"]
     assert check.measurements["base_vs_fingerprint_kl"] is None
+
+
+def test_kl_is_the_papers_direction_measured_as_peft_runs_the_adapter(pretrained_pair):
+    """The authors' output-divergence check (src/audit_checks.py, check_output_divergence) weights the log-ratio by
+    the base's probabilities: KL(base || base+adapter). Measured independently here with PEFT's own unmerged
+    forward pass on the audit's probes: the audit must report that per probe, not the reverse direction."""
+    from peft import PeftModel
+
+    from audits.behaviour import probe_ids
+
+    behaviour = check_of(audit_adapter(pretrained_pair / "adapter", pretrained_pair / "base", behaviour=True), "behaviour")
+    base = LlamaForCausalLM.from_pretrained(pretrained_pair / "base").eval()
+    probes, _ = probe_ids(pretrained_pair / "base", VOCAB)
+    with torch.no_grad():
+        base_logp = torch.stack([torch.log_softmax(base(input_ids=torch.tensor([ids])).logits[0, -1], -1) for ids in probes])
+        peft_model = PeftModel.from_pretrained(base, pretrained_pair / "adapter").eval()
+        adapted_logp = torch.stack([torch.log_softmax(peft_model(input_ids=torch.tensor([ids])).logits[0, -1], -1)
+                                    for ids in probes])
+    paper = (base_logp.exp() * (base_logp - adapted_logp)).sum(-1)
+    reverse = (adapted_logp.exp() * (adapted_logp - base_logp)).sum(-1)
+    assert behaviour.measurements["kl_direction"] == "KL(base || base+adapter)"
+    torch.testing.assert_close(torch.tensor(behaviour.measurements["per_probe_kl"]), paper, rtol=1e-3, atol=1e-6)
+    assert behaviour.measurements["mean_kl"] == pytest.approx(float(paper.mean()), rel=1e-3)
+    assert behaviour.measurements["mean_reverse_kl"] == pytest.approx(float(reverse.mean()), rel=1e-3)
+    assert abs(float(paper.mean()) - float(reverse.mean())) > 0.1, "the two directions must differ for this to test anything"
+
+
+def test_relative_local_path_peft_recorded_is_this_base_folder(tmp_path, monkeypatch):
+    """PEFT records base_model_name_or_path as the string from_pretrained was given; a base loaded from
+    `models/pre` is declared as `models/pre`, which has the form of a hub id (org/name). The paper's base check
+    (src/experiments/audit_pool.py, audit_one) compares that string with the expected base: a folder that is the
+    given base is the best possible match, not 'another model' (and never a failure when --base-id names it)."""
+    monkeypatch.chdir(tmp_path)
+    tiny_llama(0).save_pretrained("models/pre")
+    tiny_llama(1).save_pretrained("models/other")
+    adapter = make_adapter("models/pre", tmp_path / "adapter", ["q_proj", "v_proj", "up_proj"], steps=5)
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/pre"
+    for base, base_id in (("models/pre", None), (tmp_path / "models" / "pre", None),
+                          ("models/pre", "meta-llama/Llama-3.1-8B")):
+        base_check = check_of(audit_adapter(adapter, base, base_id=base_id), "base-id")
+        assert base_check.status == "pass" and "declares this base folder (models/pre)" in base_check.detail, base_check.detail
+    other = check_of(audit_adapter(adapter, "models/other"), "base-id")
+    assert other.status == "warn" and "declares a local path (models/pre)" in other.detail
+
+
+@pytest.mark.parametrize("options", [
+    dict(rank_pattern={"v_proj": 2, "layers.1.self_attn.q_proj": 8}, alpha_pattern={"up_proj": 3, "q_proj": 32}),
+    dict(use_rslora=True, rank_pattern={"v_proj": 2}, alpha_pattern={"v_proj": 5}),
+    dict(target_modules=["embed_tokens", "lm_head", "q_proj"]),
+], ids=["patterns", "rslora-patterns", "embedding-and-head"])
+def test_delta_norms_are_the_update_peft_merges(zoo, tmp_path, options):
+    """The paper's total norm is sqrt(sum ||scaling*B@A||_F^2) with scaling alpha/r, or alpha/sqrt(r) under rsLoRA
+    (src/utils.py extract_lora_delta; src/experiments/audit_pool.py audit_one). Each module's norm must be that of
+    the update PEFT's merge_and_unload applies, so per-module rank/alpha patterns and embedding LoRA count as PEFT
+    counts them (theirs uses one global scaling and skips lora_embedding_A/B: a documented difference)."""
+    from peft import PeftModel
+
+    config = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "up_proj"], **options}
+    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(zoo["base"]), LoraConfig(**config))
+    train_lora(peft_model, 3, seed=2, batch=(4, 16)).save_pretrained(tmp_path / "adapter")
+    base = LlamaForCausalLM.from_pretrained(zoo["base"]).state_dict()
+    merged = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(zoo["base"]), tmp_path / "adapter").merge_and_unload()
+    updates = {name: float((weight - base[name]).norm()) for name, weight in merged.state_dict().items()
+               if not torch.equal(weight, base[name])}
+    delta = check_of(audit_adapter(tmp_path / "adapter", zoo["base"]), "delta")
+    measured = {name: module["delta_norm"] for name, module in delta.measurements["modules"].items()}
+    assert measured.keys() == updates.keys()
+    for name, norm in updates.items():
+        assert measured[name] == pytest.approx(norm, rel=1e-4), name
+    assert delta.value == pytest.approx(sum(norm ** 2 for norm in updates.values()) ** 0.5, rel=1e-4)
 
 
 # --- Signature and tokenizer (App. I, made offline and dtype-proof) ---
