@@ -304,9 +304,7 @@ def layer_profile(result: SweepResult, folder: Path) -> str:
     axes.set_ylim(-0.02, 1.02)
     axes.legend(fontsize=8, loc="best")
     figure.tight_layout()
-    temp = folder / f".{LAYERS_PLOT_FILE}.tmp.png"
-    figure.savefig(temp, dpi=120)
-    temp.replace(folder / LAYERS_PLOT_FILE)
+    write_atomic(folder / LAYERS_PLOT_FILE, lambda temp: figure.savefig(temp, dpi=120))
     values = ", ".join(f"{label}: {value:.3f}" for label, value in zip(labels, coefficients))
     return (f"\n## Per-layer coefficients of the pick\n\nWeight of post per layer at alpha = {alpha!r} "
             f"({values}).\n\n![layers]({LAYERS_PLOT_FILE})\n")
@@ -336,17 +334,12 @@ def plot_forgetting_map(result: SweepResult, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _write_png(draw, result: SweepResult, target: Path) -> None:
-    temp = target.with_name(f".{target.name}.tmp.png")
-    draw(result, temp)
-    temp.replace(target)
-
-
 def write_report(result: SweepResult) -> None:
-    """results.json, report.md, sweep.png and forgetting_map.png in the run folder, each replaced atomically."""
+    """sweep.png, forgetting_map.png, results.json and report.md in the run folder, each replaced atomically, the
+    plots first: a report that is written links no plot that failed to be."""
     folder = Path(result.out)
+    for draw, name in ((plot, PLOT_FILE), (plot_forgetting_map, MAP_FILE)):
+        write_atomic(folder / name, lambda temp, draw=draw: draw(result, temp))
     results = results_json(result)
     write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     write_atomic(folder / REPORT_FILE, report_markdown(result, results) + layer_profile(result, folder))
-    _write_png(plot, result, folder / PLOT_FILE)
-    _write_png(plot_forgetting_map, result, folder / MAP_FILE)

@@ -18,7 +18,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
@@ -204,9 +204,8 @@ def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLik
     marker = out / OUTPUT_MARKER
     if not marker.exists():
         try:
-            _write_naming_file(marker, "a mergekit-lite run folder; reruns resume here\n")
-        except BaseException:  # a full disk: no empty marker (nor a folder this run made) is left behind
-            marker.unlink(missing_ok=True)
+            write_atomic(marker, "a mergekit-lite run folder; reruns resume here\n")
+        except BaseException:  # a full disk: no marker (written whole or not at all), nor a folder this run made
             if created:
                 out.rmdir()
             raise
@@ -230,26 +229,25 @@ def check_output_file(out: str | os.PathLike, inputs: Iterable[str | os.PathLike
     return out
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write beside the target, then rename over it: readers see the old file or the new one, never half."""
+def write_atomic(path: Path, content: str | Callable[[Path], None]) -> None:
+    """Write beside the target, then rename over it: readers see the old file or the new one, never half.
+
+    `content` is the text, or a function that writes the file at the path it is given (a plot's savefig). A
+    failed write (a full disk) leaves no temporary file and names the target: write() errors carry no filename.
+    """
     path = Path(path)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")  # the suffix tells savefig the format
     try:
-        _write_naming_file(temp, text)
+        try:
+            temp.write_text(content) if isinstance(content, str) else content(temp)
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            raise OSError(error.errno, error.strerror or str(error), str(path)) from None
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-
-
-def _write_naming_file(path: Path, text: str) -> None:
-    """`path.write_text(text)`, but a failed write (a full disk) names the file: write() errors carry no filename."""
-    try:
-        path.write_text(text)
-    except OSError as error:
-        if error.filename is not None:
-            raise
-        raise OSError(error.errno, error.strerror or str(error), str(path)) from None
 
 
 def _side_file(folder: Path, name: str) -> Path | None:
