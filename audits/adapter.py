@@ -30,6 +30,7 @@ Verdict: REJECTED if any check fails, WARN if any warns, else VERIFIED.
 from __future__ import annotations
 
 import math
+import os
 import re
 import statistics
 from dataclasses import dataclass
@@ -138,7 +139,9 @@ class ModuleMeasure:
 
 
 def find_adapters(paths) -> list[Path]:
-    """Each path is an adapter folder, or a folder whose immediate subfolders are adapters."""
+    """Each path is an adapter folder, or a folder whose immediate subfolders are adapters. A subfolder that
+    links out of the named folder is refused, not followed: reads stay inside the paths the user named (name
+    the linked adapter itself to audit it)."""
     found = []
     for path in map(Path, paths):
         if not path.exists():
@@ -149,6 +152,10 @@ def find_adapters(paths) -> list[Path]:
         children = sorted(c for c in path.iterdir() if LoraAdapter.is_adapter_dir(c)) if path.is_dir() else []
         if not children:
             raise InputError(f"{path}: no adapter_config.json (neither a PEFT adapter folder nor a folder of them)")
+        root = Path(os.path.realpath(path))
+        for child in children:
+            if root not in Path(os.path.realpath(child)).parents:
+                raise InputError(f"{child}: links out of {path}; name the adapter itself to audit it")
         found.extend(children)
     return found
 
@@ -638,10 +645,17 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
     return make_report(str(adapter_dir), str(base_dir), checks)
 
 
+UNMERGEABLE = ("format", "structure")  # an adapter that cannot be read, or does not fit the base, cannot be merged
+
+
 def require_verified(adapter_dir, base_dir, force: bool = False, *, allow_pickle: bool = False) -> AuditReport:
-    """The gate before a merge: a REJECTED adapter stops it unless forced; WARN passes."""
+    """The gate before a merge: a REJECTED adapter stops it unless forced; WARN passes. Failed format or
+    structure checks stop it even when forced, and the error does not offer --force: there is nothing to merge."""
     report = audit_adapter(adapter_dir, base_dir, allow_pickle=allow_pickle)
-    if report.verdict == REJECTED and not force:
-        failures = "; ".join(f"{c.name}: {c.detail}" for c in report.checks if c.status == FAIL)
-        raise InputError(f"adapter {adapter_dir} is REJECTED: {failures}; use --force to merge anyway")
+    failed = [check for check in report.checks if check.status == FAIL]
+    unmergeable = any(check.name in UNMERGEABLE for check in failed)
+    if report.verdict == REJECTED and (unmergeable or not force):
+        failures = "; ".join(f"{check.name}: {check.detail}" for check in failed)
+        advice = "" if unmergeable else "; use --force to merge anyway"
+        raise InputError(f"adapter {adapter_dir} is REJECTED: {failures}{advice}")
     return report

@@ -15,6 +15,7 @@ from audits import fingerprint as fingerprint_module
 from audits.adapter import (
     AuditThresholds,
     audit_adapter,
+    find_adapters,
     require_verified,
     target_mismatch,
 )
@@ -332,6 +333,16 @@ def test_cli_fingerprint_subcommand(zoo, tmp_path):
     assert fingerprint["top_k"] == 4 and len(fingerprint["modules"]) == 16
     assert run_cli(zoo["unshipped"], "--base", zoo["other_base"], "--fingerprint", out).exit_code == 0
     assert run_cli(zoo["unshipped"], "--base", zoo["base"], "--fingerprint", out).exit_code == 1
+
+
+def test_a_folder_of_adapters_does_not_follow_links_out_of_it(zoo, tmp_path):
+    """Reads stay inside the paths the user named: a linked adapter is audited when named itself."""
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    (pool / "linked").symlink_to(zoo["good"], target_is_directory=True)
+    with pytest.raises(InputError, match=r"linked: links out of .*pool; name the adapter itself"):
+        find_adapters([pool])
+    assert find_adapters([pool / "linked"]) == [pool / "linked"]
 
 
 # --- The paper's declared-base check (Table 2, App. F) on real PEFT adapters whose base_model_name_or_path is set ---

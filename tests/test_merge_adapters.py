@@ -1,5 +1,6 @@
 """A LoRA adapter takes part in a merge as a task vector: streamed base + scaling*B@A, audited first."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,24 @@ def test_rejected_adapter_stops_the_merge_unless_forced(setup, tmp_path):
     finally:
         (first / "adapter_model.safetensors").unlink()
         (first / "saved.safetensors").rename(first / "adapter_model.safetensors")
+
+
+def test_an_unreadable_adapter_is_not_offered_force(setup, tmp_path):
+    """A failed format check (NaN weights here) leaves nothing to merge: --force would fail on it again."""
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file
+
+    root, first, _ = setup
+    broken = tmp_path / "nan-adapter"
+    shutil.copytree(first, broken)
+    tensors = load_torch(broken / "adapter_model.safetensors")
+    save_file({n: torch.full_like(t, float("nan")) if "lora_B" in n else t for n, t in tensors.items()},
+              str(broken / "adapter_model.safetensors"))
+    config = {"method": "linear", "base": str(root / "base"), "models": [str(broken)], "parameters": {"alpha": 1.0}}
+    for force in (False, True):
+        with pytest.raises(InputError, match=r"REJECTED: format: NaN/Inf values") as refused:
+            run_merge(MergeConfig.from_dict({**config, "force": force}), tmp_path / f"out-{force}")
+        assert "--force" not in str(refused.value) and not (tmp_path / f"out-{force}").exists()
 
 
 def test_adapter_needs_a_base(setup, tmp_path):
