@@ -269,6 +269,16 @@ parameters:
     - value: 1.0
 dtype: float32
 """
+CONFIGS["nearswap"] = """
+merge_method: nearswap
+base_model: {base}
+models:
+  - model: {base}
+  - model: {a}
+parameters:
+  t: [0.01, 0.05]
+dtype: float32
+"""
 CONFIGS["task_arithmetic_fp32"] = CONFIGS["task_arithmetic"].replace("out_dtype: bfloat16", "out_dtype: float32")
 SLICE_CONFIGS = {
     "slerp_slices": """
@@ -325,7 +335,8 @@ def side_by_side(zoo) -> dict[str, tuple[Path, Path]]:
 
 
 @pytest.mark.parametrize("name", ["linear", "task_arithmetic_fp32", "ties", "ties_zero_sum", "dare_ties_no_drop",
-                                  "slerp", "union", "base_vocab", "model_vocab", "filters_fall_through"])
+                                  "slerp", "union", "base_vocab", "model_vocab", "filters_fall_through",
+                                  "nearswap"])
 def test_deterministic_methods_match_mergekit_tensor_by_tensor(side_by_side, name):
     theirs, ours, _ = side_by_side[name]
     expected, merged = read_state(theirs), read_state(ours)

@@ -48,6 +48,7 @@ from mergekit_lite.merge.methods import TASK_VECTOR_METHODS
 METHOD_PARAMETERS = {
     "linear": {"alpha", "weight", "normalize"},
     "slerp": {"t"},
+    "nearswap": {"t"},
     "task_arithmetic": {"lambda", "weight", "normalize", "int8_mask", "rescale"},
     "ties": {"lambda", "weight", "density", "normalize", "int8_mask", "rescale"},
     "dare_linear": {"lambda", "weight", "drop", "density", "normalize", "int8_mask", "rescale"},
@@ -320,6 +321,10 @@ class MergeConfig:
         count = len(self.inputs)
         if self.method == "slerp" and count != 2:
             raise InputError(f"slerp merges exactly two models (a base and one model), got {count}")
+        if self.method == "nearswap" and (count != 2 or not self.base):
+            raise InputError(f"nearswap merges exactly two models, a base and one model, got {count}")
+        if self.method == "nearswap" and self.parameters.get("t") is None:
+            raise InputError("nearswap needs t, the distance below which the model's entries are taken whole")
         if self.method == "linear" and "alpha" in self.parameters and count != 2:
             raise InputError(f"linear with alpha interpolates exactly two models, got {count}; use per-model weights for more")
         if self.method == "linear" and self.mergekit_compat and self.base and "alpha" not in self.parameters \

@@ -115,6 +115,8 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         return lambda chunk: methods.linear(chunk, weights, normalize=False)
     if method == "passthrough":
         return lambda chunk: chunk[0].to(torch.float32) * parameters["scale"]
+    if method == "nearswap":
+        return lambda chunk: methods.nearswap(chunk[0], chunk[1], parameters["t"])
     if method in ("model_stock", "nuslerp", "multislerp", "karcher"):
         coefficients = _geometric_coefficients(config, step, tensors)
         return lambda chunk: methods.linear(chunk, coefficients, normalize=False)

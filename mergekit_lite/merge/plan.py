@@ -296,7 +296,7 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
         weights = ([resolve("weight", base_weight, name, position, n_layers, config.mergekit_compat)] if config.base else []) \
             + [value("weight", i) for i in models]
         return {"weights": weights, "normalize": config.parameter("normalize")}
-    if method == "slerp":
+    if method in ("slerp", "nearswap"):
         return {"t": value("t")}
     if method in RECALL_METHODS:
         if method == "recall_lerp":
