@@ -39,10 +39,11 @@ def _model_option(value: str) -> dict:
 @click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
               help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.")
 @click.option("--alpha", type=float, help="linear, recall_lerp: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1].")
-@click.option("--t", "t", type=float, help="slerp: interpolation factor in [0, 1].")
+@click.option("--t", "t", type=float, help="slerp: interpolation factor; nearswap: distance threshold; in [0, 1].")
 @click.option("--lambda", "scale", type=float, help="Task-vector methods: scale of the combined task vector (negative subtracts).")
 @click.option("--density", type=float, help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5).")
 @click.option("--drop", type=float, help="dare_*: drop probability of task-vector entries, in [0, 1) (default 0.5).")
+@click.option("--select-topk", type=float, help="sce: share of entries kept by variance across the models, in [0, 1].")
 @click.option("--temperature", type=float, help="recall: softmax temperature over similarities (> 0, default 1 = plain softmax).")
 @click.option("--normalize/--no-normalize", default=None, help="Divide by the sum of weights (defaults depend on the method).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical samples, one per line.")
@@ -65,14 +66,15 @@ def _model_option(value: str) -> dict:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, temperature, normalize,
+def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, select_topk, temperature, normalize,
           recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, tokenizer_source,
           mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP/EMA, weighted average), slerp, task_arithmetic, ties, dare_linear, dare_ties,
     recall (layer-wise weights from hidden-representation similarity), recall_lerp (our layer-wise LERP
-    from the same measurements). Give either a YAML CONFIG_FILE or
+    from the same measurements), and mergekit's others (della, breadcrumbs, model_stock, nuslerp, multislerp,
+    karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
     flags; flags win where both say something.
     """
     from mergekit_lite.merge.config import MergeConfig, load_config
@@ -81,7 +83,7 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
 
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
     parameters = {"alpha": alpha, "t": t, "lambda": scale, "density": density, "drop": drop,
-                  "temperature": temperature, "normalize": normalize}
+                  "select_topk": select_topk, "temperature": temperature, "normalize": normalize}
     data["parameters"].update({k: v for k, v in parameters.items() if v is not None})
     recall = {"texts": recall_texts, "samples": recall_samples, "embed_rule": embed_rule}
     data["recall"].update({k: v for k, v in recall.items() if v is not None})

@@ -279,6 +279,16 @@ parameters:
   t: [0.01, 0.05]
 dtype: float32
 """
+CONFIGS["sce"] = """
+merge_method: sce
+base_model: {base}
+models:
+  - model: {a}
+  - model: {b}
+parameters:
+  select_topk: 0.5
+dtype: float32
+"""
 CONFIGS["task_arithmetic_fp32"] = CONFIGS["task_arithmetic"].replace("out_dtype: bfloat16", "out_dtype: float32")
 SLICE_CONFIGS = {
     "slerp_slices": """
@@ -336,7 +346,7 @@ def side_by_side(zoo) -> dict[str, tuple[Path, Path]]:
 
 @pytest.mark.parametrize("name", ["linear", "task_arithmetic_fp32", "ties", "ties_zero_sum", "dare_ties_no_drop",
                                   "slerp", "union", "base_vocab", "model_vocab", "filters_fall_through",
-                                  "nearswap"])
+                                  "nearswap", "sce"])
 def test_deterministic_methods_match_mergekit_tensor_by_tensor(side_by_side, name):
     theirs, ours, _ = side_by_side[name]
     expected, merged = read_state(theirs), read_state(ours)

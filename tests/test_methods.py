@@ -303,3 +303,19 @@ def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, sca
                                                 consensus, normalize, mergekit_rules)
     assert torch.equal(fused.view(torch.int32), reference.view(torch.int32))
     assert torch.equal(fused.to(torch.bfloat16).view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))
+
+
+def test_sce_selects_by_variance_weighs_by_mean_square_and_erases_by_sign():
+    """SCE (arXiv 2408.07990 §3.3) on hand-made task vectors: variances across the models 9, 1 and 0 (both
+    models agree on entry 2), so a share of the two non-zero variances keeps int(2 * share) entries."""
+    base = torch.zeros(3)
+    first, second = torch.tensor([4.0, -1.0, 1.0]), torch.tensor([-2.0, 1.0, 1.0])
+    assert methods.variance_keep(torch.stack([first, second]), 1.0).tolist() == [1.0, 1.0, 0.0]
+    assert methods.variance_keep(torch.stack([first, second]), 2 / 3).tolist() == [1.0, 0.0, 0.0]
+    merged = methods.sce(base, [first, second], select_topk=1.0)
+    # weights: mean squares 18/3 and 6/3, shares 3/4 and 1/4; entry 0: sum +2, so only the first (+4) is kept;
+    # entry 1: sum 0 elects +, only the second (+1) is kept; entry 2: both agree: (3/4 + 1/4) * 1 / 1
+    torch.testing.assert_close(merged, torch.tensor([4.0, 1.0, 1.0]))
+    selected = methods.sce(base, [first, second], select_topk=0.5)  # int(2 * 0.5) = 1 entry: entry 0 only
+    torch.testing.assert_close(selected, torch.tensor([4.0, 0.0, 0.0]))
+    assert torch.equal(methods.sce(base, [base, base]), base)  # no task vector: equal shares, nothing to add

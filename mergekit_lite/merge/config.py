@@ -49,6 +49,7 @@ METHOD_PARAMETERS = {
     "linear": {"alpha", "weight", "normalize"},
     "slerp": {"t"},
     "nearswap": {"t"},
+    "sce": {"select_topk", "int8_mask"},
     "task_arithmetic": {"lambda", "weight", "normalize", "int8_mask", "rescale"},
     "ties": {"lambda", "weight", "density", "normalize", "int8_mask", "rescale"},
     "dare_linear": {"lambda", "weight", "drop", "density", "normalize", "int8_mask", "rescale"},
@@ -79,7 +80,7 @@ RECALL_METHODS = ("recall", "recall_lerp")
 DEFAULTS = {"weight": 1.0, "lambda": 1.0, "t": 0.5, "density": 0.5, "drop": 0.5, "temperature": 1.0,
             "int8_mask": False, "epsilon": 0.15, "gamma": 0.01, "filter_wise": False, "nuslerp_flatten": True,
             "nuslerp_row_wise": False, "normalize_weights": True, "eps": 1e-8, "max_iter": 10, "tol": 1e-5,
-            "scale": 1.0}
+            "scale": 1.0, "select_topk": 1.0}
 # mergekit's defaults where they differ (its generalized_task_arithmetic.py and merge_methods/registry.py):
 # nothing is trimmed or dropped unless `density` is given, and DARE-TIES does not divide by the weights.
 MERGEKIT_DEFAULTS = {"density": 1.0, "drop": 0.0}
@@ -96,6 +97,7 @@ RANGES = {
     "eps": (0.0, None, True, False),
     "max_iter": (1.0, None, True, False),
     "tol": (0.0, None, False, False),
+    "select_topk": (0.0, 1.0, True, True),
 }
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -331,7 +333,7 @@ class MergeConfig:
                 and "weight" not in self.base_parameters and "weight" not in self.parameters:
             raise InputError(f"linear weights every input, the base too: give {self.base} a weight "
                              "(list it under models: with parameters: weight)")
-        if self.method in TASK_VECTOR_METHODS and not self.base:
+        if (self.method in TASK_VECTOR_METHODS or self.method == "sce") and not self.base:
             raise InputError(f"{self.method} needs a base model (--base)")
         if self.method == "model_stock" and (not self.base or len(self.models) < 2):
             raise InputError(f"model_stock needs a base model and at least two fine-tunes, got {count} inputs")

@@ -77,7 +77,8 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
 
 
 def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The methods whose elementwise part needs whole rows or whole-tensor norms; None for the others."""
+    """The methods whose elementwise part needs whole rows or whole-tensor statistics (SCE's variance ranks and
+    mean squares); None for the others."""
     parameters, method = step.parameters, config.method
     if method == "model_stock" and parameters["filter_wise"]:
         coefficients = methods.model_stock_coefficients(methods.row_gram_matrices(tensors[1:], -1, origin=tensors[0]))
@@ -90,6 +91,8 @@ def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[tor
         if origin is None:
             return methods.combine_rows(ends, pair, axis)
         return methods.combine_rows(tensors, torch.cat([1 - pair.sum(-1, keepdim=True), pair], -1), axis)
+    if method == "sce":
+        return methods.sce(tensors[0], tensors[1:], parameters["select_topk"])
     recipe = methods.TASK_VECTOR_METHODS.get(method)
     l1_rescaled = recipe is not None and recipe.sparsifier in methods.L1_RESCALED and parameters["rescale"]
     if recipe is not None and (recipe.sparsifier == "magprune" or l1_rescaled):

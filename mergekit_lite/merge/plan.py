@@ -319,6 +319,8 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
         return {"weights": weights, "eps": value("eps"), "base": config.base is not None}
     if method == "karcher":
         return {"max_iter": int(value("max_iter")), "tol": value("tol")}
+    if method == "sce":
+        return {"select_topk": value("select_topk")}
     if method == "passthrough":
         return {"scale": value("scale", 0)}
     recipe = methods.TASK_VECTOR_METHODS[method]
