@@ -100,6 +100,18 @@ def reference_model_stock(base: torch.Tensor, first: torch.Tensor, second: torch
     return t * (first + second) / 2 + (1 - t) * base
 
 
+def reference_sce(base: torch.Tensor, models: list[torch.Tensor]) -> torch.Tensor:
+    """SCE (Wan et al. 2024, FuseChat-2.0, sec. 3.3) with every entry selected: weigh each task vector by its mean
+    square as a share of their sum, elect the sign of their sum (+ on a zero sum, mergekit's rule), and take the
+    weighted mean of the entries that agree with it."""
+    deltas = torch.stack([model - base for model in models])
+    weights = deltas.square().flatten(1).mean(1)
+    weights = weights / weights.sum() if weights.sum() >= 1e-6 else torch.full_like(weights, 1 / len(models))
+    elected = torch.where(deltas.sum(0) >= 0, 1.0, -1.0).to(deltas.dtype)
+    kept = (deltas.sign() == elected) * weights.view(-1, *[1] * base.dim())
+    return base + (deltas * kept).sum(0) / kept.sum(0).clamp(min=1e-6)
+
+
 def recall_row(name: str) -> list[float]:
     """RECALL weights by depth: a decoder layer its own row; embeddings and towers the first; the rest the last."""
     decoder = name if not name.startswith(TOWERS) else ""
@@ -132,6 +144,11 @@ def reference(method: str, folders: list[Path]) -> dict[str, torch.Tensor]:
             merged[name] = b + reference_slerp(m1 - b, m2 - b, 0.75)
         elif method == "passthrough":
             merged[name] = 0.5 * m2
+        elif method == "nearswap":  # the model where within t of the base, else a step of t / |model - base|
+            step = (0.01 / (m1 - b).abs().clamp(min=1e-6)).clamp(0, 1)
+            merged[name] = step * m1 + (1 - step) * b
+        elif method == "sce":
+            merged[name] = reference_sce(b, [m1, m2])
         else:
             row = recall_row(name)
             merged[name] = row[0] * b + row[1] * m1
@@ -150,6 +167,8 @@ MERGES = {
     "nuslerp": lambda paths: {"base": paths[0], "models": [{"model": paths[1], "weight": 1.0},
                                                            {"model": paths[2], "weight": 3.0}]},
     "passthrough": lambda paths: {"models": [{"model": paths[2], "parameters": {"scale": 0.5}}]},
+    "nearswap": lambda paths: {"base": paths[0], "models": [paths[1]], "parameters": {"t": 0.01}},
+    "sce": lambda paths: {"base": paths[0], "models": paths[1:]},
 }
 CASES = [(architecture, method) for architecture in ARCHITECTURES for method in MERGES
          if architecture in ALL_METHODS_ON or method in ("linear", "ties")]
