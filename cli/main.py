@@ -9,7 +9,6 @@ interrupts.install()
 import datetime  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
@@ -80,10 +79,6 @@ class LazyGroup(click.Group):
             sys.exit(130)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
-        except re.error as error:  # only patterns from the command line or an input file reach re at run time
-            pattern = error.pattern if isinstance(error.pattern, str) else repr(error.pattern)
-            click.echo(one_line(f"error: {pattern[:80]!r} is not a regular expression ({error.msg})"), err=True)
-            sys.exit(2)
         except tuple(BAD_INPUT_ERRORS) as error:
             click.echo(one_line(f"error: {BAD_INPUT_ERRORS[type(error)] if type(error) in BAD_INPUT_ERRORS else error} "
                                 f"({type(error).__name__}{_saved_traceback()})"), err=True)

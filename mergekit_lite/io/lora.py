@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.safetensors import read_header, require_regular_inside
-from mergekit_lite.io.validation import read_json
+from mergekit_lite.io.validation import check_pattern, read_json
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -221,10 +221,7 @@ def _check_patterns(config: dict, path: Path) -> None:
     patterns += [(option, config[option]) for option in ("target_modules", "exclude_modules")
                  if isinstance(config.get(option), str)]
     for option, pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as error:
-            raise InputError(f"{path}: {option}: {pattern[:80]!r} is not a regular expression ({error})") from None
+        check_pattern(pattern, f"{path}: {option}: ")
 
 
 def _open_weights(folder: Path, allow_pickle: bool) -> _TensorFile:

@@ -10,6 +10,7 @@ laughs" anchor bomb is a few hundred bytes that expand to gigabytes in whatever 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,6 +53,15 @@ def parse_json(text: str | bytes, where: str | Path) -> Any:
         raise InputError(f"{where}: invalid JSON ({_safe_reason(error)})") from None
     check_depth(data, where)
     return data
+
+
+def check_pattern(pattern: str, where: str = "") -> None:
+    """A regular expression a user gave (an option, a field of an input file) must compile: refused in one line,
+    before any work, rather than failing as re.error wherever it is first used."""
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise InputError(f"{where}{pattern[:80]!r} is not a regular expression ({error.msg})") from None
 
 
 def _safe_reason(error: Exception) -> str:

@@ -21,6 +21,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, open_inputs
+from mergekit_lite.io.validation import check_pattern
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -110,6 +111,8 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
     """
     if rank < 1:
         raise InputError(f"rank must be at least 1, got {rank}")
+    for pattern in (*include, *exclude):
+        check_pattern(pattern)
     inputs = [base_dir, tuned_dir]
     check_output_folder(out_dir, inputs, overwrite)
     if not (Path(tuned_dir) / "config.json").is_file():
