@@ -562,15 +562,16 @@ def find_samples_files(path) -> list[SamplesFile]:
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or folder")
-    paths = sorted(path.rglob("samples_*.jsonl")) if path.is_dir() else [path]
+    folder = path.is_dir()
+    paths = sorted(path.rglob("samples_*.jsonl")) if folder else [path]
     if not paths:
         raise InputError(f"{path}: no samples_<task>_<timestamp>.jsonl files (run lm-eval with --log_samples)")
-    root = path if path.is_dir() else path.parent  # reads stay inside what the user named: no link out of it
+    root = path if folder else path.parent  # reads stay inside what the user named: no link out of it
     cache: dict = {}
     entries = []
     for file in paths:
         task, stamp = task_from_filename(file)
-        if path.is_dir():
+        if folder:
             require_regular_inside(file, root)
         seed, model, configs = _run_info(file, stamp, cache, root)
         entries.append(SamplesFile(file, task, stamp, seed, model, configs.get(task)))
