@@ -5,9 +5,10 @@ fixed set of prompts; below ~1e-3 the adapter is a no-op, very large (20 nats in
 suggests it was made for another base. The direction is theirs, KL(base || base+adapter) (the authors'
 src/audit_checks.py, check_output_divergence: base probabilities weight the log-ratio), which is what their
 1e-3 and 20-nat thresholds were read on; KL is not symmetric, and on a confident base the other direction
-is 2-3x larger (tests/test_audit.py), so it would call real adapters "another base" long before the
-paper does. The other direction is kept as a measurement only. We do the arithmetic in float32 with
-log-softmax (their code adds 1e-12 to bf16 probabilities, which can give a negative KL).
+can pass the 20-nat limit where the paper's stays below it (tests/test_audit.py), so it would call real
+adapters "another base" long before the paper does. The other direction is kept as a measurement only.
+We do the arithmetic in float32 with log-softmax (their code adds 1e-12 to bf16 probabilities, which can
+give a negative KL).
 
 Stronger than the paper (ours): a base fingerprint also records the base's own first-token distribution
 on the same probe token ids (its top tokens). On tiny models we measured that an adapter made on another

@@ -843,8 +843,8 @@ def test_a_regular_expression_that_does_not_compile_is_one_line(fresh):
 
 
 def test_a_config_declaring_millions_of_layers_is_not_built():
-    """transformers builds a config's model (on the meta device) to learn its tied tensors and towers, at some
-    30 KB and 2 ms a layer: a few bytes of config.json asking for millions of layers are not built (names alone
+    """transformers builds a config's model (on the meta device) to learn its tied tensors and towers, paying
+    time and memory per layer: a few bytes of config.json asking for millions of layers are not built (names alone
     decide, as for an unknown architecture) instead of taking hours and all the memory."""
     from mergekit_lite.io import architecture
 

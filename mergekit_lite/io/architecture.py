@@ -17,8 +17,7 @@ from functools import lru_cache
 SUB_CONFIG_KEYS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
 # Far above any released model (Llama 3.1 405B: 126 layers; the largest MoE: a few hundred experts per layer), far
 # below what a config.json of a few bytes can ask for: building a skeleton costs time and memory per module even on
-# the meta device (about 30 KB and 2 ms a layer), so a config declaring millions of layers would take hours and
-# all the memory. Such a config is treated like an unknown architecture: names alone.
+# the meta device, so a config declaring millions of layers would take hours and all the memory. Such a config is treated like an unknown architecture: names alone.
 MAX_SKELETON_LAYERS = 1024
 MAX_SKELETON_EXPERTS = 4096
 
