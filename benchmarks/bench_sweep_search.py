@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from statistics import NormalDist
 
-from mergekit_lite.evaluate.sweep import SweepSettings, run_sweep
+from mergekit_lite.sweep import SweepSettings, run_sweep
 from mergekit_lite.toy import build_toy_pair
 
 WORK = Path(__file__).resolve().parent / "work"

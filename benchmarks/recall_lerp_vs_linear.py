@@ -15,8 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
-from mergekit_lite.evaluate.sweep import RECALL_DIR, SIMILARITY_FILE, SweepSettings, run_sweep
 from mergekit_lite.merge.recall import RecallWeights, layer_alphas
+from mergekit_lite.sweep import SweepSettings, run_sweep
+from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
 from mergekit_lite.toy import build_toy_pair
 
 PAIRS = {

@@ -107,11 +107,7 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
     same keys (flags win); see examples/sweep.yaml.
     """
-    from mergekit_lite.evaluate.sweep import (
-        load_sweep_file,
-        run_sweep,
-        settings_from_dict,
-    )
+    from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
 
     if quiet:
         from cli.main import quiet_third_party

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from mergekit_lite.evaluate.sweep import SweepResult, SweepSettings, run_sweep
 from mergekit_lite.io.outputs import prepare_run_folder
 from mergekit_lite.merge.extract import extract_lora
+from mergekit_lite.sweep import SweepResult, SweepSettings, run_sweep
 from mergekit_lite.toy import ToyPair, build_toy_pair
 
 # method -> (grid of its main coefficient, extra settings)

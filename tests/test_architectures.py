@@ -20,16 +20,12 @@ from tiny_models import ARCHITECTURES, tiny_model, train_lora
 from transformers import AutoTokenizer
 
 from audits.adapter import audit_adapter
-from mergekit_lite.evaluate.sweep import (
-    ModelLoader,
-    ResidentPair,
-    SweepSettings,
-    run_sweep,
-)
 from mergekit_lite.io.sources import open_inputs
 from mergekit_lite.merge.config import METHODS, MergeConfig
 from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.merge.recall import RecallWeights
+from mergekit_lite.sweep import SweepSettings, run_sweep
+from mergekit_lite.sweep.models import ModelLoader, ResidentPair
 from mergekit_lite.threads import torch_threads
 
 ALL_METHODS_ON = ("gemma3_multimodal", "gpt2", "mixtral")

@@ -440,7 +440,7 @@ def test_quiet_merge_draws_no_loading_bars(base_and_last_layer_tuned, tmp_path):
 def test_recall_lerp_sweep_reports_the_picks_layer_profile(toy_pair, tmp_path):
     """The sweep computes the similarities once (recall/similarity.json) and the report plots the pick's
     per-layer coefficients, the same numbers layer_alphas gives for that file."""
-    from mergekit_lite.evaluate.sweep import SweepSettings, run_sweep
+    from mergekit_lite.sweep import SweepSettings, run_sweep
 
     settings = SweepSettings(pre=str(toy_pair.pre_dir), post=str(toy_pair.post_dir), method="recall_lerp",
                              alphas=[0.3, 0.6], old_tasks=toy_pair.old_tasks, new_tasks=toy_pair.new_tasks,

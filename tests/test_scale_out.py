@@ -18,14 +18,10 @@ from mergekit_lite.evaluate.backends import (
     parse_vllm_options,
     vllm_model_args,
 )
-from mergekit_lite.evaluate.distributed import worker_count, worker_resources
-from mergekit_lite.evaluate.search import (
-    estimate_accuracy,
-    evaluations_saved,
-    golden_section,
-    probe_plan,
-)
-from mergekit_lite.evaluate.sweep import POINTS_DIR, SweepSettings, run_sweep
+from mergekit_lite.sweep import SweepSettings, run_sweep
+from mergekit_lite.sweep.distributed import worker_count, worker_resources
+from mergekit_lite.sweep.search import estimate_accuracy, evaluations_saved, golden_section, probe_plan
+from mergekit_lite.sweep.store import POINTS_DIR
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 
@@ -67,7 +63,8 @@ def test_bad_vllm_args_are_one_line_errors(text, message):
 
 
 def test_every_sweep_setting_can_come_from_a_sweep_file_and_bad_vllm_args_fail_before_any_model(tmp_path):
-    from mergekit_lite.evaluate.sweep import SETTINGS_KEYS, SweepFile, load_sweep_file
+    from mergekit_lite.sweep import load_sweep_file
+    from mergekit_lite.sweep.settings import SETTINGS_KEYS, SweepFile
 
     assert set(SweepFile.model_fields) == set(SETTINGS_KEYS)
     config = tmp_path / "sweep.yaml"

@@ -18,23 +18,14 @@ import yaml
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import SampleOutcomes, aggregate, compare
-from mergekit_lite.evaluate.sweep import (
-    LOCK_FILE,
-    MERGE_TEMP,
-    PointResult,
-    Scores,
-    SweepSettings,
-    TaskRun,
-    group_scores,
-    load_sweep_file,
-    pareto_front,
-    parse_alphas,
-    pick,
-    point_file,
-    run_sweep,
-)
 from mergekit_lite.io.outputs import OUTPUT_MARKER
 from mergekit_lite.merge.recall import layer_weights
+from mergekit_lite.sweep import PointResult, SweepSettings, load_sweep_file, run_sweep
+from mergekit_lite.sweep.evaluator import MERGE_TEMP
+from mergekit_lite.sweep.result import pareto_front, pick
+from mergekit_lite.sweep.scoring import Scores, TaskRun, group_scores
+from mergekit_lite.sweep.settings import parse_alphas
+from mergekit_lite.sweep.store import LOCK_FILE, point_file
 
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 TABLE_ROW = re.compile(r"^\| (pre|post|[-0-9.e]+) \| ")
@@ -302,7 +293,7 @@ def test_demo_summary_shows_the_split_and_the_intervals(linear_sweep):
 
 
 def test_sweep_example_config_is_valid(tmp_path):
-    from mergekit_lite.evaluate.sweep import settings_from_dict
+    from mergekit_lite.sweep import settings_from_dict
 
     example = Path(__file__).resolve().parent.parent / "examples" / "sweep.yaml"
     settings = settings_from_dict({**load_sweep_file(example), "out": str(tmp_path / "run")})
@@ -313,7 +304,7 @@ def test_sweep_example_config_is_valid(tmp_path):
 def test_a_task_with_a_non_binary_metric_is_skipped_with_a_warning_not_thresholded():
     from mergekit_lite.evaluate.forgetting import Scoring
     from mergekit_lite.evaluate.lm_harness import TaskScore
-    from mergekit_lite.evaluate.sweep import score_task
+    from mergekit_lite.sweep.scoring import score_task
 
     records = [{"doc_id": i, "doc_hash": f"h{i}", "arguments": [("Q", " a"), ("Q", " b")], "acc": value,
                 "filter": "none", "metrics": ["acc"]} for i, value in enumerate([0.8, 0.1])]

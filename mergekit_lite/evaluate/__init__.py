@@ -1,1 +1,1 @@
-"""Evaluation: lm-eval runs, the sample-level forgetting map, coefficient sweeps and their reports."""
+"""Evaluation: lm-eval runs (lm_harness, backends) and the sample-level forgetting map; coefficient sweeps live in mergekit_lite.sweep."""

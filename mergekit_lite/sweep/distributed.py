@@ -14,6 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.sweep.evaluator import PointEvaluator, evaluate_point
+from mergekit_lite.sweep.settings import SweepSettings
 
 LOCAL = "local"
 
@@ -73,16 +76,11 @@ class PointWorker:
     evaluates the points it is given, saving each point file itself."""
 
     def __init__(self, settings: dict):
-        from mergekit_lite.evaluate.sweep import SweepSettings
-
         self.settings = SweepSettings(**settings)
         self.evaluator = None
 
     def run(self, label: str, alpha: float | None, config: dict | None) -> str:
         from tqdm import tqdm
-
-        from mergekit_lite.evaluate.sweep import PointEvaluator, evaluate_point
-        from mergekit_lite.merge.config import MergeConfig
 
         if self.evaluator is None:
             self.evaluator = PointEvaluator(self.settings, Path(self.settings.out), tqdm(disable=True))

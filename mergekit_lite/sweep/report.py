@@ -13,12 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mergekit_lite.evaluate.forgetting import format_table
-from mergekit_lite.evaluate.sweep import (
-    PointResult,
-    SweepResult,
-    task_accuracy,
-    write_atomic,
-)
+from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.sweep.result import SweepResult
+from mergekit_lite.sweep.scoring import PointResult, task_accuracy
+from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
 
 RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE = "results.json", "report.md", "sweep.png", "forgetting_map.png"
 LAYERS_PLOT_FILE = "layers.png"
@@ -283,7 +281,6 @@ def layer_profile(result: SweepResult, folder: Path) -> str:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from mergekit_lite.evaluate.sweep import RECALL_DIR, SIMILARITY_FILE
     from mergekit_lite.merge.recall import RecallWeights, post_coefficients
 
     similarity_file = folder / RECALL_DIR / SIMILARITY_FILE

@@ -1,0 +1,107 @@
+"""Evaluating one point: PointEvaluator holds what every point reuses (opened inputs, resident model,
+tokenizer, lm-eval task indexes); `evaluate_point` scores pre, post or a merge and saves its point file,
+the one step a local sweep and a Ray actor share."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.sweep.models import ModelLoader, ResidentPair, fits_in_memory, post_model
+from mergekit_lite.sweep.scoring import TaskRun, score_task
+from mergekit_lite.sweep.settings import SweepSettings
+from mergekit_lite.sweep.store import point_file, save_point
+
+MERGE_TEMP = ".merging"
+
+
+class PointEvaluator:
+    """What every point reuses: the opened inputs, the model (when it fits), the tokenizer, the task indexes."""
+
+    def __init__(self, settings: SweepSettings, folder: Path, bar):
+        import torch
+        from transformers import AutoTokenizer
+
+        from mergekit_lite.evaluate.lm_harness import Evaluator
+        from mergekit_lite.io.sources import open_inputs
+        from mergekit_lite.merge.recall import find_tokenizer_dir
+
+        if not (Path(settings.pre) / "config.json").is_file():
+            raise InputError(f"{settings.pre}: --pre must be a model folder with a config.json")
+        self.settings, self.folder, self.bar = settings, folder, bar
+        self.sources = open_inputs([settings.pre, settings.post], settings.pre, allow_pickle=False)
+        dtype = getattr(torch, settings.eval_dtype)
+        self.loader = ModelLoader(settings.pre, dtype, settings.device)
+        in_memory = not settings.stream if settings.stream is not None else fits_in_memory(self.sources[0], dtype)
+        self.resident = None
+        self.tokenizer_dir = find_tokenizer_dir([settings.pre, settings.post], 0)
+        if in_memory and settings.backend == "hf":
+            resident = ResidentPair(self.loader, settings, self.sources, settings.merge_config(settings.alphas[0]))
+            self.resident = resident if resident.exact else None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        self.evaluators = {
+            group: Evaluator(tasks, include_path=settings.include_path, limit=settings.limit,
+                             batch_size=settings.batch_size, device=settings.device, quiet=True)
+            for group, tasks in (("old", settings.old_tasks), ("new", settings.new_tasks))
+        }
+
+    def endpoint(self, index: int) -> list[TaskRun]:
+        """pre (0) or post (1) itself."""
+        if self.settings.backend == "vllm":
+            return self.evaluate_folder(self.settings.pre if index == 0 else self.settings.post)
+        if self.resident is not None and self.resident.endpoint(index):
+            return self.evaluate(self.resident.model)
+        if index == 0:
+            return self.evaluate(self.loader.from_folder(self.settings.pre))
+        return self.evaluate(post_model(self.loader, self.settings, self.sources))
+
+    def merged(self, config: MergeConfig, samples: dict[str, dict[str, list[int]]] | None = None) -> list[TaskRun]:
+        """A merge written into the resident model, or streamed to a folder in the run folder and loaded from it;
+        scored on every doc, or only on `samples` ({group: {task: doc ids}}, probe mode)."""
+        from mergekit_lite.merge.engine import run_merge
+
+        if self.resident is not None:
+            self.resident.write(config)
+            return self.evaluate(self.resident.model, samples)
+        temp = self.folder / f"{MERGE_TEMP}-{os.getpid()}"  # one per process: Ray actors share the run folder
+        run_merge(config, temp, overwrite=True)
+        try:
+            if self.settings.backend == "vllm":
+                return self.evaluate_folder(temp, samples)
+            return self.evaluate(self.loader.from_folder(temp), samples)
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
+
+    def evaluate_folder(self, folder, samples=None) -> list[TaskRun]:
+        """Score a model folder with lm-eval's vLLM backend (it loads weights from disk itself)."""
+        from mergekit_lite.evaluate.backends import vllm_model_args
+
+        model_args = vllm_model_args(str(folder), str(self.tokenizer_dir), self.settings.vllm_options())
+        return self._runs(lambda evaluator, chosen: evaluator.evaluate_with("vllm", model_args, chosen), samples)
+
+    def evaluate(self, model, samples=None) -> list[TaskRun]:
+        """Score the in-memory model on both groups."""
+        return self._runs(lambda evaluator, chosen: evaluator.evaluate(model, self.tokenizer, chosen), samples)
+
+    def _runs(self, scores, samples=None) -> list[TaskRun]:
+        runs = []
+        for group, evaluator in self.evaluators.items():
+            for task, score in scores(evaluator, None if samples is None else samples[group]).items():
+                runs.append(score_task(task, group, score, self.settings.scoring()))
+            self.bar.update(len(evaluator.tasks))
+        return runs
+
+
+def evaluate_point(evaluator: PointEvaluator, settings: SweepSettings, label: str, alpha: float | None,
+                   config: MergeConfig | None) -> list[TaskRun]:
+    """Evaluate one point (pre or post themselves when alpha is None, else the merge `config`) and save
+    its point file: the one step a local sweep and a Ray actor share."""
+    if alpha is None:
+        runs = evaluator.endpoint(0 if label == "pre" else 1)
+    else:
+        runs = evaluator.merged(config)
+    save_point(point_file(Path(settings.out), label), settings.identity(), label, alpha, runs)
+    return runs

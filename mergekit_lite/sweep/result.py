@@ -1,0 +1,116 @@
+"""A finished sweep (SweepResult): every point's scores, the pick (best selection-split harmonic mean), its
+ties, the Pareto front and the bootstrap intervals on the report split. What the report and the CLI read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mergekit_lite.sweep.scoring import (
+    PointResult,
+    Scores,
+    TaskRun,
+    doc_splits,
+    paired_bootstrap,
+    summarise,
+)
+from mergekit_lite.sweep.search import ProbeEstimate, SearchTrace
+from mergekit_lite.sweep.settings import SweepSettings
+
+TIE_TOLERANCE = 1e-9
+
+
+def dominates(a: Scores, b: Scores) -> bool:
+    return a.old >= b.old and a.new >= b.new and (a.old > b.old or a.new > b.new)
+
+
+def pareto_front(points: list[PointResult]) -> list[float]:
+    """Alphas no other alpha beats on both old and new, on the selection split."""
+    return [p.alpha for p in points if not any(dominates(q.selection, p.selection) for q in points)]
+
+
+@dataclass
+class ProbeTrace:
+    """Probe mode: every alpha scored on probe samples of the selection docs, its estimated scores, and
+    what that cost against scoring every doc. [ours]"""
+
+    rate: float
+    estimates: dict[float, ProbeEstimate]  # alpha -> estimated selection-split scores
+    pick: float
+    indistinguishable: list[float]  # alphas whose estimated HM is within the interval of the pick's
+    samples_probed: int  # docs scored per probed alpha
+    samples_all: int  # docs of every scored task (both splits): what each alpha costs in a full grid
+
+
+@dataclass
+class SweepResult:
+    """The whole sweep: the two reference endpoints, every alpha, the pick (best harmonic mean on the
+    selection split), the alphas the report split cannot tell from it, and the Pareto front."""
+
+    settings: SweepSettings
+    pre: PointResult
+    post: PointResult
+    points: list[PointResult]
+    best: PointResult
+    ties: list[float]
+    pareto: list[float]
+    evaluated: list[str]  # labels of the points evaluated by this call (the others were resumed)
+    out: Path
+    splits: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)  # task -> (selection, report) keys
+    indistinguishable: list[float] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    search: SearchTrace | None = None  # the golden-section search's trace; None for a full grid
+    probe: ProbeTrace | None = None  # probe mode's estimates; None when every point was scored in full
+
+    @property
+    def recovered(self) -> float | None:
+        """Share of post's old-skill loss that the pick wins back: (old_best - old_post) / (old_pre - old_post).
+        None when post lost nothing (old_pre <= old_post). 1.0 = back to pre's level; can exceed 1."""
+        lost = self.pre.old - self.post.old
+        return (self.best.old - self.post.old) / lost if lost > 0 else None
+
+
+def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
+    """The highest harmonic mean on the selection split, and every alpha within TIE_TOLERANCE of it;
+    ties go to the smallest alpha."""
+    top = max(p.selection.harmonic_mean for p in points)
+    tied = [p for p in points if top - p.selection.harmonic_mean <= TIE_TOLERANCE]
+    return tied[0], [p.alpha for p in tied]
+
+
+def add_intervals(result: SweepResult) -> None:
+    """Percentile intervals for old, new, harmonic mean and the harmonic-mean difference to the pick; the
+    alphas whose difference interval holds 0 are indistinguishable from the pick on the report split."""
+    import numpy as np
+
+    settings = result.settings
+    if settings.bootstrap == 0:
+        return
+    models = [result.pre, result.post, *result.points]
+    draws = paired_bootstrap(models, result.splits, settings.aggregation, settings.bootstrap, settings.seed)
+    tail = (1 - settings.confidence) / 2 * 100
+    pick_index = models.index(result.best)
+    for index, model in enumerate(models):
+        for position, name in enumerate(("old", "new", "harmonic_mean")):
+            model.intervals[name] = np.percentile(draws[:, index, position], [tail, 100 - tail]).tolist()
+        difference = draws[:, index, 2] - draws[:, pick_index, 2]
+        model.intervals["diff_to_pick"] = np.percentile(difference, [tail, 100 - tail]).tolist()
+    result.indistinguishable = [point.alpha for point in result.points if point is not result.best
+                                and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]]
+
+
+def build_result(settings, folder, plan, runs, evaluated) -> SweepResult:
+    """Split every task's docs, summarise every model on both splits, pick on selection, bootstrap on report."""
+    skipped = {run.task: f"{label}: {run.skipped}" for label, _ in plan for run in runs[label] if run.outcomes is None}
+    runs = {label: [TaskRun(run.task, run.group, None, skipped[run.task]) if run.task in skipped else run
+                    for run in runs[label]] for label, _ in plan}  # a task skipped for one model is for all
+    baseline = runs["pre"]
+    splits = doc_splits(settings, baseline)
+    results = {label: summarise(label, alpha, runs[label], baseline, splits, settings.aggregation)
+               for label, alpha in plan}
+    points = [results[label] for label, alpha in plan if alpha is not None]
+    best, ties = pick(points)
+    result = SweepResult(settings, results["pre"], results["post"], points, best, ties, pareto_front(points),
+                         evaluated, folder, splits, skipped=skipped)
+    add_intervals(result)
+    return result

@@ -1,0 +1,95 @@
+"""The sweep itself: evaluate pre, post and the alphas (the full grid, a golden-section search or probe
+mode; here one point after another, or on Ray actors), resuming saved points under the run folder's lock,
+then build the result, write the report and, with --save-best, merge the pick."""
+
+from __future__ import annotations
+
+from mergekit_lite import interrupts
+from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder
+from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.sweep.adaptive import golden_search, run_probes
+from mergekit_lite.sweep.evaluator import PointEvaluator, evaluate_point
+from mergekit_lite.sweep.models import MergeConfigs
+from mergekit_lite.sweep.result import SweepResult, build_result
+from mergekit_lite.sweep.scoring import TaskRun
+from mergekit_lite.sweep.settings import SweepSettings
+from mergekit_lite.sweep.store import POINTS_DIR, alpha_label, load_points, run_lock
+
+
+def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
+    """Evaluate pre, post and every alpha (resuming saved points), pick the best, write the report."""
+    from tqdm import tqdm
+
+    from mergekit_lite.sweep.report import write_report
+
+    inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
+    if settings.save_best:
+        check_output_folder(settings.save_best, inputs)
+    folder = prepare_run_folder(settings.out, inputs)
+    (folder / POINTS_DIR).mkdir(exist_ok=True)
+    identity = settings.identity()
+    plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
+    n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
+    search = probed = None
+    with run_lock(folder):
+        runs = load_points(folder, identity)
+        todo = [(label, alpha) for label, alpha in plan if label not in runs]
+        configs = MergeConfigs(settings, folder)
+        evaluated = []
+        total = len(plan) + (1 if settings.probe is not None else 0)  # probe mode: every alpha, then the pick
+        with tqdm(total=total * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
+                  desc="sweep", disable=not progress) as bar:
+            if settings.ray is not None and todo:
+                from mergekit_lite.sweep.distributed import run_points_on_ray
+
+                points = [(label, alpha, None if alpha is None else configs(alpha).to_dict()) for label, alpha in todo]
+                for _ in run_points_on_ray(settings, points, settings.ray):
+                    bar.update(n_tasks)
+                runs.update(load_points(folder, identity))
+                evaluated = [label for label, _ in todo]
+            else:
+                evaluator = None
+
+                def point_evaluator() -> PointEvaluator:
+                    nonlocal evaluator
+                    interrupts.check()
+                    evaluator = evaluator or PointEvaluator(settings, folder, bar)
+                    return evaluator
+
+                def evaluate(label: str, alpha: float | None) -> None:
+                    if label in runs:
+                        return
+                    point = point_evaluator()
+                    bar.set_postfix_str(label)
+                    runs[label] = evaluate_point(point, settings, label, alpha, None if alpha is None else configs(alpha))
+                    evaluated.append(label)
+
+                def probe(label: str, alpha: float, samples: dict) -> list[TaskRun]:
+                    point = point_evaluator()
+                    bar.set_postfix_str(f"{label} (probe)")
+                    return point.merged(configs(alpha), samples)
+
+                full_grid = settings.search == "grid" and settings.probe is None
+                for label, alpha in plan if full_grid else plan[:2]:
+                    evaluate(label, alpha)
+                if settings.probe is not None:
+                    probed, search = run_probes(settings, folder, runs, probe)
+                    evaluate(alpha_label(probed.pick), probed.pick)  # the pick, scored on every doc
+                    plan = plan[:2] + [(alpha_label(probed.pick), probed.pick)]
+                elif settings.search == "golden":
+                    search = golden_search(settings, runs, evaluate)
+                    bar.total = (len(search.evaluated) + 2) * n_tasks
+                    bar.refresh()
+        plan = [(label, alpha) for label, alpha in plan if label in runs]
+        result = build_result(settings, folder, plan, runs, evaluated)
+        result.search, result.probe = search, probed
+        write_report(result)
+        if settings.save_best:
+            from mergekit_lite.merge.engine import run_merge
+
+            check_output_folder(settings.save_best, inputs)
+            best = configs(result.best.alpha)
+            if settings.copy_files_from:
+                best = MergeConfig.from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
+            run_merge(best, settings.save_best, progress=progress)
+    return result

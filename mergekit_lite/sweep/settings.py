@@ -1,0 +1,298 @@
+"""A sweep's settings: the pair, the method and its alpha grid, the tasks, scoring, selection and where it
+runs; their checks (every bad value fails before any model is read), the YAML schema of a sweep file and the
+merge config each alpha stands for."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
+from mergekit_lite.evaluate.forgetting import AGGREGATIONS, Scoring
+from mergekit_lite.io.validation import read_yaml, validate
+from mergekit_lite.merge.config import (
+    DTYPES,
+    MAIN_COEFFICIENT,
+    METHODS,
+    RECALL_METHODS,
+    MergeConfig,
+)
+
+IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
+                   "density", "drop", "seed", "recall_texts", "recall_samples", "metric", "filter", "choices",
+                   "eval_dtype")
+SEARCHES = ("grid", "golden")
+SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
+PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
+
+
+def parse_alphas(spec) -> list[float]:
+    """A grid from "START:STOP:STEP" (STOP included), "a,b,c", a number or a list of numbers; sorted, unique."""
+    if isinstance(spec, (list, tuple)):
+        values = [_number(value) for value in spec]
+    elif isinstance(spec, str) and ":" in spec:
+        values = _alpha_range(spec)
+    elif isinstance(spec, str):
+        values = [_number(part) for part in spec.split(",") if part.strip()]
+    else:
+        values = [_number(spec)]
+    if not values:
+        raise InputError("alphas: no values (give START:STOP:STEP or a comma list)")
+    return sorted(set(values))
+
+
+def _number(value) -> float:
+    if isinstance(value, bool):
+        raise InputError(f"alphas: {value!r} is not a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"alphas: {str(value).strip()!r} is not a number") from None
+    if not math.isfinite(number):
+        raise InputError(f"alphas: {number} is not a finite number")
+    return number
+
+
+MAX_ALPHA_POINTS = 500
+
+
+def _alpha_range(spec: str) -> list[float]:
+    """Inclusive range; values are rounded to 12 digits so 0:1:0.1 gives 0.3, not 0.30000000000000004.
+
+    The number of points is computed before the grid is built and capped at MAX_ALPHA_POINTS: every point
+    is a merge and a full evaluation, so even a few hundred take hours, and more is a mistyped STEP
+    (0:1:1e-12 would not finish building its list, let alone its sweep)."""
+    parts = spec.split(":")
+    if len(parts) != 3:
+        raise InputError(f"alphas: {spec!r} is not START:STOP:STEP")
+    start, stop, step = map(_number, parts)
+    if step <= 0 or stop < start:
+        raise InputError(f"alphas: {spec!r} needs STEP > 0 and START <= STOP")
+    steps = (stop - start) / step + 1e-9  # may be inf for a subnormal STEP
+    if not steps < MAX_ALPHA_POINTS:
+        raise InputError(f"alphas: {spec!r} is a grid of {steps + 1:,.0f} points; at most {MAX_ALPHA_POINTS} "
+                         "(each point is a merge and an evaluation), use a larger STEP")
+    return [round(start + index * step, 12) for index in range(math.floor(steps) + 1)]
+
+
+def parse_tasks(spec) -> list[str]:
+    """Task names from a comma-separated string or a list of them (repeated flags); order kept, duplicates dropped."""
+    items = [spec] if isinstance(spec, str) else list(spec or [])
+    names = [name.strip() for item in items for name in str(item).split(",") if name.strip()]
+    return list(dict.fromkeys(names))
+
+
+@dataclass
+class SweepSettings:
+    """One sweep: the pair, the method and grid, the tasks, where results go, and method options."""
+
+    pre: str
+    post: str
+    method: str
+    alphas: list[float]
+    old_tasks: list[str]
+    new_tasks: list[str]
+    include_path: str | None
+    out: str
+    limit: int | None = None
+    batch_size: int = 16
+    device: str = "cpu"
+    density: float | None = None
+    drop: float | None = None
+    seed: int = 0
+    recall_texts: str | None = None
+    recall_samples: int = 8
+    save_best: str | None = None
+    stream: bool | None = None  # None: merge in memory when the model fits, else through a folder on disk
+    eval_dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    copy_files_from: str | None = None  # --save-best's side files (default: see engine.write_side_files)
+    ray: str | None = None  # None: points one after another here; "local" or a cluster address: Ray actors
+    search: str = "grid"  # grid: every alpha; golden: golden-section search over the grid (fewer points)
+    backend: str = "hf"  # hf: in-memory transformers model; vllm: lm-eval's vLLM backend on a merged folder
+    vllm_args: str | None = None  # lm-eval model_args for vllm, e.g. tensor_parallel_size=2,gpu_memory_utilization=0.8
+    probe: float | None = None  # probe mode: share of the samples pre and post agree on that every alpha is scored on
+    # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
+    metric: list[str] = field(default_factory=list)
+    filter: list[str] = field(default_factory=list)
+    choices: list[str] = field(default_factory=list)
+    aggregation: str = "paper"
+    # selection split, bootstrap
+    selection: str = "docs"
+    selection_fraction: float = 0.5
+    bootstrap: int = 1000
+    confidence: float = 0.95
+
+    def __post_init__(self):
+        self.alphas = parse_alphas(self.alphas)
+        self.old_tasks, self.new_tasks = parse_tasks(self.old_tasks), parse_tasks(self.new_tasks)
+        self.metric, self.filter, self.choices = (_spec_list(getattr(self, name))
+                                                  for name in ("metric", "filter", "choices"))
+        self.scoring()  # bad --metric/--filter/--choices fail before any model is read
+        if self.aggregation not in AGGREGATIONS:
+            raise InputError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.backend not in BACKENDS:
+            raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.vllm_args is not None and self.backend != "vllm":
+            raise InputError("--vllm-args applies to --backend vllm")
+        self.vllm_options()  # bad vLLM arguments fail before any model is read
+        if self.search not in SEARCHES:
+            raise InputError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
+        if self.search == "golden" and self.ray is not None:
+            raise InputError("--search golden evaluates one point after another: run it without --ray")
+        if self.probe is not None:
+            if isinstance(self.probe, bool) or not isinstance(self.probe, (int, float)) or not 0 < self.probe <= 1:
+                raise InputError(f"probe must be a share in (0, 1], got {self.probe!r}")
+            if self.ray is not None:
+                raise InputError("--probe evaluates its points in this process: run it without --ray")
+        if self.selection not in SELECTIONS:
+            raise InputError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        if not 0 < self.selection_fraction < 1:
+            raise InputError(f"selection_fraction must be in (0, 1), got {self.selection_fraction!r}")
+        if not 0 < self.confidence < 1:
+            raise InputError(f"confidence must be in (0, 1), got {self.confidence!r}")
+        if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
+            raise InputError(f"bootstrap must be a whole number >= 0 (0: no intervals), got {self.bootstrap!r}")
+        for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best", "copy_files_from"):
+            if getattr(self, name) is not None:
+                setattr(self, name, str(getattr(self, name)))
+        if self.method not in MAIN_COEFFICIENT:
+            kind = "has no coefficient to sweep between pre and post" if self.method in METHODS else "is unknown"
+            raise InputError(f"method {self.method!r} {kind} (choose from {', '.join(MAIN_COEFFICIENT)})")
+        if not self.old_tasks or not self.new_tasks:
+            raise InputError("give at least one old task and one new task (--old-tasks, --new-tasks)")
+        shared = [task for task in self.old_tasks if task in self.new_tasks]
+        if shared:
+            raise InputError(f"task {shared[0]!r} is both an old and a new task")
+        for name in ("limit", "batch_size", "recall_samples"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
+        default_dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
+        dtype = str(self.eval_dtype or default_dtype).lower()
+        if dtype not in DTYPES:
+            raise InputError(f"unknown eval dtype {self.eval_dtype!r} (use bf16, fp16 or fp32)")
+        self.eval_dtype = DTYPES[dtype]
+        if self.method in RECALL_METHODS and not self.recall_texts:
+            raise InputError(f"a {self.method} sweep needs typical samples: --recall-texts (one text per line)")
+        for alpha in self.alphas:
+            self.merge_config(alpha)  # every point's merge is valid before any model is read
+
+    def vllm_options(self) -> VllmOptions:
+        return parse_vllm_options(self.vllm_args)
+
+    def scoring(self) -> Scoring:
+        return Scoring.from_specs(self.metric, self.filter, self.choices)
+
+    @property
+    def coefficient(self) -> str:
+        """The merge parameter alpha stands for with this method."""
+        return MAIN_COEFFICIENT[self.method]
+
+    def merge_config(self, alpha: float, recall_weights_file: str | None = None) -> MergeConfig:
+        """The merge at one point: pre is the base (input 0), post the one model, alpha the main coefficient."""
+        parameters = {name: value for name, value in (("density", self.density), ("drop", self.drop),
+                                                      (self.coefficient, alpha)) if value is not None}
+        data = {"method": self.method, "base": self.pre, "models": [self.post], "parameters": parameters,
+                "seed": self.seed, "device": self.device if self.device.startswith("cuda") else "cpu",
+                "recall": {"texts": self.recall_texts, "samples": self.recall_samples,
+                           "weights_file": recall_weights_file}}
+        return MergeConfig.from_dict(data, where="sweep")
+
+    def identity(self) -> dict:
+        """What a saved point depends on; paths absolute so `pre/` and `./pre` are the same model."""
+        identity = {name: getattr(self, name) for name in IDENTITY_FIELDS}
+        for name in PATH_FIELDS:
+            if identity[name] is not None:
+                identity[name] = str(Path(identity[name]).resolve())
+        return identity
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SETTINGS_KEYS = tuple(SweepSettings.__dataclass_fields__)
+
+
+def _spec_list(value) -> list[str]:
+    """Scoring specs from a string, a list, or a mapping {task: value} (YAML)."""
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [f"{task}={item}" for task, item in value.items()]
+    return [str(item) for item in ([value] if isinstance(value, (str, int, float)) else value)]
+
+
+Spec = str | int | float  # a scoring spec value as YAML may write it
+
+
+class SweepFile(BaseModel):
+    """The types a sweep YAML may give each setting (strict: a quoted "false" is not a boolean)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    pre: str | None = None
+    post: str | None = None
+    method: str | None = None
+    alphas: str | float | list[float] | None = None
+    old_tasks: str | list[str] | None = None
+    new_tasks: str | list[str] | None = None
+    include_path: str | None = None
+    out: str | None = None
+    limit: int | None = Field(None, ge=1)
+    batch_size: int | None = Field(None, ge=1)
+    device: str | None = None
+    density: float | None = None
+    drop: float | None = None
+    seed: int | None = None
+    recall_texts: str | None = None
+    recall_samples: int | None = Field(None, ge=1)
+    save_best: str | None = None
+    stream: bool | None = None
+    ray: str | None = None
+    search: str | None = None
+    metric: Spec | list[Spec] | dict[str, Spec] | None = None
+    filter: Spec | list[Spec] | dict[str, Spec] | None = None
+    choices: Spec | list[Spec] | dict[str, Spec] | None = None
+    aggregation: str | None = None
+    selection: str | None = None
+    selection_fraction: float | None = None
+    bootstrap: int | None = Field(None, ge=0)
+    confidence: float | None = None
+    copy_files_from: str | None = None
+    eval_dtype: str | None = None
+    backend: str | None = None
+    vllm_args: str | None = None
+    probe: float | None = Field(None, gt=0, le=1)
+
+
+def load_sweep_file(path: str | Path) -> dict:
+    """A YAML sweep config with SweepSettings' keys (dashes or underscores); unknown keys are an error."""
+    path = Path(path)
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a mapping of sweep settings")
+    settings = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in SETTINGS_KEYS:
+            raise InputError(f"{path}: unknown key {key!r} (known: {', '.join(SETTINGS_KEYS)})")
+        settings[name] = value
+    validate(SweepFile, settings, path)
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+def settings_from_dict(data: dict) -> SweepSettings:
+    """SweepSettings from merged config-file and flag values, naming the first missing setting."""
+    required = [name for name, spec in SweepSettings.__dataclass_fields__.items()
+                if spec.default is MISSING and spec.default_factory is MISSING and name != "include_path"]
+    missing = [name for name in required if data.get(name) in (None, [], ())]
+    if missing:
+        flag = "--" + missing[0].replace("_", "-")
+        raise InputError(f"missing setting {missing[0]!r} (give {flag} or put it in the config file)")
+    try:
+        return SweepSettings(**{"include_path": None, **data})
+    except TypeError as error:
+        raise InputError(f"sweep settings: {error}") from None

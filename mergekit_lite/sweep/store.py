@@ -1,0 +1,104 @@
+"""The run folder: one JSON per finished point (`points/`, probe points in `probes/`), written atomically
+and checked against the sweep's identity when read back, so a killed sweep loses at most the point in
+progress and a rerun of the same command picks up where it stopped; and the lock that keeps one sweep per
+run folder."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.io.validation import read_json, validate
+from mergekit_lite.sweep.scoring import TaskRun
+from mergekit_lite.sweep.settings import SweepSettings
+
+POINTS_DIR = "points"
+PROBES_DIR = "probes"  # probe-mode points: scored on probe samples only, never resumed as full points
+RECALL_DIR = "recall"
+SIMILARITY_FILE = "similarity.json"
+LOCK_FILE = ".sweep.lock"
+
+
+def point_file(folder: Path, label: str, directory: str = POINTS_DIR) -> Path:
+    return folder / directory / f"{label.replace('=', '_')}.json"
+
+
+def alpha_label(alpha: float) -> str:
+    return f"alpha={alpha!r}"
+
+
+class SavedTask(BaseModel):
+    """One task of a saved point, as `TaskRun.to_json` writes it: per-sample outcomes, or why it was skipped."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    task: str
+    group: Literal["old", "new"]
+    metric: str | None = None
+    filter: str | None = None
+    n_choices: int | float | None = None
+    correct: dict[str, bool] | None = None
+    doc_ids: dict[str, int] | None = None
+    skipped: str | None = None
+
+
+class PointFile(BaseModel):
+    """One finished point as `save_point` writes it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    identity: dict[str, Any]
+    label: str
+    alpha: float | None
+    tasks: list[SavedTask]
+
+
+def load_points(folder: Path, identity: dict, directory: str = POINTS_DIR) -> dict[str, list[TaskRun]]:
+    """Every finished point in the run folder by label. One saved under other settings -> InputError,
+    whether or not this grid includes it: the folder belongs to one sweep."""
+    points = {}
+    for path in sorted((folder / directory).glob("*.json")):
+        try:
+            point = validate(PointFile, read_json(path), path)
+        except InputError as error:
+            raise InputError(f"{error} (not a sweep point file; delete it to evaluate that point again)") from None
+        label, saved = point.label, point.identity
+        runs = [TaskRun.from_json(entry.model_dump(exclude_unset=True)) for entry in point.tasks]
+        changed = next((key for key in identity if saved.get(key) != identity[key]), None)
+        if changed:
+            raise InputError(f"{folder} holds a sweep with other settings ({changed}: {saved.get(changed)!r} "
+                             f"there, {identity[changed]!r} now); use another --out")
+        points[label] = runs
+    return points
+
+
+def save_point(path: Path, identity: dict, label: str, alpha: float | None, runs: list[TaskRun]) -> None:
+    data = {"identity": identity, "label": label, "alpha": alpha, "tasks": [run.to_json() for run in runs]}
+    write_atomic(path, json.dumps(data) + "\n")
+
+
+@contextmanager
+def run_lock(folder: Path):
+    """One sweep per run folder: a second one fails at once instead of racing on the same files."""
+    handle = open(folder / LOCK_FILE, "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise InputError(f"{folder}: another sweep is running in this run folder (it holds {LOCK_FILE})") from None
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def probe_identity(settings: SweepSettings) -> dict:
+    """What a probe point depends on beyond a full point's identity: the rate and the docs it samples from."""
+    return {**settings.identity(), "probe": settings.probe, "selection": settings.selection,
+            "selection_fraction": settings.selection_fraction}
