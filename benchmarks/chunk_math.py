@@ -26,8 +26,8 @@ from safetensors import safe_open
 
 from mergekit_lite.io.buffers import reuse_freed_memory
 from mergekit_lite.merge import engine, methods
-from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.plan import plan_merge
+from mergekit_lite.merge.schema import config_from_dict
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -69,7 +69,7 @@ def main() -> None:
     loaded = {name: layer_tensors(args.ckpt / name) for name in ("base", "ft1", "ft2")}
     rows = []
     for method in args.methods.split(","):
-        config = MergeConfig.from_dict(mergekit_config(method, args.ckpt, "bfloat16"))
+        config = config_from_dict(mergekit_config(method, args.ckpt, "bfloat16"))
         steps = [step for step in plan_merge(config).steps if step.name.startswith(LAYER) and len(step.shape) == 2]
         inputs = {step.name: [loaded[path.name][step.name] for path in merge_inputs(method, args.ckpt)]
                   for step in steps}

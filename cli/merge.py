@@ -77,9 +77,9 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
     flags; flags win where both say something.
     """
-    from mergekit_lite.merge.config import MergeConfig, load_config
     from mergekit_lite.merge.engine import run_merge
     from mergekit_lite.merge.plan import plan_merge
+    from mergekit_lite.merge.schema import config_from_dict, load_config
 
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
     parameters = {"alpha": alpha, "t": t, "lambda": scale, "density": density, "drop": drop,
@@ -100,7 +100,7 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
         data["skip"] = list(skip)
     if "method" not in data:
         raise click.UsageError("give --method or a CONFIG_FILE")
-    config = MergeConfig.from_dict(data)
+    config = config_from_dict(data)
     if dry_run:
         click.echo(plan_merge(config).describe())
         return

@@ -21,9 +21,10 @@ from transformers import AutoTokenizer
 
 from audits.adapter import audit_adapter
 from mergekit_lite.io.sources import open_inputs
-from mergekit_lite.merge.config import METHODS, MergeConfig
+from mergekit_lite.merge.config import METHODS
 from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.merge.recall import RecallWeights
+from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep import SweepSettings, run_sweep
 from mergekit_lite.sweep.models import ModelLoader, ResidentPair
 from mergekit_lite.threads import torch_threads
@@ -223,7 +224,7 @@ def merge(data: dict, folders: list[Path], out: Path) -> Path:
     """run_merge on `data`; the RECALL methods read their weights from a file over the first two models."""
     if data["method"] in ("recall", "recall_lerp"):
         data = {**data, "recall": {"weights_file": str(recall_weights_file(out.parent, folders[:2]))}}
-    run_merge(MergeConfig.from_dict(data), out)
+    run_merge(config_from_dict(data), out)
     return out
 
 
@@ -259,8 +260,8 @@ def test_methods_without_a_closed_form_merge_load_and_move_away_from_their_input
 def test_vision_tower_layers_are_not_decoder_layers(checkpoints, tmp_path):
     """A gradient over decoder depth gives the vision tower the decoder input's value, never a layer's."""
     paths = [str(folder) for folder in checkpoints["gemma3_multimodal"]]
-    config = MergeConfig.from_dict({"method": "linear", "base": paths[0], "models": [paths[1]],
-                                    "parameters": {"alpha": [0.0, 1.0]}})
+    config = config_from_dict({"method": "linear", "base": paths[0], "models": [paths[1]],
+                               "parameters": {"alpha": [0.0, 1.0]}})
     from mergekit_lite.merge.plan import plan_merge
 
     alphas = {step.name: step.parameters["alpha"] for step in plan_merge(config).steps}
@@ -282,8 +283,8 @@ def test_tied_head_stored_by_one_input_only(checkpoints, stored_first, tmp_path)
     save_file({**tensors, "lm_head.weight": tensors["transformer.wte.weight"].clone()},
               duplicate / "model.safetensors", metadata={"format": "pt"})
     first, second = (duplicate, base) if stored_first else (base, duplicate)
-    run_merge(MergeConfig.from_dict({"method": "linear", "base": str(first), "models": [str(second)],
-                                     "parameters": {"alpha": 0.5}}), tmp_path / "out")
+    run_merge(config_from_dict({"method": "linear", "base": str(first), "models": [str(second)],
+                                "parameters": {"alpha": 0.5}}), tmp_path / "out")
 
     expected = {name: (0.5 * tensor + 0.5 * state(tuned)[name]).to(torch.float32)
                 for name, tensor in state(base).items()}
@@ -310,8 +311,8 @@ def test_adapter_merge_equals_peft_merge_and_unload(checkpoints, architecture, t
     (language_model.model...): the merge and the adapter audit that gates it (no force) both map them."""
     base = checkpoints[architecture][0]
     trained_adapter(base, tmp_path / "adapter", ADAPTED[architecture])
-    run_merge(MergeConfig.from_dict({"method": "linear", "base": str(base), "models": [str(tmp_path / "adapter")],
-                                     "parameters": {"alpha": 1.0}}), tmp_path / "out")
+    run_merge(config_from_dict({"method": "linear", "base": str(base), "models": [str(tmp_path / "adapter")],
+                                "parameters": {"alpha": 1.0}}), tmp_path / "out")
 
     expected = PeftModel.from_pretrained(loaded(base), tmp_path / "adapter").merge_and_unload().eval()
     torch.testing.assert_close(logits(loaded(tmp_path / "out")), logits(expected), rtol=0, atol=2e-6)
@@ -417,12 +418,12 @@ def test_post_trained_chat_template_and_generation_config_are_kept_when_the_base
     (post / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": template}))
     data = {"method": "linear", "base": str(base), "models": [str(post)], "parameters": {"alpha": 0.5}}
 
-    result = run_merge(MergeConfig.from_dict(data), tmp_path / "out")
+    result = run_merge(config_from_dict(data), tmp_path / "out")
     assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == template
     assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [2, 3]
     assert any("chat template taken from" in note for note in result.plan.notes)
 
-    run_merge(MergeConfig.from_dict({**data, "copy_files_from": str(base)}), tmp_path / "as-base")
+    run_merge(config_from_dict({**data, "copy_files_from": str(base)}), tmp_path / "as-base")
     assert AutoTokenizer.from_pretrained(tmp_path / "as-base").chat_template is None
     assert not (tmp_path / "as-base" / "generation_config.json").exists()
 
@@ -431,8 +432,8 @@ def test_recall_on_the_multimodal_model_weighs_decoder_layers_only(sweep_pairs, 
     """RECALL runs both models on typical texts: one row per decoder depth (embeddings + 2 layers), none for
     the vision tower's layers, and the merge loads."""
     pre, post = sweep_pairs["gemma3_multimodal"]
-    run_merge(MergeConfig.from_dict({"method": "recall", "models": [str(pre), str(post)],
-                                     "recall": {"texts": str(toy_pair.typical_texts), "samples": 3}}), tmp_path / "out")
+    run_merge(config_from_dict({"method": "recall", "models": [str(pre), str(post)],
+                                "recall": {"texts": str(toy_pair.typical_texts), "samples": 3}}), tmp_path / "out")
     weights = json.loads((tmp_path / "out" / "recall_weights.json").read_text())
     assert len(weights["weights"]) == 3
     loaded(tmp_path / "out")

@@ -18,10 +18,10 @@ from tiny_models import save_tiny_llama
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
 from mergekit_lite.io.safetensors import open_regular, read_at
-from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.engine import DrawsAhead, dare_generator, execute, math_threads, merge_tensor
 from mergekit_lite.merge.plan import plan_merge
+from mergekit_lite.merge.schema import config_from_dict
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_streamed_outputs_equal_the_math_on_whole_tensors(trio, trio_bf16, metho
     models = trio_bf16 if stored == "bfloat16" else trio
     inputs = models[:2] if method in ("linear", "slerp") else models
     based = method != "linear"
-    config = MergeConfig.from_dict({
+    config = config_from_dict({
         "method": method, "base": str(inputs[0]) if based else None,
         "models": [str(path) for path in (inputs[1:] if based else inputs)], "parameters": parameters,
         "dtype": out_dtype})
@@ -141,7 +141,7 @@ def test_a_read_failure_in_the_reader_thread_surfaces_and_nothing_hangs(trio, tm
     the reader and writer threads finish (the call returns)."""
     copy = tmp_path / "copy"
     shutil.copytree(trio[1], copy)
-    config = MergeConfig.from_dict({"method": "linear", "models": [str(trio[0]), str(copy)]})
+    config = config_from_dict({"method": "linear", "models": [str(trio[0]), str(copy)]})
     plan = plan_merge(config)
     last_shard = sorted(copy.glob("*.safetensors"))[-1]
     last_shard.write_bytes(last_shard.read_bytes()[:-64])
@@ -154,7 +154,7 @@ def test_a_slow_write_does_not_hold_the_reading_and_the_math(trio, monkeypatch):
     far as the ring allows: the disk's time and the math's overlap instead of taking turns."""
     from mergekit_lite.merge import engine
 
-    plan = plan_merge(MergeConfig.from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
+    plan = plan_merge(config_from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
     sizes = [engine._input_bytes(plan, step) for step in plan.steps]
     stuck = next(i for i in range(1, len(sizes) - 3) if sum(sizes[i:i + 4]) <= max(sizes))  # four fit in the ring
     later_read = threading.Event()
@@ -196,7 +196,7 @@ def test_positioned_reads_share_one_handle_across_threads(tmp_path):
 def test_math_leaves_a_core_for_reading_and_restores_the_thread_count(trio):
     before = torch.get_num_threads()
     assert 1 <= math_threads() <= max(before, 1)
-    plan = plan_merge(MergeConfig.from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
+    plan = plan_merge(config_from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
     execute(plan, lambda name, tensor: None)
     assert torch.get_num_threads() == before
 
@@ -242,7 +242,7 @@ def test_dare_draws_ahead_give_the_masks_of_drawing_whole_tensors(trio, monkeypa
     """The chunk loop draws each chunk's masks on other threads while the previous chunk's math runs: over many
     chunks (a model with no drop drawing nothing) the bytes are those of one draw over the whole tensor."""
     monkeypatch.setattr(methods, "ELEMENTWISE_CHUNK", 100)
-    config = MergeConfig.from_dict({
+    config = config_from_dict({
         "method": "dare_ties", "base": str(trio[0]), "parameters": {"drop": 0.3}, "dtype": "float32",
         "models": [str(trio[1]), {"model": str(trio[2]), "parameters": {"drop": second_drop}}]})
     plan = plan_merge(config)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergekit_lite.merge.config import load_config
+from mergekit_lite.merge.schema import load_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MERGE_EXAMPLES = sorted(p for p in EXAMPLES.glob("*.yaml") if {"models", "slices"} & set(yaml.safe_load(p.read_text())))

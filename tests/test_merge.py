@@ -14,9 +14,10 @@ from safetensors.torch import load_file as load_torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.config import MergeConfig, load_config
+from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.engine import merge_state_dict, run_merge
 from mergekit_lite.merge.plan import plan_merge
+from mergekit_lite.merge.schema import config_from_dict, load_config
 
 CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
@@ -58,7 +59,7 @@ def read_model(folder) -> dict[str, np.ndarray]:
 
 
 def merge(config: dict, out: Path) -> dict[str, np.ndarray]:
-    run_merge(MergeConfig.from_dict(config), out)
+    run_merge(config_from_dict(config), out)
     return read_model(out)
 
 
@@ -194,8 +195,8 @@ def test_every_method_reloads_with_transformers_and_generates(models, tmp_path):
     }
     for method, extra in configs.items():
         out = tmp_path / method
-        run_merge(MergeConfig.from_dict({"method": method, "base": base, "models": [a], "dtype": "bf16",
-                                         "out_shard_size": "30KB", **extra}), out)
+        run_merge(config_from_dict({"method": method, "base": base, "models": [a], "dtype": "bf16",
+                                    "out_shard_size": "30KB", **extra}), out)
         index = json.loads((out / "model.safetensors.index.json").read_text())
         stored = {}
         for shard in out.glob("*.safetensors"):
@@ -280,8 +281,8 @@ def test_yaml_config_and_flags(models, tmp_path):
 
 
 def test_in_memory_merge_equals_the_streamed_one(models, tmp_path):
-    config = MergeConfig.from_dict({"method": "ties", "base": str(models["base"]),
-                                    "models": [str(models["a"]), str(models["b"])]})
+    config = config_from_dict({"method": "ties", "base": str(models["base"]),
+                               "models": [str(models["a"]), str(models["b"])]})
     streamed = merge(config.to_dict(), tmp_path / "streamed")
     in_memory = merge_state_dict(config)
     for name, tensor in in_memory.items():
@@ -290,8 +291,8 @@ def test_in_memory_merge_equals_the_streamed_one(models, tmp_path):
 
 def test_unknown_tensor_parameter_is_refused(models):
     with pytest.raises(InputError, match="does not apply to method linear"):
-        plan_merge(MergeConfig.from_dict({"method": "linear", "models": [str(models["a"])],
-                                          "parameters": {"density": 0.5}}))
+        plan_merge(config_from_dict({"method": "linear", "models": [str(models["a"])],
+                                     "parameters": {"density": 0.5}}))
 
 
 RSS_SCRIPT = """

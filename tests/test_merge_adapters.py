@@ -14,8 +14,8 @@ from tiny_models import save_tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.engine import run_merge
+from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.threads import torch_threads
 
 CLI = str(Path(sys.executable).parent / "mergekit-lite")
@@ -66,9 +66,9 @@ def test_two_adapters_as_task_vectors(setup, tmp_path):
     root, first, second = setup
     base = read(root / "base")
     deltas = [{n: v - base[n] for n, v in peft_merged(root / "base", a).items()} for a in (first, second)]
-    run_merge(MergeConfig.from_dict({"method": "task_arithmetic", "base": str(root / "base"),
-                                     "models": [{"model": str(first), "weight": 0.5},
-                                                {"model": str(second), "weight": -1.0}]}), tmp_path / "ta")
+    run_merge(config_from_dict({"method": "task_arithmetic", "base": str(root / "base"),
+                                "models": [{"model": str(first), "weight": 0.5},
+                                           {"model": str(second), "weight": -1.0}]}), tmp_path / "ta")
     merged = read(tmp_path / "ta")
     for name in base:
         np.testing.assert_allclose(merged[name], base[name] + 0.5 * deltas[0][name] - deltas[1][name],
@@ -87,9 +87,9 @@ def test_rejected_adapter_stops_the_merge_unless_forced(setup, tmp_path):
                   str(first / "adapter_model.safetensors"))
         config = {"method": "linear", "base": str(root / "base"), "models": [str(first)], "parameters": {"alpha": 1.0}}
         with pytest.raises(InputError, match="REJECTED"):
-            run_merge(MergeConfig.from_dict(config), tmp_path / "refused")
+            run_merge(config_from_dict(config), tmp_path / "refused")
         assert not (tmp_path / "refused").exists()
-        run_merge(MergeConfig.from_dict({**config, "force": True}), tmp_path / "forced")
+        run_merge(config_from_dict({**config, "force": True}), tmp_path / "forced")
         assert (tmp_path / "forced" / "model.safetensors").is_file()
     finally:
         (first / "adapter_model.safetensors").unlink()
@@ -110,14 +110,14 @@ def test_an_unreadable_adapter_is_not_offered_force(setup, tmp_path):
     config = {"method": "linear", "base": str(root / "base"), "models": [str(broken)], "parameters": {"alpha": 1.0}}
     for force in (False, True):
         with pytest.raises(InputError, match=r"REJECTED: format: NaN/Inf values") as refused:
-            run_merge(MergeConfig.from_dict({**config, "force": force}), tmp_path / f"out-{force}")
+            run_merge(config_from_dict({**config, "force": force}), tmp_path / f"out-{force}")
         assert "--force" not in str(refused.value) and not (tmp_path / f"out-{force}").exists()
 
 
 def test_adapter_needs_a_base(setup, tmp_path):
     _, first, _ = setup
     with pytest.raises(InputError, match="needs the base model"):
-        run_merge(MergeConfig.from_dict({"method": "linear", "models": [str(first), str(first)]}), tmp_path / "x")
+        run_merge(config_from_dict({"method": "linear", "models": [str(first), str(first)]}), tmp_path / "x")
 
 
 def test_modules_to_save_head_on_a_tied_base_merges_untied(tmp_path):
@@ -156,4 +156,4 @@ def test_a_refused_merge_names_the_real_cause(setup, tmp_path):
               str(vlm / "adapter_model.safetensors"))
     config = {"method": "linear", "base": str(root / "base"), "models": [str(vlm)], "parameters": {"alpha": 1.0}}
     with pytest.raises(InputError, match="REJECTED: structure: .*different vision-language layouts"):
-        run_merge(MergeConfig.from_dict(config), tmp_path / "out")
+        run_merge(config_from_dict(config), tmp_path / "out")

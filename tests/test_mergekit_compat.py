@@ -27,8 +27,8 @@ from transformers import (
 )
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.config import MergeConfig, load_config
 from mergekit_lite.merge.engine import run_merge
+from mergekit_lite.merge.schema import config_from_dict, load_config
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 NEW_TOKENS = ("<|im_start|>", "<|im_end|>")
@@ -375,7 +375,7 @@ def test_zero_sum_sign_vote_keeps_the_positive_side_in_compat_mode_only(side_by_
     assert torch.equal(read_state(ours)[name], grid + (up - grid).abs())
     config = load_config(config_file)
     data = {**config.to_dict(), "mergekit_compat": False}
-    ours_strict = run_merge(MergeConfig.from_dict(data), zoo["root"] / "zero-sum-own").out
+    ours_strict = run_merge(config_from_dict(data), zoo["root"] / "zero-sum-own").out
     assert torch.equal(read_state(ours_strict)[name], grid)
 
 
@@ -466,7 +466,7 @@ def test_chat_template_is_written(side_by_side):
 
 
 def test_vocabulary_mismatch_without_a_tokenizer_setting_names_the_option(zoo):
-    config = MergeConfig.from_dict({"merge_method": "linear", "models": [
+    config = config_from_dict({"merge_method": "linear", "models": [
         {"model": str(zoo["base"]), "parameters": {"weight": 0.5}},
         {"model": str(zoo["instruct"]), "parameters": {"weight": 0.5}}]})
     with pytest.raises(InputError, match=r"vocabularies differ \(100 tokens in .*, 102 in .*\): set tokenizer_source"):
@@ -511,24 +511,24 @@ def test_mergekit_meanings_of_keys(zoo):
     """Base listed under models: is the base; out_dtype is stored, dtype is mergekit's compute dtype;
     DARE's density is the keep share; an empty parameters: is nothing; mergekit's defaults apply."""
     base, a = str(zoo["base"]), str(zoo["a"])
-    config = MergeConfig.from_dict({"merge_method": "dare_ties", "base_model": base, "dtype": "bfloat16",
-                                    "out_dtype": "float16", "models": [{"model": base, "parameters": None},
-                                                                       {"model": a, "parameters": {"density": 0.7}}]})
+    config = config_from_dict({"merge_method": "dare_ties", "base_model": base, "dtype": "bfloat16",
+                               "out_dtype": "float16", "models": [{"model": base, "parameters": None},
+                                                                  {"model": a, "parameters": {"density": 0.7}}]})
     assert config.inputs == [base, a] and config.dtype == "float16" and config.mergekit_compat
     assert config.parameter("drop", 0) == pytest.approx(0.3)
     assert config.parameter("normalize") is False  # mergekit's dare_ties default
-    own = MergeConfig.from_dict({"method": "dare_ties", "base": base, "models": [a]})
+    own = config_from_dict({"method": "dare_ties", "base": base, "models": [a]})
     assert own.parameter("normalize") is True and own.parameter("drop", 0) == 0.5 and not own.mergekit_compat
-    assert MergeConfig.from_dict({"merge_method": "ties", "base_model": base,
-                                  "models": [{"model": a}]}).parameter("density", 0) == 1.0
+    assert config_from_dict({"merge_method": "ties", "base_model": base,
+                             "models": [{"model": a}]}).parameter("density", 0) == 1.0
 
 
 def test_own_schema_round_trips_mergekit_settings(zoo):
     data = {"merge_method": "linear", "base_model": str(zoo["base"]), "tokenizer": {"source": "union",
             "pad_to_multiple_of": 8}, "chat_template": "chatml",
             "models": [{"model": str(zoo["base"]), "parameters": {"weight": 0.4}}, {"model": str(zoo["a"])}]}
-    config = MergeConfig.from_dict(data)
-    again = MergeConfig.from_dict(config.to_dict())
+    config = config_from_dict(data)
+    again = config_from_dict(config.to_dict())
     assert again == config
 
 
@@ -745,7 +745,7 @@ parameters:
     assert config == load_config(sliced) and len(config.slices) == 1
     assert config.parameter("normalize") is True
     with pytest.raises(InputError, match=r"modules: \(multi-module architectures\) is not supported"):
-        MergeConfig.from_dict({**yaml.safe_load(text), "modules": {"text_decoder": {}, "vision_tower": {}}})
+        config_from_dict({**yaml.safe_load(text), "modules": {"text_decoder": {}, "vision_tower": {}}})
 
 
 def test_a_base_alone_under_models_is_named(zoo, tmp_path):

@@ -21,6 +21,7 @@ from transformers import LlamaForCausalLM
 
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.engine import merge_state_dict, run_merge
+from mergekit_lite.merge.schema import config_from_dict
 
 FINE_TUNES = 3
 
@@ -100,7 +101,7 @@ def mergekit_yaml(case: dict, models: dict[str, Path]) -> dict:
 
 def lite_config(mergekit: dict, seed: int = 0) -> MergeConfig:
     """The same mergekit config read by mergekit-lite as it is (its schema, mergekit_compat mode)."""
-    return MergeConfig.from_dict({**mergekit, "seed": seed}, where="mergekit config")
+    return config_from_dict({**mergekit, "seed": seed}, where="mergekit config")
 
 
 @pytest.fixture(scope="module")

@@ -351,15 +351,15 @@ def test_bandwidth_rule_is_recorded_and_a_wide_one_warns(base_and_last_layer_tun
 
 def lerp_merge(base_dir, tuned_dir, tmp_path, similarity, alpha, method="recall_lerp"):
     from mergekit_lite.io.safetensors import open_model
-    from mergekit_lite.merge.config import MergeConfig
     from mergekit_lite.merge.engine import run_merge
+    from mergekit_lite.merge.schema import config_from_dict
 
     weights = RecallWeights([base_dir, tuned_dir], 1, 1.0, similarity, similarity, [0])
     weights_file = tmp_path / f"{method}-{alpha}.json"
     weights_file.write_text(json.dumps(weights.to_json()))
     parameters = {"alpha": alpha}
-    config = MergeConfig.from_dict({"method": method, "base": base_dir, "models": [tuned_dir], "parameters": parameters,
-                                    "recall": {"weights_file": str(weights_file)}})
+    config = config_from_dict({"method": method, "base": base_dir, "models": [tuned_dir], "parameters": parameters,
+                               "recall": {"weights_file": str(weights_file)}})
     out = tmp_path / f"{method}-{alpha}-{len(list(tmp_path.iterdir()))}"
     run_merge(config, out)
     source = open_model(out)
@@ -368,13 +368,13 @@ def lerp_merge(base_dir, tuned_dir, tmp_path, similarity, alpha, method="recall_
 
 def test_recall_lerp_flat_profile_is_byte_identical_to_linear(base_and_last_layer_tuned, tmp_path):
     from mergekit_lite.io.safetensors import open_model
-    from mergekit_lite.merge.config import MergeConfig
     from mergekit_lite.merge.engine import run_merge
+    from mergekit_lite.merge.schema import config_from_dict
 
     base_dir, tuned_dir = base_and_last_layer_tuned
     layerwise = lerp_merge(base_dir, tuned_dir, tmp_path, [[0.8, 1.0]] * 4, 0.3)
-    config = MergeConfig.from_dict({"method": "linear", "base": base_dir, "models": [tuned_dir],
-                                    "parameters": {"alpha": 0.3}})
+    config = config_from_dict({"method": "linear", "base": base_dir, "models": [tuned_dir],
+                               "parameters": {"alpha": 0.3}})
     run_merge(config, tmp_path / "linear")
     linear = open_model(tmp_path / "linear")
     for name, tensor in layerwise.items():
@@ -399,17 +399,17 @@ def test_recall_lerp_merges_each_layer_at_its_alpha(base_and_last_layer_tuned, t
 
 
 def test_recall_lerp_config_errors(base_and_last_layer_tuned):
-    from mergekit_lite.merge.config import MergeConfig
+    from mergekit_lite.merge.schema import config_from_dict
 
     base_dir, tuned_dir = base_and_last_layer_tuned
     common = {"method": "recall_lerp", "base": base_dir, "recall": {"texts": "t.txt"}}
     with pytest.raises(InputError, match="alpha"):
-        MergeConfig.from_dict({**common, "models": [tuned_dir]})
+        config_from_dict({**common, "models": [tuned_dir]})
     with pytest.raises(InputError, match="exactly two"):
-        MergeConfig.from_dict({**common, "models": [tuned_dir, tuned_dir], "parameters": {"alpha": 0.5}})
+        config_from_dict({**common, "models": [tuned_dir, tuned_dir], "parameters": {"alpha": 0.5}})
     with pytest.raises(InputError, match="bandwidth"):
-        MergeConfig.from_dict({**common, "models": [tuned_dir], "parameters": {"alpha": 0.5},
-                               "recall": {"texts": "t.txt", "bandwidth": "wide"}})
+        config_from_dict({**common, "models": [tuned_dir], "parameters": {"alpha": 0.5},
+                          "recall": {"texts": "t.txt", "bandwidth": "wide"}})
 
 
 def test_quiet_merge_draws_no_loading_bars(base_and_last_layer_tuned, tmp_path):

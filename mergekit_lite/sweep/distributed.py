@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep.evaluator import PointEvaluator, evaluate_point
 from mergekit_lite.sweep.settings import SweepSettings
 
@@ -85,5 +85,5 @@ class PointWorker:
         if self.evaluator is None:
             self.evaluator = PointEvaluator(self.settings, Path(self.settings.out), tqdm(disable=True))
         evaluate_point(self.evaluator, self.settings, label, alpha,
-                       None if config is None else MergeConfig.from_dict(config))
+                       None if config is None else config_from_dict(config))
         return label

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mergekit_lite import interrupts
 from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder
-from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
 from mergekit_lite.sweep.evaluator import PointEvaluator, evaluate_point
 from mergekit_lite.sweep.models import MergeConfigs
@@ -90,6 +90,6 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
             check_output_folder(settings.save_best, inputs)
             best = configs(result.best.alpha)
             if settings.copy_files_from:
-                best = MergeConfig.from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
+                best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
             run_merge(best, settings.save_best, progress=progress)
     return result

@@ -14,13 +14,8 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, Scoring
 from mergekit_lite.io.validation import read_yaml, validate
-from mergekit_lite.merge.config import (
-    DTYPES,
-    MAIN_COEFFICIENT,
-    METHODS,
-    RECALL_METHODS,
-    MergeConfig,
-)
+from mergekit_lite.merge.config import DTYPES, MAIN_COEFFICIENT, METHODS, RECALL_METHODS, MergeConfig
+from mergekit_lite.merge.schema import config_from_dict
 
 IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
                    "density", "drop", "seed", "recall_texts", "recall_samples", "metric", "filter", "choices",
@@ -200,7 +195,7 @@ class SweepSettings:
                 "seed": self.seed, "device": self.device if self.device.startswith("cuda") else "cpu",
                 "recall": {"texts": self.recall_texts, "samples": self.recall_samples,
                            "weights_file": recall_weights_file}}
-        return MergeConfig.from_dict(data, where="sweep")
+        return config_from_dict(data, where="sweep")
 
     def identity(self) -> dict:
         """What a saved point depends on; paths absolute so `pre/` and `./pre` are the same model."""
