@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.io.sources import open_inputs
-from mergekit_lite.merge.engine import merge_state_dict, run_merge
 from mergekit_lite.sweep import SweepSettings
 from mergekit_lite.sweep.models import ModelLoader, ResidentPair
 from mergekit_lite.toy import build_toy_pair

@@ -77,7 +77,7 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
     flags; flags win where both say something.
     """
-    from mergekit_lite.merge.engine import run_merge
+    from mergekit_lite.audited import run_merge
     from mergekit_lite.merge.plan import plan_merge
     from mergekit_lite.merge.schema import config_from_dict, load_config
 

@@ -20,9 +20,9 @@ from tiny_models import ARCHITECTURES, tiny_model, train_lora
 from transformers import AutoTokenizer
 
 from audits.adapter import audit_adapter
+from mergekit_lite.audited import run_merge
 from mergekit_lite.io.sources import open_inputs
 from mergekit_lite.merge.config import METHODS
-from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.merge.recall import RecallWeights
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep import SweepSettings, run_sweep

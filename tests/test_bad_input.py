@@ -530,9 +530,9 @@ def test_full_disk_for_run_folders_and_files_names_the_file_and_leaves_nothing(m
 
 def test_write_error_in_process_removes_temp_folder(models, tmp_path, monkeypatch):
     """The same fault without root: the writer fails on its third tensor; run_merge re-raises, leaves nothing."""
+    from mergekit_lite.audited import run_merge
     from mergekit_lite.io.safetensors import ShardedWriter
     from mergekit_lite.merge.config import MergeConfig, ModelSpec
-    from mergekit_lite.merge.engine import run_merge
 
     real_write, calls = ShardedWriter.write, []
 

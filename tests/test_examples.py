@@ -27,7 +27,7 @@ def test_ties_example_runs_on_tiny_models(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mergekit_lite.merge.engine import run_merge
+    from mergekit_lite.audited import run_merge
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)

@@ -13,9 +13,9 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.config import MergeConfig
-from mergekit_lite.merge.engine import merge_state_dict, run_merge
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict, load_config
 

@@ -13,8 +13,8 @@ from safetensors.numpy import load_file, save_file
 from tiny_models import save_tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
+from mergekit_lite.audited import run_merge
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.threads import torch_threads
 
@@ -112,6 +112,24 @@ def test_an_unreadable_adapter_is_not_offered_force(setup, tmp_path):
         with pytest.raises(InputError, match=r"REJECTED: format: NaN/Inf values") as refused:
             run_merge(config_from_dict({**config, "force": force}), tmp_path / f"out-{force}")
         assert "--force" not in str(refused.value) and not (tmp_path / f"out-{force}").exists()
+
+
+def test_the_engine_merges_no_adapter_without_a_gate(setup, tmp_path):
+    """The engine sits below the audits: given no gate it refuses an adapter before reading it; given the audit
+    gate it writes what the Python API (mergekit_lite.audited) writes, byte for byte."""
+    from mergekit_lite.audited import audit_gate
+    from mergekit_lite.merge import engine
+
+    root, first, _ = setup
+    config = {"method": "linear", "base": str(root / "base"), "models": [str(first)], "parameters": {"alpha": 0.5}}
+    with pytest.raises(InputError, match=f"adapter {first} is merged only after its audit"):
+        engine.run_merge(config_from_dict(config), tmp_path / "ungated")
+    with pytest.raises(InputError, match="is merged only after its audit"):
+        engine.merge_state_dict(config_from_dict(config))
+    assert not (tmp_path / "ungated").exists()
+    engine.run_merge(config_from_dict(config), tmp_path / "gated", gate=audit_gate)
+    run_merge(config_from_dict(config), tmp_path / "api")
+    assert (tmp_path / "gated" / "model.safetensors").read_bytes() == (tmp_path / "api" / "model.safetensors").read_bytes()
 
 
 def test_adapter_needs_a_base(setup, tmp_path):

@@ -26,8 +26,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from mergekit_lite.audited import run_merge
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.merge.schema import config_from_dict, load_config
 
 CLI = Path(sys.executable).parent / "mergekit-lite"

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from tiny_models import tiny_llama
 from transformers import LlamaForCausalLM
 
+from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.merge.config import MergeConfig
-from mergekit_lite.merge.engine import merge_state_dict, run_merge
 from mergekit_lite.merge.schema import config_from_dict
 
 FINE_TUNES = 3

@@ -350,8 +350,8 @@ def test_bandwidth_rule_is_recorded_and_a_wide_one_warns(base_and_last_layer_tun
 
 
 def lerp_merge(base_dir, tuned_dir, tmp_path, similarity, alpha, method="recall_lerp"):
+    from mergekit_lite.audited import run_merge
     from mergekit_lite.io.safetensors import open_model
-    from mergekit_lite.merge.engine import run_merge
     from mergekit_lite.merge.schema import config_from_dict
 
     weights = RecallWeights([base_dir, tuned_dir], 1, 1.0, similarity, similarity, [0])
@@ -367,8 +367,8 @@ def lerp_merge(base_dir, tuned_dir, tmp_path, similarity, alpha, method="recall_
 
 
 def test_recall_lerp_flat_profile_is_byte_identical_to_linear(base_and_last_layer_tuned, tmp_path):
+    from mergekit_lite.audited import run_merge
     from mergekit_lite.io.safetensors import open_model
-    from mergekit_lite.merge.engine import run_merge
     from mergekit_lite.merge.schema import config_from_dict
 
     base_dir, tuned_dir = base_and_last_layer_tuned

@@ -12,7 +12,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -454,13 +454,19 @@ class MergeResult:
     files: list[str]
 
 
-def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False) -> MergeResult:
-    """Plan and stream a merge into `out`, which appears only once complete."""
+# The audit of one adapter before it is merged (mergekit_lite.audited.audit_gate): raises when it may not be.
+AdapterGate = Callable[[str, MergeConfig], Any]
+
+
+def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
+              gate: AdapterGate | None = None) -> MergeResult:
+    """Plan and stream a merge into `out`, which appears only once complete. Adapters pass `gate` first
+    (the Python API with the audits is mergekit_lite.audited.run_merge)."""
     started = time.perf_counter()
     inputs = [*config.inputs, config.copy_files_from, config.recall.texts, config.recall.weights_file]
     check_output_folder(out, inputs, overwrite)
     usable_device(config.device)
-    reports = _audit_adapters(config)
+    reports = _audit_adapters(config, gate)
     plan = plan_merge(config)
     plan.notes.extend(_audit_notes(reports))
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
@@ -473,25 +479,26 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     return MergeResult(Path(out), plan, time.perf_counter() - started, files)
 
 
-def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:
+def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None,
+                     gate: AdapterGate | None = None) -> dict[str, torch.Tensor]:
     """The same merge, kept in memory: for models that fit, e.g. each point of a sweep."""
     state = {}
-    _audit_adapters(config)
+    _audit_adapters(config, gate)
     plan = plan_merge(config, sources)
     execute(plan, state.__setitem__, sink_keeps_tensors=True)
     return state
 
 
-def _audit_adapters(config: MergeConfig) -> list:
-    """Adapters are audited against the base before anything else reads them, so a refusal names the real cause;
-    REJECTED ones stop the merge. Without a base, planning says an adapter needs one."""
+def _audit_adapters(config: MergeConfig, gate: AdapterGate | None) -> list:
+    """Adapters pass the gate (their audit against the base) before anything else reads them, so a refusal names
+    the real cause; without a gate none is merged. Without a base, planning says an adapter needs one."""
     adapters = [path for path in config.inputs if LoraAdapter.is_adapter_dir(path)]
     if not (adapters and config.base):
         return []
-    from audits.adapter import require_verified
-
-    return [require_verified(adapter, config.base, force=config.force, allow_pickle=config.allow_pickle)
-            for adapter in adapters]
+    if gate is None:
+        raise InputError(f"adapter {adapters[0]} is merged only after its audit: use mergekit_lite.audited.run_merge "
+                         "(or pass the engine a gate)")
+    return [gate(adapter, config) for adapter in adapters]
 
 
 def _audit_notes(reports: list) -> list[str]:

@@ -61,7 +61,7 @@ class PointEvaluator:
     def merged(self, config: MergeConfig, samples: dict[str, dict[str, list[int]]] | None = None) -> list[TaskRun]:
         """A merge written into the resident model, or streamed to a folder in the run folder and loaded from it;
         scored on every doc, or only on `samples` ({group: {task: doc ids}}, probe mode)."""
-        from mergekit_lite.merge.engine import run_merge
+        from mergekit_lite.audited import run_merge
 
         if self.resident is not None:
             self.resident.write(config)

@@ -85,7 +85,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         result.search, result.probe = search, probed
         write_report(result)
         if settings.save_best:
-            from mergekit_lite.merge.engine import run_merge
+            from mergekit_lite.audited import run_merge
 
             check_output_folder(settings.save_best, inputs)
             best = configs(result.best.alpha)
