@@ -1,4 +1,5 @@
-"""Fewer evaluations per sweep: an adaptive search over the alpha grid, and probe-set scoring.
+"""Fewer evaluations per sweep: an adaptive search over the alpha grid, and probe-set scoring (pure helpers on
+indices and outcomes; `adaptive.py` runs them over the sweep's points).
 
 Both are ours; neither changes what a point is, so their points are the grid's own (same labels,
 same files) and a later full-grid run resumes from them.
