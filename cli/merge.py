@@ -17,6 +17,9 @@ Examples:
   # subtract a task vector (negative coefficient), preview without writing
   mergekit-lite merge --method task_arithmetic --base pre/ --model toxic/:-1 --out m/ --dry-run
 \b
+  # LiNeS: the task vector scaled from 0.3 in the first layer to 1.0 in the last
+  mergekit-lite merge --method lines --base pre/ --model post/ --alpha 0.3 --beta 0.7 --out merged/
+\b
   # a YAML config (see examples/), flags override its values
   mergekit-lite merge examples/ties.yaml --out merged/
 """
@@ -38,7 +41,10 @@ def _model_option(value: str) -> dict:
 @click.option("--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors.")
 @click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
               help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.")
-@click.option("--alpha", type=float, help="linear, recall_lerp: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1].")
+@click.option("--alpha", type=float, help="linear, recall_lerp: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1]; "
+              "lines: scale of the task vector in the first layer and outside the layers.")
+@click.option("--beta", type=float, help="lines: added to alpha across the layers, the last takes alpha + beta "
+              "(default 1 - alpha).")
 @click.option("--t", "t", type=float, help="slerp: interpolation factor; nearswap: distance threshold; in [0, 1].")
 @click.option("--lambda", "scale", type=float, help="Task-vector methods: scale of the combined task vector (negative subtracts).")
 @click.option("--density", type=float, help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5).")
@@ -66,14 +72,14 @@ def _model_option(value: str) -> dict:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, select_topk, temperature, normalize,
+def merge(config_file, out, method, base, models, alpha, beta, t, scale, density, drop, select_topk, temperature, normalize,
           recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, tokenizer_source,
           mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP/EMA, weighted average), slerp, task_arithmetic, ties, dare_linear, dare_ties,
     recall (layer-wise weights from hidden-representation similarity), recall_lerp (our layer-wise LERP
-    from the same measurements), and mergekit's others (della, breadcrumbs, model_stock, nuslerp, multislerp,
+    from the same measurements), lines (LiNeS: the task vector scaled linearly with depth), and mergekit's others (della, breadcrumbs, model_stock, nuslerp, multislerp,
     karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
     flags; flags win where both say something.
     """
@@ -82,7 +88,7 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
     from mergekit_lite.merge.schema import config_from_dict, load_config
 
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
-    parameters = {"alpha": alpha, "t": t, "lambda": scale, "density": density, "drop": drop,
+    parameters = {"alpha": alpha, "beta": beta, "t": t, "lambda": scale, "density": density, "drop": drop,
                   "select_topk": select_topk, "temperature": temperature, "normalize": normalize}
     data["parameters"].update({k: v for k, v in parameters.items() if v is not None})
     recall = {"texts": recall_texts, "samples": recall_samples, "embed_rule": embed_rule}

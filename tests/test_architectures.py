@@ -32,6 +32,7 @@ from mergekit_lite.threads import torch_threads
 ALL_METHODS_ON = ("gemma3_multimodal", "gpt2", "mixtral")
 TOKENS = torch.tensor([[1, 5, 17, 42, 63, 8, 2, 30, 77, 11]])
 TOWERS = ("vision_tower.", "multi_modal_projector.")  # Gemma3's vision tower and projector, on disk
+LAYERS = 2  # every tiny architecture's decoder depth (tiny_models._text)
 RECALL_ROWS = [[0.9, 0.1], [0.3, 0.7], [0.6, 0.4]]  # embeddings and towers, decoder layer 0, layer 1 (and head)
 
 
@@ -109,12 +110,19 @@ def reference_sce(base: torch.Tensor, models: list[torch.Tensor]) -> torch.Tenso
     return base + (deltas * kept).sum(0) / kept.sum(0).clamp(min=1e-6)
 
 
-def recall_row(name: str) -> list[float]:
-    """RECALL weights by depth: a decoder layer its own row; embeddings and towers the first; the rest the last."""
+def decoder_layer(name: str) -> int | None:
+    """The decoder layer of an on-disk name; None outside the decoder layers (towers included)."""
     decoder = name if not name.startswith(TOWERS) else ""
     for marker in (".layers.", ".h."):
         if marker in decoder:
-            return RECALL_ROWS[int(decoder.split(marker)[1].split(".")[0]) + 1]
+            return int(decoder.split(marker)[1].split(".")[0])
+    return None
+
+
+def recall_row(name: str) -> list[float]:
+    """RECALL weights by depth: a decoder layer its own row; embeddings and towers the first; the rest the last."""
+    if decoder_layer(name) is not None:
+        return RECALL_ROWS[decoder_layer(name) + 1]
     embedding = any(part in name for part in ("embed_tokens", "wte", "wpe"))
     return RECALL_ROWS[0] if embedding or name.startswith(TOWERS) else RECALL_ROWS[-1]
 
@@ -146,6 +154,10 @@ def reference(method: str, folders: list[Path]) -> dict[str, torch.Tensor]:
             merged[name] = step * m1 + (1 - step) * b
         elif method == "sce":
             merged[name] = reference_sce(b, [m1, m2])
+        elif method == "lines":  # LiNeS (arXiv 2410.17146, Sec. 3): alpha + beta * l / (L - 1), alpha outside the layers
+            layer = decoder_layer(name)
+            factor = 0.2 if layer is None else 0.2 + 0.6 * layer / (LAYERS - 1)
+            merged[name] = b + factor * ((m1 - b) + (m2 - b))
         else:
             row = recall_row(name)
             merged[name] = row[0] * b + row[1] * m1
@@ -166,6 +178,7 @@ MERGES = {
     "passthrough": lambda paths: {"models": [{"model": paths[2], "parameters": {"scale": 0.5}}]},
     "nearswap": lambda paths: {"base": paths[0], "models": [paths[1]], "parameters": {"t": 0.01}},
     "sce": lambda paths: {"base": paths[0], "models": paths[1:]},
+    "lines": lambda paths: {"base": paths[0], "models": paths[1:], "parameters": {"alpha": 0.2, "beta": 0.6}},
 }
 CASES = [(architecture, method) for architecture in ARCHITECTURES for method in MERGES
          if architecture in ALL_METHODS_ON or method in ("linear", "ties")]

@@ -49,6 +49,7 @@ METHOD_PARAMETERS = {
     "passthrough": {"scale"},
     "recall": {"temperature"},
     "recall_lerp": {"alpha"},
+    "lines": {"alpha", "beta", "weight"},
 }
 METHODS = tuple(METHOD_PARAMETERS)
 PER_MODEL_PARAMETERS = {"weight", "density", "drop", "epsilon", "gamma", "scale"}
@@ -58,6 +59,7 @@ MAIN_COEFFICIENT = {
     "linear": "alpha", "slerp": "t", "task_arithmetic": "lambda", "ties": "lambda",
     "dare_linear": "lambda", "dare_ties": "lambda", "della": "lambda", "della_linear": "lambda",
     "breadcrumbs": "lambda", "breadcrumbs_ties": "lambda", "recall": "temperature", "recall_lerp": "alpha",
+    "lines": "alpha",
 }
 RECALL_METHODS = ("recall", "recall_lerp")
 # epsilon, gamma and the Model Stock/NuSLERP/Multi-SLERP/Karcher/passthrough knobs: mergekit's names and defaults
@@ -316,7 +318,7 @@ class MergeConfig:
                 and "weight" not in self.base_parameters and "weight" not in self.parameters:
             raise InputError(f"linear weights every input, the base too: give {self.base} a weight "
                              "(list it under models: with parameters: weight)")
-        if (self.method in TASK_VECTOR_METHODS or self.method == "sce") and not self.base:
+        if (self.method in TASK_VECTOR_METHODS or self.method in ("sce", "lines")) and not self.base:
             raise InputError(f"{self.method} needs a base model (--base)")
         if self.method == "model_stock" and (not self.base or len(self.models) < 2):
             raise InputError(f"model_stock needs a base model and at least two fine-tunes, got {count} inputs")
@@ -332,6 +334,8 @@ class MergeConfig:
             raise InputError(f"recall_lerp interpolates exactly two models, a base (pre) and one model (post), got {count}")
         if self.method == "recall_lerp" and not isinstance(self.parameters.get("alpha"), (int, float)):
             raise InputError("recall_lerp needs one number alpha (the global weight of post the layer profile centres on)")
+        if self.method == "lines" and self.parameters.get("alpha") is None:
+            raise InputError("lines needs alpha, the scale of the task vector in the first layer")
 
     def to_dict(self) -> dict:
         """mergekit-lite's own schema (what --dry-run's provenance file and flag overrides use)."""

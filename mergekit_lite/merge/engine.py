@@ -118,6 +118,9 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         return lambda chunk: methods.linear(chunk, weights, normalize=False)
     if method == "passthrough":
         return lambda chunk: chunk[0].to(torch.float32) * parameters["scale"]
+    if method == "lines":
+        return lambda chunk: methods.lines(chunk[0], chunk[1:], parameters["weights"], parameters["alpha"],
+                                           parameters["beta"], parameters["layer"], parameters["n_layers"])
     if method == "nearswap":
         return lambda chunk: methods.nearswap(chunk[0], chunk[1], parameters["t"])
     if method in ("model_stock", "nuslerp", "multislerp", "karcher"):

@@ -193,8 +193,8 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
     outside the layers come from the first slice's sources (embeddings) or the last slice's (final norm,
     head).
     """
-    if config.method == "recall":
-        raise InputError("recall does not take slices (it weighs whole models layer by layer)")
+    if config.method in ("recall", "lines"):
+        raise InputError(f"{config.method} does not take slices (it weighs whole models layer by layer)")
     for path in config.inputs:
         if LoraAdapter.is_adapter_dir(path):
             raise InputError(f"{path}: slices take model folders, not LoRA adapters")
@@ -302,6 +302,11 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
         if method == "recall_lerp":
             return {"alpha": recall_weights.lerp_alpha(value("alpha"), layer, part, config.recall.embed_rule)}
         return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
+    if method == "lines":  # beta defaults to 1 - alpha: the last layer keeps the whole task vector (the authors'
+        alpha = value("alpha")  # single-task editing, src/eval/eval.py `evaluate`)
+        beta = value("beta") if config.parameter("beta") is not None else 1.0 - alpha
+        return {"alpha": alpha, "beta": beta, "layer": layer, "n_layers": n_layers,
+                "weights": [value("weight", i) for i in models]}
     if method == "model_stock":
         return {"filter_wise": value("filter_wise")}
     if method == "nuslerp":
