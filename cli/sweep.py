@@ -47,7 +47,9 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--pre", help="Base (pre-trained) model folder: the reference for every forgetting comparison.")
 @click.option("--post", help="Post-trained model folder (same architecture as --pre).")
-@click.option("--method", "-m", type=click.Choice(tuple(MAIN_COEFFICIENT)), help="Merge method (default linear); see alpha below.")
+@click.option("--method", "-m", help=f"Merge method (default linear; one of {', '.join(MAIN_COEFFICIENT)}), see alpha "
+              "below; several, comma-separated, compare them in one run (pre and post evaluated once).")
+@click.option("--baseline", help="With several methods: the one each is compared with (default linear).")
 @click.option("--alphas", help="Grid: START:STOP:STEP (STOP included) or a comma list, e.g. 0:1:0.1 or 0,0.3,0.5.")
 @click.option("--old-tasks", multiple=True, help="lm-eval tasks of what pre could do; comma list or repeated.")
 @click.option("--new-tasks", multiple=True, help="lm-eval tasks of what post-training taught; comma list or repeated.")
@@ -98,7 +100,7 @@ def _flag_values(data: dict, **flags) -> dict:
                    "share of the others (seeded), estimate its scores with standard errors, then score the pick on "
                    "every doc (e.g. 0.1; default: every doc at every alpha).")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
-def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
+def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
           selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
           backend, vllm_args, probe, quiet):
@@ -122,6 +124,13 @@ def sweep(config_file, pre, post, method, alphas, old_tasks, new_tasks, include_
                         selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence,
                         ray=ray_address, search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype,
                         backend=backend, vllm_args=vllm_args, probe=probe)
+    methods = [name.strip() for name in str(data["method"]).split(",") if name.strip()]
+    if len(methods) > 1 or baseline:
+        from mergekit_lite.evaluate.compare import comparison_summary, method_settings, run_comparison
+
+        comparison = run_comparison(method_settings(data, methods), baseline or "linear", progress=not quiet)
+        click.echo(comparison_summary(comparison))
+        return
     settings = settings_from_dict(data)
     result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))

@@ -1,0 +1,96 @@
+"""Several methods in one sweep: pre and post evaluated once and shared, each method an ordinary sweep, and the
+comparison's linear pick equal to a linear-only sweep's on the same grid and docs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.compare import method_settings, run_comparison
+from mergekit_lite.evaluate.sweep import POINTS_DIR, run_sweep
+
+ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
+METHODS = ["linear", "task_arithmetic", "ties"]
+CLI = str(Path(sys.executable).parent / "mergekit-lite")
+
+
+def shared(pair, out) -> dict:
+    return {"pre": pair.pre_dir, "post": pair.post_dir, "alphas": ALPHAS, "old_tasks": pair.old_tasks,
+            "new_tasks": pair.new_tasks, "include_path": pair.task_dir, "out": str(out), "limit": None}
+
+
+@pytest.fixture(scope="module")
+def comparison(toy_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "run"
+    return run_comparison(method_settings(shared(toy_pair, out), METHODS), baseline="linear")
+
+
+def test_pre_and_post_are_evaluated_once_for_every_method(comparison):
+    out = comparison.out
+    n_grid = len(ALPHAS) * len(METHODS)
+    assert comparison.evaluations == 2 + n_grid  # not 2 per method
+    assert sorted(p.name for p in (out / POINTS_DIR).glob("*.json")) == ["post.json", "pre.json"]
+    for method, result in comparison.sweeps.items():
+        assert "pre" not in result.evaluated and "post" not in result.evaluated
+        assert len(result.evaluated) == len(ALPHAS)
+        assert result.out == out / method and (out / method / "report.md").is_file()
+        # the shared scores, not another evaluation's
+        assert result.pre.old == comparison.pre.old and result.post.new == comparison.post.new
+
+
+def test_linear_pick_equals_a_linear_only_sweep_on_the_same_grid_and_split(toy_pair, comparison, tmp_path):
+    alone = run_sweep(method_settings(shared(toy_pair, tmp_path / "alone"), ["linear"])[0])
+    row = next(row for row in comparison.rows if row.method == "linear")
+    assert row.pick.alpha == alone.best.alpha
+    assert (row.pick.old, row.pick.new, row.pick.harmonic_mean) == (alone.best.old, alone.best.new,
+                                                                    alone.best.harmonic_mean)
+    assert row.pick.intervals == alone.best.intervals
+    assert row.diff_to_baseline == [0.0, 0.0] and row.indistinguishable
+
+
+def test_comparison_files_agree_with_the_result(comparison):
+    data = json.loads((comparison.out / "comparison.json").read_text())
+    assert data["evaluations"] == comparison.evaluations and data["baseline"] == "linear"
+    assert [entry["method"] for entry in data["methods"]] == METHODS
+    for entry, row in zip(data["methods"], comparison.rows):
+        assert entry["pick"] == row.pick.alpha and entry["harmonic_mean"] == row.pick.harmonic_mean
+        low, high = entry["diff_to_baseline"]
+        assert entry["indistinguishable_from_baseline"] == (low <= 0 <= high)
+        assert len(entry["points"]) == len(ALPHAS)
+    markdown = (comparison.out / "comparison.md").read_text()
+    assert all(f"[{method}]({method}/report.md)" in markdown for method in METHODS)
+    assert (comparison.out / "pareto.png").stat().st_size > 0
+
+
+def test_a_rerun_resumes_everything(toy_pair, comparison):
+    again = run_comparison(method_settings(shared(toy_pair, comparison.out), METHODS), baseline="linear")
+    assert again.evaluations == 0
+    assert [row.pick.alpha for row in again.rows] == [row.pick.alpha for row in comparison.rows]
+
+
+def test_bad_method_lists_fail_before_any_model_is_read(toy_pair, tmp_path):
+    data = shared(toy_pair, tmp_path / "run")
+    with pytest.raises(InputError, match="linear given twice"):
+        method_settings(data, ["linear", "linear"])
+    with pytest.raises(InputError, match="unknown"):
+        method_settings(data, ["linear", "nosuch"])
+    with pytest.raises(InputError, match="each entry"):
+        method_settings(data, [{"method": "ties", "lambda": 2}])
+    with pytest.raises(InputError, match="baseline 'ties' is not among"):
+        run_comparison(method_settings(data, ["linear"]), baseline="ties")
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_compares_methods_and_prints_a_summary(toy_pair, comparison):
+    result = subprocess.run([CLI, "sweep", "--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir,
+                             "--method", ",".join(METHODS), "--alphas", ",".join(map(str, ALPHAS)),
+                             "--old-tasks", ",".join(toy_pair.old_tasks), "--new-tasks", ",".join(toy_pair.new_tasks),
+                             "--include-path", toy_pair.task_dir, "--out", str(comparison.out), "-q"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "evaluated 0 models" in result.stdout
+    for method in METHODS:
+        assert f"best {method}" in result.stdout
