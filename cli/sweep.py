@@ -14,6 +14,8 @@ What alpha is, per --method (the method's main coefficient):
   dare_linear, dare_ties lambda, scale of post's task vector (post - pre) added to pre
   recall                 softmax temperature of the per-layer weights (> 0; the models run once)
   recall_lerp            global weight of post; each layer takes alpha ** (its drift / mean drift)
+  lines                  LiNeS: post's task vector scaled by alpha in the first layer, rising linearly
+                         to 1 in the last (beta = 1 - alpha)
 \b
 Pick: the alpha with the highest harmonic mean 2*old*new/(old+new) of the old-task and new-task
 scores (per group: the unweighted mean of its tasks' scores, as the forgetting paper averages
@@ -35,6 +37,9 @@ Examples:
       --old-tasks arc_easy,hellaswag --new-tasks gsm8k --limit 200 --out runs/lerp
 \b
   mergekit-lite sweep examples/sweep.yaml --method ties --density 0.5 --alphas 0:1.5:0.25 --out runs/ties
+\b
+  # several methods in one run folder, pre and post evaluated once; comparison.md against --baseline
+  mergekit-lite sweep examples/sweep.yaml --method linear,task_arithmetic,ties,lines --out runs/compare
 """
 
 
