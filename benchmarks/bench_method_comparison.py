@@ -5,7 +5,7 @@
 Pairs (mergekit_lite.toy, as benchmarks/recall_lerp_vs_linear.py): "demo" is the demo's pair; "conc" has 4 layers
 and only decoder layer 2 post-trained. For each pair: one `run_comparison` over --methods (pre and post evaluated
 once), then each method's sweep alone in its own folder (pre and post evaluated again each time), both timed and
-their evaluations counted. Prints the comparison table and writes <out>/results.json. The two runs must agree
+their evaluations counted (after an untimed one-point warm-up sweep). Prints the comparison table and writes <out>/results.json. The two runs must agree
 on every pick and score (the same docs, the same grid); the script stops if they do not.
 """
 
@@ -41,6 +41,8 @@ def main() -> None:
         shared = {"pre": str(pair.pre_dir), "post": str(pair.post_dir), "alphas": args.alphas,
                   "old_tasks": pair.old_tasks, "new_tasks": pair.new_tasks, "include_path": str(pair.task_dir),
                   "recall_texts": str(pair.typical_texts)}
+        # warm-up, untimed: imports, lm-eval's task index and the first model load, which the first run would pay
+        run_sweep(method_settings({**shared, "alphas": [0.5], "out": str(folder / "warmup")}, ["linear"])[0])
         start = time.perf_counter()
         comparison = run_comparison(method_settings({**shared, "out": str(folder / "together")}, methods))
         together = time.perf_counter() - start
