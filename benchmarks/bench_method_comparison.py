@@ -16,8 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from mergekit_lite.evaluate.compare import method_settings, run_comparison
-from mergekit_lite.evaluate.sweep import run_sweep
+from mergekit_lite.sweep import method_settings, run_comparison, run_sweep
 from mergekit_lite.toy import build_toy_pair
 
 PAIRS = {

@@ -129,9 +129,11 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
                         selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence,
                         ray=ray_address, search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype,
                         backend=backend, vllm_args=vllm_args, probe=probe)
-    methods = [name.strip() for name in str(data["method"]).split(",") if name.strip()]
+    listed = data.pop("methods", None)
+    methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
     if len(methods) > 1 or baseline:
-        from mergekit_lite.evaluate.compare import comparison_summary, method_settings, run_comparison
+        from mergekit_lite.sweep import method_settings, run_comparison
+        from mergekit_lite.sweep.compare import comparison_summary
 
         comparison = run_comparison(method_settings(data, methods), baseline or "linear", progress=not quiet)
         click.echo(comparison_summary(comparison))

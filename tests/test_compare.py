@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.compare import method_settings, run_comparison
-from mergekit_lite.evaluate.sweep import POINTS_DIR, run_sweep
+from mergekit_lite.sweep import method_settings, run_comparison, run_sweep
+from mergekit_lite.sweep.store import POINTS_DIR
 
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
-METHODS = ["linear", "task_arithmetic", "ties"]
+METHODS = ["linear", "task_arithmetic", "ties", "lines"]
 CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
 
@@ -94,3 +94,16 @@ def test_cli_compares_methods_and_prints_a_summary(toy_pair, comparison):
     assert "evaluated 0 models" in result.stdout
     for method in METHODS:
         assert f"best {method}" in result.stdout
+
+
+def test_the_compare_example_gives_each_method_its_own_grid(tmp_path):
+    from mergekit_lite.sweep import load_sweep_file
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "compare.yaml"
+    data = load_sweep_file(example)
+    methods = data.pop("methods")
+    settings = method_settings({**data, "out": str(tmp_path / "run")}, methods)
+    assert [s.method for s in settings] == ["linear", "task_arithmetic", "ties", "dare_ties", "recall_lerp", "lines"]
+    ties = settings[2]
+    assert (ties.density, ties.alphas[-1], settings[0].alphas[-1]) == (0.5, 1.5, 1.0)
+    assert all(Path(s.out) == tmp_path / "run" / s.method for s in settings)

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import save_tiny_llama
 
+from mergekit_lite.audited import run_merge
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.config import MergeConfig
-from mergekit_lite.merge.engine import run_merge
 from mergekit_lite.merge.plan import plan_merge
+from mergekit_lite.merge.schema import config_from_dict
 
 
 def state(folder: Path) -> dict[str, torch.Tensor]:
@@ -54,7 +54,7 @@ def test_lines_equals_a_float64_reference_on_every_tensor(checkpoints, n_models,
     n_layers, folders = checkpoints
     parameters = {"alpha": alpha} if beta is None else {"alpha": alpha, "beta": beta}
     models = [{"model": str(folder), "weight": weight} for folder, weight in zip(folders[1:1 + n_models], weights)]
-    run_merge(MergeConfig.from_dict({"method": "lines", "base": str(folders[0]), "models": models,
+    run_merge(config_from_dict({"method": "lines", "base": str(folders[0]), "models": models,
                                      "parameters": parameters}), tmp_path / "out")
 
     merged = state(tmp_path / "out")
@@ -68,7 +68,7 @@ def test_lines_equals_a_float64_reference_on_every_tensor(checkpoints, n_models,
 
 def test_the_plan_names_each_tensors_depth(checkpoints):
     n_layers, folders = checkpoints
-    config = MergeConfig.from_dict({"method": "lines", "base": str(folders[0]), "models": [str(folders[1])],
+    config = config_from_dict({"method": "lines", "base": str(folders[0]), "models": [str(folders[1])],
                                     "parameters": {"alpha": 0.2, "beta": 0.4}})
     steps = {step.name: step.parameters for step in plan_merge(config).steps}
     assert steps["model.layers.1.mlp.up_proj.weight"] == {"alpha": 0.2, "beta": 0.4, "layer": 1, "n_layers": n_layers,
@@ -86,12 +86,12 @@ def test_lines_refuses_incomplete_configs(checkpoints, data, message):
     _, folders = checkpoints
     config = {"method": "lines", "base": str(folders[0]), "models": [str(folders[1])], **data}
     with pytest.raises(InputError, match=message):
-        MergeConfig.from_dict(config)
+        config_from_dict(config)
 
 
 def test_lines_does_not_take_slices(checkpoints):
     _, folders = checkpoints
-    config = MergeConfig.from_dict({"method": "lines", "parameters": {"alpha": 0.5}, "base": str(folders[0]),
+    config = config_from_dict({"method": "lines", "parameters": {"alpha": 0.5}, "base": str(folders[0]),
                                     "slices": [{"sources": [{"model": str(folders[0]), "layer_range": [0, 2]},
                                                             {"model": str(folders[1]), "layer_range": [0, 2]}]}]})
     with pytest.raises(InputError, match="lines does not take slices"):

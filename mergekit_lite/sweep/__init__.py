@@ -22,12 +22,15 @@ One concern per module, imports pointing down this list only:
 the sweep file), `scoring` (per-task outcomes, splits, group scores, bootstrap), `result` (SweepResult, the
 pick, Pareto front, intervals), `store` (the run folder: point files, identities, lock), `models` (merge config
 per alpha, model loading, the resident pair), `evaluator` (one point evaluated and saved), `adaptive` (golden
-search and probe mode), `report` and `distributed` (read results, run evaluators on Ray), `run` (run_sweep,
+search and probe mode), `report` and `distributed` (read results, run evaluators on Ray), `compare` (several
+methods' picks against a baseline's: comparison.json/.md, pareto.png), `run` (run_sweep and run_comparison,
 the orchestration; nothing imports it but this package's entry point and its callers).
 """
 
+from mergekit_lite.sweep.compare import Comparison, method_settings
 from mergekit_lite.sweep.result import PointResult, SweepResult
-from mergekit_lite.sweep.run import run_sweep
+from mergekit_lite.sweep.run import run_comparison, run_sweep
 from mergekit_lite.sweep.settings import SweepSettings, load_sweep_file, settings_from_dict
 
-__all__ = ["PointResult", "SweepResult", "SweepSettings", "load_sweep_file", "run_sweep", "settings_from_dict"]
+__all__ = ["Comparison", "PointResult", "SweepResult", "SweepSettings", "load_sweep_file", "method_settings",
+           "run_comparison", "run_sweep", "settings_from_dict"]

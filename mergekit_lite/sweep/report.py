@@ -29,6 +29,7 @@ ALPHA_MEANING = {
     "dare_ties": "lambda, the scale of post's DARE-dropped, sign-elected task vector added to pre",
     "recall": "softmax temperature of RECALL's per-layer weights (low = each layer follows the closer model)",
     "recall_lerp": "global weight of post; layer l takes alpha ** (its drift / mean drift), flat drift = linear",
+    "lines": "LiNeS: post's task vector scaled by alpha in the first layer, rising linearly to 1 in the last",
 }
 DEFINITIONS = {
     "old": "score over the old tasks (what pre could do): per task the mean of its 0/1 metric, then the "

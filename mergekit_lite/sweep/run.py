@@ -1,19 +1,27 @@
 """The sweep itself: evaluate pre, post and the alphas (the full grid, a golden-section search or probe
 mode; here one point after another, or on Ray actors), resuming saved points under the run folder's lock,
-then build the result, write the report and, with --save-best, merge the pick."""
+then build the result, write the report and, with --save-best, merge the pick; several methods in one run
+folder (`run_comparison`), pre and post evaluated once for all of them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 from mergekit_lite import interrupts
+from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
+from mergekit_lite.sweep.compare import METHOD_FIELDS, Comparison, compare, write_comparison
 from mergekit_lite.sweep.evaluator import PointEvaluator, evaluate_point
 from mergekit_lite.sweep.models import MergeConfigs
 from mergekit_lite.sweep.result import SweepResult, build_result
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
-from mergekit_lite.sweep.store import POINTS_DIR, alpha_label, load_points, run_lock
+from mergekit_lite.sweep.store import POINTS_DIR, alpha_label, load_points, point_file, run_lock, save_point
+
+ENDPOINTS = ("pre", "post")
 
 
 def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
@@ -93,3 +101,45 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                 best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
             run_merge(best, settings.save_best, progress=progress)
     return result
+
+
+def run_comparison(settings: list[SweepSettings], baseline: str = "linear", progress: bool = False) -> Comparison:
+    """Evaluate pre and post once into the run folder's points/, write them into each method's sweep folder
+    (OUT/<method>) under that sweep's identity, so each method's ordinary sweep resumes them; then compare."""
+    if baseline not in [s.method for s in settings]:
+        raise InputError(f"baseline {baseline!r} is not among the methods ({', '.join(s.method for s in settings)})")
+    first = settings[0]
+    folder = prepare_run_folder(Path(first.out).parent, [first.pre, first.post, first.include_path, first.recall_texts])
+    (folder / POINTS_DIR).mkdir(exist_ok=True)
+    shared = replace(first, out=str(folder), stream=True, save_best=None)  # endpoints only: no resident pair
+    pair = {key: value for key, value in shared.identity().items() if key not in METHOD_FIELDS}
+
+    def saved_endpoints() -> dict[str, list[TaskRun]]:
+        return {label: runs for label, runs in load_points(folder, pair).items() if label in ENDPOINTS}
+
+    with run_lock(folder):
+        endpoints = saved_endpoints()
+        todo = [label for label in ENDPOINTS if label not in endpoints]
+        if todo and shared.ray is not None:
+            from mergekit_lite.sweep.distributed import run_points_on_ray
+
+            run_points_on_ray(shared, [(label, None, None) for label in todo], shared.ray)
+            endpoints = saved_endpoints()
+        elif todo:
+            from tqdm import tqdm
+
+            with tqdm(disable=True) as bar:
+                evaluator = PointEvaluator(shared, folder, bar)
+                for label in todo:
+                    endpoints[label] = evaluate_point(evaluator, shared, label, None, None)
+        sweeps = {}
+        for own in settings:
+            sub = prepare_run_folder(own.out, [own.pre, own.post])
+            (sub / POINTS_DIR).mkdir(exist_ok=True)
+            for label, runs in endpoints.items():
+                if not point_file(sub, label).is_file():
+                    save_point(point_file(sub, label), own.identity(), label, None, runs)
+            sweeps[own.method] = run_sweep(own, progress=progress)
+        comparison = compare(sweeps, baseline, folder, len(todo) + sum(len(r.evaluated) for r in sweeps.values()))
+        write_comparison(comparison)
+    return comparison

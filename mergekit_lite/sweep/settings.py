@@ -261,10 +261,13 @@ class SweepFile(BaseModel):
     backend: str | None = None
     vllm_args: str | None = None
     probe: float | None = Field(None, gt=0, le=1)
+    # several methods compared in one run (sweep.compare): names, or {method: NAME, alphas/density/drop: ...}
+    methods: list[str | dict[str, str | float | list[float]]] | None = Field(None, min_length=1)
 
 
 def load_sweep_file(path: str | Path) -> dict:
-    """A YAML sweep config with SweepSettings' keys (dashes or underscores); unknown keys are an error."""
+    """A YAML sweep config with SweepSettings' keys (dashes or underscores), and `methods` (several methods
+    compared in one run); unknown keys are an error."""
     path = Path(path)
     data = read_yaml(path)
     if not isinstance(data, dict):
@@ -272,8 +275,8 @@ def load_sweep_file(path: str | Path) -> dict:
     settings = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in SETTINGS_KEYS:
-            raise InputError(f"{path}: unknown key {key!r} (known: {', '.join(SETTINGS_KEYS)})")
+        if name not in SETTINGS_KEYS and name != "methods":
+            raise InputError(f"{path}: unknown key {key!r} (known: {', '.join(SETTINGS_KEYS)}, methods)")
         settings[name] = value
     validate(SweepFile, settings, path)
     return {name: value for name, value in settings.items() if value is not None}

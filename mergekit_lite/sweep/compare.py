@@ -1,6 +1,6 @@
 """Several merge methods swept on one pair in one run folder, and compared against a baseline method. [ours]
 
-pre and post are evaluated once, into the run folder's own `points/`, and their point files are written into
+(`run.run_comparison` runs them.) pre and post are evaluated once, into the run folder's own `points/`, and their point files are written into
 each method's sweep folder (`OUT/<method>/`) under that sweep's identity, so every method's sweep resumes them
 instead of evaluating them again; each method's sweep is then an ordinary sweep (grid, golden search, probe
 mode, Ray, resume, its own report). Every method's pick is made on the selection split, as in a single sweep.
@@ -20,25 +20,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.sweep import (
-    POINTS_DIR,
-    PointEvaluator,
-    PointResult,
-    SweepResult,
-    SweepSettings,
-    evaluate_point,
-    load_points,
-    paired_bootstrap,
-    point_file,
-    run_lock,
-    run_sweep,
-    save_point,
-    settings_from_dict,
-)
-from mergekit_lite.io.outputs import prepare_run_folder, write_atomic
+from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.sweep.result import SweepResult
+from mergekit_lite.sweep.scoring import PointResult, paired_bootstrap
+from mergekit_lite.sweep.settings import SweepSettings, settings_from_dict
 
 COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT = "comparison.json", "comparison.md", "pareto.png"
-ENDPOINTS = ("pre", "post")
 METHOD_FIELDS = ("method", "density", "drop", "recall_texts", "recall_samples")  # what pre and post do not depend on
 PER_METHOD = ("alphas", "density", "drop")  # what each entry of `methods:` may set for its own sweep
 
@@ -83,44 +70,6 @@ def method_settings(data: dict, methods: list) -> list[SweepSettings]:
     if len(set(names)) != len(names):
         raise InputError(f"methods: {', '.join(sorted({n for n in names if names.count(n) > 1}))} given twice")
     return settings
-
-
-def run_comparison(settings: list[SweepSettings], baseline: str = "linear", progress: bool = False) -> Comparison:
-    """Evaluate pre and post once, sweep every method (resuming), compare each pick with the baseline's."""
-    if baseline not in [s.method for s in settings]:
-        raise InputError(f"baseline {baseline!r} is not among the methods ({', '.join(s.method for s in settings)})")
-    first = settings[0]
-    out = Path(first.out).parent
-    folder = prepare_run_folder(out, [first.pre, first.post, first.include_path, first.recall_texts])
-    (folder / POINTS_DIR).mkdir(exist_ok=True)
-    shared = replace(first, out=str(folder), stream=True, save_best=None)  # endpoints only: no resident pair
-    pair = {key: value for key, value in shared.identity().items() if key not in METHOD_FIELDS}
-    with run_lock(folder):
-        endpoints = {label: runs for label, runs in load_points(folder, pair).items() if label in ENDPOINTS}
-        todo = [label for label in ENDPOINTS if label not in endpoints]
-        if todo and shared.ray is not None:
-            from mergekit_lite.evaluate.distributed import run_points_on_ray
-
-            run_points_on_ray(shared, [(label, None, None) for label in todo], shared.ray)
-            endpoints.update({label: runs for label, runs in load_points(folder, pair).items() if label in ENDPOINTS})
-        elif todo:
-            from tqdm import tqdm
-
-            with tqdm(disable=True) as bar:
-                evaluator = PointEvaluator(shared, folder, bar)
-                for label in todo:
-                    endpoints[label] = evaluate_point(evaluator, shared, label, None, None)
-        sweeps = {}
-        for own in settings:
-            sub = prepare_run_folder(own.out, [own.pre, own.post])
-            (sub / POINTS_DIR).mkdir(exist_ok=True)
-            for label, runs in endpoints.items():
-                if not point_file(sub, label).is_file():
-                    save_point(point_file(sub, label), own.identity(), label, None, runs)
-            sweeps[own.method] = run_sweep(own, progress=progress)
-        comparison = compare(sweeps, baseline, folder, len(todo) + sum(len(r.evaluated) for r in sweeps.values()))
-        write_comparison(comparison)
-    return comparison
 
 
 def compare(sweeps: dict[str, SweepResult], baseline: str, folder: Path, evaluations: int) -> Comparison:
@@ -201,7 +150,7 @@ def comparison_markdown(comparison: Comparison, data: dict) -> str:
 def plot_pareto(comparison: Comparison, path: Path) -> None:
     """old against new (report split) for every point of every method; each method's front (selection split)
     as a line, its pick as a star; pre and post as black markers."""
-    from mergekit_lite.evaluate.report import _new_figure
+    from mergekit_lite.sweep.report import _new_figure
 
     figure = _new_figure((6.4, 5.6))
     axes = figure.add_subplot()
