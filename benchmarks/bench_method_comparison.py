@@ -31,10 +31,12 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/work/compare")
     parser.add_argument("--alphas", default="0:1:0.1")
     parser.add_argument("--methods", default=METHODS)
+    parser.add_argument("--pairs", default=",".join(PAIRS))
     args = parser.parse_args()
     methods = args.methods.split(",")
     results = {}
-    for name, options in PAIRS.items():
+    for name in args.pairs.split(","):
+        options = PAIRS[name]
         folder = Path(args.out).resolve() / name
         pair = build_toy_pair(folder / "pair", seed=0, **options)
         shared = {"pre": str(pair.pre_dir), "post": str(pair.post_dir), "alphas": args.alphas,
