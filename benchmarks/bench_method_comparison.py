@@ -5,8 +5,9 @@
 Pairs (mergekit_lite.toy, as benchmarks/recall_lerp_vs_linear.py): "demo" is the demo's pair; "conc" has 4 layers
 and only decoder layer 2 post-trained. For each pair: one `run_comparison` over --methods (pre and post evaluated
 once), then each method's sweep alone in its own folder (pre and post evaluated again each time), both timed and
-their evaluations counted (after an untimed one-point warm-up sweep). Prints the comparison table and writes <out>/results.json. The two runs must agree
-on every pick and score (the same docs, the same grid); the script stops if they do not.
+their evaluations counted (after an untimed one-point warm-up sweep). Prints the comparison table and writes
+<out>/results.json. The two runs must agree on every pick and score (the same docs, the same grid); the script
+stops if they do not.
 """
 
 from __future__ import annotations

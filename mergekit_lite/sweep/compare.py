@@ -1,9 +1,10 @@
 """Several merge methods swept on one pair in one run folder, and compared against a baseline method. [ours]
 
-(`run.run_comparison` runs them.) pre and post are evaluated once, into the run folder's own `points/`, and their point files are written into
-each method's sweep folder (`OUT/<method>/`) under that sweep's identity, so every method's sweep resumes them
-instead of evaluating them again; each method's sweep is then an ordinary sweep (grid, golden search, probe
-mode, Ray, resume, its own report). Every method's pick is made on the selection split, as in a single sweep.
+`run.run_comparison` evaluates pre and post once, into the run folder's own `points/`, and writes their point
+files into each method's sweep folder (`OUT/<method>/`) under that sweep's identity, so every method's sweep
+resumes them instead of evaluating them again; each method's sweep is then an ordinary sweep (grid, golden
+search, probe mode, Ray, resume, its own report). Every method's pick is made on the selection split, as in a
+single sweep.
 
 The comparison (`comparison.json`, `comparison.md`, `pareto.png`) reports each pick on the report split with
 its intervals, and the paired-bootstrap interval of its harmonic mean minus the baseline method's pick's
@@ -16,7 +17,7 @@ reliably helped on LLMs).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
@@ -42,6 +43,8 @@ class MethodRow:
 
 @dataclass
 class Comparison:
+    """Every method's sweep, its pick's row against the baseline's, and what this run evaluated."""
+
     baseline: str
     pre: PointResult
     post: PointResult
@@ -111,7 +114,8 @@ def comparison_json(comparison: Comparison) -> dict:
                      "pick": row.pick.alpha, **scores(row.pick), "diff_to_baseline": row.diff_to_baseline,
                      "indistinguishable_from_baseline": row.indistinguishable,
                      "pareto": comparison.sweeps[row.method].pareto,
-                     "points": [{"alpha": p.alpha, "old": p.old, "new": p.new} for p in comparison.sweeps[row.method].points],
+                     "points": [{"alpha": p.alpha, "old": p.old, "new": p.new}
+                                for p in comparison.sweeps[row.method].points],
                      "report": f"{row.method}/report.md"} for row in comparison.rows],
     }
 
@@ -125,10 +129,11 @@ def comparison_markdown(comparison: Comparison, data: dict) -> str:
     lines = [
         "# Method comparison", "",
         f"pre: old {comparison.pre.old:.3f}, new {comparison.pre.new:.3f}; "
-        f"post: old {comparison.post.old:.3f}, new {comparison.post.new:.3f} (report split; evaluated once, shared).", "",
-        f"Each method's coefficient is picked by the harmonic mean on the selection split; scores are on the report "
-        f"split with {settings.confidence:.0%} paired-bootstrap intervals. \"vs {comparison.baseline}\" is the interval "
-        f"of the pick's harmonic mean minus {comparison.baseline}'s pick's, resampled on the same docs; "
+        f"post: old {comparison.post.old:.3f}, new {comparison.post.new:.3f} (report split; evaluated once, shared).",
+        "",
+        "Each method's coefficient is picked by the harmonic mean on the selection split; scores are on the report "
+        f"split with {settings.confidence:.0%} paired-bootstrap intervals. \"vs {comparison.baseline}\" is the "
+        f"interval of the pick's harmonic mean minus {comparison.baseline}'s pick's, resampled on the same docs; "
         "\"indistinguishable\" when it holds 0.", "",
         f"| method | pick | old | new | harmonic mean | vs {comparison.baseline} | |",
         "|---|---|---|---|---|---|---|",
@@ -138,7 +143,8 @@ def comparison_markdown(comparison: Comparison, data: dict) -> str:
         verdict = ("baseline" if row.method == comparison.baseline else "" if row.indistinguishable is None else
                    "indistinguishable" if row.indistinguishable else
                    "better" if row.diff_to_baseline[0] > 0 else "worse")
-        diff = "" if row.diff_to_baseline is None else f"[{row.diff_to_baseline[0]:+.3f}, {row.diff_to_baseline[1]:+.3f}]"
+        low_high = row.diff_to_baseline
+        diff = "" if low_high is None else f"[{low_high[0]:+.3f}, {low_high[1]:+.3f}]"
         lines.append(f"| [{row.method}]({entry['report']}) | {entry['coefficient']} {pick.alpha!r} | "
                      f"{_cell(pick.old, pick.intervals.get('old'))} | {_cell(pick.new, pick.intervals.get('new'))} | "
                      f"{_cell(pick.harmonic_mean, pick.intervals.get('harmonic_mean'))} | {diff} | {verdict} |")
