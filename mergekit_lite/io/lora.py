@@ -22,8 +22,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import read_header, require_regular_inside
-from mergekit_lite.io.validation import check_pattern, read_json
+from mergekit_lite.io.safetensors import read_header
+from mergekit_lite.io.validation import check_pattern, read_json, require_regular_inside
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
