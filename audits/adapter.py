@@ -60,6 +60,7 @@ from audits.report import (
     CheckResult,
     make_report,
 )
+from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.architecture import checkpoint_names
 from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, LoraAdapter
@@ -616,6 +617,8 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
         raise InputError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter folder)")
     if (train_data is None) != (holdout is None):
         raise InputError("the leakage check needs both training data and a holdout (--train-data and --holdout)")
+    if behaviour:
+        usable_device(device)
     base = open_model(base_dir, allow_pickle=allow_pickle)
     fingerprint_data, fingerprint_source = _fingerprint_for(adapter_dir, fingerprint)
     top_k = fingerprint_data["top_k"] if fingerprint_data else thresholds.top_k
