@@ -74,6 +74,8 @@ def open_regular(path: Path):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
+        if error.errno == errno.ENXIO:  # a UNIX socket
+            raise InputError(f"{path}: not a regular file") from None
         raise InputError(f"{path}: cannot read ({error.strerror})") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
