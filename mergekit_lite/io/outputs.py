@@ -232,7 +232,8 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False,
 def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
                        own: Callable[[str], bool] = lambda name: True) -> Path:
     """A run folder (sweep, demo) that later runs resume: it must be new, empty, or one mergekit-lite made that
-    holds nothing but entries `own` recognises (relative paths) as what the run writes there."""
+    holds nothing but entries `own` recognises (relative paths) as what the run writes there, and no link, FIFO
+    or device anywhere (empty folders of its own are fine)."""
     out = check_output_path(out, inputs)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise InputError(f"{out}: exists and is not a folder; choose a new run folder")
@@ -240,7 +241,7 @@ def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLik
         raise InputError(f"{out}: is a non-empty folder that mergekit-lite did not create (no {OUTPUT_MARKER}); "
                          "choose a new or empty run folder")
     if out.is_dir() and (foreign := sorted(name for name, size in _entries(out).items()
-                                           if size is None or not own(name))):
+                                           if not own(name.rstrip("/")) or (size is None and name[-1] != "/"))):
         raise InputError(f"{out}: holds files a run does not write ({_named(foreign)}); a run folder holds only "
                          "its own files, choose a new run folder or move them")
     created = not out.exists()
