@@ -436,6 +436,17 @@ def logged_metrics(sample: dict) -> list[str]:
     return [name for name in ("acc", "acc_norm", "exact_match") if name in sample]
 
 
+def logged_names(samples: Iterable) -> tuple[set[str], set[str]]:
+    """The metrics and the filters lm-eval logged across a task's records: what a global --metric or --filter
+    may name (`Scoring.check_logged`)."""
+    metrics, filters = set(), set()
+    for sample in samples:
+        if isinstance(sample, dict):
+            metrics.update(logged_metrics(sample))
+            filters.add(str(sample.get("filter")))
+    return metrics, filters
+
+
 def default_metric(logged: list[str], config: dict | None) -> str | None:
     """The first metric of the task's metric_list that was logged, else the first logged one."""
     listed = [entry.get("metric") for entry in (config or {}).get("metric_list") or [] if isinstance(entry, dict)]
@@ -642,10 +653,8 @@ def load_lm_eval_run(path, scoring: Scoring = Scoring()) -> LoadedRun:
     metrics, filters = set(), set()
     for entry in files:
         samples, labels = read_samples_file(entry.path)
-        for sample in samples:
-            if isinstance(sample, dict):
-                metrics.update(logged_metrics(sample))
-                filters.add(str(sample.get("filter")))
+        logged = logged_names(samples)
+        metrics, filters = metrics | logged[0], filters | logged[1]
         try:
             outcomes = outcomes_from_lm_eval(entry.task, samples, scoring.rule(entry.task), entry.config, labels)
         except TaskSkipped as reason:
