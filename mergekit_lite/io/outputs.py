@@ -229,11 +229,11 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False,
             raise
 
 
-def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
-                       own: Callable[[str], bool] = lambda name: True) -> Path:
-    """A run folder (sweep, demo) that later runs resume: it must be new, empty, or one mergekit-lite made that
-    holds nothing but entries `own` recognises (relative paths) as what the run writes there, and no link, FIFO
-    or device anywhere (empty folders of its own are fine)."""
+def check_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                     own: Callable[[str], bool] = lambda name: True) -> Path:
+    """The rules of a run folder (sweep, demo) that later runs resume, checked without writing anything: it must
+    be new, empty, or one mergekit-lite made that holds nothing but entries `own` recognises (relative paths) as
+    what the run writes there, and no link, FIFO or device anywhere (empty folders of its own are fine)."""
     out = check_output_path(out, inputs)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise InputError(f"{out}: exists and is not a folder; choose a new run folder")
@@ -244,6 +244,13 @@ def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLik
                                            if not own(name.rstrip("/")) or (size is None and name[-1] != "/"))):
         raise InputError(f"{out}: holds files a run does not write ({_named(foreign)}); a run folder holds only "
                          "its own files, choose a new run folder or move them")
+    return out
+
+
+def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                       own: Callable[[str], bool] = lambda name: True) -> Path:
+    """`check_run_folder`, then the folder made (or kept) with the marker that lets later runs resume it."""
+    out = check_run_folder(out, inputs, own)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     marker = out / OUTPUT_MARKER
