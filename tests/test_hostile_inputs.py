@@ -367,6 +367,10 @@ except SystemExit as exit:
     ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0:1:1e-12", "--old-tasks", "a", "--new-tasks", "b",
      "--out", "runs"],
     ["sweep", "twice.yaml", "--out", "runs"],
+    ["sweep", "--pre", "missing", "--post", "post", "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b",
+     "--out", "runs"],
+    ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b",
+     "--out", "theirs"],
     ["forgetting", "missing", "pre"],
     ["forgetting", "special.yaml", "special.yaml"],
 ], ids=lambda args: " ".join(args[:3]))
@@ -375,7 +379,69 @@ def test_help_and_refusals_never_import_torch(fresh, args):
     refused run answer without it (checked in sys.modules, not timed)."""
     (fresh / "twice.yaml").write_text("method: linear\nmethod: slerp\n")
     os.mkfifo(fresh / "special.yaml")
+    (fresh / "theirs").mkdir()  # a run folder of ours holding a user's file
+    (fresh / "theirs" / OUTPUT_MARKER).write_text("a mergekit-lite run folder; reruns resume here\n")
+    (fresh / "theirs" / "notes.md").write_text("mine")
     result = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=fresh,
                             timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     code = "0" if "--help" in args else "2"
     assert result.stdout.strip().splitlines()[-1] == f"exit={code} torch=False", (result.stdout, result.stderr)
+
+
+# ------------------------------------------------------------------------------------ the sweep's run folder
+
+
+def sweep(*extra) -> list:
+    return ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b",
+            "--out", "runs", *extra]
+
+
+def run_folder(root: Path) -> Path:
+    """A run folder of ours as a killed sweep leaves it: the marker, the lock, a point and a temporary file."""
+    folder = root / "runs"
+    (folder / "points").mkdir(parents=True)
+    (folder / OUTPUT_MARKER).write_text("a mergekit-lite run folder; reruns resume here\n")
+    (folder / ".sweep.lock").write_text("")
+    (folder / "points" / "pre.json").write_text("{}")
+    (folder / "points" / ".post.json.tmp-123.json").write_text("{")
+    return folder
+
+
+@pytest.mark.parametrize("plant, pattern", [
+    (lambda folder: (folder / "notes.md").write_text("mine"), r"\(notes\.md\)"),
+    (lambda folder: (folder / "report.txt").write_text("mine"), r"\(report\.txt\)"),
+    (lambda folder: (folder / "points" / "keep").mkdir(), r"\(points/keep/\)"),
+    (lambda folder: os.mkfifo(folder / "points" / "alpha=0.5.json"), r"\(points/alpha=0\.5\.json\)"),
+    (lambda folder: blocking_file("socket", folder / "points" / "s.json"), r"\(points/s\.json\)"),
+    (lambda folder: (folder / "points" / "x.json").symlink_to(folder.parent / "notes.txt"), r"\(points/x\.json\)"),
+], ids=["notes", "other-report", "folder-in-points", "fifo-point", "socket-point", "link-point"])
+def test_a_run_folder_holding_anything_else_is_refused_before_any_work(fresh, plant, pattern):
+    """A run folder resumes only while it holds nothing but what a sweep writes: a user's file is never replaced
+    by the report, and a FIFO among the points is never opened (it would block the resume for ever)."""
+    plant(run_folder(fresh))
+    refused(fresh, *sweep(), timeout=60,
+            patterns=[r"^error: runs: holds files a run does not write", pattern])
+
+
+@pytest.mark.parametrize("device, pattern", [
+    ("bogus", r"device 'bogus' is not a torch device"),
+    ("meta", r"device 'meta' is not supported"),
+    ("cuda:99", r"device 'cuda:99' is not available here"),
+])
+def test_sweep_device_is_checked_before_any_work(fresh, device, pattern):
+    refused(fresh, *sweep("--device", device), patterns=[pattern])
+    assert not (fresh / "runs").exists()
+
+
+@pytest.mark.parametrize("line", ["selection_fraction: .nan", "confidence: .NaN", "density: .inf"])
+def test_nan_in_a_sweep_config_is_refused(fresh, line):
+    (fresh / "sweep.yaml").write_text(f"pre: pre\npost: post\nalphas: '0,1'\nold_tasks: a\nnew_tasks: b\n{line}\n")
+    refused(fresh, "sweep", "sweep.yaml", "--out", "runs", patterns=[rf"sweep\.yaml: {line.split(':')[0]}: "])
+
+
+def test_a_fifo_in_the_sweep_task_folder_is_refused_before_lm_eval_reads_it(fresh):
+    (fresh / "tasks").mkdir()
+    (fresh / "tasks" / "a.yaml").write_text("task: a\n")
+    os.mkfifo(fresh / "tasks" / "b.yaml")
+    refused(fresh, *sweep("--include-path", "tasks"), timeout=60,
+            patterns=[r"tasks/b\.yaml: not a regular file \(a FIFO, socket or device\); give a task file"])

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import DirectFile
-from mergekit_lite.io.layout import INDEX_FILE, SINGLE_FILE, WEIGHT_SUFFIXES
+from mergekit_lite.io.layout import INDEX_FILE, MAX_READ_BYTES, SINGLE_FILE, WEIGHT_SUFFIXES
 from mergekit_lite.io.validation import open_regular, parse_json, read_json, require_regular_inside, validate
 
 SAFETENSORS_DTYPES = {
@@ -40,7 +40,7 @@ SAFETENSORS_DTYPES = {
 }
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = MAX_READ_BYTES
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy
 import torch
 
-from mergekit_lite.merge.recipes import L1_RESCALED, TASK_VECTOR_METHODS  # noqa: F401  (the sweep imports it from here)
+from mergekit_lite.merge.recipes import L1_RESCALED
 
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8

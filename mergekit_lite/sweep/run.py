@@ -5,15 +5,37 @@ then build the result, write the report and, with --save-best, merge the pick.""
 from __future__ import annotations
 
 from mergekit_lite import interrupts
-from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder
+from mergekit_lite.devices import usable_device
+from mergekit_lite.io.outputs import check_output_folder, check_run_folder, prepare_run_folder
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
-from mergekit_lite.sweep.evaluator import PointEvaluator, evaluate_point
+from mergekit_lite.sweep.evaluator import MERGE_TEMP, PointEvaluator, evaluate_point
 from mergekit_lite.sweep.models import MergeConfigs
 from mergekit_lite.sweep.result import SweepResult, build_result
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
-from mergekit_lite.sweep.store import POINTS_DIR, alpha_label, load_points, run_lock
+from mergekit_lite.sweep.store import (
+    LOCK_FILE,
+    POINTS_DIR,
+    PROBES_DIR,
+    RECALL_DIR,
+    alpha_label,
+    load_points,
+    run_lock,
+)
+
+
+def run_file(name: str) -> bool:
+    """What a sweep writes in its run folder (relative paths): points, probes, RECALL's similarities, the report
+    files, the lock, and the temporary files and merge folders of a run in progress or killed."""
+    from mergekit_lite.sweep.report import LAYERS_PLOT_FILE, MAP_FILE, PLOT_FILE, REPORT_FILE, RESULTS_FILE
+
+    top, _, rest = name.partition("/")
+    if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR):
+        return not rest or rest.endswith(".json") and "/" not in rest
+    own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE)
+    return top in own or top.startswith((f"{MERGE_TEMP}-", f".{MERGE_TEMP}-")) \
+        or any(top.startswith(f".{file}.tmp-") for file in own)
 
 
 def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
@@ -25,7 +47,10 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
     if settings.save_best:
         check_output_folder(settings.save_best, inputs)
-    folder = prepare_run_folder(settings.out, inputs)
+    settings.check_inputs()
+    check_run_folder(settings.out, inputs, own=run_file)
+    usable_device(settings.device)  # torch loads here: what needs no torch was checked first
+    folder = prepare_run_folder(settings.out, inputs, own=run_file)
     (folder / POINTS_DIR).mkdir(exist_ok=True)
     identity = settings.identity()
     plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
