@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from audits.declared_base import compare, given_base_id, names_local_folder, same_folder
+from audits.declared_base import compare, given_base_id, names_local_folder, quantised_reason, same_folder
 from audits.fingerprint import (
     DEFAULT_TOP_K,
     FINGERPRINT_FILE,
@@ -60,6 +60,7 @@ from audits.report import (
     CheckResult,
     make_report,
 )
+from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.architecture import checkpoint_names
 from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, LoraAdapter
@@ -180,6 +181,17 @@ def non_finite_counts(adapter: LoraAdapter) -> dict[str, int]:
     return {name: count for name, count in counts.items() if count}
 
 
+def overflowing_updates(adapter: LoraAdapter) -> list[str]:
+    """Modules whose dense update, or its squared norm (what the delta and spectral checks measure), is not finite
+    in float32 although the factors are (a huge lora_alpha): no check could measure it, and no merge should use it."""
+    overflowing = []
+    for name in adapter.targets():
+        delta = adapter.delta(name)
+        if not bool(torch.isfinite(delta).all()) or not math.isfinite(delta.square().sum().item()):
+            overflowing.append(name)
+    return overflowing
+
+
 def target_mismatch(config: dict, modules: list[str]) -> str | None:
     """Why config target_modules and the modules that have LoRA tensors disagree, if they do."""
     targets = config.get("target_modules")
@@ -224,6 +236,10 @@ def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, Lo
     total = sum(bad.values())
     if bad:
         return CheckResult("format", FAIL, total, 0, f"NaN/Inf values in {len(bad)} tensors: {_names(list(bad))}"), None
+    overflowing = overflowing_updates(adapter)
+    if overflowing:
+        return CheckResult("format", FAIL, len(overflowing), 0, f"the update scaling*B@A overflows float32 in "
+                           f"{len(overflowing)} modules: {_names(overflowing)} ({describe_format(adapter)})"), None
     warnings = []
     if adapter.weights_file.suffix == ".bin":
         warnings.append("pickle weights loaded because --allow-pickle was given (weights_only=True)")
@@ -479,9 +495,11 @@ def check_declared_base(adapter: LoraAdapter, base, base_dir, base_id: str | Non
     if not declared:
         return CheckResult("base-id", WARN, None, None, "adapter_config.json declares no base_model_name_or_path: "
                            "nothing says which base the adapter was made on", measurements)
+    if names_local_folder(declared) and same_folder(declared, base_dir):
+        return CheckResult("base-id", PASS, None, None, f"declares this base folder ({declared})", measurements)
+    if reason := quantised_reason(declared):  # fails as named, with or without an id to compare it with
+        return CheckResult("base-id", FAIL, None, None, f"{reason} (declared {declared})", measurements)
     if names_local_folder(declared):
-        if same_folder(declared, base_dir):
-            return CheckResult("base-id", PASS, None, None, f"declares this base folder ({declared})", measurements)
         return CheckResult("base-id", WARN, None, None, f"declares a local path ({declared}), not a hub id: cannot "
                            "verify it by name (pass --base-id to name the given base)", measurements)
     if given is None:
@@ -616,6 +634,8 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
         raise InputError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter folder)")
     if (train_data is None) != (holdout is None):
         raise InputError("the leakage check needs both training data and a holdout (--train-data and --holdout)")
+    if behaviour:
+        usable_device(device)
     base = open_model(base_dir, allow_pickle=allow_pickle)
     fingerprint_data, fingerprint_source = _fingerprint_for(adapter_dir, fingerprint)
     top_k = fingerprint_data["top_k"] if fingerprint_data else thresholds.top_k

@@ -77,13 +77,17 @@ def _variant(tuned: bool) -> str:
     return "the Instruct/chat variant" if tuned else "the base (non-Instruct) variant"
 
 
+def quantised_reason(declared: str) -> str | None:
+    """Why a declared base that names a quantised checkpoint fails, whatever it is compared with (None if not)."""
+    quantised = parse(declared).quantised
+    return (f"declares a quantised base ({'-'.join(quantised)}): the adapter was trained against quantisation "
+            "error, not against these full-precision weights") if quantised else None
+
+
 def compare(declared: str, given: str) -> list[str]:
     """Why the declared base is not the given one (empty: the same weights under another alias)."""
     a, b = parse(declared), parse(given)
-    reasons = []
-    if a.quantised:
-        reasons.append(f"declares a quantised base ({'-'.join(a.quantised)}): the adapter was trained against "
-                       "quantisation error, not against these full-precision weights")
+    reasons = [reason] if (reason := quantised_reason(declared)) else []
     if a.core != b.core:
         if _skeleton(a.core) == _skeleton(b.core):
             reasons.append(f"version mismatch: declared {'-'.join(a.core)}, given {'-'.join(b.core)}")

@@ -8,6 +8,7 @@ the training file is streamed, so memory is bounded by the holdout, not the trai
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Iterator
 
 from audits.report import FAIL, PASS, WARN, CheckResult
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.validation import decode_text, open_regular, require_regular
 
 TEXT_FIELD = "text"
 SHOWN_IDS = 10
@@ -36,11 +38,10 @@ def iter_items(path) -> Iterator[tuple[str, str]]:
     """(id, text) per item: `.jsonl` lines with a "text" field (id from "id", else the line number),
     any other file one item per non-empty line (id = line number)."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such data file")
     jsonl = path.suffix == ".jsonl"
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with io.BufferedReader(open_regular(require_regular(path, "data file"))) as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = decode_text(raw, f"{path}:{number}")
             if not line.strip():
                 continue
             if not jsonl:

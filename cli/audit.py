@@ -11,6 +11,8 @@ from dataclasses import asdict
 
 import click
 
+from cli.types import Number
+
 SHIPPED_FINGERPRINT = "base_fingerprint.json"  # audits.fingerprint.FINGERPRINT_FILE, named here to keep torch out of --help
 
 
@@ -83,19 +85,19 @@ def _measured(check) -> str:
               help='Training data for the leakage check: .jsonl with a "text" field (and optional "id"), or one text per line.')
 @click.option("--holdout", type=click.Path(dir_okay=False), help="Evaluation holdout, same formats; needs --train-data.")
 @click.option("--ngram", default=13, show_default=True, type=click.IntRange(min=1), help="Leakage n-gram length (whitespace words).")
-@click.option("--max-contaminated", default=0.01, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--max-contaminated", default=0.01, show_default=True, type=Number(0, 1),
               help="Fail when a larger share of holdout items is found in the training data.")
 @click.option("--base-id", help="Hub id of the given base (e.g. meta-llama/Llama-3.1-8B-Instruct) to compare the declared "
               "base_model_name_or_path with [default: the base config's _name_or_path].")
-@click.option("--min-delta", default=1e-4, show_default=True, type=click.FloatRange(min=0),
+@click.option("--min-delta", default=1e-4, show_default=True, type=Number(min=0),
               help="Reject as a no-op when the largest ||dW||/||W|| is below this.")
-@click.option("--min-total-norm", default=1.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--min-total-norm", default=1.0, show_default=True, type=Number(min=0),
               help="Reject as a no-op when sqrt(sum ||scaling*B@A||^2) is below this (the paper's rule, for 7-8B models).")
 @click.option("--behaviour", is_flag=True, help="Also run the model: first-token KL(base || base+adapter) on probe texts.")
 @click.option("--device", default="cpu", show_default=True, help="Device for --behaviour (cpu for tiny models, cuda for real ones).")
-@click.option("--max-kl", default=20.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--max-kl", default=20.0, show_default=True, type=Number(min=0),
               help="With --behaviour: reject above this KL as likely made on another base.")
-@click.option("--min-similarity", default=0.95, show_default=True, type=click.FloatRange(-1, 1),
+@click.option("--min-similarity", default=0.95, show_default=True, type=Number(-1, 1),
               help="Reject when any module's similarity to the base fingerprint is below this.")
 @click.option("--allow-pickle", is_flag=True, help="Load adapter_model.bin pickles (weights_only=True); reported as a warning.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON instead of a table.")

@@ -2,6 +2,7 @@
 
 import click
 
+from cli.types import Number
 from mergekit_lite.merge.config import DTYPES, METHODS
 
 EXAMPLES = """
@@ -41,16 +42,16 @@ def _model_option(value: str) -> dict:
 @click.option("--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors.")
 @click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
               help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.")
-@click.option("--alpha", type=float, help="linear, recall_lerp: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1]; "
+@click.option("--alpha", type=Number(), help="linear, recall_lerp: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1]; "
               "lines: scale of the task vector in the first layer and outside the layers.")
-@click.option("--beta", type=float, help="lines: added to alpha across the layers, the last takes alpha + beta "
+@click.option("--beta", type=Number(), help="lines: added to alpha across the layers, the last takes alpha + beta "
               "(default 1 - alpha).")
-@click.option("--t", "t", type=float, help="slerp: interpolation factor; nearswap: distance threshold; in [0, 1].")
-@click.option("--lambda", "scale", type=float, help="Task-vector methods: scale of the combined task vector (negative subtracts).")
-@click.option("--density", type=float, help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5).")
-@click.option("--drop", type=float, help="dare_*: drop probability of task-vector entries, in [0, 1) (default 0.5).")
-@click.option("--select-topk", type=float, help="sce: share of entries kept by variance across the models, in [0, 1].")
-@click.option("--temperature", type=float, help="recall: softmax temperature over similarities (> 0, default 1 = plain softmax).")
+@click.option("--t", "t", type=Number(), help="slerp: interpolation factor; nearswap: distance threshold; in [0, 1].")
+@click.option("--lambda", "scale", type=Number(), help="Task-vector methods: scale of the combined task vector (negative subtracts).")
+@click.option("--density", type=Number(), help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5).")
+@click.option("--drop", type=Number(), help="dare_*: drop probability of task-vector entries, in [0, 1) (default 0.5).")
+@click.option("--select-topk", type=Number(), help="sce: share of entries kept by variance across the models, in [0, 1].")
+@click.option("--temperature", type=Number(), help="recall: softmax temperature over similarities (> 0, default 1 = plain softmax).")
 @click.option("--normalize/--no-normalize", default=None, help="Divide by the sum of weights (defaults depend on the method).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical samples, one per line.")
 @click.option("--recall-samples", type=int, help="recall: how many typical samples k-means picks (default 8).")
@@ -83,8 +84,7 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
     karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
     flags; flags win where both say something.
     """
-    from mergekit_lite.audited import run_merge
-    from mergekit_lite.merge.plan import plan_merge
+    from mergekit_lite.io.outputs import check_output_folder
     from mergekit_lite.merge.schema import config_from_dict, load_config
 
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
@@ -107,6 +107,13 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
     if "method" not in data:
         raise click.UsageError("give --method or a CONFIG_FILE")
     config = config_from_dict(data)
+    config.resolve_references()
+    if not dry_run:
+        check_output_folder(out, config.read_paths, overwrite)
+    # torch loads only now, once the arguments, the config and the paths are known to be usable
+    from mergekit_lite.audited import run_merge
+    from mergekit_lite.merge.plan import plan_merge
+
     if dry_run:
         click.echo(plan_merge(config).describe())
         return

@@ -3,6 +3,7 @@
 
 import click
 
+from cli.types import Number
 from mergekit_lite.merge.config import MAIN_COEFFICIENT
 
 EXAMPLES = """
@@ -63,8 +64,8 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--batch-size", type=click.IntRange(min=1), help="Evaluation batch size (default 16).")
 @click.option("--device", help="Where models run: cpu (default), cuda, cuda:N.")
 @click.option("--out", "-o", type=click.Path(file_okay=False), help="Run folder (created; reused to resume).")
-@click.option("--density", type=float, help="ties: share of the task vector kept by magnitude, in (0, 1].")
-@click.option("--drop", type=float, help="dare_*: drop probability of task-vector entries, in [0, 1).")
+@click.option("--density", type=Number(), help="ties: share of the task vector kept by magnitude, in (0, 1].")
+@click.option("--drop", type=Number(), help="dare_*: drop probability of task-vector entries, in [0, 1).")
 @click.option("--seed", type=int, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical texts, one per line.")
 @click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
@@ -82,11 +83,11 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--aggregation", type=click.Choice(("paper", "pooled")), help="Group scores (default paper).")
 @click.option("--selection", type=click.Choice(("docs", "none")),
               help="docs (default): pick alpha on a seeded doc_hash split, report on the rest; none: same docs.")
-@click.option("--selection-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+@click.option("--selection-fraction", type=Number(0, 1, min_open=True, max_open=True),
               help="Share of each task's docs that picks alpha (default 0.5).")
 @click.option("--bootstrap", type=click.IntRange(min=0),
               help="Bootstrap resamples for intervals (default 1000; 0: none).")
-@click.option("--confidence", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+@click.option("--confidence", type=Number(0, 1, min_open=True, max_open=True),
               help="Interval confidence (default 0.95).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Evaluate points in parallel as Ray actors (one per GPU on cuda, else per CPU): alone, a local "
@@ -100,7 +101,7 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--vllm-args", metavar="NAME=VALUE,...",
               help="vLLM model args: tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
                    "max_model_len, dtype, batch_size, seed.")
-@click.option("--probe", type=click.FloatRange(0, 1, min_open=True),
+@click.option("--probe", type=Number(0, 1, min_open=True),
               help="Probe mode: score each alpha only on the selection docs where pre and post disagree plus this "
                    "share of the others (seeded), estimate its scores with standard errors, then score the pick on "
                    "every doc (e.g. 0.1; default: every doc at every alpha).")

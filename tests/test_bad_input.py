@@ -472,10 +472,16 @@ def test_existing_output_refused_without_overwrite_replaced_with_it(models, tmp_
     assert result.stderr.strip() == f"error: {out}: already exists (pass --overwrite to replace it)"
     assert partials(out) == []
 
-    (out / "stale.txt").write_text("from the first run")
+    (out / "notes.txt").write_text("a file of the user's beside our output")
+    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
+    assert result.stderr.strip() == (f"error: {out}: holds files mergekit-lite did not write there (notes.txt); "
+                                     "--overwrite replaces only a folder holding nothing but a mergekit-lite output, "
+                                     "choose a new folder")
+    assert result.returncode == 2 and (out / "notes.txt").read_text().startswith("a file of the user's")
+    (out / "notes.txt").unlink()
     result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
     assert result.returncode == 0, result.stderr
-    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file() and partials(out) == []
+    assert (out / "model.safetensors").is_file() and partials(out) == []
 
 
 @pytest.fixture

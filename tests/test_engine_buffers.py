@@ -17,7 +17,8 @@ from tiny_models import save_tiny_llama
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
-from mergekit_lite.io.safetensors import open_regular, read_at
+from mergekit_lite.io.safetensors import read_at
+from mergekit_lite.io.validation import open_regular
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.engine import DrawsAhead, dare_generator, execute, math_threads, merge_tensor
 from mergekit_lite.merge.plan import plan_merge

@@ -269,3 +269,27 @@ def test_zero3_empty_factors_say_so(saved_adapter, tmp_path):
                           edit_weights=lambda tensors: {k: torch.empty(0) for k in tensors})
     with pytest.raises(InputError, match="DeepSpeed ZeRO-3 without gathering"):
         LoraAdapter.open(folder)
+
+
+@pytest.mark.parametrize("edit", [
+    {"layers_to_transform": [1]},
+    {"layers_to_transform": 0},
+    {"layers_to_transform": [0], "layers_pattern": "layers"},
+    {"layers_to_transform": [1], "layers_pattern": ["h", "layers"]},
+], ids=["list", "int", "pattern", "pattern-list"])
+def test_layers_to_transform_as_peft_loads_it(tmp_path, edit):
+    """An adapter file holding factors for every layer, whose config lists only some: PEFT loads LoRA layers only
+    on the listed ones (the other factors are left out), so its merge_and_unload is the reference."""
+    from peft import PeftModel
+
+    model = tiny_llama()
+    base_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **edit}))
+    merged = PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter").merge_and_unload().state_dict()
+    adapter = LoraAdapter.open(tmp_path / "adapter")
+    assert len(adapter.targets()) == 2  # q_proj and v_proj of the one listed layer, not of both
+    assert_matches_peft(adapter, base_state, merged)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mergekit_lite.merge import methods
+from mergekit_lite.merge.recipes import TASK_VECTOR_METHODS
 
 
 def t(*values):
@@ -193,7 +194,7 @@ def test_task_arithmetic_allows_negative_weights():
 
 
 def test_family_recipes_name_the_documented_combinations():
-    recipes = methods.TASK_VECTOR_METHODS
+    recipes = TASK_VECTOR_METHODS
     assert (recipes["ties"].sparsifier, recipes["ties"].consensus) == ("magnitude", True)
     assert (recipes["dare_ties"].sparsifier, recipes["dare_ties"].consensus) == ("random", True)
     assert (recipes["dare_linear"].sparsifier, recipes["dare_linear"].consensus) == ("random", False)

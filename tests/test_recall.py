@@ -247,7 +247,7 @@ def test_read_texts(tmp_path):
     empty.write_text("\n\n")
     with pytest.raises(InputError, match="no texts"):
         read_texts(empty)
-    with pytest.raises(InputError, match="not found"):
+    with pytest.raises(InputError, match="missing.txt: no such text file"):
         read_texts(tmp_path / "missing.txt")
 
 

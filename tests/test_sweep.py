@@ -1,6 +1,7 @@
 """The alpha sweep: grid parsing, the pick, RECALL re-weighting, and end to end on the toy pair
 (interior alpha recovers the old skill, report files agree, resume, lock, settings check, CLI)."""
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import SampleOutcomes, aggregate, compare
@@ -209,6 +211,46 @@ def test_rerun_with_other_settings_into_the_same_folder_fails(toy_pair, linear_s
     with pytest.raises(InputError, match="other settings"):
         run_sweep(settings_for(toy_pair, linear_sweep.out, **changes))
     assert {path: path.stat().st_mtime_ns for path in (linear_sweep.out / "points").iterdir()} == before
+
+
+@pytest.mark.parametrize("change", ["retrained", "resaved-as-one-file", "config"])
+def test_a_resumed_sweep_never_reuses_points_of_weights_that_changed(toy_pair, linear_sweep, tmp_path, change):
+    """The same --post path holding other weights (re-trained, re-downloaded) is another model: its points are
+    not reused, whatever the path says (the identity holds index and header hashes, sizes and sampled data)."""
+    post = Path(shutil.copytree(toy_pair.post_dir, tmp_path / "post"))
+    pair = dataclasses.replace(toy_pair, post_dir=post)
+    folder = Path(shutil.copytree(linear_sweep.out, tmp_path / "run"))
+    for path in (folder / "points").iterdir():  # the points, as if evaluated on this copy of post
+        point = json.loads(path.read_text())
+        point["identity"] = settings_for(pair, folder).identity()
+        path.write_text(json.dumps(point))
+    shards = sorted(post.glob("*.safetensors"))
+    if change == "retrained":
+        for shard in shards:
+            save_file({name: tensor + 1e-3 for name, tensor in load_file(shard).items()}, shard,
+                      metadata={"format": "pt"})
+    elif change == "resaved-as-one-file":
+        state = {name: tensor for shard in shards for name, tensor in load_file(shard).items()}
+        for shard in shards:
+            shard.unlink()
+        (post / "model.safetensors.index.json").unlink()
+        save_file(state, post / "model.safetensors", metadata={"format": "pt"})
+    else:
+        config = json.loads((post / "config.json").read_text())
+        (post / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    before = {path: path.read_bytes() for path in (folder / "points").iterdir()}
+    with pytest.raises(InputError, match=r"other settings \(post_content: "):
+        run_sweep(settings_for(pair, folder))
+    assert {path: path.read_bytes() for path in (folder / "points").iterdir()} == before
+
+
+@pytest.mark.parametrize("option, value, hint", [("metric", "accc", "did you mean 'acc'"),
+                                                 ("filter", "strict-match", "logged: none")])
+def test_a_global_metric_or_filter_no_task_logs_stops_the_sweep_before_a_point_is_saved(toy_pair, tmp_path, option,
+                                                                                          value, hint):
+    with pytest.raises(InputError, match=rf"--{option} '{value}': no task in the evaluated tasks logs it .*{hint}"):
+        run_sweep(settings_for(toy_pair, tmp_path / "run", alphas=[0.5], limit=4, **{option: [value]}))
+    assert list((tmp_path / "run" / "points").iterdir()) == []
 
 
 def cli(*args, cwd):

@@ -63,6 +63,7 @@ Reading lm-eval `--log_samples` output (`samples_<task>_<timestamp>.jsonl`) [our
 from __future__ import annotations
 
 import ast
+import difflib
 import fnmatch
 import functools
 import io
@@ -78,8 +79,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import open_regular, require_regular_inside
-from mergekit_lite.io.validation import MAX_DEPTH, check_depth, read_json, validate
+from mergekit_lite.io.validation import (
+    MAX_DEPTH,
+    check_depth,
+    open_regular,
+    read_json,
+    require_regular_inside,
+    validate,
+)
 
 SAMPLES_FILE = re.compile(r"^samples_(?P<task>.+?)(?:_(?P<stamp>\d{4}-\d{2}-\d{2}T[0-9.:-]+))?\.jsonl$")
 AGGREGATIONS = ("paper", "pooled")
@@ -123,6 +130,16 @@ class Scoring:
         return cls(metric, filter_, task_metric, task_filter,
                    tuple((task, _choices_value(task, value)) for task, value in task_choices))
 
+    def check_logged(self, metrics: set[str], filters: set[str], where: str) -> None:
+        """A global --metric or --filter is a preference applied where a task logs it; one that no task logs
+        at all is a typo, refused with the names that were logged (the default would be scored silently)."""
+        for option, wanted, logged in (("--metric", self.metric, metrics), ("--filter", self.filter, filters)):
+            if wanted is not None and wanted not in logged:
+                close = difflib.get_close_matches(wanted, sorted(logged), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise InputError(f"{option} {wanted!r}: no task in {where} logs it (logged: "
+                                 f"{', '.join(sorted(logged)) or 'none'}){hint}")
+
     def rule(self, task: str) -> ScoringRule:
         metric, filter_ = _match(task, self.task_metric), _match(task, self.task_filter)
         return ScoringRule(metric=metric or self.metric, filter=filter_ or self.filter,
@@ -150,6 +167,8 @@ def _choices_value(task: str, value: str) -> float:
         k = float(value)
     except ValueError:
         raise InputError(f"--choices {task}={value}: K must be a number of choices (> 1) or inf") from None
+    if math.isfinite(k) and not k.is_integer():
+        raise InputError(f"--choices {task}={value}: K must be a whole number of choices (> 1) or inf")
     _check_k(k, task)
     return k
 
@@ -417,6 +436,17 @@ def logged_metrics(sample: dict) -> list[str]:
     return [name for name in ("acc", "acc_norm", "exact_match") if name in sample]
 
 
+def logged_names(samples: Iterable) -> tuple[set[str], set[str]]:
+    """The metrics and the filters lm-eval logged across a task's records: what a global --metric or --filter
+    may name (`Scoring.check_logged`)."""
+    metrics, filters = set(), set()
+    for sample in samples:
+        if isinstance(sample, dict):
+            metrics.update(logged_metrics(sample))
+            filters.add(str(sample.get("filter")))
+    return metrics, filters
+
+
 def default_metric(logged: list[str], config: dict | None) -> str | None:
     """The first metric of the task's metric_list that was logged, else the first logged one."""
     listed = [entry.get("metric") for entry in (config or {}).get("metric_list") or [] if isinstance(entry, dict)]
@@ -620,14 +650,18 @@ def load_lm_eval_run(path, scoring: Scoring = Scoring()) -> LoadedRun:
     """One model's outcomes per task and seed from a samples file or a folder searched recursively."""
     files = find_samples_files(path)
     run = LoadedRun(files[0].model, {})
+    metrics, filters = set(), set()
     for entry in files:
         samples, labels = read_samples_file(entry.path)
+        logged = logged_names(samples)
+        metrics, filters = metrics | logged[0], filters | logged[1]
         try:
             outcomes = outcomes_from_lm_eval(entry.task, samples, scoring.rule(entry.task), entry.config, labels)
         except TaskSkipped as reason:
             run.skipped[entry.task] = str(reason)
             continue
         run.outcomes.setdefault(entry.task, {})[entry.seed] = outcomes
+    scoring.check_logged(metrics, filters, str(path))
     return run
 
 

@@ -22,8 +22,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import read_header, require_regular_inside
-from mergekit_lite.io.validation import check_pattern, read_json
+from mergekit_lite.io.safetensors import read_header
+from mergekit_lite.io.validation import check_pattern, read_json, require_regular_inside
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -216,10 +216,13 @@ def _read_config(folder: Path) -> dict:
 
 def _check_patterns(config: dict, path: Path) -> None:
     """The options PEFT reads as regular expressions (rank/alpha_pattern keys, a target_modules or exclude_modules
-    string) must compile: a broken one is the adapter's fault, said in one line."""
+    string, layers_pattern) must compile: a broken one is the adapter's fault, said in one line."""
     patterns = [(option, key) for option in ("rank_pattern", "alpha_pattern") for key in config.get(option) or {}]
     patterns += [(option, config[option]) for option in ("target_modules", "exclude_modules")
                  if isinstance(config.get(option), str)]
+    layers_pattern = config.get("layers_pattern")
+    patterns += [("layers_pattern", pattern) for pattern in
+                 ([layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or [])]
     for option, pattern in patterns:
         check_pattern(pattern, f"{path}: {option}: ")
 
@@ -317,6 +320,24 @@ def _full_tensor_roles(weights: _TensorFile, full_tensors: dict[str, str],
     return replacements, base_copies
 
 
+def peft_transforms(config: dict, weight_name: str) -> bool:
+    """Whether PEFT puts a LoRA layer on this weight's module under `layers_to_transform` / `layers_pattern`
+    (peft.tuners.tuners_utils.check_target_module_exists): the module's first numbered segment (after a
+    `layers_pattern` name, when given) must be a listed layer. Factors of other modules are left out when
+    PEFT loads the adapter, so merge_and_unload never adds them; neither do we."""
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    module = weight_name.rsplit(".", 1)[0]
+    patterns = config.get("layers_pattern")
+    patterns = [patterns] if isinstance(patterns, str) else patterns or []
+    expressions = [rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\." for pattern in patterns] or [r".*?\.[^.]*\.(?P<idx>\d+)\."]
+    match = next((found for expression in expressions if (found := re.match(expression, module))), None)
+    if match is None:
+        return False
+    return int(match["idx"]) in (layers if isinstance(layers, list) else [layers])
+
+
 @dataclass
 class LoraAdapter:
     """A PEFT LoRA adapter folder; every name it exposes is a base-model tensor name."""
@@ -346,6 +367,8 @@ class LoraAdapter:
         weights = _open_weights(folder, allow_pickle)
         sides, embeddings, full_tensors = _classify_keys(weights)
         factors, scaling = _module_factors(weights, config, sides, embeddings)
+        factors = {name: factor for name, factor in factors.items() if peft_transforms(config, name)}
+        scaling = {name: scale for name, scale in scaling.items() if name in factors}
         replacements, base_copies = _full_tensor_roles(weights, full_tensors, factors)
         return cls(folder, config, scaling, weights.path, weights, factors, replacements, base_copies)
 

@@ -2,8 +2,9 @@
 
 - An output never is, contains, or sits inside-out of what the user asked to read: `--out` may not be an
   input, a folder holding an input, or the working folder or one of its ancestors.
-- `--overwrite` replaces only what mergekit-lite wrote itself, recognised by the marker file it puts in
-  every output folder (`OUTPUT_MARKER`), and says so when it refuses.
+- `--overwrite` replaces only what mergekit-lite wrote itself: a folder with the marker file it puts in every
+  output folder (`OUTPUT_MARKER`), holding nothing but the files that marker lists with their sizes; it names
+  the others when it refuses. A run folder (sweep, demo) is resumed only while it holds nothing but its own files.
 - A folder is written beside its destination under a temporary name and renamed with RENAME_NOREPLACE
   (RENAME_EXCHANGE for --overwrite), so a folder that appears meanwhile, e.g. from a concurrent run, is
   never replaced: the later run fails and keeps its result out of the way instead.
@@ -16,19 +17,18 @@ import errno
 import json
 import os
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import INDEX_FILE, SINGLE_FILE, WEIGHT_SUFFIXES, is_regular_inside
-from mergekit_lite.io.validation import read_json
+from mergekit_lite.io.layout import INDEX_FILE, WEIGHT_SUFFIXES
+from mergekit_lite.io.validation import is_regular_inside, read_json
 
 OUTPUT_MARKER = ".mergekit-lite-output"
-# Outputs written before the marker existed: their provenance file or sweep lock, each only beside what that
-# output holds (weights; a sweep's points/), since a user may keep a file of that name in a folder of their own.
-LEGACY_MARKERS = {"mergekit_lite_config.yaml": (SINGLE_FILE, INDEX_FILE), ".sweep.lock": ("points",)}
+SHOWN_FOREIGN = 5
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
 
@@ -38,13 +38,47 @@ def _temp_name(out: Path) -> str:
 
 
 def written_by_us(folder: Path) -> bool:
-    """A folder mergekit-lite wrote: it holds the output marker (or, from older versions, a provenance file beside
-    weights, or a sweep lock beside points/)."""
-    folder = Path(folder)
-    if (folder / OUTPUT_MARKER).is_file():
-        return True
-    return any((folder / name).is_file() and any(os.path.lexists(folder / other) for other in beside)
-               for name, beside in LEGACY_MARKERS.items())
+    """A folder mergekit-lite made: it holds the output marker (what may be in it is `foreign_files`' question)."""
+    return is_regular_inside(Path(folder) / OUTPUT_MARKER, folder)
+
+
+def _entries(folder: Path) -> dict[str, int | None]:
+    """Every entry under `folder` by relative path: a regular file's size; None for anything else (a link, a FIFO,
+    an empty folder), which no output of ours holds. Links are not followed."""
+    entries: dict[str, int | None] = {}
+    for root, folders, files in os.walk(folder):
+        relative = Path(root).relative_to(folder)
+        for name in files + [name for name in folders if os.path.islink(os.path.join(root, name))]:
+            info = os.lstat(os.path.join(root, name))
+            entries[(relative / name).as_posix()] = info.st_size if stat.S_ISREG(info.st_mode) else None
+        if not files and not folders and root != str(folder):
+            entries[relative.as_posix() + "/"] = None
+    entries.pop(OUTPUT_MARKER, None)
+    return entries
+
+
+def record_output(folder: Path) -> None:
+    """Write the marker as the manifest of what mergekit-lite wrote in `folder` (each file with its size), so
+    --overwrite can later tell our files from any a user put beside them."""
+    manifest = {"written_by": "mergekit-lite; --overwrite may replace this folder while it holds only these files",
+                "files": _entries(folder)}
+    (Path(folder) / OUTPUT_MARKER).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """The entries of an output folder that its manifest does not list at their recorded size: files a user
+    added or changed. An older output without a manifest lists none, so all of its files count as foreign."""
+    try:
+        recorded = read_json(Path(folder) / OUTPUT_MARKER).get("files", {})
+    except (InputError, AttributeError):
+        recorded = {}
+    recorded = recorded if isinstance(recorded, dict) else {}
+    return sorted(name for name, size in _entries(Path(folder)).items() if size is None or recorded.get(name) != size)
+
+
+def _named(names: list[str]) -> str:
+    shown = ", ".join(names[:SHOWN_FOREIGN])
+    return shown + (f" and {len(names) - SHOWN_FOREIGN} more" if len(names) > SHOWN_FOREIGN else "")
 
 
 def check_output_path(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
@@ -81,6 +115,9 @@ def _refuse_existing(out: Path, overwrite: bool) -> None:
                          "--overwrite replaces only mergekit-lite outputs, choose a new folder")
     if not overwrite:
         raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
+    if foreign := foreign_files(out):
+        raise InputError(f"{out}: holds files mergekit-lite did not write there ({_named(foreign)}); --overwrite "
+                         "replaces only a folder holding nothing but a mergekit-lite output, choose a new folder")
 
 
 def check_output_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
@@ -181,6 +218,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False,
         try:
             (temp / OUTPUT_MARKER).write_text("written by mergekit-lite; --overwrite may replace this folder\n")
             yield temp
+            record_output(temp)
             interrupts.check()
             if overwrite:
                 _replace_own_output(temp, out)
@@ -191,14 +229,28 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False,
             raise
 
 
-def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
-    """A run folder (sweep, demo) that later runs resume: it must be new, empty, or one mergekit-lite made."""
+def check_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                     own: Callable[[str], bool] = lambda name: True) -> Path:
+    """The rules of a run folder (sweep, demo) that later runs resume, checked without writing anything: it must
+    be new, empty, or one mergekit-lite made that holds nothing but entries `own` recognises (relative paths) as
+    what the run writes there, and no link, FIFO or device anywhere (empty folders of its own are fine)."""
     out = check_output_path(out, inputs)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise InputError(f"{out}: exists and is not a folder; choose a new run folder")
     if out.is_dir() and any(out.iterdir()) and not written_by_us(out):
         raise InputError(f"{out}: is a non-empty folder that mergekit-lite did not create (no {OUTPUT_MARKER}); "
                          "choose a new or empty run folder")
+    if out.is_dir() and (foreign := sorted(name for name, size in _entries(out).items()
+                                           if not own(name.rstrip("/")) or (size is None and name[-1] != "/"))):
+        raise InputError(f"{out}: holds files a run does not write ({_named(foreign)}); a run folder holds only "
+                         "its own files, choose a new run folder or move them")
+    return out
+
+
+def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                       own: Callable[[str], bool] = lambda name: True) -> Path:
+    """`check_run_folder`, then the folder made (or kept) with the marker that lets later runs resume it."""
+    out = check_run_folder(out, inputs, own)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     marker = out / OUTPUT_MARKER

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import DirectFile
-from mergekit_lite.io.validation import parse_json, read_json, validate
+from mergekit_lite.io.layout import INDEX_FILE, MAX_READ_BYTES, SINGLE_FILE, WEIGHT_SUFFIXES
+from mergekit_lite.io.validation import open_regular, parse_json, read_json, require_regular_inside, validate
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -40,10 +40,7 @@ SAFETENSORS_DTYPES = {
 }
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = MAX_READ_BYTES
 
 
 @dataclass(frozen=True)
@@ -56,44 +53,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-
-
-def is_regular_inside(path: Path, folder: Path) -> bool:
-    """A regular file (after links) whose real path stays inside `folder`.
-
-    Links inside a Hugging Face cache snapshot (`.../snapshots/REV/x -> ../../blobs/HASH`) point into the
-    repository's own `blobs/` folder, which counts as inside: that is how every hub download is laid out.
-    """
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            return False
-    except OSError:
-        return False
-    real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-    roots = [root]
-    if root.parent.name == "snapshots":
-        roots.append(root.parent.parent / "blobs")
-    return any(real == allowed or allowed in real.parents for allowed in roots)
-
-
-def require_regular_inside(path: Path, folder: Path) -> Path:
-    """`path` if `is_regular_inside(path, folder)`; otherwise a user error, before anything opens it."""
-    if not is_regular_inside(path, folder):
-        raise InputError(f"{path}: not a regular file inside {folder} (a link out of the folder, a FIFO or a device)")
-    return path
-
-
-def open_regular(path: Path):
-    """Open for reading only if it is a regular file: a FIFO or device is refused without blocking on it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise InputError(f"{path}: not a regular file")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb", buffering=0)
 
 
 def read_at(handle, view: memoryview, offset: int) -> int:
@@ -359,24 +318,6 @@ def _nonempty(source: ModelSource) -> ModelSource:
     if not source.names:
         raise InputError(f"{source.path}: holds no tensors (an empty safetensors header)")
     return source
-
-
-def parse_size(text: str | int) -> int:
-    """'2GB', '500MB', '1.5GiB' or a byte count -> bytes (decimal units like HF, binary with 'i')."""
-    if isinstance(text, int):
-        return text
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    cleaned = str(text).strip().upper().replace(" ", "")
-    number = cleaned.rstrip("KMGTIB")
-    unit = cleaned[len(number):]
-    try:
-        value = int(float(number) * units[unit])
-    except (ValueError, KeyError, OverflowError):
-        raise InputError(f"bad size {text!r} (use e.g. 500MB, 2GB, 5GiB)") from None
-    if value <= 0:
-        raise InputError(f"bad size {text!r} (must be positive)")
-    return value
 
 
 @dataclass(frozen=True)

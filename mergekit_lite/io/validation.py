@@ -9,8 +9,12 @@ laughs" anchor bomb is a few hundred bytes that expand to gigabytes in whatever 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import stat
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,20 +29,83 @@ MAX_YAML_NODES = 100_000
 Model = TypeVar("Model", bound=BaseModel)
 
 
-def read_text(path: Path, limit: int = MAX_TEXT_BYTES) -> str:
-    """A text file as UTF-8, refusing huge files and naming the byte offset of bad encoding (not the bytes)."""
+def is_regular_inside(path: Path, folder: Path) -> bool:
+    """A regular file (after links) whose real path stays inside `folder`.
+
+    Links inside a Hugging Face cache snapshot (`.../snapshots/REV/x -> ../../blobs/HASH`) point into the
+    repository's own `blobs/` folder, which counts as inside: that is how every hub download is laid out.
+    """
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return any(real == allowed or allowed in real.parents for allowed in roots)
+
+
+def require_regular_inside(path: Path, folder: Path) -> Path:
+    """`path` if `is_regular_inside(path, folder)`; otherwise a user error, before anything opens it."""
+    if not is_regular_inside(path, folder):
+        raise InputError(f"{path}: not a regular file inside {folder} (a link out of the folder, a FIFO or a device)")
+    return path
+
+
+def require_regular(path: str | Path, what: str = "file") -> Path:
+    """A file the user named: it must exist and be a regular file (after links), checked with stat before
+    anything opens it, so a FIFO, socket or device is refused instead of blocking the run."""
     path = Path(path)
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(limit + 1)
+        mode = os.stat(path).st_mode
     except OSError as error:
+        raise InputError(f"{path}: no such {what}" if error.errno == errno.ENOENT
+                         else f"{path}: cannot read ({error.strerror})") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+        raise InputError(f"{path}: not a regular file ({kind}); give a {what}")
+    return path
+
+
+def open_regular(path: Path):
+    """Open for reading only if it is a regular file: a FIFO or device is refused without blocking on it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno == errno.ENXIO:  # a UNIX socket
+            raise InputError(f"{path}: not a regular file") from None
         raise InputError(f"{path}: cannot read ({error.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"{path}: not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_text(path: Path, limit: int = MAX_TEXT_BYTES) -> str:
+    """A text file as UTF-8, refusing FIFOs and devices before they can block, huge files, binary data (a NUL
+    byte) and bad encoding, naming the byte offset (not the bytes)."""
+    path = Path(path)
+    with open_regular(path) as handle:
+        try:
+            raw = handle.read(limit + 1)
+        except OSError as error:
+            raise InputError(f"{path}: cannot read ({error.strerror})") from None
     if len(raw) > limit:
-        raise InputError(f"{path}: larger than {limit // 2**20} MiB, not a config file")
+        raise InputError(f"{path}: larger than {limit // 2**20} MiB, not a text file this reads")
+    return decode_text(raw, path)
+
+
+def decode_text(raw: bytes, where: str | Path, offset: int = 0) -> str:
+    """Bytes of a text file as UTF-8; a NUL byte (binary data) or bad encoding is one line naming the offset."""
+    if (nul := raw.find(b"\0")) >= 0:
+        raise InputError(f"{where}: binary data, not text (NUL byte at offset {offset + nul})")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InputError(f"{path}: not UTF-8 text (bad byte at offset {error.start})") from None
+        raise InputError(f"{where}: not UTF-8 text (bad byte at offset {offset + error.start})") from None
 
 
 def parse_json(text: str | bytes, where: str | Path) -> Any:
@@ -100,7 +167,20 @@ def read_json(path: str | Path) -> Any:
 
 
 class _LimitedLoader(yaml.SafeLoader):
-    """SafeLoader that refuses documents whose alias-expanded size exceeds MAX_YAML_NODES."""
+    """SafeLoader that refuses documents whose alias-expanded size exceeds MAX_YAML_NODES, and mappings that
+    give a key twice (PyYAML keeps the last value silently; JSON input is refused the same way)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {str(key)[:80]!r} at line {key_node.start_mark.line + 1}")
+            seen.add(key) if isinstance(key, typing.Hashable) else None
+        return super().construct_mapping(node, deep)
 
 
 def parse_yaml(text: str, where: str | Path) -> Any:
@@ -164,3 +244,24 @@ def _json_type(value: Any) -> str:
     names = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
              float: "a number", type(None): "null"}
     return names.get(type(value), type(value).__name__)
+
+
+def parse_size(text: str | int) -> int:
+    """'2GB', '500MB', '1.5GiB' or a byte count -> bytes (decimal units like HF, binary with 'i'); positive."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise InputError(f"bad size {text!r} (use e.g. 500MB, 2GB, 5GiB or a byte count)")
+    if isinstance(text, int):
+        value = text
+    else:
+        units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+        cleaned = text.strip().upper().replace(" ", "")
+        number = cleaned.rstrip("KMGTIB")
+        unit = cleaned[len(number):]
+        try:
+            value = int(float(number) * units[unit])
+        except (ValueError, KeyError, OverflowError):
+            raise InputError(f"bad size {text!r} (use e.g. 500MB, 2GB, 5GiB)") from None
+    if value <= 0:
+        raise InputError(f"bad size {text!r} (must be positive)")
+    return value

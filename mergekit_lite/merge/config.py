@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -25,8 +26,8 @@ import numpy as np
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import resolve_model
-from mergekit_lite.io.safetensors import parse_size
-from mergekit_lite.merge.methods import TASK_VECTOR_METHODS
+from mergekit_lite.io.validation import parse_size, require_regular
+from mergekit_lite.merge.recipes import TASK_VECTOR_METHODS
 
 # The method registry: the parameters each method takes, and its main coefficient (what a sweep varies).
 METHOD_PARAMETERS = {
@@ -177,6 +178,11 @@ class MergeConfig:
                     references.append(reference)
         return references
 
+    @property
+    def read_paths(self) -> list[str | None]:
+        """Everything the merge reads: an output may be none of these, nor hold or sit inside one."""
+        return [*self.inputs, self.copy_files_from, self.recall.texts, self.recall.weights_file]
+
     def parameter(self, name: str, model_index: int | None = None) -> Any:
         """A parameter's raw value spec: the model's own, else the global one, else the default; a filter list
         that matches no tensor passes it on to the next of them (`fall_through`)."""
@@ -253,8 +259,17 @@ class MergeConfig:
                              resolve_model(part.base) if part.base else None, part.parameters) for part in self.slices]
         if self.copy_files_from and self.copy_files_from != "base":
             self.copy_files_from = resolve_model(self.copy_files_from)
+            if os.path.exists(self.copy_files_from) and not os.path.isdir(self.copy_files_from):
+                raise InputError(f"{self.copy_files_from}: --copy-files-from takes a model folder (its config and "
+                                 "tokenizer files are copied), not a file")
         if self.tokenizer_source and self.tokenizer_source not in TOKENIZER_SOURCES:
             self.tokenizer_source = resolve_model(self.tokenizer_source)
+        for path in self.inputs:
+            if not os.path.lexists(path):
+                raise InputError(f"{path}: no such file or folder")
+        for path, what in ((self.recall.texts, "text file"), (self.recall.weights_file, "weights file")):
+            if path and self.method in RECALL_METHODS:
+                require_regular(path, what)
 
     def unused_settings(self) -> list[str]:
         """Per-model settings of a parameter mergekit reads only from `parameters:` (lambda, normalize, ...):
@@ -359,6 +374,9 @@ def did_you_mean(word: str, choices) -> str:
 # -------------------------------------------------------------------------------------------- value specs
 
 
+INTEGER_PARAMETERS = {"max_iter"}  # counts: 2.5 is refused, not truncated
+
+
 def _check_value(name: str, value: Any) -> None:
     """Check every number a value spec can produce against the parameter's range."""
     if name in BOOLEAN_PARAMETERS:
@@ -366,6 +384,8 @@ def _check_value(name: str, value: Any) -> None:
             raise InputError(f"{name} must be true or false, got {value!r}")
         return
     for number in _numbers_in(name, value):
+        if name in INTEGER_PARAMETERS and not isinstance(number, int):
+            raise InputError(f"{name} must be an integer, got {number!r}")
         if not math.isfinite(number):
             raise InputError(f"{name} must be a finite number, got {number}")
         if name in RANGES:
@@ -381,11 +401,11 @@ def _numbers_in(name: str, value: Any) -> list[float]:
     if isinstance(value, bool):
         raise InputError(f"{name} must be a number, got {value!r}")
     if isinstance(value, (int, float)):
-        return [float(value)]
+        return [value]
     if isinstance(value, dict):
         return _numbers_in(name, [value])
     if isinstance(value, list) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        return [float(v) for v in value]
+        return list(value)
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         numbers = []
         for entry in value:

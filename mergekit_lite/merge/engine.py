@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from mergekit_lite import interrupts
+from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import BufferRing, aligned, reuse_freed_memory
 from mergekit_lite.io.lora import LoraAdapter
@@ -29,7 +30,7 @@ from mergekit_lite.io.outputs import (
 )
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource
-from mergekit_lite.merge import methods
+from mergekit_lite.merge import methods, recipes
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.plan import (
     PROVENANCE_FILE,
@@ -93,8 +94,8 @@ def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[tor
         return methods.combine_rows(tensors, torch.cat([1 - pair.sum(-1, keepdim=True), pair], -1), axis)
     if method == "sce":
         return methods.sce(tensors[0], tensors[1:], parameters["select_topk"])
-    recipe = methods.TASK_VECTOR_METHODS.get(method)
-    l1_rescaled = recipe is not None and recipe.sparsifier in methods.L1_RESCALED and parameters["rescale"]
+    recipe = recipes.TASK_VECTOR_METHODS.get(method)
+    l1_rescaled = recipe is not None and recipe.sparsifier in recipes.L1_RESCALED and parameters["rescale"]
     if recipe is not None and (recipe.sparsifier == "magprune" or l1_rescaled):
         return methods.task_vector_merge(
             tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
@@ -126,7 +127,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     if method in ("model_stock", "nuslerp", "multislerp", "karcher"):
         coefficients = _geometric_coefficients(config, step, tensors)
         return lambda chunk: methods.linear(chunk, coefficients, normalize=False)
-    recipe = methods.TASK_VECTOR_METHODS[method]
+    recipe = recipes.TASK_VECTOR_METHODS[method]
     thresholds = generators = None
     if recipe.sparsifier == "magnitude":  # one model per core: the passes are exact selections, in any order
         thresholds = [future.result() for future in start_on_other_cores(
@@ -293,7 +294,7 @@ def sparsifies(method: str) -> bool:
     """Methods that drop entries of the task vectors (TIES, DARE, DELLA, Breadcrumbs): a NaN or Inf input entry
     may be dropped, so it need not show in the output. Every other method combines every input entry with a
     float32 coefficient, and NaN or Inf survives that (Inf x 0 is NaN)."""
-    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    recipe = recipes.TASK_VECTOR_METHODS.get(method)
     return recipe is not None and recipe.sparsifier is not None
 
 
@@ -306,7 +307,7 @@ def compute_bound(method: str) -> bool:
 def chunk_threads(method: str) -> int:
     """Intra-op threads for a method's chunk loop: one for DARE, whose draws take the other cores (`DrawsAhead`;
     a second math thread beside them is slower, `benchmarks/chunk_math.py --chunk-threads 2`), else `math_threads`."""
-    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    recipe = recipes.TASK_VECTOR_METHODS.get(method)
     if recipe is not None and recipe.sparsifier == "random":
         return 1
     return math_threads(compute_bound(method))
@@ -392,19 +393,6 @@ def _wait_for(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def usable_device(name: str) -> torch.device:
-    """The device the math runs on, refused in one line when this machine lacks it."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"device {name!r} is not a torch device (use cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise InputError(f"device {name!r} is not available here (torch sees {torch.cuda.device_count()} CUDA devices)")
-    if device.type not in ("cpu", "cuda"):
-        raise InputError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
-    return device
-
-
 class _FiniteChecks:
     """Refuse NaN or Inf in a step's inputs or its result, naming the input that has them.
 
@@ -466,7 +454,7 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     """Plan and stream a merge into `out`, which appears only once complete. Adapters pass `gate` first
     (the Python API with the audits is mergekit_lite.audited.run_merge)."""
     started = time.perf_counter()
-    inputs = [*config.inputs, config.copy_files_from, config.recall.texts, config.recall.weights_file]
+    inputs = config.read_paths
     check_output_folder(out, inputs, overwrite)
     usable_device(config.device)
     reports = _audit_adapters(config, gate)

@@ -96,6 +96,22 @@ class Extraction:
     dropped: list[str]  # changed tensors the adapter does not carry (only with linear_only)
 
 
+def _delta(base, tuned, name: str) -> torch.Tensor:
+    """tuned - base in float32, refused in one line unless both are finite floating-point tensors (an SVD of
+    NaN fails to converge; a bool or integer tensor is no weight to factor)."""
+    first, second = base.load(name), tuned.load(name)
+    for source, tensor in ((base, first), (tuned, second)):
+        if not tensor.is_floating_point():
+            raise InputError(f"tensor {name} in {source.path} is {str(tensor.dtype).replace('torch.', '')}; "
+                             "extraction factors floating-point weights")
+    delta = second.to(torch.float32) - first.to(torch.float32)
+    if not torch.isfinite(delta).all():
+        where = next((source.path for source, tensor in ((base, first), (tuned, second))
+                      if not torch.isfinite(tensor).all()), f"{tuned.path} - {base.path} (overflow)")
+        raise InputError(f"tensor {name} in {where} has NaN or Inf values; extraction needs finite weights")
+    return delta
+
+
 def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, include: tuple[str, ...] = (),
                  exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False) -> Extraction:
     """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base.
@@ -155,13 +171,13 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
         with ShardedWriter(folder, planned, max_shard_bytes=2**63) as writer:
             for module in factored:
                 weight = f"{module}.weight"
-                delta = tuned.load(weight).to(torch.float32) - base.load(weight).to(torch.float32)
+                delta = _delta(base, tuned, weight)
                 lora_b, lora_a = low_rank_factors(delta, ranks[module])
                 writer.write(f"base_model.model.{module}.lora_A.weight", lora_a.to(tuned.dtype(weight)))
                 writer.write(f"base_model.model.{module}.lora_B.weight", lora_b.to(tuned.dtype(weight)))
                 if lora_bias:
                     bias = f"{module}.bias"
-                    delta_bias = tuned.load(bias).to(torch.float32) - base.load(bias).to(torch.float32)
+                    delta_bias = _delta(base, tuned, bias)
                     writer.write(f"base_model.model.{module}.lora_B.bias", delta_bias.to(tuned.dtype(bias)))
             for name in saved_tensors:
                 writer.write(f"base_model.model.{name}", tuned.load(name))

@@ -3,7 +3,7 @@
 Task arithmetic, TIES, DARE, DELLA and Model Breadcrumbs are one family (`task_vector_merge`): task
 vectors (model - base), an optional sparsifier (magnitude trim, random drop, magnitude-ranked random
 drop, or an outlier band), an optional sign consensus, and a weighted sum added back to the base. Each
-method in `TASK_VECTOR_METHODS` names one combination, as mergekit's generalized task arithmetic does.
+method in `recipes.TASK_VECTOR_METHODS` names one combination, as mergekit's generalized task arithmetic does.
 
 The geometric methods (SLERP, NuSLERP, Multi-SLERP, Karcher mean, Model Stock) all return a linear
 combination of their inputs whose coefficients depend only on the inputs' inner products. So each is a
@@ -15,11 +15,12 @@ Gram matrices, one per row.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy
 import torch
+
+from mergekit_lite.merge.recipes import L1_RESCALED
 
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
@@ -332,29 +333,6 @@ def positive_agreement(weighted_deltas: torch.Tensor, zero_sum_positive: bool = 
     elected = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total) if zero_sum_positive \
         else torch.sign(total)
     return torch.sign(weighted_deltas).mul_(elected).clamp_min_(0.0)
-
-
-@dataclass(frozen=True)
-class TaskVectorRecipe:
-    """One member of the task-vector family: which sparsifier, whether signs must agree, default normalization."""
-
-    sparsifier: str | None  # None, "magnitude", "random", "magprune" or "outliers"
-    consensus: bool
-    normalize: bool
-    rescale: bool = False  # the sparsifier's rescaling on by default (mergekit's defaults)
-
-
-TASK_VECTOR_METHODS = {
-    "task_arithmetic": TaskVectorRecipe(sparsifier=None, consensus=False, normalize=False),
-    "ties": TaskVectorRecipe(sparsifier="magnitude", consensus=True, normalize=True),
-    "dare_linear": TaskVectorRecipe(sparsifier="random", consensus=False, normalize=False, rescale=True),
-    "dare_ties": TaskVectorRecipe(sparsifier="random", consensus=True, normalize=True, rescale=True),
-    "della": TaskVectorRecipe(sparsifier="magprune", consensus=True, normalize=True, rescale=True),
-    "della_linear": TaskVectorRecipe(sparsifier="magprune", consensus=False, normalize=False, rescale=True),
-    "breadcrumbs": TaskVectorRecipe(sparsifier="outliers", consensus=False, normalize=False),
-    "breadcrumbs_ties": TaskVectorRecipe(sparsifier="outliers", consensus=True, normalize=False),
-}
-L1_RESCALED = {"magprune", "outliers"}  # sparsifiers whose `rescale` restores the L1 norm (DARE's divides by 1-drop)
 
 
 def task_vector_merge(

@@ -6,7 +6,6 @@ every tensor, and lays out the output; `engine` executes the plan.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -17,7 +16,8 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.architecture import Layout, layout
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, check_architectures, open_inputs
-from mergekit_lite.merge import methods
+from mergekit_lite.io.validation import read_json, require_regular
+from mergekit_lite.merge import recipes
 from mergekit_lite.merge.config import (
     RECALL_METHODS,
     MergeConfig,
@@ -155,6 +155,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
                 raise InputError(f"tensor {name}: shape {list(source.shape(name))} in {source.path} "
                                  f"but {list(shape)} in {reference.path}")
             dtypes.append(source.dtype(name))
+        _check_kinds(name, [(source.path, dtype) for source, dtype in zip(sources, dtypes)])
         if len(set(dtypes)) > 1:
             mixed.add(tuple(sorted({str(d).replace("torch.", "") for d in dtypes})))
         steps.append(_plan_step(config, name, shape, dtypes[0], depth_position(name, model_layout), n_layers,
@@ -170,6 +171,17 @@ def layer_count(model_layout: Layout, names: list[str]) -> int:
         return model_layout.n_layers
     indices = [index for index in (layer_index(name, model_layout) for name in names) if index is not None]
     return max(indices) + 1 if indices else 1
+
+
+def _check_kinds(name: str, dtypes: list[tuple[str, torch.dtype]]) -> None:
+    """Only floating-point tensors are merged; any other (a bool mask, integer ids) is copied from the first
+    input, which is right only when every input stores it in the same dtype."""
+    (reference, first), *others = dtypes
+    for path, dtype in others:
+        if dtype != first and not (dtype.is_floating_point and first.is_floating_point):
+            raise InputError(f"tensor {name}: {str(dtype).replace('torch.', '')} in {path} but "
+                             f"{str(first).replace('torch.', '')} in {reference}; only floating-point tensors are "
+                             "merged (others are copied, so every input must store them alike)")
 
 
 def _plan_step(config: MergeConfig, name, shape, stored_dtype, depth, n_layers, recall_weights) -> TensorStep:
@@ -224,6 +236,8 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
             if sources[index].shape(name) != shape:
                 raise InputError(f"tensor {name}: shape {list(sources[index].shape(name))} in {sources[index].path} "
                                  f"but {list(shape)} in {template.path}")
+        _check_kinds(tensor_names[0], [(sources[index].path, sources[index].dtype(name))
+                                       for index, name in zip(indices, tensor_names)])
         step = _plan_step(merge, out_name, shape, template.dtype(tensor_names[0]), depth, n_layers, None)
         steps.append(replace(step, inputs=tuple(zip(indices, tensor_names))))
 
@@ -295,6 +309,8 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
                                    config.parameter("weight") if config.mergekit_compat else 1.0)
         weights = ([resolve("weight", base_weight, name, position, n_layers, config.mergekit_compat)] if config.base else []) \
             + [value("weight", i) for i in models]
+        if config.parameter("normalize"):
+            _weight_total(weights, name, method)
         return {"weights": weights, "normalize": config.parameter("normalize")}
     if method in ("slerp", "nearswap"):
         return {"t": value("t")}
@@ -310,16 +326,13 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
     if method == "model_stock":
         return {"filter_wise": value("filter_wise")}
     if method == "nuslerp":
-        first, second = value("weight", 0), value("weight", 1)
-        total = first + second
-        return {"t": 0.5 if abs(total) < 1e-6 else second / total, "base": config.base is not None,
+        second = value("weight", 1)
+        return {"t": second / _weight_total([value("weight", 0), second], name, method), "base": config.base is not None,
                 "flatten": value("nuslerp_flatten"), "row_wise": value("nuslerp_row_wise")}
     if method == "multislerp":
         weights = [value("weight", i) for i in models]
         if value("normalize_weights"):
-            total = math.fsum(weights)
-            if total == 0:
-                raise InputError(f"tensor {name}: multislerp weights sum to zero; cannot normalize")
+            total = _weight_total(weights, name, method)
             weights = [w / total for w in weights]
         return {"weights": weights, "eps": value("eps"), "base": config.base is not None}
     if method == "karcher":
@@ -328,7 +341,7 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
         return {"select_topk": value("select_topk")}
     if method == "passthrough":
         return {"scale": value("scale", 0)}
-    recipe = methods.TASK_VECTOR_METHODS[method]
+    recipe = recipes.TASK_VECTOR_METHODS[method]
     parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
                   "normalize": config.parameter("normalize")}
     if recipe.sparsifier in ("magnitude", "magprune", "outliers"):
@@ -343,11 +356,21 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
                                  f"got density {density:g}, epsilon {epsilon:g}")
     if recipe.sparsifier == "outliers":
         parameters["gammas"] = [value("gamma", i) for i in models]
-    if recipe.sparsifier in ("random", *methods.L1_RESCALED):
+    if recipe.sparsifier in ("random", *recipes.L1_RESCALED):
         parameters["rescale"] = config.parameter("rescale")
     if config.mergekit_compat and (recipe.sparsifier == "magnitude" or recipe.consensus):
         parameters["mergekit_rules"] = True
     return parameters
+
+
+def _weight_total(weights: list[float], name: str, method: str) -> float:
+    """The sum the weights are divided by, refused where it is (nearly) zero: the weights would then be no
+    proportions at all (a division by zero, or mergekit's silent fallback to an even mix for nuslerp)."""
+    total = math.fsum(weights)
+    if abs(total) < 1e-6:
+        raise InputError(f"tensor {name}: {method} weights {', '.join(f'{w:g}' for w in weights)} sum to zero; "
+                         "they are divided by their sum (give weights with a non-zero sum)")
+    return total
 
 
 def load_recall_weights(config: MergeConfig):
@@ -356,8 +379,7 @@ def load_recall_weights(config: MergeConfig):
 
     settings = config.recall
     if settings.weights_file:
-        with open(settings.weights_file) as handle:
-            return recall.RecallWeights.from_json(json.load(handle))
+        return recall.RecallWeights.from_json(read_json(require_regular(settings.weights_file, "weights file")))
     if not settings.texts:
         raise InputError("recall needs typical samples: recall.texts (a text file, one sample per line) or --recall-texts")
     if any(LoraAdapter.is_adapter_dir(path) for path in config.inputs):

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.validation import read_text, require_regular
 
 KMEANS_ITERATIONS = 30
 DEFAULT_TEMPERATURE = 1.0  # the plain softmax of Fig. 4, stage 3
@@ -472,9 +473,8 @@ def compute_recall_weights(
 def read_texts(path) -> list[str]:
     """Candidate texts: one per non-empty line, or, for a .jsonl file, each line's "text" field."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"text file not found: {path}")
-    lines = [(number, line.strip()) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)]
+    text = read_text(require_regular(path, "text file"))
+    lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1)]
     lines = [(number, line) for number, line in lines if line]
     if path.suffix == ".jsonl":
         texts = [jsonl_text(line, number, path) for number, line in lines]

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.forgetting import logged_names
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.sweep.models import ModelLoader, ResidentPair, fits_in_memory, post_model
 from mergekit_lite.sweep.scoring import TaskRun, score_task
@@ -29,8 +29,6 @@ class PointEvaluator:
         from mergekit_lite.io.sources import open_inputs
         from mergekit_lite.merge.recall import find_tokenizer_dir
 
-        if not (Path(settings.pre) / "config.json").is_file():
-            raise InputError(f"{settings.pre}: --pre must be a model folder with a config.json")
         self.settings, self.folder, self.bar = settings, folder, bar
         self.sources = open_inputs([settings.pre, settings.post], settings.pre, allow_pickle=False)
         dtype = getattr(torch, settings.eval_dtype)
@@ -87,11 +85,14 @@ class PointEvaluator:
         return self._runs(lambda evaluator, chosen: evaluator.evaluate(model, self.tokenizer, chosen), samples)
 
     def _runs(self, scores, samples=None) -> list[TaskRun]:
-        runs = []
+        runs, scoring, metrics, filters = [], self.settings.scoring(), set(), set()
         for group, evaluator in self.evaluators.items():
             for task, score in scores(evaluator, None if samples is None else samples[group]).items():
-                runs.append(score_task(task, group, score, self.settings.scoring()))
+                runs.append(score_task(task, group, score, scoring))
+                logged = logged_names(score.samples)
+                metrics, filters = metrics | logged[0], filters | logged[1]
             self.bar.update(len(evaluator.tasks))
+        scoring.check_logged(metrics, filters, "the evaluated tasks")  # a typo, before any point is saved with it
         return runs
 
 

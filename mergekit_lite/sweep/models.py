@@ -122,7 +122,7 @@ class ResidentPair:
         import torch
 
         from mergekit_lite.io.architecture import layout
-        from mergekit_lite.merge.methods import TASK_VECTOR_METHODS
+        from mergekit_lite.merge.recipes import TASK_VECTOR_METHODS
         from mergekit_lite.merge.plan import layer_count
 
         self.method = settings.method

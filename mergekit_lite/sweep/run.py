@@ -9,19 +9,62 @@ from dataclasses import replace
 from pathlib import Path
 
 from mergekit_lite import interrupts
+from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.outputs import check_output_folder, prepare_run_folder
+from mergekit_lite.io.outputs import check_output_folder, check_run_folder, prepare_run_folder
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
-from mergekit_lite.sweep.compare import METHOD_FIELDS, Comparison, compare, write_comparison
-from mergekit_lite.sweep.evaluator import PointEvaluator, evaluate_point
+from mergekit_lite.sweep.compare import (
+    COMPARISON_JSON,
+    COMPARISON_MD,
+    METHOD_FIELDS,
+    PARETO_PLOT,
+    Comparison,
+    compare,
+    write_comparison,
+)
+from mergekit_lite.sweep.evaluator import MERGE_TEMP, PointEvaluator, evaluate_point
 from mergekit_lite.sweep.models import MergeConfigs
 from mergekit_lite.sweep.result import SweepResult, build_result
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
-from mergekit_lite.sweep.store import POINTS_DIR, alpha_label, load_points, point_file, run_lock, save_point
+from mergekit_lite.sweep.store import (
+    LOCK_FILE,
+    POINTS_DIR,
+    PROBES_DIR,
+    RECALL_DIR,
+    alpha_label,
+    load_points,
+    point_file,
+    run_lock,
+    save_point,
+)
 
 ENDPOINTS = ("pre", "post")
+
+
+def run_file(name: str) -> bool:
+    """What a sweep writes in its run folder (relative paths): points, probes, RECALL's similarities, the report
+    files, the lock, and the temporary files and merge folders of a run in progress or killed."""
+    from mergekit_lite.sweep.report import LAYERS_PLOT_FILE, MAP_FILE, PLOT_FILE, REPORT_FILE, RESULTS_FILE
+
+    top, _, rest = name.partition("/")
+    if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR):
+        return not rest or rest.endswith(".json") and "/" not in rest
+    own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE)
+    return top in own or top.startswith((f"{MERGE_TEMP}-", f".{MERGE_TEMP}-")) \
+        or any(top.startswith(f".{file}.tmp-") for file in own)
+
+
+def comparison_file(name: str, methods: tuple[str, ...]) -> bool:
+    """What a comparison writes in its run folder: the shared pre/post points, the comparison files, the lock,
+    and one sweep folder per method holding what a sweep writes."""
+    top, _, rest = name.partition("/")
+    if top in methods:
+        return not rest or run_file(rest)
+    own = (LOCK_FILE, COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT)
+    return top in own or any(top.startswith(f".{file}.tmp-") for file in own) \
+        or top == POINTS_DIR and (not rest or rest.endswith(".json") and "/" not in rest)
 
 
 def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
@@ -33,7 +76,10 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
     if settings.save_best:
         check_output_folder(settings.save_best, inputs)
-    folder = prepare_run_folder(settings.out, inputs)
+    settings.check_inputs()
+    check_run_folder(settings.out, inputs, own=run_file)
+    usable_device(settings.device)  # torch loads here: what needs no torch was checked first
+    folder = prepare_run_folder(settings.out, inputs, own=run_file)
     (folder / POINTS_DIR).mkdir(exist_ok=True)
     identity = settings.identity()
     plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
@@ -109,7 +155,13 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     if baseline not in [s.method for s in settings]:
         raise InputError(f"baseline {baseline!r} is not among the methods ({', '.join(s.method for s in settings)})")
     first = settings[0]
-    folder = prepare_run_folder(Path(first.out).parent, [first.pre, first.post, first.include_path, first.recall_texts])
+    inputs = [first.pre, first.post, first.include_path, first.recall_texts]
+    methods = tuple(Path(own.out).name for own in settings)
+    top = Path(first.out).parent
+    check_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
+    first.check_inputs()
+    usable_device(first.device)
+    folder = prepare_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
     (folder / POINTS_DIR).mkdir(exist_ok=True)
     shared = replace(first, out=str(folder), stream=True, save_best=None)  # endpoints only: no resident pair
     pair = {key: value for key, value in shared.identity().items() if key not in METHOD_FIELDS}
@@ -134,7 +186,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
                     endpoints[label] = evaluate_point(evaluator, shared, label, None, None)
         sweeps = {}
         for own in settings:
-            sub = prepare_run_folder(own.out, [own.pre, own.post])
+            sub = prepare_run_folder(own.out, inputs, own=run_file)
             (sub / POINTS_DIR).mkdir(exist_ok=True)
             for label, runs in endpoints.items():
                 if not point_file(sub, label).is_file():

@@ -5,6 +5,7 @@ merge config each alpha stands for."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, Scoring
-from mergekit_lite.io.validation import read_yaml, validate
+from mergekit_lite.io.layout import content_identity
+from mergekit_lite.io.validation import read_yaml, require_regular, validate
 from mergekit_lite.merge.config import DTYPES, MAIN_COEFFICIENT, METHODS, RECALL_METHODS, MergeConfig
 from mergekit_lite.merge.schema import config_from_dict
 
@@ -203,7 +205,20 @@ class SweepSettings:
         for name in PATH_FIELDS:
             if identity[name] is not None:
                 identity[name] = str(Path(identity[name]).resolve())
+        # the same path may hold other weights later (re-trained, re-downloaded): points of the old ones must not
+        # be reused, so the models' content is part of what a point depends on
+        identity["pre_content"], identity["post_content"] = content_identity(self.pre), content_identity(self.post)
         return identity
+
+    def check_inputs(self) -> None:
+        """Before torch loads and any model is read: pre and post are model folders, and every file of the task
+        folder lm-eval will read is a regular file (a FIFO there would block lm-eval for ever)."""
+        for flag, path in (("--pre", self.pre), ("--post", self.post)):
+            if not (Path(path) / "config.json").is_file():
+                raise InputError(f"{path}: {flag} must be a model folder with a config.json")
+        for root, _, files in os.walk(self.include_path) if self.include_path else ():
+            for name in files:
+                require_regular(Path(root) / name, "task file")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -225,9 +240,9 @@ Spec = str | int | float  # a scoring spec value as YAML may write it
 
 
 class SweepFile(BaseModel):
-    """The types a sweep YAML may give each setting (strict: a quoted "false" is not a boolean)."""
+    """The types a sweep YAML may give each setting (strict: a quoted "false" is not a boolean; no NaN)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     pre: str | None = None
     post: str | None = None
     method: str | None = None

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
-from mergekit_lite.io.validation import read_json, validate
+from mergekit_lite.io.validation import read_json, require_regular_inside, validate
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
 
@@ -64,7 +64,7 @@ def load_points(folder: Path, identity: dict, directory: str = POINTS_DIR) -> di
     points = {}
     for path in sorted((folder / directory).glob("*.json")):
         try:
-            point = validate(PointFile, read_json(path), path)
+            point = validate(PointFile, read_json(require_regular_inside(path, folder / directory)), path)
         except InputError as error:
             raise InputError(f"{error} (not a sweep point file; delete it to evaluate that point again)") from None
         label, saved = point.label, point.identity

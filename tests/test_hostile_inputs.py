@@ -1,0 +1,447 @@
+"""The classes of hostile input of issue 29, each with several variants, through the real CLI in a subprocess.
+
+Every refusal is one line `error: ...` on stderr with exit code 2 (an audit's REJECTED verdict: exit 1), and the
+working folder (inputs, and any folder a user keeps there) hashes the same before and after: nothing was
+removed, replaced or half-written. FIFOs stand for every kind of file that blocks when opened; each run has a
+timeout, so a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from test_safety import lm_eval_output, one_error_line, run, tree_hash
+from tiny_models import save_tiny_llama, tiny_llama
+
+from mergekit_lite.io.outputs import OUTPUT_MARKER
+
+TARGET = "model.layers.1.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A user's working folder: pre/ and post/ (tiny Llamas), a LoRA adapter made on pre, texts and notes."""
+    root = tmp_path_factory.mktemp("hostile")
+    save_tiny_llama(0, root / "pre")
+    save_tiny_llama(1, root / "post")
+    peft_model = get_peft_model(tiny_llama(0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights=False))
+    peft_model.save_pretrained(root / "lora")
+    (root / "texts.txt").write_text("the cat sat\nthe dog ran\n")
+    (root / "notes.txt").write_text("a file of the user's")
+    return root
+
+
+@pytest.fixture
+def fresh(work, tmp_path) -> Path:
+    return Path(shutil.copytree(work, tmp_path / "work", symlinks=True))
+
+
+def refused(folder: Path, *args, patterns=(), code: int = 2, timeout: float = 120) -> str:
+    """Run the CLI in `folder`; one error line matching `patterns`, and the folder exactly as it was."""
+    before = tree_hash(folder)
+    line = one_error_line(run(*args, cwd=folder, timeout=timeout), code, *patterns)
+    assert tree_hash(folder) == before
+    return line
+
+
+def lerp(*extra) -> list:
+    return ["merge", "--method", "linear", "--base", "pre", "--model", "post", "--alpha", "0.5", "-q", *extra]
+
+
+def edit_tensor(folder: Path, name: str, edit) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = folder / index[name]
+    state = load_file(shard)
+    state[name] = edit(state[name])
+    save_file(state, shard, metadata={"format": "pt"})
+
+
+def edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+# ------------------------------------------------------------------- 1. --overwrite replaces only our outputs
+
+
+def add_notes(out: Path) -> str:
+    (out / "notes.md").write_text("mine")
+    return r"\(notes\.md\)"
+
+
+def change_config(out: Path) -> str:
+    edit_json(out / "config.json", my_comment="kept here")
+    return r"\(config\.json\)"
+
+
+def add_subfolder(out: Path) -> str:
+    (out / "data").mkdir()
+    (out / "data" / "train.jsonl").write_text("{}\n")
+    return r"data/train\.jsonl"
+
+
+def add_link(out: Path) -> str:
+    (out / "elsewhere").symlink_to(out.parent / "notes.txt")
+    return r"elsewhere"
+
+
+def legacy_marker(out: Path) -> str:
+    """An output of an older version (a marker without the list of files): none of its files can be told ours."""
+    (out / OUTPUT_MARKER).write_text("written by mergekit-lite; --overwrite may replace this folder\n")
+    return r"config\.json, generation_config\.json, mergekit_lite_config\.yaml, model\.safetensors"
+
+
+@pytest.mark.parametrize("spoil", [add_notes, change_config, add_subfolder, add_link, legacy_marker])
+def test_overwrite_refuses_a_merge_output_holding_anything_else(fresh, spoil):
+    """A published merge downloaded next to a user's notes (or changed by them) is not replaced; its own files are
+    named; an untouched output of ours still is replaced."""
+    assert run(*lerp("--out", "merged"), cwd=fresh).returncode == 0
+    pattern = spoil(fresh / "merged")
+    refused(fresh, *lerp("--out", "merged", "--overwrite"),
+            patterns=[r"^error: merged: holds files mergekit-lite did not write there", pattern])
+
+
+def test_overwrite_replaces_an_untouched_output_of_merge_and_of_extract(fresh):
+    extract = ["extract", "--base", "pre", "--model", "post", "--rank", "2", "--out", "adapter"]
+    for command in (lerp("--out", "merged"), extract):
+        assert run(*command, cwd=fresh).returncode == 0
+        again = run(*command, "--overwrite", cwd=fresh)
+        assert again.returncode == 0, again.stderr
+    add_notes(fresh / "adapter")
+    refused(fresh, *extract, "--overwrite",
+            patterns=[r"adapter: holds files mergekit-lite did not write there \(notes\.md\)"])
+
+
+# ------------------------------------------------------------------------------- 2. nothing blocks on a file
+
+
+def blocking_file(kind: str, path: Path) -> Path:
+    """A FIFO, a UNIX socket, or a character device standing where a file is named."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+        server.close()
+    else:
+        return Path("/dev/zero")
+    return path
+
+
+HANG_CASES = {
+    "merge-config": lambda f: ["merge", f, "--out", "m"],
+    "recall-texts": lambda f: ["merge", "--method", "recall", "--base", "pre", "--model", "post",
+                               "--recall-texts", f, "--out", "m"],
+    "train-data": lambda f: ["audit", "lora", "--base", "pre", "--train-data", f, "--holdout", "texts.txt"],
+    "holdout": lambda f: ["audit", "lora", "--base", "pre", "--train-data", "texts.txt", "--holdout", f],
+    "sweep-config": lambda f: ["sweep", f, "--out", "runs"],
+    "forgetting-samples": lambda f: ["forgetting", f, f],
+}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
+@pytest.mark.parametrize("case", list(HANG_CASES))
+def test_a_fifo_socket_or_device_named_as_an_input_file_is_refused_without_blocking(fresh, case, kind):
+    special = blocking_file(kind, fresh / "special.jsonl")
+    name = str(special) if kind == "device" else special.name
+    refused(fresh, *HANG_CASES[case](name), timeout=60,
+            patterns=[r"not a regular file|not an lm-eval samples file"])
+
+
+def test_recall_weights_file_fifo_is_refused(fresh):
+    os.mkfifo(fresh / "weights.json")
+    (fresh / "recall.yaml").write_text("method: recall\nbase: pre\nmodels:\n  - model: post\n"
+                                       "recall:\n  weights_file: weights.json\n")
+    refused(fresh, "merge", "recall.yaml", "--out", "m", timeout=60,
+            patterns=[r"weights\.json: not a regular file \(a FIFO, socket or device\); give a weights file"])
+
+
+# --------------------------------------------------------------------- 3. one line instead of a traceback
+
+
+def mergekit_linear(weights) -> str:
+    models = "".join(f"  - model: {model}\n    parameters: {{weight: {weight}}}\n"
+                     for model, weight in zip(("pre", "post", "lora"), weights))
+    return f"merge_method: linear\nmodels:\n{models}"
+
+
+@pytest.mark.parametrize("args, config", [
+    (["--method", "linear", "--base", "pre", "--model", "post:-1"], None),
+    (["--method", "linear", "--model", "pre:2", "--model", "post:-2"], None),
+    ([], mergekit_linear([1, -1])),
+    ([], mergekit_linear([2.5, -2.5])),
+    ([], "method: multislerp\nmodels:\n  - model: pre\n    parameters: {weight: 1}\n"
+         "  - model: post\n    parameters: {weight: -1}\n"),
+], ids=["flags-with-base", "flags", "mergekit-yaml", "mergekit-yaml-fractions", "multislerp"])
+def test_weights_summing_to_zero_are_one_line(fresh, args, config):
+    if config:
+        (fresh / "zero.yaml").write_text(config)
+        args = ["zero.yaml", *args]
+    refused(fresh, "merge", *args, "--out", "m", patterns=[r"weights .* sum to zero"])
+
+
+@pytest.mark.parametrize("content, pattern", [
+    (b"the cat\x00\x01\x02 sat\n", r"binary data, not text \(NUL byte at offset 7\)"),
+    (b"caf\xe9 au lait\n", r"not UTF-8 text \(bad byte at offset 3\)"),
+    (bytes(range(256)) * 4, r"binary data, not text"),
+    (b"\xff\xfe" + "utf-16 text".encode("utf-16-le"), r"binary data|not UTF-8 text"),
+], ids=["nul", "latin-1", "random-bytes", "utf-16"])
+@pytest.mark.parametrize("where", ["recall-texts", "train-data", "holdout"])
+def test_binary_or_non_utf8_text_files_are_one_line(fresh, content, pattern, where):
+    (fresh / "bad.txt").write_bytes(content)
+    refused(fresh, *HANG_CASES[where]("bad.txt"), patterns=[r"bad\.txt(:\d+)?: ", pattern])
+
+
+@pytest.mark.parametrize("method, bool_in", [("linear", "post"), ("ties", "post"), ("slerp", "pre"),
+                                             ("task_arithmetic", "pre")])
+def test_a_bool_tensor_where_others_store_floats_is_one_line(fresh, method, bool_in):
+    edit_tensor(fresh / bool_in, TARGET, lambda tensor: tensor > 0)
+    value = {"linear": ["--alpha", "0.5"], "slerp": ["--t", "0.5"]}.get(method, [])
+    refused(fresh, "merge", "--method", method, "--base", "pre", "--model", "post", *value, "--out", "m",
+            patterns=[rf"tensor {TARGET}: (bool in {bool_in} but float32|float32 in \S+ but bool in {bool_in})"])
+
+
+@pytest.mark.parametrize("side, value", [("post", float("nan")), ("pre", float("inf")), ("post", -float("inf"))])
+def test_nan_or_inf_in_extract_inputs_is_one_line(fresh, side, value):
+    def spoil(tensor):
+        tensor[0, 0] = value
+        return tensor
+
+    edit_tensor(fresh / side, TARGET, spoil)
+    refused(fresh, "extract", "--base", "pre", "--model", "post", "--out", "adapter",
+            patterns=[rf"tensor {TARGET} in {side} has NaN or Inf values"])
+
+
+@pytest.mark.parametrize("device, pattern", [
+    ("bogus", r"device 'bogus' is not a torch device"),
+    ("meta", r"device 'meta' is not supported"),
+    ("cuda:99", r"device 'cuda:99' is not available here"),
+])
+def test_audit_behaviour_device_is_checked_before_any_work(fresh, device, pattern):
+    refused(fresh, "audit", "lora", "--base", "pre", "--behaviour", "--device", device, patterns=[pattern])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a GPU")
+def test_cuda_asked_of_a_cpu_only_torch_is_one_line(fresh):
+    refused(fresh, "audit", "lora", "--base", "pre", "--behaviour", "--device", "cuda",
+            patterns=[r"device 'cuda' is not available here"])
+    refused(fresh, *lerp("--device", "cuda", "--out", "m"), patterns=[r"device 'cuda' is not available here"])
+
+
+# -------------------------------------------------------------------------------- 4. silently wrong, refused
+
+
+@pytest.mark.parametrize("weights", [(0, 0), (1, -1), (0.5, -0.5)])
+def test_nuslerp_weights_without_a_direction_are_refused(fresh, weights):
+    models = "".join(f"  - model: {model}\n    parameters: {{weight: {weight}}}\n"
+                     for model, weight in zip(("pre", "post"), weights))
+    (fresh / "nu.yaml").write_text(f"merge_method: nuslerp\nmodels:\n{models}")
+    refused(fresh, "merge", "nu.yaml", "--out", "m", patterns=[r"nuslerp weights .* sum to zero"])
+
+
+@pytest.mark.parametrize("alpha", [1e30, 1e38, -1e32])
+def test_an_adapter_whose_update_overflows_is_rejected_and_never_merged(fresh, alpha):
+    edit_json(fresh / "lora" / "adapter_config.json", lora_alpha=alpha)
+    audit = run("audit", "lora", "--base", "pre", "--json", cwd=fresh)
+    assert audit.returncode == 1, audit.stderr
+    report = json.loads(audit.stdout)["reports"][0]
+    assert report["verdict"] == "REJECTED" and "overflows float32" in report["checks"][0]["detail"]
+    refused(fresh, "merge", "--method", "task_arithmetic", "--base", "pre", "--model", "lora", "--out", "m",
+            patterns=[r"adapter lora is REJECTED: format: the update scaling\*B@A overflows float32"])
+
+
+@pytest.mark.parametrize("declared", ["unsloth/llama-3-8b-bnb-4bit", "TheBloke/Llama-2-7B-GPTQ",
+                                      "./models/llama-awq", "org/tiny-llama-int4"])
+def test_a_quantised_declared_base_fails(fresh, declared):
+    """As the README's audit table says: REJECTED, whether or not the given base has a hub id to compare with."""
+    edit_json(fresh / "lora" / "adapter_config.json", base_model_name_or_path=declared)
+    audit = run("audit", "lora", "--base", "pre", "--json", cwd=fresh)
+    assert audit.returncode == 1, audit.stderr
+    checks = {check["name"]: check for check in json.loads(audit.stdout)["reports"][0]["checks"]}
+    assert checks["base-id"]["status"] == "fail" and "declares a quantised base" in checks["base-id"]["detail"]
+
+
+@pytest.mark.parametrize("target", ["pre/config.json", "notes.txt", "texts.txt"])
+def test_copy_files_from_a_file_is_refused(fresh, target):
+    refused(fresh, *lerp("--copy-files-from", target, "--out", "m"),
+            patterns=[rf"{target}: --copy-files-from takes a model folder"])
+
+
+@pytest.mark.parametrize("text, key", [
+    ("method: linear\nmethod: slerp\nbase: pre\nmodels:\n  - model: post\n", "method"),
+    ("method: linear\nbase: pre\nmodels:\n  - model: post\nparameters:\n  alpha: 0.2\n  alpha: 0.9\n", "alpha"),
+    ("merge_method: linear\nmodels:\n  - model: pre\n    parameters: {weight: 1, weight: 2}\n  - model: post\n",
+     "weight"),
+    ("method: linear\nbase: pre\nbase: post\nmodels:\n  - model: post\n", "base"),
+], ids=["top-level", "nested", "flow-mapping", "base"])
+def test_a_yaml_key_given_twice_is_refused(fresh, text, key):
+    (fresh / "twice.yaml").write_text(text)
+    refused(fresh, "merge", "twice.yaml", "--out", "m", patterns=[rf"twice\.yaml: invalid YAML \(duplicate key '{key}'"])
+    refused(fresh, "sweep", "twice.yaml", "--out", "runs", patterns=[rf"duplicate key '{key}'"])
+
+
+@pytest.mark.parametrize("option, value, hint", [
+    ("--metric", "accc", r"did you mean 'acc'"),
+    ("--metric", "exact", r"logged: acc\)"),
+    ("--filter", "nnone", r"did you mean 'none'"),
+    ("--filter", "flexible-extract", r"logged: none\)"),
+])
+def test_a_global_metric_or_filter_no_task_logs_is_refused(tmp_path, option, value, hint):
+    lm_eval_output(tmp_path / "pre", [1, 1, 0, 0])
+    lm_eval_output(tmp_path / "post", [1, 0, 1, 0])
+    refused(tmp_path, "forgetting", "pre", "post", option, value,
+            patterns=[rf"{option} '{value}': no task in pre logs it", hint])
+
+
+# -------------------------------------------------------------------------------------- 5. wrong types
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("method: linear\nbase: pre\nmodels:\n  - model: post\nparameters: {alpha: 0.5}\nout_shard_size: -5\n",
+     r"bad size -5 \(must be positive\)"),
+    ("method: linear\nbase: pre\nmodels:\n  - model: post\nparameters: {alpha: 0.5}\nout_shard_size: 0\n",
+     r"bad size 0 \(must be positive\)"),
+    ("method: linear\nbase: pre\nmodels:\n  - model: post\nparameters: {alpha: 0.5}\nout_shard_size: '-2GB'\n",
+     r"bad size '-2GB'"),
+    ("merge_method: karcher\nmodels:\n  - model: pre\n  - model: post\nparameters: {max_iter: 2.5}\n",
+     r"max_iter must be an integer, got 2\.5"),
+    ("merge_method: karcher\nmodels:\n  - model: pre\n  - model: post\nparameters: {max_iter: [3, 4.5]}\n",
+     r"max_iter must be an integer, got 4\.5"),
+], ids=["negative-size", "zero-size", "negative-size-text", "float-max-iter", "float-in-gradient"])
+def test_wrong_numbers_in_our_yaml_are_refused_where_read(fresh, text, pattern):
+    (fresh / "bad.yaml").write_text(text)
+    refused(fresh, "merge", "bad.yaml", "--out", "m", patterns=[pattern])
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["audit", "lora", "--base", "pre", "--min-delta", "nan"], r"--min-delta: expected a number, got 'nan'"),
+    (["audit", "lora", "--base", "pre", "--max-kl", "NaN"], r"--max-kl: expected a number"),
+    (["audit", "lora", "--base", "pre", "--min-similarity", "nan"], r"--min-similarity: expected a number"),
+    (lerp("--lambda", "nan", "--out", "m"), r"--lambda: expected a number"),
+    (["sweep", "--pre", "pre", "--post", "post", "--confidence", "nan", "--out", "runs"], r"--confidence: expected"),
+    (["sweep", "--pre", "pre", "--post", "post", "--probe", "nan", "--out", "runs"], r"--probe: expected a number"),
+], ids=["min-delta", "max-kl", "min-similarity", "lambda", "confidence", "probe"])
+def test_nan_thresholds_are_refused(fresh, args, pattern):
+    refused(fresh, *args, patterns=[pattern])
+
+
+@pytest.mark.parametrize("spec", ["arc=2.5", "arc=1.0001", "arc=3.5e0"])
+def test_choices_must_be_whole(tmp_path, spec):
+    lm_eval_output(tmp_path / "pre", [1, 1, 0, 0])
+    lm_eval_output(tmp_path / "post", [1, 0, 1, 0])
+    refused(tmp_path, "forgetting", "pre", "post", "--choices", spec,
+            patterns=[r"--choices arc=\S+: K must be a whole number of choices"])
+
+
+# ---------------------------------------------------------------------- 6. refusals come before torch loads
+
+PROBE = """
+import sys
+from cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit:
+    print(f"exit={exit.code} torch={'torch' in sys.modules}")
+"""
+
+
+@pytest.mark.parametrize("args", [
+    ["merge", "--help"], ["sweep", "--help"], ["forgetting", "--help"],
+    lerp("--alpha", "1.5", "--out", "m"),
+    ["merge", "--method", "linear", "--base", "missing", "--model", "post", "--alpha", "0.5", "--out", "m"],
+    lerp("--out", "pre"),
+    lerp("--out", "notes.txt/m"),
+    ["merge", "twice.yaml", "--out", "m"],
+    ["merge", "special.yaml", "--out", "m"],
+    lerp("--out-shard-size", "-1", "--out", "m"),
+    ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0:1:1e-12", "--old-tasks", "a", "--new-tasks", "b",
+     "--out", "runs"],
+    ["sweep", "twice.yaml", "--out", "runs"],
+    ["sweep", "--pre", "missing", "--post", "post", "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b",
+     "--out", "runs"],
+    ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b",
+     "--out", "theirs"],
+    ["forgetting", "missing", "pre"],
+    ["forgetting", "special.yaml", "special.yaml"],
+], ids=lambda args: " ".join(args[:3]))
+def test_help_and_refusals_never_import_torch(fresh, args):
+    """merge, sweep and forgetting check arguments, configs and paths before torch is imported: `--help` and a
+    refused run answer without it (checked in sys.modules, not timed)."""
+    (fresh / "twice.yaml").write_text("method: linear\nmethod: slerp\n")
+    os.mkfifo(fresh / "special.yaml")
+    (fresh / "theirs").mkdir()  # a run folder of ours holding a user's file
+    (fresh / "theirs" / OUTPUT_MARKER).write_text("a mergekit-lite run folder; reruns resume here\n")
+    (fresh / "theirs" / "notes.md").write_text("mine")
+    result = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=fresh,
+                            timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    code = "0" if "--help" in args else "2"
+    assert result.stdout.strip().splitlines()[-1] == f"exit={code} torch=False", (result.stdout, result.stderr)
+
+
+# ------------------------------------------------------------------------------------ the sweep's run folder
+
+
+def sweep(*extra) -> list:
+    return ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b",
+            "--out", "runs", *extra]
+
+
+def run_folder(root: Path) -> Path:
+    """A run folder of ours as a killed sweep leaves it: the marker, the lock, a point and a temporary file."""
+    folder = root / "runs"
+    (folder / "points").mkdir(parents=True)
+    (folder / OUTPUT_MARKER).write_text("a mergekit-lite run folder; reruns resume here\n")
+    (folder / ".sweep.lock").write_text("")
+    (folder / "points" / "pre.json").write_text("{}")
+    (folder / "points" / ".post.json.tmp-123.json").write_text("{")
+    return folder
+
+
+@pytest.mark.parametrize("plant, pattern", [
+    (lambda folder: (folder / "notes.md").write_text("mine"), r"\(notes\.md\)"),
+    (lambda folder: (folder / "report.txt").write_text("mine"), r"\(report\.txt\)"),
+    (lambda folder: (folder / "points" / "keep").mkdir(), r"\(points/keep/\)"),
+    (lambda folder: os.mkfifo(folder / "points" / "alpha=0.5.json"), r"\(points/alpha=0\.5\.json\)"),
+    (lambda folder: blocking_file("socket", folder / "points" / "s.json"), r"\(points/s\.json\)"),
+    (lambda folder: (folder / "points" / "x.json").symlink_to(folder.parent / "notes.txt"), r"\(points/x\.json\)"),
+], ids=["notes", "other-report", "folder-in-points", "fifo-point", "socket-point", "link-point"])
+def test_a_run_folder_holding_anything_else_is_refused_before_any_work(fresh, plant, pattern):
+    """A run folder resumes only while it holds nothing but what a sweep writes: a user's file is never replaced
+    by the report, and a FIFO among the points is never opened (it would block the resume for ever)."""
+    plant(run_folder(fresh))
+    refused(fresh, *sweep(), timeout=60,
+            patterns=[r"^error: runs: holds files a run does not write", pattern])
+
+
+@pytest.mark.parametrize("device, pattern", [
+    ("bogus", r"device 'bogus' is not a torch device"),
+    ("meta", r"device 'meta' is not supported"),
+    ("cuda:99", r"device 'cuda:99' is not available here"),
+])
+def test_sweep_device_is_checked_before_any_work(fresh, device, pattern):
+    refused(fresh, *sweep("--device", device), patterns=[pattern])
+    assert not (fresh / "runs").exists()
+
+
+@pytest.mark.parametrize("line", ["selection_fraction: .nan", "confidence: .NaN", "density: .inf"])
+def test_nan_in_a_sweep_config_is_refused(fresh, line):
+    (fresh / "sweep.yaml").write_text(f"pre: pre\npost: post\nalphas: '0,1'\nold_tasks: a\nnew_tasks: b\n{line}\n")
+    refused(fresh, "sweep", "sweep.yaml", "--out", "runs", patterns=[rf"sweep\.yaml: {line.split(':')[0]}: "])
+
+
+def test_a_fifo_in_the_sweep_task_folder_is_refused_before_lm_eval_reads_it(fresh):
+    (fresh / "tasks").mkdir()
+    (fresh / "tasks" / "a.yaml").write_text("task: a\n")
+    os.mkfifo(fresh / "tasks" / "b.yaml")
+    refused(fresh, *sweep("--include-path", "tasks"), timeout=60,
+            patterns=[r"tasks/b\.yaml: not a regular file \(a FIFO, socket or device\); give a task file"])
