@@ -11,7 +11,7 @@ from pathlib import Path
 from mergekit_lite import interrupts
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.outputs import check_output_folder, check_run_folder, prepare_run_folder
+from mergekit_lite.io.outputs import OUTPUT_MARKER, check_output_folder, check_run_folder, prepare_run_folder
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
 from mergekit_lite.sweep.compare import (
@@ -61,7 +61,7 @@ def comparison_file(name: str, methods: tuple[str, ...]) -> bool:
     and one sweep folder per method holding what a sweep writes."""
     top, _, rest = name.partition("/")
     if top in methods:
-        return not rest or run_file(rest)
+        return not rest or rest == OUTPUT_MARKER or run_file(rest)
     own = (LOCK_FILE, COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT)
     return top in own or any(top.startswith(f".{file}.tmp-") for file in own) \
         or top == POINTS_DIR and (not rest or rest.endswith(".json") and "/" not in rest)
