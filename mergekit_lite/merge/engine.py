@@ -27,6 +27,7 @@ from mergekit_lite.io.outputs import (
     copy_side_files,
     keep_post_trained_files,
 )
+from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, write_card
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource
 from mergekit_lite.merge import methods
@@ -454,8 +455,10 @@ class MergeResult:
     files: list[str]
 
 
-def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False) -> MergeResult:
-    """Plan and stream a merge into `out`, which appears only once complete."""
+def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
+              card_sections: list[tuple[str, str]] = ()) -> MergeResult:
+    """Plan and stream a merge into `out`, which appears only once complete, with its model card (README.md;
+    `card_sections`: (title, markdown) a caller adds, e.g. a sweep's pick)."""
     started = time.perf_counter()
     inputs = [*config.inputs, config.copy_files_from, config.recall.texts, config.recall.weights_file]
     check_output_folder(out, inputs, overwrite)
@@ -469,6 +472,7 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
             execute(plan, writer.write, progress=progress)
             writer.close()
         _write_side_files(plan, folder)
+        write_card(folder, merge_card(config, reports, card_sections))
         files = sorted(p.name for p in folder.iterdir())
     return MergeResult(Path(out), plan, time.perf_counter() - started, files)
 
@@ -492,6 +496,17 @@ def _audit_adapters(config: MergeConfig) -> list:
 
     return [require_verified(adapter, config.base, force=config.force, allow_pickle=config.allow_pickle)
             for adapter in adapters]
+
+
+def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
+    """The output's model card: every input by hub id or folder name, their licenses, the method and its
+    parameters, the configuration and each adapter's audit verdict."""
+    inputs = list(dict.fromkeys(path for path in [config.base, *config.inputs] if path))
+    return ModelCard(bases=[input_name(path) for path in inputs], relation="merge", method=config.method,
+                     parameters=dict(config.parameters), config_yaml=yaml.safe_dump(config.to_dict(), sort_keys=False),
+                     licenses=licenses_of(inputs),
+                     audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons} for r in reports],
+                     sections=list(sections))
 
 
 def _audit_notes(reports: list) -> list[str]:
