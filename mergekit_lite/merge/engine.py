@@ -488,7 +488,9 @@ def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = N
 
 def _audit_adapters(config: MergeConfig) -> list:
     """Adapters are audited against the base before anything else reads them, so a refusal names the real cause;
-    REJECTED ones stop the merge. Without a base, planning says an adapter needs one."""
+    REJECTED ones stop the merge. Without a base, planning says an adapter needs one. Hub ids are resolved first,
+    so an adapter named by hub id is audited like a folder."""
+    config.resolve_references()
     adapters = [path for path in config.inputs if LoraAdapter.is_adapter_dir(path)]
     if not (adapters and config.base):
         return []
@@ -502,11 +504,22 @@ def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
     """The output's model card: every input by hub id or folder name, their licenses, the method and its
     parameters, the configuration and each adapter's audit verdict."""
     inputs = list(dict.fromkeys(path for path in [config.base, *config.inputs] if path))
-    return ModelCard(bases=[input_name(path) for path in inputs], relation="merge", method=config.method,
-                     parameters=dict(config.parameters), config_yaml=yaml.safe_dump(config.to_dict(), sort_keys=False),
+    names = {str(path): input_name(path) for path in inputs}  # no local paths in a card meant for the Hub
+    shown = _renamed(config.to_dict(), names)
+    return ModelCard(bases=list(names.values()), relation="merge", method=config.method,
+                     parameters=dict(config.parameters), config_yaml=yaml.safe_dump(shown, sort_keys=False),
                      licenses=licenses_of(inputs),
                      audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons} for r in reports],
                      sections=list(sections))
+
+
+def _renamed(data, names: dict[str, str]):
+    """`data` with every string that is an input's path replaced by its name."""
+    if isinstance(data, dict):
+        return {key: _renamed(value, names) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_renamed(value, names) for value in data]
+    return names.get(data, data) if isinstance(data, str) else data
 
 
 def _audit_notes(reports: list) -> list[str]:
