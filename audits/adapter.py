@@ -602,14 +602,16 @@ def check_tokenizer(adapter: LoraAdapter, audit_base: AuditBase, fingerprint: di
     base = audit_base.source
     base_folder = base.path if base.path.is_dir() else base.path.parent
     base_info = audit_base.once("tokenizer", lambda: tokenizer_info(base_folder, base.config))
-    shipped = tokenizer_info(adapter.path, None)["files"]
+    adapter_info = tokenizer_info(adapter.path, None)
+    shipped, refused = adapter_info["files"], adapter_info["refused"]
     recorded = (fingerprint or {}).get("tokenizer")
-    if not shipped and not recorded:
+    if not shipped and not recorded and not refused:
         return None
     vocab = base_info["vocab_size"]
     measurements = {"base_vocab_size": vocab, "base_files": base_info["files"], "adapter_files": shipped,
                     "fingerprint": recorded}
-    failures, warnings = [], []
+    failures = []
+    warnings = [f"not read: {', '.join(refused)} (not a regular file inside {adapter.path}: a link out of it?)"] if refused else []
     adapter_vocab = _tokenizer_vocab(adapter.path) if "tokenizer.json" in shipped else None
     measurements["adapter_tokenizer_size"] = adapter_vocab
     if adapter_vocab and vocab and adapter_vocab > vocab:

@@ -297,3 +297,22 @@ def test_extracted_adapter_has_an_adapter_card(hub, tmp_path):
     meta = front_matter((tmp_path / "lora" / "README.md").read_text())
     assert meta["base_model"] == ["base"] and meta["base_model_relation"] == "adapter"
     assert meta["license"] == "apache-2.0"
+
+
+def test_an_adapter_tokenizer_linked_out_of_its_folder_is_never_opened(hub, tmp_path, monkeypatch):
+    import audits.fingerprint as fingerprint_module
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"hunter2": true}')
+    adapter = tmp_path / "linked-tokenizer"
+    shutil.copytree(hub["good"], adapter)
+    (adapter / "tokenizer.json").symlink_to(secret)
+    (adapter / "tokenizer_config.json").write_text("{}")  # a regular one beside it is read
+    hashed = Counter(fingerprint_module.sha256_file)
+    monkeypatch.setattr(fingerprint_module, "sha256_file", hashed)
+    report = audit_adapter(adapter, hub["base"])
+    tokenizer = next(check for check in report.checks if check.name == "tokenizer")
+    assert tokenizer.status == "warn" and "not read: tokenizer.json" in tokenizer.detail
+    assert list(tokenizer.measurements["adapter_files"]) == ["tokenizer_config.json"]
+    assert [Path(args[0]).name for args in hashed.calls] == ["tokenizer_config.json"]
+    assert "hunter2" not in json.dumps(report.to_dict())
