@@ -316,3 +316,18 @@ def test_an_adapter_tokenizer_linked_out_of_its_folder_is_never_opened(hub, tmp_
     assert list(tokenizer.measurements["adapter_files"]) == ["tokenizer_config.json"]
     assert [Path(args[0]).name for args in hashed.calls] == ["tokenizer_config.json"]
     assert "hunter2" not in json.dumps(report.to_dict())
+
+
+def test_save_best_section_renders_pick_and_intervals(hub, tmp_path):
+    """The section a sweep's --save-best passes to run_merge(card_sections=...): the pick and scores with intervals."""
+    from mergekit_lite.io.model_card import selection_section
+
+    section = selection_section(0.3, [{"label": "alpha=0.3", "old": 0.9, "new": 0.8, "harmonic_mean": 0.847,
+                                       "intervals": {"old": [0.85, 0.95], "harmonic_mean": [0.8, 0.89]}},
+                                      {"label": "post", "old": 0.5, "new": 0.9, "harmonic_mean": 0.643}], tied=[0.25])
+    config = MergeConfig.from_dict({"method": "linear", "base": str(hub["base"]),
+                                    "models": [{"model": str(hub["base"])}], "parameters": {"alpha": 0.3}})
+    card = (run_merge(config, tmp_path / "best", card_sections=[section]).out / "README.md").read_text()
+    assert front_matter(card)["base_model"] == ["base"]
+    assert "## Sweep selection" in card and "alpha = 0.3" in card and "0.25" in card
+    assert "| alpha=0.3 | 0.9000 [0.8500, 0.9500] | 0.8000 | 0.8470 [0.8000, 0.8900] |" in card
