@@ -331,3 +331,18 @@ def test_save_best_section_renders_pick_and_intervals(hub, tmp_path):
     assert front_matter(card)["base_model"] == ["base"]
     assert "## Sweep selection" in card and "alpha = 0.3" in card and "0.25" in card
     assert "| alpha=0.3 | 0.9000 [0.8500, 0.9500] | 0.8000 | 0.8470 [0.8000, 0.8900] |" in card
+
+
+def test_behaviour_in_a_batch_loads_the_base_once_and_gives_it_back_unchanged(hub, monkeypatch):
+    """--behaviour: one loaded model serves every adapter; each sees the base's own weights (its KL equals a fresh
+    audit's, whatever adapter ran before it)."""
+    import audits.behaviour as behaviour_module
+
+    loads = Counter(behaviour_module.load_causal_lm)
+    monkeypatch.setattr(behaviour_module, "load_causal_lm", loads)
+    base = adapter_module.AuditBase.open(hub["base"])
+    kl = lambda report: next(c for c in report.checks if c.name == "behaviour").measurements["mean_kl"]
+    batch = [kl(audit_adapter(hub[name], base, behaviour=True)) for name in ("good", "wrong", "good")]
+    assert len(loads.calls) == 1
+    fresh = kl(audit_adapter(hub["good"], hub["base"], behaviour=True))
+    assert batch[0] == batch[2] == pytest.approx(fresh, rel=1e-6) and batch[0] > 0
