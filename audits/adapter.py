@@ -29,11 +29,13 @@ Verdict: REJECTED if any check fails, WARN if any warns, else VERIFIED.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import stat
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,7 +65,9 @@ from audits.report import (
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.architecture import checkpoint_names
-from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, LoraAdapter
+from mergekit_lite.io.hub import ADAPTER_PATTERNS, hub_id_of, is_hub_id, repo_files, resolve_model, split_hub_id
+from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, PICKLE_FILE, SAFETENSORS_FILE, LoraAdapter
+from mergekit_lite.io.safetensors import open_model
 from mergekit_lite.io.sources import tied_head
 from mergekit_lite.merge.plan import layer_index
 
@@ -139,16 +143,30 @@ class ModuleMeasure:
         return None if self.spectrum_cosine is None else min(self.spectrum_cosine, self.probe_cosine)
 
 
-def find_adapters(paths) -> list[Path]:
-    """Each path is an adapter folder, or a folder whose immediate subfolders are adapters. A subfolder that
+@dataclass(frozen=True)
+class AdapterRef:
+    """An adapter as the user named it (a folder, or a hub id `org/name[@revision]`) and the folder read for it."""
+
+    name: str
+    path: Path
+    hub: bool = False
+
+
+def find_adapters(paths) -> list[AdapterRef]:
+    """Each path is an adapter folder, a folder whose immediate subfolders are adapters, or a hub id (a local path
+    always wins) fetched into the Hugging Face cache: only ADAPTER_PATTERNS, never a pickle. A subfolder that
     links out of the named folder is refused, not followed: reads stay inside the paths the user named (name
     the linked adapter itself to audit it)."""
     found = []
-    for path in map(Path, paths):
+    for reference in map(str, paths):
+        path = Path(reference)
+        if is_hub_id(reference):
+            found.append(AdapterRef(reference, Path(resolve_model(reference, ADAPTER_PATTERNS)), hub=True))
+            continue
         if not path.exists():
             raise InputError(f"{path}: no such adapter folder")
         if LoraAdapter.is_adapter_dir(path):
-            found.append(path)
+            found.append(AdapterRef(str(path), path))
             continue
         children = sorted(c for c in path.iterdir() if LoraAdapter.is_adapter_dir(c)) if path.is_dir() else []
         if not children:
@@ -157,8 +175,30 @@ def find_adapters(paths) -> list[Path]:
         for child in children:
             if root not in Path(os.path.realpath(child)).parents:
                 raise InputError(f"{child}: links out of {path}; name the adapter itself to audit it")
-        found.extend(children)
+        found.extend(AdapterRef(str(child), child) for child in children)
     return found
+
+
+MAX_LIST_BYTES = 1 << 20
+
+
+def read_adapter_list(path) -> list[str]:
+    """`--from-file`: one adapter folder or hub id per line; blank lines and `#` comments skipped. The file is a user
+    input: a regular file (a FIFO is refused, not waited on), at most 1 MiB, UTF-8."""
+    from mergekit_lite.io.validation import read_text
+
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        raise InputError(f"{path}: cannot read ({error.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{path}: not a regular file")
+    entries = [re.sub(r"(^|\s)#.*$", "", line).strip() for line in read_text(path, limit=MAX_LIST_BYTES).splitlines()]
+    entries = [entry for entry in entries if entry]
+    if not entries:
+        raise InputError(f"{path}: lists no adapters")
+    return entries
 
 
 def _names(names: list[str]) -> str:
@@ -361,28 +401,76 @@ def effective_rank(singular_values: torch.Tensor) -> float:
     return float(torch.exp(-(shares * shares.log()).sum()))
 
 
-def measure_module(adapter: LoraAdapter, base, name: str, base_name: str, top_k: int,
+@dataclass(frozen=True)
+class BaseMatrix:
+    """What the checks need of one base weight matrix: its norm, top singular directions and probe."""
+
+    shape: tuple[int, ...]
+    norm: float
+    left_vectors: torch.Tensor
+    singular_values: torch.Tensor
+    probe: torch.Tensor
+
+
+@dataclass
+class AuditBase:
+    """The base of an audit, opened and measured once for a whole batch: a base matrix's SVD is computed the first
+    time an adapter adapts it and reused for every other adapter (kept: rows x top_k numbers per matrix, not the
+    matrix), and so are the tokenizer files' hashes, signature comparisons and, with --behaviour, the loaded model."""
+
+    reference: str
+    path: Path
+    source: object
+    hub_id: str | None
+    matrices: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, reference, allow_pickle: bool = False) -> "AuditBase":
+        """A base folder or file, or a hub id (the snapshot of it in the Hugging Face cache, weights and config)."""
+        reference = str(reference)
+        hub_id = split_hub_id(reference)[0] if is_hub_id(reference) else None
+        path = Path(resolve_model(reference))
+        return cls(reference, path, open_model(path, allow_pickle=allow_pickle), hub_id or hub_id_of(path))
+
+    def matrix(self, name: str, top_k: int) -> BaseMatrix:
+        key = (name, top_k)
+        if key not in self.matrices:
+            weight = self.source.load(name).to(torch.float32)
+            left_vectors, singular_values = top_singular(weight, top_k)
+            self.matrices[key] = BaseMatrix(tuple(weight.shape), float(weight.norm()), left_vectors, singular_values,
+                                            probe(weight))
+        return self.matrices[key]
+
+    def once(self, key, compute):
+        """`compute()` the first time `key` is asked for; the same answer after that."""
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+
+def measure_module(adapter: LoraAdapter, base: AuditBase, name: str, base_name: str, top_k: int,
                    fingerprint_entry: dict | None) -> ModuleMeasure:
     """Size, rank and placement of one module's update (adapter name) relative to its base weight (on-disk name;
-    one base tensor read)."""
-    weight = base.load(base_name).to(torch.float32)
-    left_vectors, singular_values = top_singular(weight, top_k)
+    measured once per batch)."""
+    matrix = base.matrix(base_name, top_k)
+    left_vectors, singular_values = matrix.left_vectors, matrix.singular_values
     left, right = adapter.factors(name)
     delta_values = lowrank_singular_values(left, right)
     delta_norm = float(delta_values.norm())
-    subspace = max(1, min(top_k, min(weight.shape) // 4))
+    subspace = max(1, min(top_k, min(matrix.shape) // 4))
     inside = float(((left_vectors[:, :subspace].T @ left) @ right).norm())
     spectrum_cosine = probe_cosine = None
     if fingerprint_entry is not None:
-        spectrum_cosine, probe_cosine = module_similarity(fingerprint_entry, tuple(weight.shape), singular_values, probe(weight))
+        spectrum_cosine, probe_cosine = module_similarity(fingerprint_entry, matrix.shape, singular_values, matrix.probe)
     return ModuleMeasure(
         name=name,
         rank=adapter.rank(name),
         delta_norm=delta_norm,
-        relative_norm=delta_norm / max(float(weight.norm()), 1e-12),
+        relative_norm=delta_norm / max(matrix.norm, 1e-12),
         effective_rank=effective_rank(delta_values),
         energy_share=(inside / delta_norm) ** 2 if delta_norm > 0 else 0.0,
-        random_share=subspace / weight.shape[0],
+        random_share=subspace / matrix.shape[0],
         spectrum_cosine=spectrum_cosine,
         probe_cosine=probe_cosine,
     )
@@ -482,11 +570,16 @@ def check_delta(measures: list[ModuleMeasure], replaced: dict[str, float], thres
     return CheckResult("delta", PASS, total, thresholds.min_total_norm, summary, measurements)
 
 
-def check_declared_base(adapter: LoraAdapter, base, base_dir, base_id: str | None) -> CheckResult:
-    """The paper's base check: the declared base_model_name_or_path names the given base (aliases normalised)."""
-    declared = adapter.config.get("base_model_name_or_path")
-    given, given_from = given_base_id(base_dir, base_id, base.config)
-    measurements = {"declared": declared, "given": given, "given_from": given_from or None}
+def check_declared_base(adapter: LoraAdapter, audit_base: AuditBase, base_id: str | None,
+                        card_base: str | None = None) -> CheckResult:
+    """The paper's base check: the declared base_model_name_or_path (else the `base_model` of the adapter's model
+    card) names the given base (aliases normalised): --base-id, else the base's hub id when it was given as one."""
+    base, base_dir = audit_base.source, audit_base.path
+    declared = adapter.config.get("base_model_name_or_path") or card_base
+    given, given_from = given_base_id(base_dir, base_id, base.config, audit_base.hub_id)
+    measurements = {"declared": declared, "declared_in": "adapter_config.json" if adapter.config.get(
+        "base_model_name_or_path") else ("README.md base_model" if card_base else None),
+                    "given": given, "given_from": given_from or None}
     quantisation = (base.config or {}).get("quantization_config")
     if quantisation:
         method = quantisation.get("quant_method", "?") if isinstance(quantisation, dict) else "?"
@@ -522,18 +615,21 @@ def _tokenizer_vocab(folder: Path) -> int | None:
         return None
 
 
-def check_tokenizer(adapter: LoraAdapter, base, fingerprint: dict | None) -> CheckResult | None:
+def check_tokenizer(adapter: LoraAdapter, audit_base: AuditBase, fingerprint: dict | None) -> CheckResult | None:
     """Tokenizer files and vocabulary size against the base (App. I); None when there is nothing to compare."""
+    base = audit_base.source
     base_folder = base.path if base.path.is_dir() else base.path.parent
-    base_info = tokenizer_info(base_folder, base.config)
-    shipped = tokenizer_info(adapter.path, None)["files"]
+    base_info = audit_base.once("tokenizer", lambda: tokenizer_info(base_folder, base.config))
+    adapter_info = tokenizer_info(adapter.path, None)
+    shipped, refused = adapter_info["files"], adapter_info["refused"]
     recorded = (fingerprint or {}).get("tokenizer")
-    if not shipped and not recorded:
+    if not shipped and not recorded and not refused:
         return None
     vocab = base_info["vocab_size"]
     measurements = {"base_vocab_size": vocab, "base_files": base_info["files"], "adapter_files": shipped,
                     "fingerprint": recorded}
-    failures, warnings = [], []
+    failures = []
+    warnings = [f"not read: {', '.join(refused)} (not a regular file inside {adapter.path}: a link out of it?)"] if refused else []
     adapter_vocab = _tokenizer_vocab(adapter.path) if "tokenizer.json" in shipped else None
     measurements["adapter_tokenizer_size"] = adapter_vocab
     if adapter_vocab and vocab and adapter_vocab > vocab:
@@ -555,15 +651,19 @@ def check_tokenizer(adapter: LoraAdapter, base, fingerprint: dict | None) -> Che
     return CheckResult("tokenizer", PASS, vocab, None, f"vocab_size {vocab}; tokenizer files match", measurements)
 
 
-def check_signature(signature: dict, base, source: str) -> CheckResult:
-    """The base holds the weights the signature was taken from (sampled values compared as numbers)."""
+def check_signature(signature: dict, audit_base: AuditBase, source: str) -> CheckResult:
+    """The base holds the weights the signature was taken from (sampled values compared as numbers; once per
+    distinct signature in a batch)."""
     from audits.fingerprint import compare_samples, tensor_table_hash
 
-    differing, missing = compare_samples(signature, base)
+    base = audit_base.source
+    differing, missing = audit_base.once(("signature", json.dumps(signature, sort_keys=True)),
+                                         lambda: compare_samples(signature, base))
     signed = len(signature["samples"])
     base_folder = base.path if base.path.is_dir() else base.path.parent
-    same_config = signature.get("config_sha256") == sha256_file(base_folder / "config.json")
-    same_table = signature.get("tensor_table_sha256") == tensor_table_hash(base)
+    same_config = signature.get("config_sha256") == audit_base.once(
+        "config_sha256", lambda: sha256_file(base_folder / "config.json"))
+    same_table = signature.get("tensor_table_sha256") == audit_base.once("table", lambda: tensor_table_hash(base))
     measurements = {"digest": signature.get("digest"), "signed_tensors": signed, "differing": differing,
                     "missing": missing, "same_config": same_config, "same_tensor_table": same_table}
     share = (len(differing) + len(missing)) / max(signed, 1)
@@ -579,14 +679,15 @@ def check_signature(signature: dict, base, source: str) -> CheckResult:
                        f"({source}, digest {signature.get('digest')})"]), measurements)
 
 
-def check_behaviour(adapter: LoraAdapter, base_dir, fingerprint: dict | None, thresholds: AuditThresholds,
+def check_behaviour(adapter: LoraAdapter, base: AuditBase, fingerprint: dict | None, thresholds: AuditThresholds,
                     device: str) -> CheckResult:
     """First-token KL(base || base+adapter) on probes (App. I, the authors' direction) and, with a recorded
     reference, the base's own KL."""
-    from audits.behaviour import measure_divergence
+    from audits.behaviour import load_causal_lm, measure_divergence
 
     reference = (fingerprint or {}).get("behaviour")
-    divergence, probes, skipped = measure_divergence(base_dir, adapter, device, reference)
+    model = base.once(("model", device), lambda: load_causal_lm(base.path, device))
+    divergence, probes, skipped = measure_divergence(base.path, adapter, device, reference, model=model)
     kl, agreement, base_kl = divergence.mean_kl, divergence.top1_agreement, divergence.mean_base_kl
     measurements = {"mean_kl": kl, "per_probe_kl": divergence.kl, "kl_direction": "KL(base || base+adapter)",
                     "mean_reverse_kl": divergence.mean_reverse_kl, "top1_agreement": agreement,
@@ -626,43 +727,78 @@ def _fingerprint_for(adapter_dir: Path, fingerprint) -> tuple[dict | None, str |
 def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, holdout=None,
                   thresholds: AuditThresholds = AuditThresholds(), allow_pickle: bool = False,
                   base_id: str | None = None, behaviour: bool = False, device: str = "cpu") -> AuditReport:
-    """Run every applicable check on one adapter; unusable input (no adapter, bad base) raises InputError."""
-    from mergekit_lite.io.safetensors import open_model
+    """Run every applicable check on one adapter; unusable input (no adapter, bad base) raises InputError.
 
-    adapter_dir = Path(adapter_dir)
-    if not LoraAdapter.is_adapter_dir(adapter_dir):
-        raise InputError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter folder)")
+    `adapter_dir`: a folder, a hub id or an AdapterRef (find_adapters); `base_dir`: a folder, a hub id or an
+    AuditBase shared by a batch. A base given as a hub id is the id the declared base is compared with (unless
+    `base_id` says otherwise). A hub adapter's pickle is never downloaded or loaded, --allow-pickle or not."""
+    if isinstance(adapter_dir, AdapterRef):
+        ref = adapter_dir
+    else:
+        ref = find_adapters([adapter_dir])[0] if is_hub_id(str(adapter_dir)) else AdapterRef(str(adapter_dir), Path(adapter_dir))
+    if not LoraAdapter.is_adapter_dir(ref.path):
+        raise InputError(f"{ref.name}: no adapter_config.json (not a PEFT adapter folder)")
     if (train_data is None) != (holdout is None):
         raise InputError("the leakage check needs both training data and a holdout (--train-data and --holdout)")
     if behaviour:
         usable_device(device)
-    base = open_model(base_dir, allow_pickle=allow_pickle)
-    fingerprint_data, fingerprint_source = _fingerprint_for(adapter_dir, fingerprint)
+    audit_base = base_dir if isinstance(base_dir, AuditBase) else AuditBase.open(base_dir, allow_pickle)
+    base = audit_base.source
+    fingerprint_data, fingerprint_source = _fingerprint_for(ref.path, fingerprint)
     top_k = fingerprint_data["top_k"] if fingerprint_data else thresholds.top_k
-    format_check, adapter = check_format(adapter_dir, allow_pickle)
+    pickle_only = ref.hub and _pickle_only(ref)
+    format_check, adapter = pickle_only or check_format(ref.path, allow_pickle and not ref.hub)
     checks = [format_check]
     if adapter is not None:
-        checks.append(check_declared_base(adapter, base, base_dir, base_id))
+        checks.append(check_declared_base(adapter, audit_base, base_id, card_base_model(ref.path)))
         structure = check_structure(adapter, base)
         checks.append(structure)
-        tokenizer = check_tokenizer(adapter, base, fingerprint_data)
+        tokenizer = check_tokenizer(adapter, audit_base, fingerprint_data)
         if tokenizer is not None:
             checks.append(tokenizer)
         if fingerprint_data and fingerprint_data.get("signature"):
-            checks.append(check_signature(fingerprint_data["signature"], base, fingerprint_source))
+            checks.append(check_signature(fingerprint_data["signature"], audit_base, fingerprint_source))
         if structure.status != FAIL:
             entries = fingerprint_data["modules"] if fingerprint_data else {}
             on_disk = base_names(adapter, base)
-            measures = [measure_module(adapter, base, name, on_disk[name], top_k, entries.get(on_disk[name]))
+            measures = [measure_module(adapter, audit_base, name, on_disk[name], top_k, entries.get(on_disk[name]))
                         for name in adapter.targets()]
             if measures:
                 checks.append(check_spectral(measures, fingerprint_source, thresholds))
             checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds))
             if behaviour:
-                checks.append(check_behaviour(adapter, base_dir, fingerprint_data, thresholds, device))
+                checks.append(check_behaviour(adapter, audit_base, fingerprint_data, thresholds, device))
     if train_data is not None:
         checks.append(check_leakage(train_data, holdout, thresholds.ngram, thresholds.max_contaminated_share))
-    return make_report(str(adapter_dir), str(base_dir), checks)
+    return make_report(ref.name, audit_base.reference, checks)
+
+
+def _pickle_only(ref: AdapterRef) -> tuple[CheckResult, None] | None:
+    """A hub repository with adapter_model.bin and no adapter_model.safetensors: refused by the file listing alone
+    (the pickle is not in ADAPTER_PATTERNS, so it is never downloaded, and never opened)."""
+    files = repo_files(ref.name, ref.path)
+    if SAFETENSORS_FILE in files or PICKLE_FILE not in files:
+        return None
+    return CheckResult("format", FAIL, None, None, f"{ref.name} ships only pickled weights ({PICKLE_FILE}), which can "
+                       "run code when loaded: refused without downloading or unpickling them (ask for "
+                       f"{SAFETENSORS_FILE})", {"repo_files": files}), None
+
+
+def card_base_model(folder: Path) -> str | None:
+    """The `base_model` an adapter's model card declares (the first, when it lists several), or None."""
+    from mergekit_lite.io.model_card import read_card_metadata
+
+    declared = read_card_metadata(folder).get("base_model")
+    if isinstance(declared, list):
+        declared = declared[0] if declared else None
+    return declared if isinstance(declared, str) else None
+
+
+def audit_batch(adapters: list[AdapterRef], base: AuditBase, **options):
+    """Audit each adapter against one base, opened once: reports one at a time, as each finishes (nothing of an
+    adapter stays in memory after its report)."""
+    for ref in adapters:
+        yield audit_adapter(ref, base, **options)
 
 
 UNMERGEABLE = ("format", "structure")  # an adapter that cannot be read, or does not fit the base, cannot be merged

@@ -19,6 +19,7 @@ distribution can.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,21 +150,42 @@ def apply_adapter_(model, adapter) -> list[str]:
     return skipped
 
 
-def measure_divergence(base_dir, adapter, device: str = "cpu",
-                       reference: dict | None = None) -> tuple[Divergence, str, list[str]]:
-    """Base and base+adapter on the same probes (the fingerprint's ids when it has them); also base vs reference."""
-    model = load_causal_lm(base_dir, device)
+@contextmanager
+def adapted(model, adapter):
+    """The model with the adapter applied (apply_adapter_) inside the block, and its own weights back after it, so
+    one loaded base serves a whole batch of adapters."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    touched = [name for name in adapter.targets() + adapter.replaced() if name in parameters]
+    saved = {name: parameters[name].detach().clone() for name in touched}
+    head = model.get_output_embeddings()
+    head_weight = head.weight if head is not None else None
+    try:
+        yield apply_adapter_(model, adapter)
+    finally:
+        if head is not None:
+            head.weight = head_weight
+        with torch.no_grad():
+            for name, value in saved.items():
+                parameters[name].copy_(value)
+
+
+def measure_divergence(base_dir, adapter, device: str = "cpu", reference: dict | None = None,
+                       model=None) -> tuple[Divergence, str, list[str]]:
+    """Base and base+adapter on the same probes (the fingerprint's ids when it has them); also base vs reference.
+    `model`: the base already loaded (a batch loads it once); it is given back unchanged."""
+    model = model if model is not None else load_causal_lm(base_dir, device)
     if reference is not None:
         probes, how = reference["probe_ids"], "the fingerprint's probe token ids"
     else:
         probes, how = probe_ids(base_dir, model.config.get_text_config().vocab_size)
     base = first_token_logprobs(model, probes)
     base_vs_reference = kl_to_reference(base, reference) if reference is not None else None
-    skipped = apply_adapter_(model, adapter)
-    adapted = first_token_logprobs(model, probes)
+    with adapted(model, adapter) as skipped:
+        adapted_logprobs = first_token_logprobs(model, probes)
     # KL(base || base+adapter), as the authors' check_output_divergence computes it (src/audit_checks.py)
-    divergence = Divergence(kl_divergence(base, adapted).tolist(), (adapted.argmax(-1) == base.argmax(-1)).tolist(),
-                            base_vs_reference, reverse_kl=kl_divergence(adapted, base).tolist())
+    divergence = Divergence(kl_divergence(base, adapted_logprobs).tolist(),
+                            (adapted_logprobs.argmax(-1) == base.argmax(-1)).tolist(),
+                            base_vs_reference, reverse_kl=kl_divergence(adapted_logprobs, base).tolist())
     return divergence, how, skipped
 
 

@@ -98,10 +98,14 @@ def compare(declared: str, given: str) -> list[str]:
     return reasons
 
 
-def given_base_id(base_dir, base_id: str | None, base_config: dict | None) -> tuple[str | None, str]:
-    """The id to compare with: --base-id, else the base config's `_name_or_path` when it is a hub id."""
+def given_base_id(base_dir, base_id: str | None, base_config: dict | None,
+                  hub_id: str | None = None) -> tuple[str | None, str]:
+    """The id to compare with: --base-id, else the hub id the base was given as (or its cache snapshot is of),
+    else the base config's `_name_or_path` when it is a hub id."""
     if base_id:
         return base_id, "--base-id"
+    if hub_id:
+        return hub_id, "the base's hub id"
     recorded = (base_config or {}).get("_name_or_path")
     if isinstance(recorded, str) and recorded and not is_local_path(recorded):
         return recorded, f"{Path(base_dir).name}/config.json _name_or_path"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -114,9 +115,16 @@ def tensor_table_hash(source) -> str:
 
 
 def tokenizer_info(base_dir: Path, config: dict | None) -> dict:
+    """Vocabulary size and the hashes of the tokenizer files; a file that is not a regular file inside the folder (a
+    link out of it, a FIFO) is never opened: it is listed under `refused` instead."""
+    from mergekit_lite.io.safetensors import is_regular_inside
+
     text_config = (config or {}).get("text_config") or config or {}
+    present = [name for name in TOKENIZER_FILES if os.path.lexists(base_dir / name)]
+    inside = [name for name in present if is_regular_inside(base_dir / name, base_dir)]
     return {"vocab_size": text_config.get("vocab_size"),
-            "files": {name: digest for name in TOKENIZER_FILES if (digest := sha256_file(base_dir / name))}}
+            "files": {name: sha256_file(base_dir / name) for name in inside},
+            "refused": [name for name in present if name not in inside]}
 
 
 def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K, behaviour: bool = True, device: str = "cpu") -> dict:

@@ -56,19 +56,49 @@ def paper_measures(report) -> tuple[str, str, str, str]:
             f"{behaviour.measurements['mean_kl']:.3g}" if behaviour else "-")
 
 
-def render_table(reports, verbose: bool) -> str:
-    """One row per adapter (verdict, the paper's measures, reasons); with `verbose`, every check under its row."""
-    width = max(len("ADAPTER"), *(len(r.adapter) for r in reports))
-    lines = [f"{'ADAPTER':<{width}}  {'VERDICT':<8}  {'BASE-ID':<7}  {'NORM':>7}  {'PER-MOD':>7}  {'KL':>7}  REASONS"]
-    for report in reports:
-        base_id, norm, per_module, kl = paper_measures(report)
-        lines.append(f"{report.adapter:<{width}}  {report.verdict:<8}  {base_id:<7}  {norm:>7}  {per_module:>7}  {kl:>7}  "
-                     f"{'; '.join(report.reasons) or '-'}")
-        if verbose:
-            lines.extend(f"    {check.status:<4}  {check.name:<9}  {_measured(check)}  {check.detail}" for check in report.checks)
-    counts = {verdict: sum(r.verdict == verdict for r in reports) for verdict in ("VERIFIED", "WARN", "REJECTED")}
-    lines.append(", ".join(f"{count} {verdict}" for verdict, count in counts.items()))
+def table_header(width: int) -> str:
+    return f"{'ADAPTER':<{width}}  {'VERDICT':<8}  {'BASE-ID':<7}  {'NORM':>7}  {'PER-MOD':>7}  {'KL':>7}  REASONS"
+
+
+def table_row(report, width: int, verbose: bool) -> str:
+    """One adapter's row (verdict, the paper's measures, reasons); with `verbose`, every check under it."""
+    base_id, norm, per_module, kl = paper_measures(report)
+    lines = [f"{report.adapter:<{width}}  {report.verdict:<8}  {base_id:<7}  {norm:>7}  {per_module:>7}  {kl:>7}  "
+             f"{'; '.join(report.reasons) or '-'}"]
+    if verbose:
+        lines.extend(f"    {check.status:<4}  {check.name:<9}  {_measured(check)}  {check.detail}" for check in report.checks)
     return "\n".join(lines)
+
+
+def table_summary(reports) -> str:
+    counts = {verdict: sum(r.verdict == verdict for r in reports) for verdict in ("VERIFIED", "WARN", "REJECTED")}
+    return ", ".join(f"{count} {verdict}" for verdict, count in counts.items())
+
+
+CHECK_ORDER = ("format", "base-id", "structure", "tokenizer", "signature", "spectral", "delta", "behaviour", "leakage")
+
+
+def render_csv(reports) -> str:
+    """One line per adapter: verdict, reasons, and each check's status, value and threshold (empty: not run)."""
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["adapter", "base", "verdict", *(f"{name}_{part}" for name in CHECK_ORDER
+                                                      for part in ("status", "value", "threshold")), "reasons"])
+    for report in reports:
+        checks = {check.name: check for check in report.checks}
+        cells = []
+        for name in CHECK_ORDER:
+            check = checks.get(name)
+            cells += ["", "", ""] if check is None else [check.status, _number(check.value), _number(check.threshold)]
+        writer.writerow([report.adapter, report.base, report.verdict, *cells, "; ".join(report.reasons)])
+    return buffer.getvalue().rstrip("\n")
+
+
+def _number(value) -> str:
+    return "" if value is None else repr(float(value))
 
 
 def _measured(check) -> str:
@@ -77,8 +107,11 @@ def _measured(check) -> str:
 
 
 @click.command(cls=_AdaptersCommand)
-@click.argument("adapters", metavar="ADAPTER...", nargs=-1, required=True, type=click.Path())
-@click.option("--base", required=True, type=click.Path(), help="The base model the adapters claim (HF folder or .safetensors file).")
+@click.argument("adapters", metavar="ADAPTER...", nargs=-1, type=click.Path())
+@click.option("--from-file", "from_file", type=click.Path(dir_okay=False),
+              help="Also audit the adapters listed in FILE: one folder or hub id per line, # comments.")
+@click.option("--base", required=True, help="The base model the adapters claim: a folder, a .safetensors file or a hub "
+              "id org/name[@revision].")
 @click.option("--fingerprint", type=click.Path(dir_okay=False),
               help=f"Base fingerprint to check the base against [default: {SHIPPED_FINGERPRINT} inside each adapter folder].")
 @click.option("--train-data", type=click.Path(dir_okay=False),
@@ -88,7 +121,7 @@ def _measured(check) -> str:
 @click.option("--max-contaminated", default=0.01, show_default=True, type=Number(0, 1),
               help="Fail when a larger share of holdout items is found in the training data.")
 @click.option("--base-id", help="Hub id of the given base (e.g. meta-llama/Llama-3.1-8B-Instruct) to compare the declared "
-              "base_model_name_or_path with [default: the base config's _name_or_path].")
+              "base_model_name_or_path with [default: --base when it is a hub id, else the base config's _name_or_path].")
 @click.option("--min-delta", default=1e-4, show_default=True, type=Number(min=0),
               help="Reject as a no-op when the largest ||dW||/||W|| is below this.")
 @click.option("--min-total-norm", default=1.0, show_default=True, type=Number(min=0),
@@ -99,14 +132,20 @@ def _measured(check) -> str:
               help="With --behaviour: reject above this KL as likely made on another base.")
 @click.option("--min-similarity", default=0.95, show_default=True, type=Number(-1, 1),
               help="Reject when any module's similarity to the base fingerprint is below this.")
-@click.option("--allow-pickle", is_flag=True, help="Load adapter_model.bin pickles (weights_only=True); reported as a warning.")
+@click.option("--allow-pickle", is_flag=True, help="Load adapter_model.bin pickles of local folders (weights_only=True); "
+              "reported as a warning. A hub adapter's pickle is never downloaded.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON instead of a table.")
+@click.option("--csv", "as_csv", is_flag=True, help="Print one CSV line per adapter: every check's status, value and threshold.")
 @click.option("-v", "--verbose", is_flag=True, help="Show every check with its value, threshold and detail.")
-def audit_adapters(adapters, base, fingerprint, train_data, holdout, ngram, max_contaminated, base_id, min_delta,
-                   min_total_norm, behaviour, device, max_kl, min_similarity, allow_pickle, as_json, verbose):
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar, loading bars or library logs on stderr.")
+def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, ngram, max_contaminated, base_id,
+                   min_delta, min_total_norm, behaviour, device, max_kl, min_similarity, allow_pickle, as_json, as_csv,
+                   verbose, quiet):
     """Audit LoRA adapters against the base they claim: VERIFIED, WARN or REJECTED.
 
-    ADAPTER is a PEFT adapter folder, or a folder of adapter folders; one row each.
+    ADAPTER is a PEFT adapter folder, a folder of adapter folders, or a hub id
+    org/name[@revision] (a local path always wins); one row each, printed as
+    each adapter finishes. The base is opened and measured once for all.
 
     \b
     Checks: format (safetensors, typed config, known options, NaN/Inf), base-id
@@ -124,26 +163,58 @@ def audit_adapters(adapters, base, fingerprint, train_data, holdout, ngram, max_
     \b
     Examples:
       mergekit-lite audit adapters/math-lora --base models/pre
-      mergekit-lite audit adapters/ --base models/pre --json
+      mergekit-lite audit someorg/some-lora@v1 --base meta-llama/Llama-3.2-1B
+      mergekit-lite audit adapters/ --from-file more.txt --base models/pre --csv > audit.csv
       mergekit-lite audit my-lora --base llama31 --base-id meta-llama/Llama-3.1-8B-Instruct --behaviour --device cuda
       mergekit-lite audit my-lora --base models/pre --train-data train.jsonl --holdout eval.jsonl -v
       mergekit-lite audit fingerprint models/pre --out base_fingerprint.json
     """
-    from audits.adapter import AuditThresholds, audit_adapter, find_adapters
+    if as_json and as_csv:
+        raise click.UsageError("give --json or --csv, not both")
+    if quiet:
+        from cli.main import quiet_third_party
 
+        quiet_third_party()
+    from audits.adapter import AuditBase, AuditThresholds, audit_batch, find_adapters, read_adapter_list
+
+    names = [*adapters, *(read_adapter_list(from_file) if from_file else [])]
+    if not names:
+        raise click.UsageError("name at least one ADAPTER (or --from-file FILE)")
     thresholds = AuditThresholds(min_fingerprint_similarity=min_similarity, min_delta=min_delta, ngram=ngram,
                                  max_contaminated_share=max_contaminated, min_total_norm=min_total_norm, max_kl=max_kl)
-    reports = [audit_adapter(folder, base, fingerprint=fingerprint, train_data=train_data, holdout=holdout,
-                             thresholds=thresholds, allow_pickle=allow_pickle, base_id=base_id, behaviour=behaviour,
-                             device=device)
-               for folder in find_adapters(adapters)]
+    found = find_adapters(names)
+    audit_base = AuditBase.open(base, allow_pickle)
+    reports = []
+    width = max(len("ADAPTER"), *(len(ref.name) for ref in found))
+    streaming = not (as_json or as_csv)
+    if streaming:
+        click.echo(table_header(width))
+    bar = _progress(len(found), quiet)
+    for report in audit_batch(found, audit_base, fingerprint=fingerprint, train_data=train_data, holdout=holdout,
+                              thresholds=thresholds, allow_pickle=allow_pickle, base_id=base_id, behaviour=behaviour,
+                              device=device):
+        reports.append(report)
+        if streaming:
+            bar.write(table_row(report, width, verbose), file=sys.stdout)
+        bar.update()
+    bar.close()
     if as_json:
         click.echo(json.dumps({"thresholds": asdict(thresholds), "reports": [report.to_dict() for report in reports]},
                               indent=2))
+    elif as_csv:
+        click.echo(render_csv(reports))
     else:
-        click.echo(render_table(reports, verbose))
+        click.echo(table_summary(reports))
     if any(report.verdict == "REJECTED" for report in reports):
         sys.exit(1)
+
+
+def _progress(total: int, quiet: bool):
+    """A bar on stderr, only when stderr is a terminal and not -q (tqdm.write keeps rows on stdout whole)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="adapter", desc="audit", file=sys.stderr, leave=False,
+                disable=quiet or not sys.stderr.isatty())
 
 
 @click.group(cls=AuditGroup, default_command=audit_adapters, context_settings={"ignore_unknown_options": True})

@@ -24,10 +24,12 @@ def audit_gate(adapter: str, config: MergeConfig) -> AuditReport:
     return require_verified(adapter, config.base, force=config.force, allow_pickle=config.allow_pickle)
 
 
-def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False
-              ) -> engine.MergeResult:
-    """Plan and stream a merge into `out` (engine.run_merge), adapters audited first."""
-    return engine.run_merge(config, out, overwrite=overwrite, progress=progress, gate=audit_gate)
+def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
+              card_sections: list[tuple[str, str]] = ()) -> engine.MergeResult:
+    """Plan and stream a merge into `out` (engine.run_merge), adapters audited first; `card_sections` are added
+    to its model card."""
+    return engine.run_merge(config, out, overwrite=overwrite, progress=progress, gate=audit_gate,
+                            card_sections=card_sections)
 
 
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:

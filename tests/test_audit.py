@@ -342,7 +342,7 @@ def test_a_folder_of_adapters_does_not_follow_links_out_of_it(zoo, tmp_path):
     (pool / "linked").symlink_to(zoo["good"], target_is_directory=True)
     with pytest.raises(InputError, match=r"linked: links out of .*pool; name the adapter itself"):
         find_adapters([pool])
-    assert find_adapters([pool / "linked"]) == [pool / "linked"]
+    assert [ref.path for ref in find_adapters([pool / "linked"])] == [pool / "linked"]
 
 
 # --- The paper's declared-base check (Table 2, App. F) on real PEFT adapters whose base_model_name_or_path is set ---
@@ -405,7 +405,10 @@ def test_adapter_declaring_no_base_warns(zoo, tmp_path, edit):
     fingerprint's checks still pass)."""
     anonymous = tmp_path / "anonymous"
     shutil.copytree(zoo["good"], anonymous)
-    report = audit_adapter(edit_config(anonymous, edit), zoo["base"])
+    carded = audit_adapter(edit_config(anonymous, edit), zoo["base"])  # PEFT's own README.md names base_model
+    assert carded.verdict == "VERIFIED" and check_of(carded, "base-id").measurements["declared_in"] == "README.md base_model"
+    (anonymous / "README.md").unlink()
+    report = audit_adapter(anonymous, zoo["base"])
     assert report.verdict == "WARN" and [c.name for c in report.checks if c.status != "pass"] == ["base-id"]
     assert report.reasons == ["base-id: adapter_config.json declares no base_model_name_or_path: "
                               "nothing says which base the adapter was made on"]

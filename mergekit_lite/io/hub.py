@@ -1,60 +1,174 @@
 """Model references that name a Hugging Face Hub repository (`org/name`, `org/name@revision`), as in mergekit.
 
 A reference that exists on disk is always the local file or folder. Anything else of the form `org/name`
-is fetched into huggingface_hub's own cache (weights, config and tokenizer files only) and replaced by
-the snapshot folder. With HF_HUB_OFFLINE=1 the cache alone answers, and a model that is not cached is a
+is fetched into huggingface_hub's own cache (only the files the command reads) and replaced by the
+snapshot folder. With HF_HUB_OFFLINE=1 the cache alone answers, and a model that is not cached is a
 one-line error that says so.
+
+The cache is read as huggingface_hub lays it out (models--org--name/{refs,snapshots,blobs}, snapshot files
+linking into ../../blobs) but never walked out of: huggingface_hub joins a revision, and the commit a
+`refs/` file holds, onto the cache path as they are, so `@../../x` or a refs/main holding `../../..` would
+make any command read a model from elsewhere. `checked_snapshot` is the one place every command's hub ids
+pass through (merge, audit, sweep and extract resolve them here).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+COMMIT = re.compile(r"^[0-9a-f]{40}$")  # what huggingface_hub writes into refs/ and names snapshots by
 # What a merge reads from a model repository: weights, their index, config and tokenizer files.
+TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
+                      "chat_template.*"]
 ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-                  "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                  "*.model", "chat_template.*", "adapter_config.json"]
+                  *TOKENIZER_PATTERNS, "adapter_config.json", "README.md"]
+# What an audit reads from an adapter repository: never a pickle (adapter_model.bin is refused unread).
+ADAPTER_PATTERNS = ["adapter_config.json", "adapter_model.safetensors", "base_fingerprint.json", "README.md",
+                    *TOKENIZER_PATTERNS]
 
 
 def is_hub_id(reference: str) -> bool:
     """True for `org/name[@revision]` that is not a path on disk (a local folder always wins)."""
-    return bool(HUB_ID.match(reference)) and not Path(reference).exists()
+    return bool(HUB_ID.match(str(reference))) and not Path(reference).exists()
 
 
-def resolve_model(reference: str) -> str:
+def split_hub_id(reference: str) -> tuple[str, str | None]:
+    """(repo, revision) of `org/name[@revision]`; a revision that could leave the cache is refused here."""
+    match = HUB_ID.match(reference)
+    if match is None:
+        raise InputError(f"{reference}: not a Hugging Face Hub id (org/name[@revision])")
+    revision = match["revision"]
+    if revision is not None and (revision.startswith("/") or ".." in revision.split("/")):
+        raise InputError(f"{reference}: revision {revision!r} is not a branch, tag or commit (it holds '..' or "
+                         "starts with '/'); refused")
+    return match["repo"], revision
+
+
+def repo_cache_folder(repo: str) -> Path:
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_ref(reference: str, repo: str, revision: str | None) -> None:
+    """The refs/ file huggingface_hub would read for a branch or tag: a regular file inside the repository's cache
+    folder holding a commit hash, nothing else (it becomes a path: snapshots/<what it holds>)."""
+    if revision is not None and COMMIT.match(revision):
+        return
+    folder = repo_cache_folder(repo)
+    ref = folder / "refs" / (revision or "main")
+    if not os.path.lexists(ref):
+        return
+    real = Path(os.path.realpath(ref))
+    if not _inside(real, Path(os.path.realpath(folder))) or not stat.S_ISREG(os.stat(ref).st_mode):
+        raise InputError(f"{reference}: {ref} is not a regular file inside {folder}; refused")
+    with open(ref, "rb") as handle:
+        held = handle.read(128).decode("ascii", "replace").strip()
+    if not COMMIT.match(held):
+        raise InputError(f"{reference}: {ref} does not hold a commit hash (40 hex digits); refused, the cache "
+                         "would be read outside the repository's folder")
+
+
+def checked_snapshot(reference: str, repo: str, snapshot: str) -> Path:
+    """The snapshot folder, if it is a folder of the repository's own cache and every file in it is a regular file
+    whose real path stays inside that cache folder (its links lead into ../../blobs); else a one-line error."""
+    folder = Path(os.path.realpath(repo_cache_folder(repo)))
+    real = Path(os.path.realpath(snapshot))
+    if real.parent != folder / "snapshots":
+        raise InputError(f"{reference}: the snapshot {snapshot} lies outside {folder / 'snapshots'}; refused")
+    for root, dirs, files in os.walk(snapshot):
+        for name in dirs + files:
+            path = Path(root) / name
+            target = Path(os.path.realpath(path))
+            mode = os.stat(path).st_mode if os.path.exists(path) else 0
+            regular = stat.S_ISDIR(mode) if name in dirs else stat.S_ISREG(mode)
+            if not regular or not _inside(target, folder):
+                raise InputError(f"{reference}: {path} in the cached snapshot is not a regular file inside "
+                                 f"{folder} (a link out of the cache?); refused")
+    return Path(snapshot)
+
+
+def hub_id_of(path) -> str | None:
+    """`org/name` of a snapshot folder of huggingface_hub's cache (.../models--org--name/snapshots/<commit>)."""
+    path = Path(path)
+    entry = path.parent.parent.name
+    if path.parent.name != "snapshots" or not entry.startswith("models--"):
+        return None
+    return entry.removeprefix("models--").replace("--", "/", 1)
+
+
+def resolve_model(reference: str, allow_patterns: list[str] = ALLOW_PATTERNS) -> str:
     """The local path for a model reference: itself when on disk or not hub-shaped, else the hub snapshot."""
     if not is_hub_id(reference):
         return reference
-    match = HUB_ID.match(reference)
-    repo, revision = match["repo"], match["revision"]
+    repo, revision = split_hub_id(reference)
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
-    offline = constants.HF_HUB_OFFLINE
-    try:
-        return snapshot_download(repo, revision=revision, allow_patterns=ALLOW_PATTERNS, local_files_only=offline)
-    except GatedRepoError:
-        raise InputError(f"{reference}: gated model on the Hugging Face Hub; accept its terms and log in "
-                         "(huggingface-cli login)") from None
-    except RevisionNotFoundError:
-        raise InputError(f"{reference}: the Hugging Face Hub has no revision {revision!r} of {repo}") from None
-    except RepositoryNotFoundError:
-        raise InputError(f"{reference}: no such folder, and no such model on the Hugging Face Hub") from None
-    except LocalEntryNotFoundError:
-        if offline:
-            raise InputError(f"{reference}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                             "HF_HUB_OFFLINE=1; download it once online") from None
-        raise InputError(f"{reference}: no such folder, and the Hugging Face Hub cannot be reached "
-                         "(set HF_HUB_OFFLINE=1 to use the cache)") from None
-    except HfHubHTTPError as error:
-        raise InputError(f"{reference}: the Hugging Face Hub refused it ({str(error).splitlines()[0]})") from None
+    check_ref(reference, repo, revision)
+    with hub_errors(reference, revision):
+        snapshot = snapshot_download(repo, revision=revision, allow_patterns=allow_patterns,
+                                     local_files_only=constants.HF_HUB_OFFLINE)
+    return str(checked_snapshot(reference, repo, snapshot))
+
+
+def repo_files(reference: str, snapshot: Path) -> list[str]:
+    """The files of the repository at that revision: the Hub's listing online, the cached snapshot's offline (names
+    only: nothing is opened), so a pickle the audit refuses is known without being downloaded."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        return sorted(str(path.relative_to(snapshot)) for path in Path(snapshot).rglob("*"))
+    repo, revision = split_hub_id(reference)
+    with hub_errors(reference, revision):
+        return sorted(HfApi().list_repo_files(repo, revision=revision))
+
+
+class hub_errors:
+    """huggingface_hub's errors (gated, missing revision or repository, offline) as one-line user errors."""
+
+    def __init__(self, reference: str, revision: str | None):
+        self.reference, self.revision = reference, revision
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None:
+            return False
+        from huggingface_hub import constants
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        reference = self.reference
+        if isinstance(error, GatedRepoError):
+            raise InputError(f"{reference}: gated model on the Hugging Face Hub; accept its terms and log in "
+                             "(huggingface-cli login)") from None
+        if isinstance(error, RevisionNotFoundError):
+            raise InputError(f"{reference}: the Hugging Face Hub has no revision {self.revision!r}") from None
+        if isinstance(error, RepositoryNotFoundError):
+            raise InputError(f"{reference}: no such folder, and no such model on the Hugging Face Hub") from None
+        if isinstance(error, LocalEntryNotFoundError):
+            if constants.HF_HUB_OFFLINE:
+                raise InputError(f"{reference}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                                 "HF_HUB_OFFLINE=1; download it once online") from None
+            raise InputError(f"{reference}: no such folder, and the Hugging Face Hub cannot be reached "
+                             "(set HF_HUB_OFFLINE=1 to use the cache)") from None
+        if isinstance(error, HfHubHTTPError):
+            raise InputError(f"{reference}: the Hugging Face Hub refused it ({str(error).splitlines()[0]})") from None
+        return False

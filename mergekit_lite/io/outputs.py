@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.layout import INDEX_FILE, WEIGHT_SUFFIXES
+from mergekit_lite.io.model_card import CARD_FILE
 from mergekit_lite.io.validation import is_regular_inside, read_json
 
 OUTPUT_MARKER = ".mergekit-lite-output"
@@ -318,7 +319,8 @@ def _copy_file(path: Path, out_folder: Path) -> None:
 def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
     """Copy config, tokenizer and generation files (everything that is not weights) from a model folder.
 
-    Only regular files inside the folder are copied: a symlink that leaves it (to a secret, say) is not.
+    Only regular files inside the folder are copied: a symlink that leaves it (to a secret, say) is not. Nor is the
+    input's model card (README.md): the output gets its own (io/model_card.py).
     """
     copied = []
     source_folder = Path(source_folder)
@@ -327,7 +329,7 @@ def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
     if not source_folder.is_dir():
         return copied  # a bare .safetensors file has no side files
     for item in sorted(source_folder.iterdir()):
-        if item.name.endswith(WEIGHT_SUFFIXES) or item.name in (INDEX_FILE, OUTPUT_MARKER) \
+        if item.name.endswith(WEIGHT_SUFFIXES) or item.name in (INDEX_FILE, OUTPUT_MARKER, CARD_FILE) \
                 or item.name.startswith("adapter_"):
             continue
         if _side_file(source_folder, item.name):

@@ -28,6 +28,7 @@ from mergekit_lite.io.outputs import (
     copy_side_files,
     keep_post_trained_files,
 )
+from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, write_card
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource
 from mergekit_lite.merge import methods, recipes
@@ -450,8 +451,9 @@ AdapterGate = Callable[[str, MergeConfig], Any]
 
 
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
-              gate: AdapterGate | None = None) -> MergeResult:
-    """Plan and stream a merge into `out`, which appears only once complete. Adapters pass `gate` first
+              gate: AdapterGate | None = None, card_sections: list[tuple[str, str]] = ()) -> MergeResult:
+    """Plan and stream a merge into `out`, which appears only once complete, with its model card (README.md;
+    `card_sections`: (title, markdown) a caller adds, e.g. a sweep's pick). Adapters pass `gate` first
     (the Python API with the audits is mergekit_lite.audited.run_merge)."""
     started = time.perf_counter()
     inputs = config.read_paths
@@ -466,6 +468,7 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
             execute(plan, writer.write, progress=progress)
             writer.close()
         _write_side_files(plan, folder)
+        write_card(folder, merge_card(config, reports, card_sections))
         files = sorted(p.name for p in folder.iterdir())
     return MergeResult(Path(out), plan, time.perf_counter() - started, files)
 
@@ -482,7 +485,9 @@ def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = N
 
 def _audit_adapters(config: MergeConfig, gate: AdapterGate | None) -> list:
     """Adapters pass the gate (their audit against the base) before anything else reads them, so a refusal names
-    the real cause; without a gate none is merged. Without a base, planning says an adapter needs one."""
+    the real cause; without a gate none is merged. Without a base, planning says an adapter needs one. Hub ids
+    are resolved first, so an adapter named by hub id is audited like a folder."""
+    config.resolve_references()
     adapters = [path for path in config.inputs if LoraAdapter.is_adapter_dir(path)]
     if not (adapters and config.base):
         return []
@@ -490,6 +495,28 @@ def _audit_adapters(config: MergeConfig, gate: AdapterGate | None) -> list:
         raise InputError(f"adapter {adapters[0]} is merged only after its audit: use mergekit_lite.audited.run_merge "
                          "(or pass the engine a gate)")
     return [gate(adapter, config) for adapter in adapters]
+
+
+def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
+    """The output's model card: every input by hub id or folder name, their licenses, the method and its
+    parameters, the configuration and each adapter's audit verdict."""
+    inputs = list(dict.fromkeys(path for path in [config.base, *config.inputs] if path))
+    names = {str(path): input_name(path) for path in inputs}  # no local paths in a card meant for the Hub
+    shown = _renamed(config.to_dict(), names)
+    return ModelCard(bases=list(names.values()), relation="merge", method=config.method,
+                     parameters=dict(config.parameters), config_yaml=yaml.safe_dump(shown, sort_keys=False),
+                     licenses=licenses_of(inputs),
+                     audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons} for r in reports],
+                     sections=list(sections))
+
+
+def _renamed(data, names: dict[str, str]):
+    """`data` with every string that is an input's path replaced by its name."""
+    if isinstance(data, dict):
+        return {key: _renamed(value, names) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_renamed(value, names) for value in data]
+    return names.get(data, data) if isinstance(data, str) else data
 
 
 def _audit_notes(reports: list) -> list[str]:

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.hub import hub_id_of, resolve_model
+from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, write_card
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, open_inputs
@@ -129,6 +131,7 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
         raise InputError(f"rank must be at least 1, got {rank}")
     for pattern in (*include, *exclude):
         check_pattern(pattern)
+    base_dir, tuned_dir = resolve_model(str(base_dir)), resolve_model(str(tuned_dir))
     inputs = [base_dir, tuned_dir]
     check_output_folder(out_dir, inputs, overwrite)
     if not (Path(tuned_dir) / "config.json").is_file():
@@ -166,7 +169,7 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
               "rank_pattern": smaller, "alpha_pattern": smaller,
               "target_modules": peft_target_names(factored, all_modules), "lora_dropout": 0.0, "bias": "none",
               "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
-              "modules_to_save": saved or None, "base_model_name_or_path": str(base_dir)}
+              "modules_to_save": saved or None, "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir)}
     with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
         with ShardedWriter(folder, planned, max_shard_bytes=2**63) as writer:
             for module in factored:
@@ -184,4 +187,8 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
             writer.close()
         (Path(folder) / SINGLE_FILE).rename(Path(folder) / ADAPTER_FILE)
         (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        write_card(folder, ModelCard(bases=[input_name(base_dir)], relation="adapter", method="extract (truncated SVD)",
+                                     parameters={"model": input_name(tuned_dir), "rank": rank, "include": list(include),
+                                                 "exclude": list(exclude), "linear_only": linear_only},
+                                     licenses=licenses_of([base_dir, tuned_dir])))
     return Extraction(factored, saved, dropped)

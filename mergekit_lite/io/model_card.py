@@ -1,0 +1,134 @@
+"""The `README.md` model card every output folder gets, as the Hugging Face Hub reads it, and the cards of inputs.
+
+The front matter holds what the Hub indexes (https://huggingface.co/docs/hub/model-cards): `base_model` (the
+inputs' hub ids where known, else their folder names), `base_model_relation` (`merge`, or `adapter` for an
+extracted LoRA), `library_name`, `tags` and the inputs' `license` when their own cards declare one. The body
+says how the folder was made. I/O only: the card is rendered from plain data the caller gives; nothing here
+knows a merge method.
+
+An input's card is a user input: read with the limits of every YAML we read (io/validation.py: size, depth, alias
+expansion), which huggingface_hub's own metadata_load (a plain yaml.safe_load) does not have; its front matter is
+found with huggingface_hub's own pattern.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.io.safetensors import is_regular_inside
+
+CARD_FILE = "README.md"
+MAX_CARD_BYTES = 1 << 20
+TAGS = ["merge", "mergekit-lite"]
+
+
+def read_card_metadata(folder) -> dict:
+    """The front matter of a folder's README.md, or {} when there is none, it links out of the folder, or it is not
+    a readable card: a card only adds information, so a bad one is simply not used."""
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK
+
+    from mergekit_lite.io.validation import parse_yaml, read_text
+
+    path = Path(folder) / CARD_FILE
+    if not Path(folder).is_dir() or not is_regular_inside(path, Path(folder)):
+        return {}
+    try:
+        match = REGEX_YAML_BLOCK.search(read_text(path, limit=MAX_CARD_BYTES).removeprefix("\ufeff"))
+        data = parse_yaml(match.group(2), path) if match else None
+    except InputError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def input_name(path) -> str:
+    """How a card names an input: its hub id when it is a snapshot of the Hugging Face cache, else its folder name."""
+    from mergekit_lite.io.hub import hub_id_of
+
+    return hub_id_of(path) or Path(os.path.abspath(path)).name
+
+
+def licenses_of(folders) -> list[str]:
+    """The licenses the inputs' own cards declare, each once, in input order."""
+    found = []
+    for folder in folders:
+        declared = read_card_metadata(folder).get("license")
+        for name in declared if isinstance(declared, list) else [declared]:
+            if isinstance(name, str) and name and name not in found:
+                found.append(name)
+    return found
+
+
+@dataclass
+class ModelCard:
+    """What a card says, as plain data: the bases, how they were combined, and free sections (title, markdown)."""
+
+    bases: list[str]
+    relation: str  # "merge" or "adapter"
+    method: str
+    parameters: dict
+    config_yaml: str | None = None
+    licenses: list[str] = field(default_factory=list)
+    audits: list[dict] = field(default_factory=list)  # {"adapter", "verdict", "reasons"} per adapter merged
+    sections: list[tuple[str, str]] = field(default_factory=list)
+
+    def front_matter(self) -> dict:
+        data = {"base_model": list(dict.fromkeys(self.bases)), "base_model_relation": self.relation,
+                "library_name": "transformers", "tags": TAGS}
+        if self.licenses:
+            data["license"] = self.licenses[0] if len(self.licenses) == 1 else "other"
+            if len(self.licenses) > 1:
+                data["license_name"] = " AND ".join(self.licenses)
+        return data
+
+    def render(self) -> str:
+        what = "merge" if self.relation == "merge" else "LoRA adapter extracted"
+        lines = ["---", yaml.safe_dump(self.front_matter(), sort_keys=False).rstrip(), "---", "",
+                 f"# {what} made with mergekit-lite", "",
+                 f"Method: `{self.method}`, from: " + ", ".join(f"`{base}`" for base in dict.fromkeys(self.bases)), ""]
+        if self.parameters:
+            lines += ["## Parameters", "", *(f"- `{key}`: `{value}`" for key, value in self.parameters.items()), ""]
+        if self.licenses:
+            lines += ["## Licenses", "", "The inputs' cards declare: " + ", ".join(self.licenses) + ".", ""]
+        if self.audits:
+            lines += ["## Adapter audits", "", "| adapter | verdict | reasons |", "|---|---|---|"]
+            lines += [f"| `{a['adapter']}` | {a['verdict']} | {_cell('; '.join(a['reasons']) or '-')} |" for a in self.audits]
+            lines.append("")
+        for title, text in self.sections:
+            lines += [f"## {title}", "", text.rstrip(), ""]
+        if self.config_yaml:
+            lines += ["## Configuration", "", "```yaml", self.config_yaml.rstrip(), "```", ""]
+        return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def write_card(folder, card: ModelCard) -> Path:
+    """README.md in an output folder being written (ours: any input's card copied there before is replaced)."""
+    path = Path(folder) / CARD_FILE
+    path.write_text(card.render())
+    return path
+
+
+def selection_section(alpha: float, scores: list[dict], tied: list[float] | None = None) -> tuple[str, str]:
+    """The section a sweep's --save-best adds: the pick and every point's scores with their intervals. `scores`: one
+    {"label", "old", "new", "harmonic_mean"} per point, each value a number, plus optional "intervals": {name: [lo,
+    hi]}."""
+    def shown(point: dict, name: str) -> str:
+        interval = (point.get("intervals") or {}).get(name)
+        value = f"{point[name]:.4f}"
+        return f"{value} [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else value
+
+    lines = [f"The sweep picked alpha = {alpha:g} (highest harmonic mean of old and new skills on the selection "
+             "split; intervals on the report split).", ""]
+    if tied:
+        lines += [f"Alphas the report split cannot tell from the pick: {', '.join(f'{a:g}' for a in tied)}.", ""]
+    lines += ["| point | old | new | harmonic mean |", "|---|---|---|---|"]
+    lines += [f"| {p['label']} | {shown(p, 'old')} | {shown(p, 'new')} | {shown(p, 'harmonic_mean')} |" for p in scores]
+    return "Sweep selection", "\n".join(lines)
