@@ -117,7 +117,7 @@ def tensor_table_hash(source) -> str:
 def tokenizer_info(base_dir: Path, config: dict | None) -> dict:
     """Vocabulary size and the hashes of the tokenizer files; a file that is not a regular file inside the folder (a
     link out of it, a FIFO) is never opened: it is listed under `refused` instead."""
-    from mergekit_lite.io.safetensors import is_regular_inside
+    from mergekit_lite.io.validation import is_regular_inside
 
     text_config = (config or {}).get("text_config") or config or {}
     present = [name for name in TOKENIZER_FILES if os.path.lexists(base_dir / name)]

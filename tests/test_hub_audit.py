@@ -24,12 +24,12 @@ from tiny_models import tiny_llama, train_lora
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import audits.adapter as adapter_module
-from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
 from audits.adapter import audit_adapter
+from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
 from cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import ADAPTER_PATTERNS, resolve_model
-from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.audited import run_merge
 from mergekit_lite.merge.extract import extract_lora
 from mergekit_lite.threads import torch_threads
@@ -275,7 +275,7 @@ def front_matter(card: str) -> dict:
 
 
 def test_merge_output_has_a_model_card_and_loads(hub, offline_cache, tmp_path):
-    config = MergeConfig.from_dict({"method": "task_arithmetic", "base": "tiny-org/base",
+    config = config_from_dict({"method": "task_arithmetic", "base": "tiny-org/base",
                                     "models": [{"model": "tiny-org/good-lora", "weight": 0.5}]})
     out = run_merge(config, tmp_path / "merged").out
     card = (out / "README.md").read_text()
@@ -325,7 +325,7 @@ def test_save_best_section_renders_pick_and_intervals(hub, tmp_path):
     section = selection_section(0.3, [{"label": "alpha=0.3", "old": 0.9, "new": 0.8, "harmonic_mean": 0.847,
                                        "intervals": {"old": [0.85, 0.95], "harmonic_mean": [0.8, 0.89]}},
                                       {"label": "post", "old": 0.5, "new": 0.9, "harmonic_mean": 0.643}], tied=[0.25])
-    config = MergeConfig.from_dict({"method": "linear", "base": str(hub["base"]),
+    config = config_from_dict({"method": "linear", "base": str(hub["base"]),
                                     "models": [{"model": str(hub["base"])}], "parameters": {"alpha": 0.3}})
     card = (run_merge(config, tmp_path / "best", card_sections=[section]).out / "README.md").read_text()
     assert front_matter(card)["base_model"] == ["base"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import is_regular_inside
+from mergekit_lite.io.validation import is_regular_inside
 
 CARD_FILE = "README.md"
 MAX_CARD_BYTES = 1 << 20
