@@ -1,0 +1,180 @@
+"""What was forgotten, sample by sample, between a reference and one or more later checkpoints [ours].
+
+The forgetting map ("Mapping Post-Training Forgetting in Language Models at Scale", §2) counts transitions;
+this module names them: one row per compared (task, doc, seed) with each model's score, the prompt, the gold
+answer and each model's answer (`forgetting.sample_text`), the samples to replay ("Demystifying Language
+Model Forgetting with Low-Rank Example Associations" replays the forgotten examples), and the map along a
+training run: checkpoint i is compared with checkpoint 0, exactly as the two-model map compares post with pre,
+with alert thresholds a training pipeline can stop on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.forgetting import SHARES, ForgettingMap, GroupForgetting, LoadedRun, forgetting_map
+
+OUTCOMES = {(True, True): "kept", (False, True): "gained", (True, False): "forgotten", (False, False): "never"}
+REPLAY_FORMATS = ("prompt-completion", "messages")
+ALERT = re.compile(r"^(?P<group>[^:]+):(?P<metric>[A-Za-z_]+)\s*(?P<op>[<>])\s*(?P<value>\S+)$")
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """Checkpoint 0 (the reference: pre) and each later checkpoint's map against it, in the order given."""
+
+    labels: list[str]
+    runs: list[LoadedRun]
+    maps: list[ForgettingMap]  # maps[i - 1] compares checkpoint i with checkpoint 0
+
+
+def trajectory(runs: Sequence[LoadedRun], labels: Sequence[str]) -> Trajectory:
+    """The forgetting map of every checkpoint against the first: row i is what the two-model form gives for
+    (checkpoint 0, checkpoint i)."""
+    if len(runs) < 2:
+        raise InputError("forgetting needs at least two lm-eval outputs (pre and post)")
+    return Trajectory(list(labels), list(runs), [forgetting_map(runs[0], run) for run in runs[1:]])
+
+
+def sample_rows(path: Trajectory) -> list[dict]:
+    """One row per (task, doc, seed) that every checkpoint's map compared, in task, seed and doc order.
+
+    `scores` and `answers` follow the checkpoints' order; `outcome` is the transition from checkpoint 0 to the
+    last one (for two models: pre -> post); `first_forgotten` is the first checkpoint (1-based position in the
+    order given) that is wrong where checkpoint 0 was right, or None. prompt, gold and answers come from the
+    log (`forgetting.sample_text`); gold from checkpoint 0's record."""
+    rows = []
+    last = path.maps[-1]
+    for task in sorted(last.rows):
+        for seed in sorted(last.rows_by_seed):
+            if task not in last.rows_by_seed[seed] or not all(
+                    task in m.rows_by_seed.get(seed, {}) for m in path.maps):
+                continue
+            outcomes = [run.outcomes[task][seed] for run in path.runs]
+            reference = outcomes[0]
+            for key in sorted(reference.correct, key=lambda key: (reference.doc_ids.get(key, -1), key)):
+                scores = [outcome.correct[key] for outcome in outcomes]
+                text = reference.texts.get(key)
+                first = next((i for i in range(1, len(scores)) if scores[0] and not scores[i]), None)
+                rows.append({
+                    "task": task, "doc_id": reference.doc_ids.get(key), "doc_hash": text.doc_hash if text else None,
+                    "seed": seed, "outcome": OUTCOMES[(scores[0], scores[-1])], "scores": [int(s) for s in scores],
+                    "prompt": text.prompt if text else None, "gold": text.gold if text else None,
+                    "answers": [outcome.texts[key].answer if key in outcome.texts else None for outcome in outcomes],
+                    "answer_rule": reference.answer_rule, "first_forgotten": first,
+                    "completion": text.completion if text else None,
+                })
+    return rows
+
+
+def replay_records(rows: Sequence[dict], replay_format: str) -> tuple[list[dict], int]:
+    """The forgotten samples as TRL training records (one per (task, doc), whatever the seeds), and how many
+    forgotten docs had no recoverable prompt or gold answer (not written).
+
+    prompt-completion: {"prompt", "completion"} (TRL's prompt-completion format; prompt + completion is the
+    text lm-eval scored, or its few-shot join of question and answer); messages: {"messages": [user, assistant]}
+    (TRL's conversational format). Both add "task" and "doc_id"."""
+    if replay_format not in REPLAY_FORMATS:
+        raise InputError(f"--replay-format must be one of {', '.join(REPLAY_FORMATS)}, got {replay_format!r}")
+    records, unrecoverable, seen = [], 0, set()
+    for row in rows:
+        if row["outcome"] != "forgotten" or (row["task"], row["doc_hash"], row["doc_id"]) in seen:
+            continue
+        seen.add((row["task"], row["doc_hash"], row["doc_id"]))
+        if row["prompt"] is None or row["completion"] is None:
+            unrecoverable += 1
+            continue
+        if replay_format == "messages":
+            body = {"messages": [{"role": "user", "content": row["prompt"]},
+                                 {"role": "assistant", "content": row["completion"].lstrip()}]}
+        else:
+            body = {"prompt": row["prompt"], "completion": row["completion"]}
+        records.append({**body, "task": row["task"], "doc_id": row["doc_id"]})
+    return records, unrecoverable
+
+
+def jsonl(records: Sequence[dict]) -> str:
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
+# --- alerts ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Alert:
+    """GROUP:METRIC>VALUE or GROUP:METRIC<VALUE: crossed when a checkpoint's group value is beyond VALUE."""
+
+    group: str
+    metric: str
+    op: str
+    value: float
+
+    def __str__(self) -> str:
+        return f"{self.group}:{self.metric}{self.op}{self.value:g}"
+
+    def crossed(self, value: float) -> bool:
+        return value > self.value if self.op == ">" else value < self.value
+
+
+def parse_alert(spec: str, groups: Sequence[str]) -> Alert:
+    """One --alert, checked before any work: its syntax, a metric of the map, a group given by --group."""
+    match = ALERT.match(spec.strip())
+    if not match:
+        raise InputError(f"--alert {spec!r}: expected GROUP:METRIC>VALUE or GROUP:METRIC<VALUE (e.g. old:F_true>0.1)")
+    group, metric = match["group"].strip(), match["metric"]
+    if metric not in SHARES:
+        raise InputError(f"--alert {spec!r}: unknown metric {metric!r} (choose from {', '.join(SHARES)})")
+    if group not in groups:
+        raise InputError(f"--alert {spec!r}: no group {group!r} (groups: {', '.join(groups) or 'none; add --group'})")
+    try:
+        value = float(match["value"])
+    except ValueError:
+        raise InputError(f"--alert {spec!r}: {match['value']!r} is not a number") from None
+    if value != value:
+        raise InputError(f"--alert {spec!r}: the threshold is not a number")
+    return Alert(group, metric, match["op"], value)
+
+
+def crossings(alerts: Sequence[Alert], groups_per_checkpoint: Sequence[Sequence[GroupForgetting]],
+              labels: Sequence[str]) -> list[dict]:
+    """Every (checkpoint, alert) whose group value crosses the threshold, checkpoints 1.. in order."""
+    crossed = []
+    for position, groups in enumerate(groups_per_checkpoint, start=1):
+        by_name = {row.group: row for row in groups}
+        for alert in alerts:
+            if alert.group in by_name and alert.crossed(value := getattr(by_name[alert.group], alert.metric)):
+                crossed.append({"checkpoint": position, "path": labels[position], "alert": str(alert),
+                                "group": alert.group, "metric": alert.metric, "value": value})
+    return crossed
+
+
+# --- heat map -------------------------------------------------------------------------------------------
+
+
+def plot_heatmap(names: Sequence[str], values: dict[str, list[list[float]]], checkpoints: Sequence[str],
+                 path) -> None:
+    """F_true and BT_true, groups (or tasks) by checkpoint, each cell labelled; matplotlib's Agg canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(2.4 + 1.5 * len(checkpoints), 2.6 + 0.45 * len(names)))
+    FigureCanvasAgg(figure)
+    for position, metric in enumerate(("F_true", "BT_true")):
+        axes = figure.add_subplot(1, 2, position + 1)
+        image = axes.imshow(values[metric], vmin=0, vmax=1, cmap="Reds" if metric == "F_true" else "Greens",
+                            aspect="auto")
+        for row, line in enumerate(values[metric]):
+            for column, value in enumerate(line):
+                axes.text(column, row, "-" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7,
+                          color="white" if value > 0.6 else "black")
+        axes.set_xticks(range(len(checkpoints)), checkpoints, fontsize=7, rotation=45, ha="right")
+        axes.set_yticks(range(len(names)), names, fontsize=7)
+        axes.set_xlabel("checkpoint")
+        axes.set_title(f"{metric} vs checkpoint 0", fontsize=9)
+        figure.colorbar(image, ax=axes, shrink=0.8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
