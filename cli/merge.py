@@ -2,6 +2,8 @@
 
 import click
 
+from mergekit_lite.errors import InputError
+from mergekit_lite.io.checkpoints import in_training_order
 from mergekit_lite.merge.config import DTYPES, METHODS
 
 EXAMPLES = """
@@ -16,6 +18,11 @@ Examples:
 \b
   # subtract a task vector (negative coefficient), preview without writing
   mergekit-lite merge --method task_arithmetic --base pre/ --model toxic/:-1 --out m/ --dry-run
+\b
+  # EMA of a training run's checkpoints (their checkpoint-N names give the order only with --order step)
+  mergekit-lite merge --method ema --decay 0.9 --model run/checkpoint-500 --model run/checkpoint-1000 \\
+      --model run/checkpoint-1500 --out ema/
+  mergekit-lite merge --method ema --decay 0.9 --model run/ --order step --out ema/
 \b
   # a YAML config (see examples/), flags override its values
   mergekit-lite merge examples/ties.yaml --out merged/
@@ -44,6 +51,10 @@ def _model_option(value: str) -> dict:
 @click.option("--density", type=float, help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5).")
 @click.option("--drop", type=float, help="dare_*: drop probability of task-vector entries, in [0, 1) (default 0.5).")
 @click.option("--select-topk", type=float, help="sce: share of entries kept by variance across the models, in [0, 1].")
+@click.option("--decay", type=float, help="ema: weight of the running average at each step, in [0, 1] "
+              "(s_i = decay*s_(i-1) + (1-decay)*c_i over the checkpoints in training order).")
+@click.option("--order", type=click.Choice(["step"]), help="ema: take a folder of checkpoint-N subfolders in the order "
+              "of N (without it such a folder is refused: its order is not given).")
 @click.option("--temperature", type=float, help="recall: softmax temperature over similarities (> 0, default 1 = plain softmax).")
 @click.option("--normalize/--no-normalize", default=None, help="Divide by the sum of weights (defaults depend on the method).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical samples, one per line.")
@@ -66,12 +77,13 @@ def _model_option(value: str) -> dict:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, select_topk, temperature, normalize,
+def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, select_topk, decay, order,
+          temperature, normalize,
           recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, tokenizer_source,
           mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
-    Methods: linear (LERP/EMA, weighted average), slerp, task_arithmetic, ties, dare_linear, dare_ties,
+    Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints), slerp, task_arithmetic, ties, dare_linear, dare_ties,
     recall (layer-wise weights from hidden-representation similarity), recall_lerp (our layer-wise LERP
     from the same measurements), and mergekit's others (della, breadcrumbs, model_stock, nuslerp, multislerp,
     karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
@@ -83,7 +95,7 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
 
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
     parameters = {"alpha": alpha, "t": t, "lambda": scale, "density": density, "drop": drop,
-                  "select_topk": select_topk, "temperature": temperature, "normalize": normalize}
+                  "select_topk": select_topk, "decay": decay, "temperature": temperature, "normalize": normalize}
     data["parameters"].update({k: v for k, v in parameters.items() if v is not None})
     recall = {"texts": recall_texts, "samples": recall_samples, "embed_rule": embed_rule}
     data["recall"].update({k: v for k, v in recall.items() if v is not None})
@@ -100,6 +112,11 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
         data["skip"] = list(skip)
     if "method" not in data:
         raise click.UsageError("give --method or a CONFIG_FILE")
+    if data["method"] == "ema":
+        paths = in_training_order([entry["model"] for entry in data.get("models") or []], order)
+        data["models"] = [{"model": path} for path in paths]
+    elif order:
+        raise InputError("--order applies to --method ema (checkpoints in training order)")
     config = MergeConfig.from_dict(data)
     if dry_run:
         click.echo(plan_merge(config).describe())

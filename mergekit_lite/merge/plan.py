@@ -296,6 +296,8 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
         weights = ([resolve("weight", base_weight, name, position, n_layers, config.mergekit_compat)] if config.base else []) \
             + [value("weight", i) for i in models]
         return {"weights": weights, "normalize": config.parameter("normalize")}
+    if method == "ema":  # every input in training order: the base (if given) is c_0
+        return {"weights": methods.ema_weights(len(config.inputs), value("decay")), "normalize": False}
     if method in ("slerp", "nearswap"):
         return {"t": value("t")}
     if method in RECALL_METHODS:
