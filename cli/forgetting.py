@@ -95,7 +95,7 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
           --group new=gsm8k --filter gsm8k=flexible-extract --metric hellaswag=acc_norm \\
           --samples forgotten.jsonl --replay replay.jsonl
       mergekit-lite forgetting runs/step-0 runs/step-1000 runs/step-2000 --group old=arc_easy \\
-          --heatmap forgetting.png --alert old:F_true>0.1
+          --heatmap forgetting.png --alert 'old:F_true>0.1'
     """
     if len(inputs) < 2:
         raise InputError("forgetting needs at least two lm-eval outputs: PRE POST, or the checkpoints of a run in order")
