@@ -3,7 +3,6 @@ models, or of the checkpoints of a training run."""
 
 import fnmatch
 import json
-import math
 import os
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, Scoring, format_table, load_lm_eval_run
 from mergekit_lite.evaluate.trajectory import (
     REPLAY_FORMATS,
+    Trajectory,
     crossings,
     jsonl,
     parse_alert,
@@ -111,10 +111,10 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
     outputs = check_outputs({"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out}, inputs)
     scoring = Scoring.from_specs(metrics, filters, choices)
     runs = [load_lm_eval_run(path, scoring) for path in inputs]
-    path = trajectory(runs, inputs)
+    series = trajectory(runs, inputs)
     two_models = len(inputs) == 2
     group_rows = []
-    for position, result in enumerate(path.maps, start=1):
+    for position, result in enumerate(series.maps, start=1):
         where = "" if two_models else f"checkpoint {position} ({inputs[position]}): "
         for task, reason in result.skipped.items():
             what = "has seeds skipped" if task in result.rows else "skipped"  # its other seeds still make its row
@@ -128,10 +128,10 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
                           ([result.overall(members, aggregation)] if overall else []))
     crossed = crossings(parsed_alerts, group_rows, inputs)
     if two_models:
-        render_two_models(path, group_rows[0], as_json)
+        render_two_models(series, group_rows[0], as_json)
     else:
-        render_trajectory(path, group_rows, crossed, as_json)
-    write_outputs(outputs, path, group_rows, replay_format)
+        render_trajectory(series, group_rows, crossed, as_json)
+    write_outputs(outputs, series, group_rows, replay_format)
     for alert in crossed:
         click.echo(f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
                    f"{alert['value']:.3f} crosses {alert['alert']}", err=True)
@@ -149,9 +149,9 @@ def check_outputs(outputs: dict, inputs: Sequence[str]) -> dict:
     return given
 
 
-def render_two_models(path, groups, as_json: bool) -> None:
+def render_two_models(series: Trajectory, groups, as_json: bool) -> None:
     """The two-model form's output, as it always was: tables, or JSON {tasks, groups, skipped, seeds, models}."""
-    result, (pre, post) = path.maps[0], path.runs
+    result, (pre, post) = series.maps[0], series.runs
     if as_json:
         payload = {
             "tasks": [row.to_dict() for row in result.rows.values()],
@@ -171,36 +171,36 @@ def render_two_models(path, groups, as_json: bool) -> None:
         click.echo("skipped: " + "; ".join(f"{task} ({reason})" for task, reason in result.skipped.items()))
 
 
-def render_trajectory(path, group_rows, crossed, as_json: bool) -> None:
+def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) -> None:
     """One row per checkpoint and task (then per checkpoint and group), checkpoint i against checkpoint 0."""
     if as_json:
         payload = {
             "checkpoints": [{"position": position, "path": label, "model": run.model}
-                            for position, (label, run) in enumerate(zip(path.labels, path.runs))],
-            "rows": [{"checkpoint": position, "path": path.labels[position],
+                            for position, (label, run) in enumerate(zip(series.labels, series.runs))],
+            "rows": [{"checkpoint": position, "path": series.labels[position],
                       "tasks": [row.to_dict() for row in result.rows.values()],
                       "groups": [row.to_dict() for row in groups],
                       "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()]}
-                     for position, (result, groups) in enumerate(zip(path.maps, group_rows), start=1)],
+                     for position, (result, groups) in enumerate(zip(series.maps, group_rows), start=1)],
             "alerts": crossed,
         }
         click.echo(json.dumps(payload, indent=2))
         return
-    click.echo(f"reference (checkpoint 0): {path.labels[0]}")
-    labels = [f"{position}" for position in range(1, len(path.labels))]
-    task_rows = [(label, row) for label, result in zip(labels, path.maps) for row in result.rows.values()]
+    click.echo(f"reference (checkpoint 0): {series.labels[0]}")
+    labels = [f"{position}" for position in range(1, len(series.labels))]
+    task_rows = [(label, row) for label, result in zip(labels, series.maps) for row in result.rows.values()]
     click.echo(format_table([row for _, row in task_rows], checkpoints=[label for label, _ in task_rows]))
     group_cells = [(label, row) for label, groups in zip(labels, group_rows) for row in groups]
     if group_cells:
         click.echo()
         click.echo(format_table([row for _, row in group_cells], checkpoints=[label for label, _ in group_cells]))
     click.echo()
-    click.echo("checkpoints: " + "; ".join(f"{label}: {path}" for label, path in zip(labels, path.labels[1:])))
+    click.echo("checkpoints: " + "; ".join(f"{label}: {name}" for label, name in zip(labels, series.labels[1:])))
 
 
-def write_outputs(outputs: dict, path, group_rows, replay_format: str) -> None:
+def write_outputs(outputs: dict, series: Trajectory, group_rows, replay_format: str) -> None:
     """--samples, --replay and --heatmap, each written whole or not at all; the counts on stderr."""
-    rows = sample_rows(path) if {"--samples", "--replay"} & set(outputs) else []
+    rows = sample_rows(series) if {"--samples", "--replay"} & set(outputs) else []
     if "--samples" in outputs:
         write_atomic(outputs["--samples"], jsonl(rows))
         click.echo(f"samples: {len(rows)} rows written to {outputs['--samples']}", err=True)
@@ -211,25 +211,4 @@ def write_outputs(outputs: dict, path, group_rows, replay_format: str) -> None:
                 if unrecoverable else "")
         click.echo(f"replay: {len(records)} forgotten samples written to {outputs['--replay']}{note}", err=True)
     if "--heatmap" in outputs:
-        names, values = heatmap_values(path, group_rows)
-        checkpoints = [f"{position}: {_short(label)}" for position, label in enumerate(path.labels[1:], start=1)]
-        write_atomic(outputs["--heatmap"], lambda temp: plot_heatmap(names, values, checkpoints, temp))
-
-
-def _short(label: str, width: int = 24) -> str:
-    """A checkpoint's folder name for an axis label, its end kept when long (where step numbers are)."""
-    name = os.path.basename(os.path.normpath(label)) or label
-    return name if len(name) <= width else "..." + name[-(width - 3):]
-
-
-def heatmap_values(path, group_rows) -> tuple[list[str], dict]:
-    """Rows of the heat map: the groups, or every compared task when there are none (nan where a checkpoint
-    did not compare it)."""
-    if group_rows[0]:
-        names = [row.group for row in group_rows[0]]
-        cells = [{row.group: row for row in groups} for groups in group_rows]
-    else:
-        names = sorted({task for result in path.maps for task in result.rows})
-        cells = [result.rows for result in path.maps]
-    return names, {metric: [[getattr(cell[name], metric) if name in cell else math.nan for cell in cells]
-                            for name in names] for metric in ("F_true", "BT_true")}
+        write_atomic(outputs["--heatmap"], lambda temp: plot_heatmap(series, group_rows, temp))

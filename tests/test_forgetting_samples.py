@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from mergekit_lite.evaluate.forgetting import SampleText, sample_text
+from mergekit_lite.evaluate.forgetting import SampleText, Scoring, load_lm_eval_run, sample_text
+from mergekit_lite.evaluate.trajectory import heatmap_values, trajectory
 
 FILTER = "flexible-extract"
 GROUPS = ["--group", "old=toy_old,norm_old,gen_old,genmc_old", "--group", "new=toy_new,gen_new"]
@@ -154,6 +155,9 @@ def test_sample_text_of_records_lm_eval_shapes_otherwise():
               "filtered_resps": [[-1.0, True], [-2.0, False], [-0.5, False], [-3.0, False]]}
     assert sample_text(mutual, "acc_mutual_info", None).answer == " b"  # -2 - -3 beats -1 - -0.5
     assert sample_text(mutual, "acc", None).answer == " a"
+    in_process = {"target": 1, "arguments": [("Q?", " yes"), ("Q?", " no")], "filtered_resps": [(-2.0, False), (-1.0, True)]}
+    assert sample_text(in_process, "acc", None) == SampleText("Q?", " no", " no", " no")  # the sweep's records
+    assert sample_text({**in_process, "target": [0, 1]}, "acc", None).gold is None  # multiple_target: no one gold
     several = {"target": "0", "arguments": [["A is", " x"], ["B is", " x"]], "filtered_resps": [[-1, 0], [-2, 0]]}
     assert sample_text(several, "acc", None).prompt is None
     for broken in ({}, {"arguments": "x"}, {"arguments": [["only one"]]}, {"arguments": {"gen_args_0": 3}}):
@@ -197,6 +201,15 @@ def test_each_trajectory_row_is_the_two_model_comparison(checkpoints, tmp_path):
         first = next((i for i in (1, 2) if row["scores"][0] == 1 and row["scores"][i] == 0), None)
         assert row["first_forgotten"] == first
     assert {row["first_forgotten"] for row in rows} == {None, 1, 2}  # forgotten at step 25, and only later
+
+
+def test_heatmap_without_groups_has_a_row_per_task(checkpoints, tmp_path):
+    series = trajectory([load_lm_eval_run(folder, Scoring()) for folder in checkpoints], list(map(str, checkpoints)))
+    names, values = heatmap_values(series, [[], []])
+    assert names == sorted(series.maps[0].rows) and len(values["F_true"][0]) == 2
+    assert values["F_true"][names.index("toy_old")] == [series.maps[i].rows["toy_old"].F_true for i in (0, 1)]
+    result = run_cli(*checkpoints, "--heatmap", tmp_path / "map.png")
+    assert result.exit_code == 0 and (tmp_path / "map.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def alert_run(checkpoints, *alerts):

@@ -486,14 +486,19 @@ def _loglikelihoods(sample: dict, count: int) -> list[float] | None:
     responses = sample.get("filtered_resps")
     if not isinstance(responses, list) or len(responses) < count:
         return None
-    values = [_number(response[0] if isinstance(response, list) and response else response)
+    values = [_number(response[0] if isinstance(response, (list, tuple)) and response else response)
               for response in responses[:count]]
     return None if None in values else values
 
 
 def _target_text(target) -> str | None:
-    """lm-eval logs str(doc_to_target(doc)): a list of several targets (multiple_target) has no single gold
-    answer (None); a one-element list is its element."""
+    """doc_to_target(doc) as text: lm-eval's files log str() of it, its in-process records (the sweep's) the
+    value itself. A list of several targets (multiple_target) has no single gold answer (None); a one-element
+    list is its element."""
+    if isinstance(target, list):
+        return _target_text(target[0]) if len(target) == 1 else None
+    if isinstance(target, int) and not isinstance(target, bool):
+        return str(target)
     if not isinstance(target, str):
         return None
     text = target.strip()
@@ -545,7 +550,7 @@ def _generation(sample: dict) -> str | None:
     """The filtered generation (the first one when lm-eval kept several repeats)."""
     responses = sample.get("filtered_resps")
     response = responses[0] if isinstance(responses, list) and responses else responses
-    while isinstance(response, list) and response:
+    while isinstance(response, (list, tuple)) and response:
         response = response[0]
     return response if isinstance(response, str) else None
 

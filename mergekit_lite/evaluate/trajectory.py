@@ -11,6 +11,8 @@ with alert thresholds a training pipeline can stop on.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ def trajectory(runs: Sequence[LoadedRun], labels: Sequence[str]) -> Trajectory:
     return Trajectory(list(labels), list(runs), [forgetting_map(runs[0], run) for run in runs[1:]])
 
 
-def sample_rows(path: Trajectory) -> list[dict]:
+def sample_rows(series: Trajectory) -> list[dict]:
     """One row per (task, doc, seed) that every checkpoint's map compared, in task, seed and doc order.
 
     `scores` and `answers` follow the checkpoints' order; `outcome` is the transition from checkpoint 0 to the
@@ -48,13 +50,13 @@ def sample_rows(path: Trajectory) -> list[dict]:
     order given) that is wrong where checkpoint 0 was right, or None. prompt, gold and answers come from the
     log (`forgetting.sample_text`); gold from checkpoint 0's record."""
     rows = []
-    last = path.maps[-1]
+    last = series.maps[-1]
     for task in sorted(last.rows):
         for seed in sorted(last.rows_by_seed):
             if task not in last.rows_by_seed[seed] or not all(
-                    task in m.rows_by_seed.get(seed, {}) for m in path.maps):
+                    task in m.rows_by_seed.get(seed, {}) for m in series.maps):
                 continue
-            outcomes = [run.outcomes[task][seed] for run in path.runs]
+            outcomes = [run.outcomes[task][seed] for run in series.runs]
             reference = outcomes[0]
             for key in sorted(reference.correct, key=lambda key: (reference.doc_ids.get(key, -1), key)):
                 scores = [outcome.correct[key] for outcome in outcomes]
@@ -155,12 +157,32 @@ def crossings(alerts: Sequence[Alert], groups_per_checkpoint: Sequence[Sequence[
 # --- heat map -------------------------------------------------------------------------------------------
 
 
-def plot_heatmap(names: Sequence[str], values: dict[str, list[list[float]]], checkpoints: Sequence[str],
-                 path) -> None:
+def _short(label: str, width: int = 24) -> str:
+    """A checkpoint's folder name for an axis label, its end kept when long (where step numbers are)."""
+    name = os.path.basename(os.path.normpath(label)) or label
+    return name if len(name) <= width else "..." + name[-(width - 3):]
+
+
+def heatmap_values(series: Trajectory, group_rows: Sequence[Sequence[GroupForgetting]]) -> tuple[list[str], dict]:
+    """Rows of the heat map: the groups, or every compared task when there are none (nan where a checkpoint
+    did not compare it); one column per checkpoint after the first."""
+    if group_rows and group_rows[0]:
+        names = [row.group for row in group_rows[0]]
+        cells = [{row.group: row for row in groups} for groups in group_rows]
+    else:
+        names = sorted({task for result in series.maps for task in result.rows})
+        cells = [result.rows for result in series.maps]
+    return names, {metric: [[getattr(cell[name], metric) if name in cell else math.nan for cell in cells]
+                            for name in names] for metric in ("F_true", "BT_true")}
+
+
+def plot_heatmap(series: Trajectory, group_rows: Sequence[Sequence[GroupForgetting]], path) -> None:
     """F_true and BT_true, groups (or tasks) by checkpoint, each cell labelled; matplotlib's Agg canvas."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    names, values = heatmap_values(series, group_rows)
+    checkpoints = [f"{position}: {_short(label)}" for position, label in enumerate(series.labels[1:], start=1)]
     figure = Figure(figsize=(2.4 + 1.5 * len(checkpoints), 2.6 + 0.45 * len(names)))
     FigureCanvasAgg(figure)
     for position, metric in enumerate(("F_true", "BT_true")):
