@@ -14,11 +14,18 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import SHARES, ForgettingMap, GroupForgetting, LoadedRun, forgetting_map
+from mergekit_lite.evaluate.forgetting import (
+    SHARES,
+    ForgettingMap,
+    GroupForgetting,
+    LoadedRun,
+    SampleOutcomes,
+    forgetting_map,
+)
 
 OUTCOMES = {(True, True): "kept", (False, True): "gained", (True, False): "forgotten", (False, False): "never"}
 REPLAY_FORMATS = ("prompt-completion", "messages")
@@ -43,12 +50,9 @@ def trajectory(runs: Sequence[LoadedRun], labels: Sequence[str]) -> Trajectory:
 
 
 def sample_rows(series: Trajectory) -> list[dict]:
-    """One row per (task, doc, seed) that every checkpoint's map compared, in task, seed and doc order.
-
-    `scores` and `answers` follow the checkpoints' order; `outcome` is the transition from checkpoint 0 to the
-    last one (for two models: pre -> post); `first_forgotten` is the first checkpoint (1-based position in the
-    order given) that is wrong where checkpoint 0 was right, or None. prompt, gold and answers come from the
-    log (`forgetting.sample_text`); gold from checkpoint 0's record."""
+    """One row per (task, doc, seed) that every checkpoint's map compared, in task, seed and doc order
+    (`sample_row`); `first_forgotten` is the first checkpoint (1-based position in the order given) that is
+    wrong where checkpoint 0 was right, or None."""
     rows = []
     last = series.maps[-1]
     for task in sorted(last.rows):
@@ -57,25 +61,39 @@ def sample_rows(series: Trajectory) -> list[dict]:
                     task in m.rows_by_seed.get(seed, {}) for m in series.maps):
                 continue
             outcomes = [run.outcomes[task][seed] for run in series.runs]
-            reference = outcomes[0]
-            for key in sorted(reference.correct, key=lambda key: (reference.doc_ids.get(key, -1), key)):
-                scores = [outcome.correct[key] for outcome in outcomes]
-                text = reference.texts.get(key)
-                first = next((i for i in range(1, len(scores)) if scores[0] and not scores[i]), None)
-                rows.append({
-                    "task": task, "doc_id": reference.doc_ids.get(key), "doc_hash": text.doc_hash if text else None,
-                    "seed": seed, "outcome": OUTCOMES[(scores[0], scores[-1])], "scores": [int(s) for s in scores],
-                    "prompt": text.prompt if text else None, "gold": text.gold if text else None,
-                    "answers": [outcome.texts[key].answer if key in outcome.texts else None for outcome in outcomes],
-                    "answer_rule": reference.answer_rule, "first_forgotten": first,
-                    "completion": text.completion if text else None,
-                })
+            for key in doc_order(outcomes[0]):
+                row = sample_row(outcomes, key, seed)
+                scores = row["scores"]
+                row["first_forgotten"] = next((i for i in range(1, len(scores)) if scores[0] and not scores[i]), None)
+                rows.append(row)
     return rows
 
 
-def replay_records(rows: Sequence[dict], replay_format: str) -> tuple[list[dict], int]:
-    """The forgotten samples as TRL training records (one per (task, doc), whatever the seeds), and how many
-    forgotten docs had no recoverable prompt or gold answer (not written).
+def doc_order(outcomes: SampleOutcomes) -> list[str]:
+    """A task's sample keys in lm-eval's doc order."""
+    return sorted(outcomes.correct, key=lambda key: (outcomes.doc_ids.get(key, -1), key))
+
+
+def sample_row(outcomes: Sequence[SampleOutcomes], key: str, seed: str) -> dict:
+    """One sample across models (the first is the reference): `scores` and `answers` in the models' order,
+    `outcome` the transition from the first to the last (for two models: pre -> post), the prompt, gold and
+    replay completion from the reference's record (`forgetting.sample_text`)."""
+    reference = outcomes[0]
+    scores = [outcome.correct[key] for outcome in outcomes]
+    text = reference.texts.get(key)
+    return {
+        "task": reference.task, "doc_id": reference.doc_ids.get(key), "doc_hash": text.doc_hash if text else None,
+        "seed": seed, "outcome": OUTCOMES[(scores[0], scores[-1])], "scores": [int(score) for score in scores],
+        "prompt": text.prompt if text else None, "gold": text.gold if text else None,
+        "answers": [outcome.texts[key].answer if key in outcome.texts else None for outcome in outcomes],
+        "answer_rule": reference.answer_rule, "completion": text.completion if text else None,
+    }
+
+
+def replay_records(rows: Sequence[dict], replay_format: str,
+                   chosen: Callable[[dict], bool] = lambda row: row["outcome"] == "forgotten") -> tuple[list[dict], int]:
+    """The `chosen` samples (by default the forgotten ones) as TRL training records, one per (task, doc)
+    whatever the seeds, and how many chosen docs had no recoverable prompt or gold answer (not written).
 
     prompt-completion: {"prompt", "completion"} (TRL's prompt-completion format; prompt + completion is the
     text lm-eval scored, or its few-shot join of question and answer); messages: {"messages": [user, assistant]}
@@ -84,7 +102,7 @@ def replay_records(rows: Sequence[dict], replay_format: str) -> tuple[list[dict]
         raise InputError(f"--replay-format must be one of {', '.join(REPLAY_FORMATS)}, got {replay_format!r}")
     records, unrecoverable, seen = [], 0, set()
     for row in rows:
-        if row["outcome"] != "forgotten" or (row["task"], row["doc_hash"], row["doc_id"]) in seen:
+        if not chosen(row) or (row["task"], row["doc_hash"], row["doc_id"]) in seen:
             continue
         seen.add((row["task"], row["doc_hash"], row["doc_id"]))
         if row["prompt"] is None or row["completion"] is None:
