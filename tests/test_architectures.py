@@ -149,6 +149,11 @@ def reference(method: str, folders: list[Path]) -> dict[str, torch.Tensor]:
             merged[name] = step * m1 + (1 - step) * b
         elif method == "sce":
             merged[name] = reference_sce(b, [m1, m2])
+        elif method == "ema":  # the recursion s_0 = c_0, s_i = decay s_(i-1) + (1 - decay) c_i
+            average = b
+            for checkpoint in (m1, m2):
+                average = 0.6 * average + 0.4 * checkpoint
+            merged[name] = average
         else:
             row = recall_row(name)
             merged[name] = row[0] * b + row[1] * m1
@@ -169,6 +174,7 @@ MERGES = {
     "passthrough": lambda paths: {"models": [{"model": paths[2], "parameters": {"scale": 0.5}}]},
     "nearswap": lambda paths: {"base": paths[0], "models": [paths[1]], "parameters": {"t": 0.01}},
     "sce": lambda paths: {"base": paths[0], "models": paths[1:]},
+    "ema": lambda paths: {"models": paths, "parameters": {"decay": 0.6}},
 }
 CASES = [(architecture, method) for architecture in ARCHITECTURES for method in MERGES
          if architecture in ALL_METHODS_ON or method in ("linear", "ties")]
