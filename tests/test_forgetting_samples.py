@@ -259,3 +259,8 @@ def test_outputs_are_new_files_apart_from_the_inputs(lm_eval_runs, tmp_path):
     same = run_cli(lm_eval_runs.pre, lm_eval_runs.post, "--samples", tmp_path / "a", "--replay", tmp_path / "a")
     assert same.exit_code == 2 and "must name different files" in same.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.jsonl"]
+
+
+def test_one_input_is_not_a_comparison(lm_eval_runs):
+    result = run_cli(lm_eval_runs.pre)
+    assert result.exit_code == 2 and "forgetting needs at least two lm-eval outputs" in result.stderr
