@@ -78,14 +78,15 @@ def _model_option(value: str) -> dict:
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, select_topk, decay, order,
-          temperature, normalize,
-          recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, tokenizer_source,
-          mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
+          temperature, normalize, recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size,
+          copy_files_from, tokenizer_source, mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force,
+          overwrite, dry_run, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
-    Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints), slerp, task_arithmetic, ties, dare_linear, dare_ties,
-    recall (layer-wise weights from hidden-representation similarity), recall_lerp (our layer-wise LERP
-    from the same measurements), and mergekit's others (della, breadcrumbs, model_stock, nuslerp, multislerp,
+    Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints in training
+    order), slerp, task_arithmetic, ties, dare_linear, dare_ties, recall (layer-wise weights from
+    hidden-representation similarity), recall_lerp (our layer-wise LERP from the same measurements),
+    and mergekit's others (della, breadcrumbs, model_stock, nuslerp, multislerp,
     karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
     flags; flags win where both say something.
     """

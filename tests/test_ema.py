@@ -86,7 +86,7 @@ def test_a_folder_of_checkpoints_needs_its_order_given(toy_pair, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--decay", "0.9", "--model", "{pre}"], "ema averages at least two checkpoints"),
-    (["--model", "{pre}", "--model", "{post}"], "needs --decay"),
+    (["--model", "{pre}", "--model", "{post}"], "ema needs decay (--decay)"),
     (["--decay", "1.5", "--model", "{pre}", "--model", "{post}"], "decay must be in [0.0, 1.0]"),
     (["--decay", "0.9", "--model", "{pre}", "--model", "{post}", "--order", "step"], "--order step orders"),
 ])

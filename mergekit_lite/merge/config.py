@@ -341,9 +341,10 @@ class MergeConfig:
             raise InputError(f"model_stock needs a base model and at least two fine-tunes, got {count} inputs")
         if self.method == "nuslerp" and len(self.models) != 2:
             raise InputError(f"nuslerp merges exactly two models (plus an optional base), got {len(self.models)}")
-        if self.method == "ema" and (count < 2 or self.parameters.get("decay") is None):
-            raise InputError(f"ema averages at least two checkpoints in training order and needs --decay, got {count} "
-                             f"inputs{'' if self.parameters.get('decay') is not None else ' and no decay'}")
+        if self.method == "ema" and count < 2:
+            raise InputError(f"ema averages at least two checkpoints (in training order), got {count}")
+        if self.method == "ema" and self.parameters.get("decay") is None:
+            raise InputError("ema needs decay (--decay), the weight of the running average at each checkpoint")
         if self.method == "karcher" and count < 2:
             raise InputError(f"karcher averages at least two models, got {count}")
         if self.method == "passthrough" and count != 1:
