@@ -1,20 +1,27 @@
-"""`mergekit-lite forgetting`: which samples a later model forgot or gained, from two lm-eval sample logs."""
+"""`mergekit-lite forgetting`: which samples a later model forgot or gained, from lm-eval sample logs of two
+models, or of the checkpoints of a training run."""
 
 import fnmatch
 import json
+import os
 from collections.abc import Sequence
 
 import click
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import (
-    AGGREGATIONS,
-    OVERALL,
-    Scoring,
-    forgetting_map,
-    format_table,
-    load_lm_eval_run,
+from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, Scoring, format_table, load_lm_eval_run
+from mergekit_lite.evaluate.trajectory import (
+    REPLAY_FORMATS,
+    Trajectory,
+    crossings,
+    jsonl,
+    parse_alert,
+    plot_heatmap,
+    replay_records,
+    sample_rows,
+    trajectory,
 )
+from mergekit_lite.io.outputs import check_output_file, write_atomic
 
 
 def parse_group(spec: str) -> tuple[str, list[str]]:
@@ -39,8 +46,7 @@ def group_tasks(name: str, patterns: list[str], compared: Sequence[str], known_t
 
 
 @click.command("forgetting")
-@click.argument("pre_samples", type=click.Path(exists=True))
-@click.argument("post_samples", type=click.Path(exists=True))
+@click.argument("inputs", nargs=-1, required=True, metavar="PRE POST [CKPT...]", type=click.Path(exists=True))
 @click.option(
     "--group",
     "groups",
@@ -58,22 +64,41 @@ def group_tasks(name: str, patterns: list[str], compared: Sequence[str], known_t
               help="Group values: paper = unweighted mean of the tasks' values; pooled = all samples pooled.")
 @click.option("--overall", is_flag=True,
               help="Add the paper's OVERALL row: the mean of the --group rows, each group weighing the same.")
+@click.option("--samples", "samples_out", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
+              help="Write one line per compared (task, doc, seed): outcome, scores, prompt, gold and answers.")
+@click.option("--replay", "replay_out", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
+              help="Write the forgotten samples as training data (TRL's prompt/completion JSONL).")
+@click.option("--replay-format", type=click.Choice(REPLAY_FORMATS), default="prompt-completion", show_default=True,
+              help="--replay records: prompt/completion, or chat messages (user, assistant).")
+@click.option("--heatmap", "heatmap_out", type=click.Path(dir_okay=False), metavar="FILE.png",
+              help="Plot F_true and BT_true per group (or task) and checkpoint.")
+@click.option("--alert", "alerts", multiple=True, metavar="GROUP:METRIC>VALUE",
+              help="Exit 3 when a checkpoint's group value crosses VALUE (> or <), e.g. old:F_true>0.1. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
-def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, aggregation, overall, as_json):
+def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, samples_out, replay_out,
+               replay_format, heatmap_out, alerts, as_json):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected
-    as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2).
+    as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2), or along a training run.
 
-    PRE_SAMPLES and POST_SAMPLES are lm-eval --log_samples outputs of one model each: a
-    samples_<task>_<timestamp>.jsonl file or a folder searched for them (newest file per task
-    and seed; several seeds are compared seed by seed and averaged). F_true/BT_true remove what
-    guessing explains; F_max and BT_max are the shares truly known before and after. A task that
-    cannot be compared (misaligned samples, a metric that is not 0/1) is skipped and listed.
+    Each input is an lm-eval --log_samples output of one model: a samples_<task>_<timestamp>.jsonl
+    file or a folder searched for them (newest file per task and seed; several seeds are compared
+    seed by seed and averaged). F_true/BT_true remove what guessing explains; F_max and BT_max are
+    the shares truly known before and after. A task that cannot be compared (misaligned samples, a
+    metric that is not 0/1) is skipped and listed.
+
+    With three or more inputs (checkpoints of one run, in training order) every checkpoint is compared
+    with the first: one row per checkpoint and task/group, as the two-model form would give it.
 
     \b
-    Example:
+    Examples:
       mergekit-lite forgetting runs/base runs/instruct --group old=arc_easy,hellaswag \\
-          --group new=gsm8k --filter gsm8k=flexible-extract --metric hellaswag=acc_norm
+          --group new=gsm8k --filter gsm8k=flexible-extract --metric hellaswag=acc_norm \\
+          --samples forgotten.jsonl --replay replay.jsonl
+      mergekit-lite forgetting runs/step-0 runs/step-1000 runs/step-2000 --group old=arc_easy \\
+          --heatmap forgetting.png --alert 'old:F_true>0.1'
     """
+    if len(inputs) < 2:
+        raise InputError("forgetting needs at least two lm-eval outputs: PRE POST, or the checkpoints of a run in order")
     parsed_groups = [parse_group(spec) for spec in groups]
     names = [name for name, _ in parsed_groups]
     if len(set(names)) != len(names):
@@ -82,23 +107,55 @@ def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, agg
         raise InputError("--overall averages the --group rows: give at least one --group")
     if overall and OVERALL in names:
         raise InputError(f"--group {OVERALL} is the name of --overall's row; choose another name")
+    parsed_alerts = [parse_alert(spec, names + [OVERALL] * overall) for spec in alerts]
+    outputs = check_outputs({"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out}, inputs)
     scoring = Scoring.from_specs(metrics, filters, choices)
-    pre, post = load_lm_eval_run(pre_samples, scoring), load_lm_eval_run(post_samples, scoring)
-    result = forgetting_map(pre, post)
-    for task, reason in result.skipped.items():
-        what = "has seeds skipped" if task in result.rows else "skipped"  # its other seeds still make its row
-        click.echo(f"warning: task {task!r} {what}: {reason}", err=True)
-    if not result.rows:
-        raise InputError(f"no task could be compared between {pre_samples} and {post_samples}")
-    known_tasks = set(pre.outcomes) | set(post.outcomes) | set(result.skipped)
-    members = [(name, group_tasks(name, patterns, list(result.rows), known_tasks)) for name, patterns in parsed_groups]
-    group_results = [result.group(name, tasks, aggregation) for name, tasks in members]
-    if overall:
-        group_results.append(result.overall(members, aggregation))
+    runs = [load_lm_eval_run(path, scoring) for path in inputs]
+    series = trajectory(runs, inputs)
+    two_models = len(inputs) == 2
+    group_rows = []
+    for position, result in enumerate(series.maps, start=1):
+        where = "" if two_models else f"checkpoint {position} ({inputs[position]}): "
+        for task, reason in result.skipped.items():
+            what = "has seeds skipped" if task in result.rows else "skipped"  # its other seeds still make its row
+            click.echo(f"warning: {where}task {task!r} {what}: {reason}", err=True)
+        if not result.rows:
+            raise InputError(f"no task could be compared between {inputs[0]} and {inputs[position]}")
+        known_tasks = set(runs[0].outcomes) | set(runs[position].outcomes) | set(result.skipped)
+        members = [(name, group_tasks(name, patterns, list(result.rows), known_tasks))
+                   for name, patterns in parsed_groups]
+        group_rows.append([result.group(name, tasks, aggregation) for name, tasks in members] +
+                          ([result.overall(members, aggregation)] if overall else []))
+    crossed = crossings(parsed_alerts, group_rows, inputs)
+    if two_models:
+        render_two_models(series, group_rows[0], as_json)
+    else:
+        render_trajectory(series, group_rows, crossed, as_json)
+    write_outputs(outputs, series, group_rows, replay_format)
+    for alert in crossed:
+        click.echo(f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
+                   f"{alert['value']:.3f} crosses {alert['alert']}", err=True)
+    if crossed:
+        raise click.exceptions.Exit(3)
+
+
+def check_outputs(outputs: dict, inputs: Sequence[str]) -> dict:
+    """The files to write, checked before any work: new files, apart from the inputs and from each other."""
+    given = {option: path for option, path in outputs.items() if path}
+    for path in given.values():
+        check_output_file(path, inputs)
+    if len({os.path.realpath(path) for path in given.values()}) != len(given):
+        raise InputError(f"{', '.join(given)} must name different files")
+    return given
+
+
+def render_two_models(series: Trajectory, groups, as_json: bool) -> None:
+    """The two-model form's output, as it always was: tables, or JSON {tasks, groups, skipped, seeds, models}."""
+    result, (pre, post) = series.maps[0], series.runs
     if as_json:
         payload = {
             "tasks": [row.to_dict() for row in result.rows.values()],
-            "groups": [row.to_dict() for row in group_results],
+            "groups": [row.to_dict() for row in groups],
             "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()],
             "seeds": sorted(result.rows_by_seed),
             "models": {"pre": pre.model, "post": post.model},
@@ -106,9 +163,52 @@ def forgetting(pre_samples, post_samples, groups, metrics, filters, choices, agg
         click.echo(json.dumps(payload, indent=2))
         return
     click.echo(format_table(list(result.rows.values())))
-    if group_results:
+    if groups:
         click.echo()
-        click.echo(format_table(group_results))
+        click.echo(format_table(groups))
     if result.skipped:
         click.echo()
         click.echo("skipped: " + "; ".join(f"{task} ({reason})" for task, reason in result.skipped.items()))
+
+
+def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) -> None:
+    """One row per checkpoint and task (then per checkpoint and group), checkpoint i against checkpoint 0."""
+    if as_json:
+        payload = {
+            "checkpoints": [{"position": position, "path": label, "model": run.model}
+                            for position, (label, run) in enumerate(zip(series.labels, series.runs))],
+            "rows": [{"checkpoint": position, "path": series.labels[position],
+                      "tasks": [row.to_dict() for row in result.rows.values()],
+                      "groups": [row.to_dict() for row in groups],
+                      "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()]}
+                     for position, (result, groups) in enumerate(zip(series.maps, group_rows), start=1)],
+            "alerts": crossed,
+        }
+        click.echo(json.dumps(payload, indent=2))
+        return
+    click.echo(f"reference (checkpoint 0): {series.labels[0]}")
+    labels = [f"{position}" for position in range(1, len(series.labels))]
+    task_rows = [(label, row) for label, result in zip(labels, series.maps) for row in result.rows.values()]
+    click.echo(format_table([row for _, row in task_rows], checkpoints=[label for label, _ in task_rows]))
+    group_cells = [(label, row) for label, groups in zip(labels, group_rows) for row in groups]
+    if group_cells:
+        click.echo()
+        click.echo(format_table([row for _, row in group_cells], checkpoints=[label for label, _ in group_cells]))
+    click.echo()
+    click.echo("checkpoints: " + "; ".join(f"{label}: {name}" for label, name in zip(labels, series.labels[1:])))
+
+
+def write_outputs(outputs: dict, series: Trajectory, group_rows, replay_format: str) -> None:
+    """--samples, --replay and --heatmap, each written whole or not at all; the counts on stderr."""
+    rows = sample_rows(series) if {"--samples", "--replay"} & set(outputs) else []
+    if "--samples" in outputs:
+        write_atomic(outputs["--samples"], jsonl(rows))
+        click.echo(f"samples: {len(rows)} rows written to {outputs['--samples']}", err=True)
+    if "--replay" in outputs:
+        records, unrecoverable = replay_records(rows, replay_format)
+        write_atomic(outputs["--replay"], jsonl(records))
+        note = (f"; {unrecoverable} forgotten docs left out: their gold answer or prompt is not in the log"
+                if unrecoverable else "")
+        click.echo(f"replay: {len(records)} forgotten samples written to {outputs['--replay']}{note}", err=True)
+    if "--heatmap" in outputs:
+        write_atomic(outputs["--heatmap"], lambda temp: plot_heatmap(series, group_rows, temp))

@@ -3,6 +3,8 @@
 import click
 
 from cli.types import Number
+from mergekit_lite.errors import InputError
+from mergekit_lite.io.checkpoints import in_training_order
 from mergekit_lite.merge.config import DTYPES, METHODS
 
 EXAMPLES = """
@@ -20,6 +22,10 @@ Examples:
 \b
   # LiNeS: the task vector scaled from 0.3 in the first layer to 1.0 in the last
   mergekit-lite merge --method lines --base pre/ --model post/ --alpha 0.3 --beta 0.7 --out merged/
+  # EMA of a training run's checkpoints (their checkpoint-N names give the order only with --order step)
+  mergekit-lite merge --method ema --decay 0.9 --model run/checkpoint-500 --model run/checkpoint-1000 \\
+      --model run/checkpoint-1500 --out ema/
+  mergekit-lite merge --method ema --decay 0.9 --model run/ --order step --out ema/
 \b
   # a YAML config (see examples/), flags override its values
   mergekit-lite merge examples/ties.yaml --out merged/
@@ -51,6 +57,10 @@ def _model_option(value: str) -> dict:
 @click.option("--density", type=Number(), help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5).")
 @click.option("--drop", type=Number(), help="dare_*: drop probability of task-vector entries, in [0, 1) (default 0.5).")
 @click.option("--select-topk", type=Number(), help="sce: share of entries kept by variance across the models, in [0, 1].")
+@click.option("--decay", type=Number(), help="ema: weight of the running average at each step, in [0, 1] "
+              "(s_i = decay*s_(i-1) + (1-decay)*c_i over the checkpoints in training order).")
+@click.option("--order", type=click.Choice(["step"]), help="ema: take a folder of checkpoint-N subfolders in the order "
+              "of N (without it such a folder is refused: its order is not given).")
 @click.option("--temperature", type=Number(), help="recall: softmax temperature over similarities (> 0, default 1 = plain softmax).")
 @click.option("--normalize/--no-normalize", default=None, help="Divide by the sum of weights (defaults depend on the method).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical samples, one per line.")
@@ -73,14 +83,17 @@ def _model_option(value: str) -> dict:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def merge(config_file, out, method, base, models, alpha, beta, t, scale, density, drop, select_topk, temperature, normalize,
-          recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, tokenizer_source,
-          mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
+def merge(config_file, out, method, base, models, alpha, beta, t, scale, density, drop, select_topk, decay, order,
+          temperature, normalize, recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size,
+          copy_files_from, tokenizer_source, mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force,
+          overwrite, dry_run, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
-    Methods: linear (LERP/EMA, weighted average), slerp, task_arithmetic, ties, dare_linear, dare_ties,
-    recall (layer-wise weights from hidden-representation similarity), recall_lerp (our layer-wise LERP
-    from the same measurements), lines (LiNeS: the task vector scaled linearly with depth), and mergekit's others (della, breadcrumbs, model_stock, nuslerp, multislerp,
+    Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints in training
+    order), slerp, task_arithmetic, ties, dare_linear, dare_ties, recall (layer-wise weights from
+    hidden-representation similarity), recall_lerp (our layer-wise LERP from the same measurements),
+    lines (LiNeS: the task vector scaled linearly with depth), and mergekit's others (della, breadcrumbs,
+    model_stock, nuslerp, multislerp,
     karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
     flags; flags win where both say something.
     """
@@ -89,7 +102,7 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
 
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
     parameters = {"alpha": alpha, "beta": beta, "t": t, "lambda": scale, "density": density, "drop": drop,
-                  "select_topk": select_topk, "temperature": temperature, "normalize": normalize}
+                  "select_topk": select_topk, "decay": decay, "temperature": temperature, "normalize": normalize}
     data["parameters"].update({k: v for k, v in parameters.items() if v is not None})
     recall = {"texts": recall_texts, "samples": recall_samples, "embed_rule": embed_rule}
     data["recall"].update({k: v for k, v in recall.items() if v is not None})
@@ -106,6 +119,11 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
         data["skip"] = list(skip)
     if "method" not in data:
         raise click.UsageError("give --method or a CONFIG_FILE")
+    if data["method"] == "ema":
+        paths = in_training_order([entry["model"] for entry in data.get("models") or []], order)
+        data["models"] = [{"model": path} for path in paths]
+    elif order:
+        raise InputError("--order applies to --method ema (checkpoints in training order)")
     config = config_from_dict(data)
     config.resolve_references()
     if not dry_run:

@@ -18,6 +18,7 @@ import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import yaml
@@ -66,6 +67,7 @@ class ToyConfig:
     learning_rate: float = 3e-3
     max_shard_size: str | None = None
     post_layers: list[int] | None = None  # post-train only these decoder layers (None: the whole model)
+    post_checkpoints: list[int] | None = None  # also save post-training at these steps (a training run's checkpoints)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class ToyPair:
     old_tasks: list[str]
     new_tasks: list[str]
     typical_texts: Path
+    checkpoints: tuple[Path, ...] = ()  # post-training's checkpoint-STEP folders, in step order (pre is step 0)
 
 
 def make_entities(n: int, rng: random.Random) -> list[str]:
@@ -148,19 +151,23 @@ def train(
     steps: int,
     learning_rate: float,
     layers: list[int] | None = None,
+    after_step: Callable[[int], None] | None = None,
 ) -> None:
     """Full-batch AdamW on the answer token only: no data order to shuffle, hence deterministic.
     `layers` limits training to those decoder layers: the rest of the model stays bit-identical,
-    which gives a pair whose forgetting is concentrated in a few layers."""
+    which gives a pair whose forgetting is concentrated in a few layers. `after_step(step)` runs after each
+    optimizer step (1-based), e.g. to save checkpoints."""
     input_ids, labels = answer_batch(tokenizer, skill, sorted(skill.answers))
     trained = model.parameters() if layers is None else [p for i in layers for p in model.model.layers[i].parameters()]
     optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=0.0)
     model.train()
-    for _ in range(steps):
+    for step in range(steps):
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if after_step is not None:
+            after_step(step + 1)
     model.eval()
 
 
@@ -203,7 +210,7 @@ def save_model(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, fold
     tokenizer.save_pretrained(folder)
 
 
-def pair_paths(out_dir: Path) -> ToyPair:
+def pair_paths(out_dir: Path, config: ToyConfig) -> ToyPair:
     """Where every part of a pair lives inside `out_dir`."""
     return ToyPair(
         pre_dir=out_dir / "pre",
@@ -212,6 +219,7 @@ def pair_paths(out_dir: Path) -> ToyPair:
         old_tasks=[OLD_TASK],
         new_tasks=[NEW_TASK],
         typical_texts=out_dir / "typical_texts.txt",
+        checkpoints=tuple(out_dir / "post-checkpoints" / f"checkpoint-{step}" for step in sorted(config.post_checkpoints or ())),
     )
 
 
@@ -219,7 +227,7 @@ def cached_pair(out_dir: Path, config: ToyConfig) -> ToyPair | None:
     """A pair finished earlier with the same config (its toy.json is written last), else None."""
     marker = out_dir / MARKER_FILE
     if marker.is_file() and json.loads(marker.read_text()) == asdict(config):
-        return pair_paths(out_dir)
+        return pair_paths(out_dir, config)
     return None
 
 
@@ -227,7 +235,7 @@ def clear_pair(out_dir: Path, paths: ToyPair) -> None:
     """Drop the marker first (an interrupted rebuild must not look finished) and old model
     folders (stale shards of an earlier build would mix with the new weights)."""
     (out_dir / MARKER_FILE).unlink(missing_ok=True)
-    for folder in (paths.pre_dir, paths.post_dir):
+    for folder in (paths.pre_dir, paths.post_dir, paths.pre_dir.parent / "post-checkpoints"):
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -241,7 +249,9 @@ def build_toy_pair(out_dir: str | Path, seed: int = 0, **options) -> ToyPair:
     cached = cached_pair(out_dir, config)
     if cached is not None:
         return cached
-    paths = pair_paths(out_dir)
+    if any(not 0 < step < config.post_steps for step in config.post_checkpoints or ()):
+        raise InputError(f"post_checkpoints must lie strictly between 0 and post_steps ({config.post_steps})")
+    paths = pair_paths(out_dir, config)
     clear_pair(out_dir, paths)
     paths.task_dir.mkdir(parents=True, exist_ok=True)
 
@@ -254,7 +264,13 @@ def build_toy_pair(out_dir: str | Path, seed: int = 0, **options) -> ToyPair:
         model = build_model(len(tokenizer), config)
         train(model, tokenizer, old_skill, config.pre_steps, config.learning_rate)
         save_model(model, tokenizer, paths.pre_dir, config)
-        train(model, tokenizer, new_skill, config.post_steps, config.learning_rate, config.post_layers)
+        steps = dict(zip(sorted(config.post_checkpoints or ()), paths.checkpoints))
+
+        def save_checkpoint(step: int) -> None:
+            if step in steps:
+                save_model(model, tokenizer, steps[step], config)
+
+        train(model, tokenizer, new_skill, config.post_steps, config.learning_rate, config.post_layers, save_checkpoint)
         save_model(model, tokenizer, paths.post_dir, config)
 
     write_task(paths.task_dir, old_skill.task, multiple_choice_docs(old_skill, new_skill, rng))

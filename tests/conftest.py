@@ -26,8 +26,10 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def toy_pair(tmp_path_factory) -> ToyPair:
     """The toy pre -> post pair (seed 0), saved in several safetensors shards so streaming code
-    sees sharded inputs. Built once per session (a few seconds)."""
-    return build_toy_pair(tmp_path_factory.mktemp("toy_pair"), seed=0, max_shard_size="100KB")
+    sees sharded inputs, with post-training's checkpoints at steps 25 and 50 (a training run: pre is step 0,
+    post the last step). Built once per session (a few seconds)."""
+    return build_toy_pair(tmp_path_factory.mktemp("toy_pair"), seed=0, max_shard_size="100KB",
+                          post_checkpoints=[25, 50])
 
 
 @pytest.fixture(autouse=True)
@@ -64,3 +66,14 @@ def lm_eval_runs(toy_pair, tmp_path_factory) -> LmEvalRuns:
     pre = run_lm_eval(toy_pair.pre_dir, tasks, include_path, root / "pre", limit=limit)
     post = run_lm_eval(toy_pair.post_dir, tasks, include_path, root / "post", limit=limit)
     return LmEvalRuns(tasks, include_path, limit, pre, post)
+
+
+@pytest.fixture(scope="session")
+def lm_eval_checkpoint(toy_pair, lm_eval_runs, tmp_path_factory) -> Path:
+    """lm-eval's CLI on post-training's step-25 checkpoint, as `lm_eval_runs` ran it on pre and post: with them,
+    three checkpoints of one training run."""
+    from lm_eval_tasks import run_lm_eval
+
+    root = tmp_path_factory.mktemp("lm_eval_checkpoint")
+    return run_lm_eval(toy_pair.checkpoints[0], lm_eval_runs.tasks, lm_eval_runs.include_path, root / "step-25",
+                       limit=lm_eval_runs.limit)

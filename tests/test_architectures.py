@@ -158,6 +158,11 @@ def reference(method: str, folders: list[Path]) -> dict[str, torch.Tensor]:
             layer = decoder_layer(name)
             factor = 0.2 if layer is None else 0.2 + 0.6 * layer / (LAYERS - 1)
             merged[name] = b + factor * ((m1 - b) + (m2 - b))
+        elif method == "ema":  # the recursion s_0 = c_0, s_i = decay s_(i-1) + (1 - decay) c_i
+            average = b
+            for checkpoint in (m1, m2):
+                average = 0.6 * average + 0.4 * checkpoint
+            merged[name] = average
         else:
             row = recall_row(name)
             merged[name] = row[0] * b + row[1] * m1
@@ -179,6 +184,7 @@ MERGES = {
     "nearswap": lambda paths: {"base": paths[0], "models": [paths[1]], "parameters": {"t": 0.01}},
     "sce": lambda paths: {"base": paths[0], "models": paths[1:]},
     "lines": lambda paths: {"base": paths[0], "models": paths[1:], "parameters": {"alpha": 0.2, "beta": 0.6}},
+    "ema": lambda paths: {"models": paths, "parameters": {"decay": 0.6}},
 }
 CASES = [(architecture, method) for architecture in ARCHITECTURES for method in MERGES
          if architecture in ALL_METHODS_ON or method in ("linear", "ties")]

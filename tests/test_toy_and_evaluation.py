@@ -113,3 +113,19 @@ def test_finished_pair_is_reused_and_other_options_rebuild(tmp_path):
     quick_pair(tmp_path, seed=1)
     assert weights.stat().st_mtime_ns != built_at
     assert json.loads((tmp_path / MARKER_FILE).read_text())["seed"] == 1
+
+
+def test_post_checkpoints_are_the_training_runs_own_steps(tmp_path):
+    """A checkpoint at step 1 of 2 is what post-training alone for 1 step gives, bit for bit; it differs from
+    both ends. Steps outside the run are refused."""
+    run = build_toy_pair(tmp_path / "run", seed=0, n_entities=8, pre_steps=2, post_steps=2, post_checkpoints=[1])
+    [checkpoint] = run.checkpoints
+    assert checkpoint.name == "checkpoint-1"
+    one_step = build_toy_pair(tmp_path / "one", seed=0, n_entities=8, pre_steps=2, post_steps=1)
+    middle = load_file(checkpoint / "model.safetensors")
+    assert all(torch.equal(tensor, load_file(one_step.post_dir / "model.safetensors")[name])
+               for name, tensor in middle.items())
+    for end in (run.pre_dir, run.post_dir):
+        assert not all(torch.equal(tensor, load_file(end / "model.safetensors")[name]) for name, tensor in middle.items())
+    with pytest.raises(InputError, match="post_checkpoints must lie strictly between 0 and post_steps"):
+        build_toy_pair(tmp_path / "bad", seed=0, n_entities=8, pre_steps=2, post_steps=2, post_checkpoints=[2])

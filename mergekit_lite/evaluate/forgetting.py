@@ -179,6 +179,20 @@ def _match(task: str, pairs):
 
 
 @dataclass(frozen=True)
+class SampleText:
+    """One lm-eval record as text [ours]: the prompt (the context of its requests), the gold answer (the
+    correct option's continuation for multiple choice, the target for generation), the model's answer (the
+    option its metric chose, or its filtered generation) and the completion a replay set trains on. None
+    where the log does not say (several contexts per doc, a target that names no option, ...)."""
+
+    prompt: str | None
+    gold: str | None
+    answer: str | None
+    completion: str | None
+    doc_hash: str | None = None
+
+
+@dataclass(frozen=True)
 class SampleOutcomes:
     """One model's per-sample 0/1 outcomes on one task, keyed so two runs can be aligned."""
 
@@ -188,6 +202,9 @@ class SampleOutcomes:
     metric: str = ""
     filter: str = ""
     doc_ids: dict[str, int] = field(default_factory=dict)  # key -> lm-eval's doc_id, where the records carry one
+    # key -> what the log says as text (prompt, gold, answer): for the sample list and the replay set, not scoring
+    texts: dict[str, SampleText] = field(default_factory=dict, compare=False, repr=False)
+    answer_rule: str = field(default="", compare=False)  # how `texts[key].answer` was read (which metric decides)
 
     @property
     def accuracy(self) -> float:
@@ -384,18 +401,18 @@ def is_generative(sample: dict) -> bool:
     return isinstance(second, dict)
 
 
-def _doc_choices(sample: dict, config: dict | None) -> int | None:
-    """Number of options a generative multiple-choice doc offers, read from the task's doc_to_choice as lm-eval
-    reads it (`ConfigurableTask.doc_to_choice`: a list, a mapping, a doc field, or a Jinja template giving a
-    list, "{{choices.text}}" included); None for free-form generation (no doc_to_choice), even if docs list
-    options, and where the template gives no list."""
+def _doc_choices(sample: dict, config: dict | None) -> list | None:
+    """The options a generative multiple-choice doc offers, read from the task's doc_to_choice as lm-eval
+    reads it (`ConfigurableTask.doc_to_choice`: a list, a mapping's values, a doc field, or a Jinja template
+    giving a list, "{{choices.text}}" included); None for free-form generation (no doc_to_choice), even if
+    docs list options, and where the template gives no list."""
     doc = sample.get("doc") if isinstance(sample.get("doc"), dict) else {}
     spec = (config or {}).get("doc_to_choice")
     if isinstance(spec, (list, dict)):
-        return len(spec)
+        return list(spec.values()) if isinstance(spec, dict) else spec
     if isinstance(spec, str):
         choices = doc[spec] if spec in doc else _rendered_literal(spec, doc)
-        return len(choices) if isinstance(choices, list) else None
+        return choices if isinstance(choices, list) else None
     return None
 
 
@@ -420,8 +437,8 @@ def sample_choices(sample: dict, config: dict | None, label: str) -> float:
     acc_mutual_info adds unconditional ones); the doc's choices for generative multiple choice; inf for
     free-form generation and single-continuation loglikelihood tasks (lambada)."""
     if is_generative(sample):
-        choices = _doc_choices(sample, config)
-        return float(choices) if choices and choices > 1 else math.inf
+        choices = len(_doc_choices(sample, config) or ())
+        return float(choices) if choices > 1 else math.inf
     arguments = sample.get("arguments")
     if not isinstance(arguments, (list, dict)):
         raise InputError(f"{label}: 'arguments' missing, cannot count the choices")
@@ -462,6 +479,156 @@ def _binary(value) -> bool | None:
     return None
 
 
+# --- what each sample said, as text [ours] ------------------------------------------------------------
+
+# How lm-eval's multiple-choice metrics pick an option (`ConfigurableTask.process_results`): the argmax of the
+# loglikelihoods, divided by the option's length in characters (acc_norm) or UTF-8 bytes (acc_bytes), or
+# minus the option's unconditional loglikelihood (acc_mutual_info). Any other metric: the acc rule.
+ANSWER_RULES = {
+    "acc": "the option of highest loglikelihood (acc)",
+    "acc_norm": "the option of highest loglikelihood per character (acc_norm)",
+    "acc_bytes": "the option of highest loglikelihood per UTF-8 byte (acc_bytes)",
+    "acc_mutual_info": "the option of highest loglikelihood minus its unconditional one (acc_mutual_info)",
+}
+
+
+def _requests(sample: dict) -> list[list]:
+    """The arguments of each request, in order: lm-eval's {"gen_args_0": {"arg_0": ...}} or older lists."""
+    arguments = sample.get("arguments")
+    if isinstance(arguments, dict):
+        requests = [arguments[name] for name in sorted(arguments, key=lambda name: int(name.rpartition("_")[2])
+                                                          if name.rpartition("_")[2].isdigit() else 0)]
+        return [[request[name] for name in sorted(request)] if isinstance(request, dict) else [] for request in requests]
+    return [list(request) if isinstance(request, (list, tuple)) else [] for request in arguments or []]
+
+
+def _number(value) -> float | None:
+    """A logged loglikelihood (lm-eval writes them as strings) as a float, else None."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else number
+
+
+def _loglikelihoods(sample: dict, count: int) -> list[float] | None:
+    """The (filtered) loglikelihood of each of the first `count` requests: [ll, is_greedy] pairs, or bare lls."""
+    responses = sample.get("filtered_resps")
+    if not isinstance(responses, list) or len(responses) < count:
+        return None
+    values = [_number(response[0] if isinstance(response, (list, tuple)) and response else response)
+              for response in responses[:count]]
+    return None if None in values else values
+
+
+def _target_text(target) -> str | None:
+    """doc_to_target(doc) as text: lm-eval's files log str() of it, its in-process records (the sweep's) the
+    value itself. A list of several targets (multiple_target) has no single gold answer (None); a one-element
+    list is its element."""
+    if isinstance(target, list):
+        return _target_text(target[0]) if len(target) == 1 else None
+    if isinstance(target, int) and not isinstance(target, bool):
+        return str(target)
+    if not isinstance(target, str):
+        return None
+    text = target.strip()
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            listed = ast.literal_eval(text)
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
+            return target
+        if isinstance(listed, list):
+            return str(listed[0]) if len(listed) == 1 else None
+    return target
+
+
+def _index(text: str) -> int | None:
+    """A target that is an option's index (digits, as lm-eval's doc_to_target reads them), else None."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else None
+
+
+def _option_index(target, options: list[str], delimiter: str) -> int | None:
+    """The gold option's index from the logged target: an index, as lm-eval reads a digit target of a
+    multiple-choice task, or the text of exactly one option."""
+    text = _target_text(target)
+    if text is None:
+        return None
+    if _index(text) is not None:
+        return _index(text) if _index(text) < len(options) else None
+    matches = [i for i, option in enumerate(options) if option in (text, delimiter + text)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _chosen_option(lls: list[float], options: list[str], unconditional: list[float] | None, metric: str,
+                   delimiter: str) -> int:
+    """The option `metric` picks, as lm-eval's process_results does (ANSWER_RULES); the first on a tie, as
+    numpy's argmax."""
+    choices = [option[len(delimiter):] if delimiter and option.startswith(delimiter) else option for option in options]
+    if metric == "acc_norm":
+        scores = [ll / max(len(choice), 1) for ll, choice in zip(lls, choices)]
+    elif metric == "acc_bytes":
+        scores = [ll / max(len(choice.encode()), 1) for ll, choice in zip(lls, choices)]
+    elif metric == "acc_mutual_info" and unconditional is not None:
+        scores = [ll - free for ll, free in zip(lls, unconditional)]
+    else:
+        scores = lls
+    return max(range(len(scores)), key=scores.__getitem__)
+
+
+def _generation(sample: dict) -> str | None:
+    """The filtered generation (the first one when lm-eval kept several repeats)."""
+    responses = sample.get("filtered_resps")
+    response = responses[0] if isinstance(responses, list) and responses else responses
+    while isinstance(response, (list, tuple)) and response:
+        response = response[0]
+    return response if isinstance(response, str) else None
+
+
+def sample_text(sample: dict, metric: str, config: dict | None) -> SampleText:
+    """What one record says as text, never failing: a part the log does not give is None.
+
+    The prompt is the requests' shared context. Multiple choice: the gold answer is the continuation lm-eval
+    scored for the target's option, the model's answer the option its metric picks, and the replay completion
+    the gold continuation itself (target_delimiter included, so prompt + completion is the text lm-eval
+    scored). Generation: the gold answer is the target (the option it indexes when the task has a
+    doc_to_choice, as lm-eval's process_results maps it), the answer the filtered generation, and the
+    completion target_delimiter + target, the way lm-eval joins a few-shot example's answer to its question."""
+    delimiter = (config or {}).get("target_delimiter", " ")
+    delimiter = delimiter if isinstance(delimiter, str) else " "
+    doc_hash = str(sample["doc_hash"]) if sample.get("doc_hash") else None
+    requests = _requests(sample)
+    if not requests or not all(len(request) >= 2 for request in requests):
+        return SampleText(None, None, None, None, doc_hash)
+    if is_generative(sample):
+        prompt = requests[0][0] if isinstance(requests[0][0], str) else None
+        gold = _target_text(sample.get("target"))
+        choices = _doc_choices(sample, config)
+        if choices is not None and gold is not None and _index(gold) is not None:
+            gold = str(choices[_index(gold)]) if _index(gold) < len(choices) else None
+        completion = delimiter + gold if gold is not None and prompt is not None else None
+        return SampleText(prompt, gold, _generation(sample), completion, doc_hash)
+    count = len(requests) // 2 if "acc_mutual_info" in sample else len(requests)
+    contexts, options = [request[0] for request in requests[:count]], [request[1] for request in requests[:count]]
+    if not all(isinstance(text, str) for text in contexts + options) or len(set(contexts)) != 1:
+        return SampleText(None, None, None, None, doc_hash)  # several contexts (multiple_input): no one prompt
+    index = _option_index(sample.get("target"), options, delimiter)
+    gold = options[index] if index is not None else None
+    lls = _loglikelihoods(sample, len(requests))
+    answer = None
+    if lls is not None and count > 1:
+        answer = options[_chosen_option(lls[:count], options, lls[count:] if len(lls) > count else None,
+                                        metric, delimiter)]
+    return SampleText(contexts[0], gold, answer, gold, doc_hash)
+
+
+def answer_rule(sample: dict, metric: str, filter_: str | None) -> str:
+    """How `sample_text` read the model's answer for this task, said in the sample list."""
+    if is_generative(sample):
+        return f"the generation under filter {filter_!r}" if filter_ not in (None, "none") else "the generation"
+    return ANSWER_RULES.get(metric, ANSWER_RULES["acc"])
+
+
 def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = ScoringRule(),
                           config: dict | None = None, labels: Sequence[str] | None = None) -> SampleOutcomes:
     """SampleOutcomes from lm-eval's per-sample records (`results["samples"][task]` or a samples jsonl);
@@ -490,6 +657,7 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
         raise InputError(f"{records[0][1]}: no metric logged (run lm-eval with --log_samples)")
     correct: dict[str, bool] = {}
     doc_ids: dict[str, int] = {}
+    texts: dict[str, SampleText] = {}
     chance_accuracies = []
     for sample, label in records:
         if metric not in sample:
@@ -503,11 +671,13 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
         k = rule.choices if rule.choices is not None else sample_choices(sample, config, label)
         key = _unique_key(_sample_key(sample, label), correct)
         correct[key] = outcome
+        texts[key] = sample_text(sample, metric, config)
         if isinstance(sample.get("doc_id"), int):
             doc_ids[key] = sample["doc_id"]
         chance_accuracies.append(1 / k)
     return SampleOutcomes(task, correct, effective_choices(math.fsum(chance_accuracies) / len(chance_accuracies)),
-                          metric, str(chosen_filter) if chosen_filter is not None else "", doc_ids)
+                          metric, str(chosen_filter) if chosen_filter is not None else "", doc_ids, texts,
+                          answer_rule(records[0][0], metric, chosen_filter))
 
 
 def _sample_key(sample: dict, label: str) -> str:
@@ -751,17 +921,24 @@ def _cell(column: str, value) -> str:
     return str(value) or "-"
 
 
-def _table_line(cells: Sequence[str], widths: Sequence[int]) -> str:
-    """One pipe-table line: the name left-aligned, numbers right-aligned."""
-    padded = [cells[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:])]
+def _table_line(cells: Sequence[str], widths: Sequence[int], names: int = 1) -> str:
+    """One pipe-table line: the first `names` cells left-aligned, numbers right-aligned."""
+    padded = [cell.ljust(width) if i < names else cell.rjust(width) for i, (cell, width) in enumerate(zip(cells, widths))]
     return "| " + " | ".join(padded) + " |"
 
 
-def format_table(rows: Sequence[TaskForgetting | GroupForgetting], name_header: str | None = None) -> str:
-    """Markdown pipe table, padded so it also reads well as plain text."""
+def format_table(rows: Sequence[TaskForgetting | GroupForgetting], name_header: str | None = None,
+                 checkpoints: Sequence[str] | None = None) -> str:
+    """Markdown pipe table, padded so it also reads well as plain text; `checkpoints` adds a first column
+    naming each row's checkpoint (a trajectory)."""
     columns = GROUP_COLUMNS if rows and isinstance(rows[0], GroupForgetting) else TASK_COLUMNS
-    body = [[_cell(column, getattr(row, column)) for column in columns] for row in rows]
-    cells = [[name_header or columns[0], *columns[1:]], *body]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    rule = "|" + "|".join(["-" * (widths[0] + 2)] + ["-" * (width + 1) + ":" for width in widths[1:]]) + "|"
-    return "\n".join([_table_line(cells[0], widths), rule] + [_table_line(line, widths) for line in cells[1:]])
+    cells = [[name_header or columns[0], *columns[1:]]] + [[_cell(column, getattr(row, column)) for column in columns]
+                                                           for row in rows]
+    if checkpoints is not None:
+        cells = [["checkpoint", *cells[0]]] + [[label, *line] for label, line in zip(checkpoints, cells[1:])]
+    names = 1 + (checkpoints is not None)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    rule = "|" + "|".join(["-" * (width + 2) for width in widths[:names]] +
+                          ["-" * (width + 1) + ":" for width in widths[names:]]) + "|"
+    return "\n".join([_table_line(cells[0], widths, names), rule] +
+                     [_table_line(line, widths, names) for line in cells[1:]])

@@ -51,6 +51,7 @@ METHOD_PARAMETERS = {
     "recall": {"temperature"},
     "recall_lerp": {"alpha"},
     "lines": {"alpha", "beta", "weight"},
+    "ema": {"decay"},
 }
 METHODS = tuple(METHOD_PARAMETERS)
 PER_MODEL_PARAMETERS = {"weight", "density", "drop", "epsilon", "gamma", "scale"}
@@ -85,6 +86,7 @@ RANGES = {
     "max_iter": (1.0, None, True, False),
     "tol": (0.0, None, False, False),
     "select_topk": (0.0, 1.0, True, True),
+    "decay": (0.0, 1.0, True, True),
 }
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -339,6 +341,10 @@ class MergeConfig:
             raise InputError(f"model_stock needs a base model and at least two fine-tunes, got {count} inputs")
         if self.method == "nuslerp" and len(self.models) != 2:
             raise InputError(f"nuslerp merges exactly two models (plus an optional base), got {len(self.models)}")
+        if self.method == "ema" and count < 2:
+            raise InputError(f"ema averages at least two checkpoints (in training order), got {count}")
+        if self.method == "ema" and self.parameters.get("decay") is None:
+            raise InputError("ema needs decay (--decay), the weight of the running average at each checkpoint")
         if self.method == "karcher" and count < 2:
             raise InputError(f"karcher averages at least two models, got {count}")
         if self.method == "passthrough" and count != 1:

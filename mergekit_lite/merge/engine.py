@@ -113,7 +113,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     method = config.method
     if method in ("linear", "recall_lerp") and "alpha" in parameters:
         return lambda chunk: methods.lerp(chunk[0], chunk[1], parameters["alpha"])
-    if method in ("linear", "recall"):
+    if method in ("linear", "recall", "ema"):
         return lambda chunk: methods.linear(chunk, parameters["weights"], normalize=parameters.get("normalize", True))
     if method == "slerp":
         weights = methods.slerp_weights(tensors[0], tensors[1], parameters["t"])

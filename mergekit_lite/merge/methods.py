@@ -44,6 +44,14 @@ def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize:
     return merged
 
 
+def ema_weights(count: int, decay: float) -> list[float]:
+    """The weights of checkpoints c_0 .. c_n (training order) in their exponential moving average
+    s_0 = c_0, s_i = decay * s_(i-1) + (1 - decay) * c_i: w_0 = decay^n, w_i = (1 - decay) * decay^(n - i).
+    They sum to 1, so the EMA is `linear` with these weights, unnormalised (computed in float64)."""
+    last = count - 1
+    return [decay ** last] + [(1.0 - decay) * decay ** (last - i) for i in range(1, count)]
+
+
 def lerp(start: torch.Tensor, end: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha*end + (1-alpha)*start, exact at alpha 0 and 1."""
     return linear([start, end], [1.0 - alpha, alpha], normalize=False)

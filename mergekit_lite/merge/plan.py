@@ -17,7 +17,7 @@ from mergekit_lite.io.architecture import Layout, layout
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, check_architectures, open_inputs
 from mergekit_lite.io.validation import read_json, require_regular
-from mergekit_lite.merge import recipes
+from mergekit_lite.merge import methods, recipes
 from mergekit_lite.merge.config import (
     RECALL_METHODS,
     MergeConfig,
@@ -312,6 +312,8 @@ def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str
         if config.parameter("normalize"):
             _weight_total(weights, name, method)
         return {"weights": weights, "normalize": config.parameter("normalize")}
+    if method == "ema":  # every input in training order: the base (if given) is c_0
+        return {"weights": methods.ema_weights(len(config.inputs), value("decay")), "normalize": False}
     if method in ("slerp", "nearswap"):
         return {"t": value("t")}
     if method in RECALL_METHODS:
