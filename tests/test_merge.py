@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -152,6 +153,25 @@ def test_dare_drops_and_rescales_and_is_seeded(models, tmp_path, method):
         kept_total, count = kept_total + kept.sum(), count + kept.size
     assert abs(kept_total / count - 0.4) < 0.02
     assert any(not np.array_equal(first[n], other[n]) for n in base)
+
+
+def test_dare_merges_record_their_mask_version_and_refuse_another(models, tmp_path):
+    """The provenance of a DARE merge names the mask version (README, "DARE's masks"); merging it again gives the
+    same bytes, and a config naming another version is refused in one line instead of merged with other masks."""
+    first = merge({"method": "dare_ties", "base": str(models["base"]), "models": [str(models["a"])],
+                   "parameters": {"drop": 0.4}, "seed": 5}, tmp_path / "first")
+    provenance = tmp_path / "first" / "mergekit_lite_config.yaml"
+    assert yaml.safe_load(provenance.read_text())["dare_mask_version"] == 2
+    again = merge(load_config(provenance).to_dict(), tmp_path / "again")
+    assert all(np.array_equal(first[name], again[name]) for name in first)
+    plain = merge({"method": "ties", "base": str(models["base"]), "models": [str(models["a"])]}, tmp_path / "ties")
+    assert plain and "dare_mask_version" not in (tmp_path / "ties" / "mergekit_lite_config.yaml").read_text()
+    old = tmp_path / "old.yaml"
+    old.write_text(provenance.read_text().replace("dare_mask_version: 2", "dare_mask_version: 1"))
+    result = subprocess.run([CLI, "merge", str(old), "--out", str(tmp_path / "never"), "--quiet"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and not (tmp_path / "never").exists()
+    assert result.stderr.count("\n") == 1 and "dare_mask_version 1" in result.stderr, result.stderr
 
 
 def test_dare_linear_without_drop_equals_task_arithmetic(models, tmp_path):

@@ -42,7 +42,7 @@ from pydantic import (
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import resolve_model
 from mergekit_lite.io.safetensors import parse_size
-from mergekit_lite.merge.methods import TASK_VECTOR_METHODS
+from mergekit_lite.merge.methods import DARE_MASK_VERSION, TASK_VECTOR_METHODS
 
 # The method registry: the parameters each method takes, and its main coefficient (what a sweep varies).
 METHOD_PARAMETERS = {
@@ -382,7 +382,14 @@ class MergeConfig:
                 source["layer_range"] = list(source["layer_range"])
         source, pad = data.pop("tokenizer_source"), data.pop("pad_to_multiple_of")
         data["tokenizer"] = {"source": source, "pad_to_multiple_of": pad} if source else None
+        if uses_dare_masks(self.method):  # which masks this seed gives (README, "DARE's masks")
+            data["dare_mask_version"] = DARE_MASK_VERSION
         return data
+
+
+def uses_dare_masks(method: str) -> bool:
+    recipe = TASK_VECTOR_METHODS.get(method)
+    return recipe is not None and recipe.sparsifier == "random"
 
 
 # ------------------------------------------------------------------------------------------- YAML schemas
@@ -439,8 +446,13 @@ class _Options(_Schema):
     chat_template: Optional[StrictStr] = None
     mergekit_compat: Optional[StrictBool] = None
     parameters: ParameterMap = None
+    dare_mask_version: Optional[StrictInt] = None  # written by to_dict; only the version this code draws merges
 
     def common_fields(self) -> dict:
+        if self.dare_mask_version not in (None, DARE_MASK_VERSION):
+            raise InputError(f"dare_mask_version {self.dare_mask_version}: this mergekit-lite draws DARE masks of "
+                             f"version {DARE_MASK_VERSION}, which give other masks for the same seed (remove the key "
+                             f"to merge with version {DARE_MASK_VERSION})")
         if self.tokenizer_source and self.tokenizer:
             raise InputError("give tokenizer_source or tokenizer, not both")
         if self.tokenizer and self.tokenizer.tokens:
