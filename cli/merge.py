@@ -64,11 +64,14 @@ def _model_option(value: str) -> dict:
 @click.option("--allow-nonfinite", is_flag=True, default=None, help="Merge inputs that contain NaN/Inf instead of stopping.")
 @click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and its estimated wall "
+              "time and peak memory on this machine, and write nothing.")
+@click.option("--calibrate", is_flag=True, help="With --dry-run: measure this machine's rates again (a few seconds; "
+              "cached in ~/.cache/mergekit-lite/rates.json).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, select_topk, temperature, normalize,
           recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, tokenizer_source,
-          mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run, quiet):
+          mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run, calibrate, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP/EMA, weighted average), slerp, task_arithmetic, ties, dare_linear, dare_ties,
@@ -100,9 +103,16 @@ def merge(config_file, out, method, base, models, alpha, t, scale, density, drop
         data["skip"] = list(skip)
     if "method" not in data:
         raise click.UsageError("give --method or a CONFIG_FILE")
+    if calibrate and not dry_run:
+        raise click.UsageError("--calibrate goes with --dry-run")
     config = MergeConfig.from_dict(data)
     if dry_run:
-        click.echo(plan_merge(config).describe())
+        from mergekit_lite.merge import cost
+
+        plan = plan_merge(config)
+        click.echo(plan.describe())
+        rates, where = cost.load_rates(refresh=calibrate)
+        click.echo(cost.estimate(plan, rates).describe(where))
         return
     if quiet:
         from cli.main import quiet_third_party

@@ -15,7 +15,8 @@ from safetensors.torch import load_file as load_torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.config import MergeConfig, load_config
+from mergekit_lite.merge import cost
+from mergekit_lite.merge.config import METHODS, MergeConfig, load_config
 from mergekit_lite.merge.engine import merge_state_dict, run_merge
 from mergekit_lite.merge.plan import plan_merge
 
@@ -282,6 +283,38 @@ def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "model.layers.0.mlp.down_proj.weight" in result.stdout and "densities=[0.4]" in result.stdout
     assert not out.exists()
+
+
+def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_path):
+    """Rates are measured once per machine and cached; every registered method has them, and each plan gets a
+    wall time that is the sum of its parts and a peak memory of at least start-up plus the engine's ring."""
+    rates, where = cost.load_rates()
+    assert set(rates.math_ns_per_element) == set(METHODS) == set(rates.memory_bytes_per_element)
+    assert cost.load_rates()[1].endswith(f"measured {rates.measured_at}") and cost.cache_file().is_file()
+    for method in METHODS:
+        if method in cost.SAME_MATH:  # RECALL combines layers linearly; its forward passes are not estimated
+            assert rates.math_ns_per_element[method] == rates.math_ns_per_element[cost.SAME_MATH[method]]
+            continue
+        parameters, count, with_base = cost.CALIBRATION_MERGES.get(method, ({}, 2, True))
+        inputs = [str(models[name]) for name in ("base", "a", "b")]
+        config = MergeConfig.from_dict({"method": method, "base": inputs[0] if with_base else None,
+                                        "models": inputs[1:count + 1] if with_base else inputs[:count],
+                                        "parameters": parameters})
+        plan = plan_merge(config)
+        estimate = cost.estimate(plan, rates)
+        parts = (estimate.startup_s, estimate.read_s, estimate.math_s, estimate.write_s)
+        assert all(math.isfinite(part) and part > 0 for part in parts), (method, estimate)
+        assert estimate.wall_s == pytest.approx(sum(parts)), method
+        assert estimate.peak_rss >= rates.startup_rss + estimate.ring_bytes > rates.startup_rss, method
+    result = subprocess.run([CLI, "merge", "--method", "dare_ties", "--base", str(models["base"]), "--model",
+                             str(models["a"]), "--out", str(tmp_path / "never"), "--dry-run"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "estimate on this machine: wall " in result.stdout and str(cost.cache_file()) in result.stdout
+    refused = subprocess.run([CLI, "merge", "--method", "linear", "--model", str(models["a"]), "--calibrate",
+                              "--out", str(tmp_path / "never")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--calibrate goes with --dry-run" in refused.stderr
+    assert not (tmp_path / "never").exists()
 
 
 def test_yaml_config_and_flags(models, tmp_path):

@@ -268,11 +268,9 @@ def compute_bound(method: str) -> bool:
 
 
 def chunk_threads(method: str) -> int:
-    """Intra-op threads for a method's chunk loop: one for DARE, whose draws take the other cores (`KeepsAhead`;
-    a second math thread beside them is slower, `benchmarks/chunk_math.py --chunk-threads 2`), else `math_threads`."""
-    recipe = methods.TASK_VECTOR_METHODS.get(method)
-    if recipe is not None and recipe.sparsifier == "random":
-        return 1
+    """Intra-op threads for a method's chunk loop (`math_threads`). DARE's version 2 draws take a fraction of the
+    Mersenne Twister's time, so its math takes every core too, beside them (`benchmarks/chunk_math.py
+    --chunk-threads 1` for the single thread it had while version 1's draws held a core)."""
     return math_threads(compute_bound(method))
 
 
