@@ -20,7 +20,7 @@ from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
 from mergekit_lite.io.safetensors import open_regular, read_at
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge import methods
-from mergekit_lite.merge.engine import KeepsAhead, dare_key, execute, math_threads, merge_tensor
+from mergekit_lite.merge.engine import KeepsAhead, dare_key, execute, math_threads, merge_state_dict, merge_tensor
 from mergekit_lite.threads import torch_threads
 from mergekit_lite.merge.plan import plan_merge
 
@@ -294,3 +294,23 @@ def test_keeps_ahead_hand_a_failed_draw_to_the_taker():
     keeps = KeepsAhead([1, -1], [0.5, 0.5], 300, 100)  # a Philox key must be in [0, 2^128)
     with pytest.raises(ValueError):
         keeps.take()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method, parameters", [("linear", {}), ("task_arithmetic", {}), ("ties", {"density": 0.4}),
+                                                ("dare_ties", {"drop": 0.3}), ("della", {"density": 0.5})])
+def test_cuda_merges_what_the_cpu_merges(trio, method, parameters):
+    """The same plan on the GPU (pinned ring, uploads, copy-back): DARE's and DELLA's masks are drawn on the CPU, so
+    the same entries stay at the base; the values agree within one float32 rounding of the fused GPU kernels."""
+    config = {"method": method, "base": None if method == "linear" else str(trio[0]), "dtype": "float32",
+              "models": [str(folder) for folder in (trio if method == "linear" else trio[1:])], "parameters": parameters}
+    merged = {device: merge_state_dict(MergeConfig.from_dict({**config, "device": device})) for device in ("cpu", "cuda")}
+    base = {name: _whole_tensor(trio[0], name) for name in merged["cpu"]}
+    assert merged["cpu"].keys() == merged["cuda"].keys()
+    for name, cpu in merged["cpu"].items():
+        cuda = merged["cuda"][name]
+        assert cuda.device.type == "cpu" and cuda.dtype == cpu.dtype, name
+        torch.testing.assert_close(cuda, cpu, rtol=2e-7, atol=1e-7, msg=name)
+        if method != "linear":
+            kept_base = lambda tensor: tensor == base[name].to(torch.float32)
+            assert torch.equal(kept_base(cuda), kept_base(cpu)), name
