@@ -268,9 +268,12 @@ def compute_bound(method: str) -> bool:
 
 
 def chunk_threads(method: str) -> int:
-    """Intra-op threads for a method's chunk loop (`math_threads`). DARE's version 2 draws take a fraction of the
-    Mersenne Twister's time, so its math takes every core too, beside them (`benchmarks/chunk_math.py
-    --chunk-threads 1` for the single thread it had while version 1's draws held a core)."""
+    """Intra-op threads for a method's chunk loop: one for DARE, whose masks the other cores draw (`KeepsAhead`),
+    else `math_threads`. With version 2's cheaper draws a second math thread was no faster on a busy 2-core
+    machine (benchmarks/RESULTS.md, `chunk_math.py --methods dare_ties --chunk-threads 1|2`)."""
+    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    if recipe is not None and recipe.sparsifier == "random":
+        return 1
     return math_threads(compute_bound(method))
 
 
