@@ -156,7 +156,7 @@ def test_a_slow_write_does_not_hold_the_reading_and_the_math(trio, monkeypatch):
     from mergekit_lite.merge import engine
 
     plan = plan_merge(MergeConfig.from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
-    sizes = [engine._input_bytes(plan, step) for step in plan.steps]
+    sizes = [engine.input_bytes(plan, step) for step in plan.steps]
     stuck = next(i for i in range(1, len(sizes) - 3) if sum(sizes[i:i + 4]) <= max(sizes))  # four fit in the ring
     later_read = threading.Event()
     real_read_step = engine._read_step

@@ -1,10 +1,11 @@
 """What a planned merge will cost on this machine: wall time and peak RSS from the plan's sizes and rates measured
 once (`calibrate`) and cached per machine in the user's cache folder (`--dry-run`, `--calibrate`).
 
-The model is the engine's own structure (benchmarks/RESULTS.md): a merge run as a process is start-up, reading
-every input once, each step's math, and writing the output, and on a machine whose cores the reader, the math and
-the writer share these add up rather than hide behind each other (`benchmarks/predict_vs_measured.py` checks the
-predictions against measured runs). Peak memory is start-up, the engine's ring (the largest step's inputs, exact
+The model follows the engine's structure: a merge run as a process is start-up, then reading every input once
+(memory copies from the page cache, which take the cores the math needs, so they add up), then the math and the
+writing side by side (shards go to the device past the page cache, `io/direct.py`, while the next steps are
+merged), so whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
+measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs, exact
 from the plan) and the method's working memory, measured per method as a fixed part plus bytes per element of the
 largest tensor.
 """
@@ -36,7 +37,7 @@ from mergekit_lite.merge.plan import MergePlan, plan_merge
 RATES_FORMAT = 1  # bump when what calibrate measures changes: older entries are measured again
 CALIBRATION_SIZES = (1 << 20, 1 << 21)  # elements of the calibration tensors: two sizes split fixed from per-element
 # (both at least a reduction chunk, methods.CHUNK, whose float64 stacks are a fixed cost)
-IO_BYTES = 64 << 20
+IO_BYTES = 128 << 20  # enough that a shard's final sync is not most of the write
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 # Calibration merges: the parameters a method needs beyond the defaults, and how many models (besides a base).
 CALIBRATION_MERGES = {
@@ -71,11 +72,14 @@ class Estimate:
     write_s: float
     peak_rss: int
     ring_bytes: int
+    device: str = "cpu"
 
     def describe(self, source: str) -> str:
         note = "  (excludes RECALL's forward passes over the texts)" if self.method in SAME_MATH else ""
-        return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f}, read "
-                f"{self.read_s:.1f}, math {self.math_s:.1f}, write {self.write_s:.1f}), peak RSS "
+        if self.device != "cpu":
+            note += f"  (math at this CPU's rates, not {self.device}'s)"
+        return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + read "
+                f"{self.read_s:.1f} + the longer of math {self.math_s:.1f} and write {self.write_s:.1f}), peak RSS "
                 f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB){note}\n"
                 f"  rates: {source} (--calibrate measures them again)")
 
@@ -127,20 +131,20 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     """Wall time and peak RSS of running `plan` as a process on the machine `rates` were measured on."""
     method = SAME_MATH.get(plan.config.method, plan.config.method)
     merged = [step for step in plan.steps if step.action != "copy"]
-    input_bytes = sum(engine._input_bytes(plan, step) for step in plan.steps)
+    input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
                  for step in merged)
-    ring = max((engine._input_bytes(plan, step) for step in plan.steps), default=0)
+    ring = max((engine.input_bytes(plan, step) for step in plan.steps), default=0)
     largest = max((math.prod(step.shape) for step in merged), default=0)
     working = rates.memory_fixed_bytes[method] + largest * rates.memory_bytes_per_element[method] if merged else 0
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
-    return Estimate(plan.config.method, rates.startup_s + read_s + math_s + write_s, rates.startup_s, read_s,
-                    math_s, write_s, int(rates.startup_rss + ring + working), ring)
+    return Estimate(plan.config.method, rates.startup_s + read_s + max(math_s, write_s), rates.startup_s, read_s,
+                    math_s, write_s, int(rates.startup_rss + ring + working), ring, plan.config.device)
 
 
 def calibrate() -> Rates:
     """Measure this machine in a few seconds: start-up (a fresh interpreter importing the merge path), reading from
-    the page cache and writing synced shards (64 MB, the engine's own reader and writer), and each method's math
+    the page cache and writing a synced shard (128 MB, the engine's own reader and writer), and each method's math
     and working memory (the engine's merge_tensor on bf16 tensors of two sizes)."""
     with tempfile.TemporaryDirectory(prefix="mergekit-lite-calibrate-") as scratch:
         folder = Path(scratch)

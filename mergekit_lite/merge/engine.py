@@ -220,7 +220,7 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
     config = plan.config
     device = usable_device(config.device)
     reuse_freed_memory()
-    ring = BufferRing(max((_input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
+    ring = BufferRing(max((input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
@@ -290,7 +290,8 @@ def math_threads(compute_bound: bool = False) -> int:
     return max(1, min(torch.get_num_threads(), cores if compute_bound else cores - 1))
 
 
-def _input_bytes(plan: MergePlan, step: TensorStep) -> int:
+def input_bytes(plan: MergePlan, step: TensorStep) -> int:
+    """The step's block of the ring: every input it reads, page-aligned."""
     return sum(_block_sizes(plan, step))
 
 
