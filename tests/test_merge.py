@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -316,6 +317,17 @@ def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_pat
                               "--out", str(tmp_path / "never")], capture_output=True, text=True)
     assert refused.returncode == 2 and "--calibrate goes with --dry-run" in refused.stderr
     assert not (tmp_path / "never").exists()
+
+
+def test_dry_run_estimates_without_a_writable_cache(models, tmp_path):
+    """A cache folder that cannot be made (here under a file) costs a calibration per dry run, never the dry run."""
+    (tmp_path / "a-file").write_text("not a folder")
+    result = subprocess.run([CLI, "merge", "--method", "linear", "--model", str(models["a"]), "--model",
+                             str(models["b"]), "--out", str(tmp_path / "never"), "--dry-run"], capture_output=True,
+                            text=True, env={**os.environ, "MERGEKIT_LITE_CACHE": str(tmp_path / "a-file" / "cache")})
+    assert result.returncode == 0, result.stderr
+    assert "estimate on this machine: wall " in result.stdout and "not cached (" in result.stdout
+    assert (tmp_path / "a-file").read_text() == "not a folder" and not (tmp_path / "never").exists()
 
 
 def test_yaml_config_and_flags(models, tmp_path):

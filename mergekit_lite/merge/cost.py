@@ -93,15 +93,15 @@ def cache_file() -> Path:
 
 
 def machine_key() -> str:
-    """Rates hold for one machine, one set of usable cores, one torch and one mergekit-lite."""
+    """Rates hold for one machine, its usable cores and torch threads, one torch and one mergekit-lite."""
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                  if line.startswith("model name")]
         cpu = names[0] if names else cpu
-    return (f"{platform.node()}|{cpu}|{len(os.sched_getaffinity(0))} cores|torch {torch.__version__}|"
-            f"mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}")
+    return (f"{platform.node()}|{cpu}|{len(os.sched_getaffinity(0))} cores|{torch.get_num_threads()} threads|"
+            f"torch {torch.__version__}|mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}")
 
 
 def load_rates(refresh: bool = False) -> tuple[Rates, str]:
@@ -122,8 +122,11 @@ def load_rates(refresh: bool = False) -> tuple[Rates, str]:
             return rates, f"{path}, measured {rates.measured_at}"
     rates = calibrate()
     cached = {**(cached if isinstance(cached, dict) else {}), key: asdict(rates)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(cached, indent=1) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(cached, indent=1) + "\n")
+    except OSError as error:  # a cache that cannot be written costs a calibration per dry run, nothing else
+        return rates, f"measured just now, not cached ({error.strerror or error}: {error.filename or path})"
     return rates, f"{path}, measured just now"
 
 
