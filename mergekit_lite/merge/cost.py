@@ -6,8 +6,8 @@ The model follows the engine's structure: a merge run as a process is start-up, 
 writing side by side (shards go to the device past the page cache, `io/direct.py`, while the next steps are
 merged), so whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs, exact
-from the plan) and the method's working memory, measured per method as a fixed part plus bytes per element of the
-largest tensor.
+from the plan) and the method's working memory: a few chunks' temporaries, or for the methods that hold whole
+tensors (`engine.holds_whole_tensors`) bytes per element of the step.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from mergekit_lite.merge import engine
 from mergekit_lite.merge.config import METHODS, MergeConfig
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 
-RATES_FORMAT = 1  # bump when what calibrate measures changes: older entries are measured again
+RATES_FORMAT = 2  # bump when what calibrate measures changes: older entries are measured again
 CALIBRATION_SIZES = (1 << 20, 1 << 21)  # elements of the calibration tensors: two sizes split fixed from per-element
 # (both at least a reduction chunk, methods.CHUNK, whose float64 stacks are a fixed cost)
 IO_BYTES = 128 << 20  # enough that a shard's final sync is not most of the write
@@ -58,8 +58,9 @@ class Rates:
     math_ns_per_element: dict[str, float]
     math_s_per_step: dict[str, float]
     memory_bytes_per_element: dict[str, float]
-    memory_fixed_bytes: dict[str, float]
+    memory_peak_bytes: dict[str, float]  # working memory at the larger calibration size
     measured_at: str
+    load: float  # the 1-minute load average then: other jobs' threads slow the multi-threaded methods' rates
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Estimate:
         return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + read "
                 f"{self.read_s:.1f} + the longer of math {self.math_s:.1f} and write {self.write_s:.1f}), peak RSS "
                 f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB){note}\n"
-                f"  rates: {source} (--calibrate measures them again)")
+                f"  rates: {source} (--calibrate measures them again, best on an idle machine)")
 
 
 def cache_file() -> Path:
@@ -119,15 +120,19 @@ def load_rates(refresh: bool = False) -> tuple[Rates, str]:
         except TypeError:
             rates = None
         if rates is not None and set(METHODS) <= set(rates.math_ns_per_element):  # a method added since: measure
-            return rates, f"{path}, measured {rates.measured_at}"
+            return rates, f"{path}, {_when(rates)}"
     rates = calibrate()
     cached = {**(cached if isinstance(cached, dict) else {}), key: asdict(rates)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(cached, indent=1) + "\n")
     except OSError as error:  # a cache that cannot be written costs a calibration per dry run, nothing else
-        return rates, f"measured just now, not cached ({error.strerror or error}: {error.filename or path})"
-    return rates, f"{path}, measured just now"
+        return rates, f"{_when(rates)}, not cached ({error.strerror or error}: {error.filename or path})"
+    return rates, f"{path}, {_when(rates)}"
+
+
+def _when(rates: Rates) -> str:
+    return f"measured {rates.measured_at} at load {rates.load:.1f} on {len(os.sched_getaffinity(0))} cores"
 
 
 def estimate(plan: MergePlan, rates: Rates) -> Estimate:
@@ -138,11 +143,20 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
                  for step in merged)
     ring = max((engine.input_bytes(plan, step) for step in plan.steps), default=0)
-    largest = max((math.prod(step.shape) for step in merged), default=0)
-    working = rates.memory_fixed_bytes[method] + largest * rates.memory_bytes_per_element[method] if merged else 0
+    working = max((_working_memory(rates, method, step) for step in merged), default=0)
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
     return Estimate(plan.config.method, rates.startup_s + read_s + max(math_s, write_s), rates.startup_s, read_s,
                     math_s, write_s, int(rates.startup_rss + ring + working), ring, plan.config.device)
+
+
+def _working_memory(rates: Rates, method: str, step) -> float:
+    """A step's memory beyond its inputs: the calibrated peak, and for the methods that hold whole tensors the
+    bytes per element measured between the two calibration sizes, for this step's size."""
+    peak = rates.memory_peak_bytes[method]
+    if not engine.holds_whole_tensors(method, step.parameters):
+        return peak
+    per_element = rates.memory_bytes_per_element[method]
+    return max(peak - per_element * CALIBRATION_SIZES[1], 0.0) + per_element * math.prod(step.shape)
 
 
 def calibrate() -> Rates:
@@ -153,7 +167,7 @@ def calibrate() -> Rates:
         folder = Path(scratch)
         startup_s, startup_rss = _startup()
         read_rate, write_rate = _io_rates(folder)
-        per_element, per_step, memory_per_element, memory_fixed = {}, {}, {}, {}
+        per_element, per_step, memory_per_element, memory_peak = {}, {}, {}, {}
         for method in METHODS:
             if method in SAME_MATH:
                 continue
@@ -163,15 +177,16 @@ def calibrate() -> Rates:
                 timings.append(seconds)
                 peaks.append(peak)
             (small, large), (low, high) = timings, peaks
-            per_element[method] = max(large - small, 0.0) / (CALIBRATION_SIZES[1] - CALIBRATION_SIZES[0]) * 1e9
+            # the larger merge's time per element (a difference of two noisy timings is noisier), the rest per step
+            per_element[method] = large / CALIBRATION_SIZES[1] * 1e9
             per_step[method] = max(small - per_element[method] * CALIBRATION_SIZES[0] * 1e-9, 0.0)
             memory_per_element[method] = max(high - low, 0) / (CALIBRATION_SIZES[1] - CALIBRATION_SIZES[0])
-            memory_fixed[method] = max(low - memory_per_element[method] * CALIBRATION_SIZES[0], 0)
+            memory_peak[method] = high
         for alias, method in SAME_MATH.items():
-            for table in (per_element, per_step, memory_per_element, memory_fixed):
+            for table in (per_element, per_step, memory_per_element, memory_peak):
                 table[alias] = table[method]
     return Rates(startup_s, startup_rss, read_rate, write_rate, per_element, per_step, memory_per_element,
-                 memory_fixed, time.strftime("%Y-%m-%d %H:%M:%S"))
+                 memory_peak, time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()[0])
 
 
 def _startup() -> tuple[float, int]:
@@ -208,7 +223,7 @@ def _io_rates(folder: Path) -> tuple[float, float]:
 
 
 def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int]:
-    """Seconds (best of two) and working memory (bytes above the resident set before it) of merging one
+    """Seconds (best of three) and working memory (bytes above the resident set before it) of merging one
     bf16 tensor of `size` elements with `method`'s default parameters."""
     parameters, count, with_base = CALIBRATION_MERGES.get(method, ({}, 2, True))
     folder.mkdir()
@@ -228,7 +243,7 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int]:
     tensors = [source.load(name) for source, name in plan.inputs_of(step)]
     out = torch.empty(step.shape, dtype=step.out_dtype)
     seconds = []
-    for _ in range(2):
+    for _ in range(3):
         _release_freed_memory()
         resident = _resident_bytes()
         _reset_peak()

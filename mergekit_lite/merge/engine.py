@@ -86,6 +86,15 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     return out
 
 
+def holds_whole_tensors(method: str, parameters: dict) -> bool:
+    """Whether a step's working memory grows with its tensor: the whole-tensor merges (`_whole_tensor_merge`) and
+    Breadcrumbs' band, a selection over every magnitude; the other methods' temporaries are a few chunks."""
+    recipe = methods.TASK_VECTOR_METHODS.get(method)
+    return (method == "model_stock" and parameters.get("filter_wise", False)) or method == "sce" or \
+        (method == "nuslerp" and not parameters.get("flatten", True)) or \
+        (recipe is not None and recipe.sparsifier in ("magprune", "outliers"))
+
+
 def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The methods whose elementwise part needs whole rows or whole-tensor statistics (SCE's variance ranks and
     mean squares); None for the others."""
