@@ -68,8 +68,9 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     whole-tensor float32 temporary exists. `out` may overlay the first input when its dtype is no wider (a
     chunk is read before its slot is written), and may live on the host while the inputs are on a GPU: each
     chunk is cast there and copied back asynchronously. DARE's masks are drawn on the CPU chunk by chunk, each
-    from the chunk's own Philox counters, so the bytes depend on neither the device nor the chunk size. Row-wise variants and DELLA (ranks
-    within rows), and L1 rescaling (a norm of the sparsified delta), need whole tensors and get them.
+    from the chunk's own Philox counters, so the bytes depend on neither the device nor the chunk size. Row-wise
+    variants and DELLA (ranks within rows), and L1 rescaling (a norm of the sparsified delta), need whole tensors
+    and get them.
     """
     whole = _whole_tensor_merge(config, step, tensors)
     if whole is not None:
