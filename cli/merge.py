@@ -65,9 +65,9 @@ def _model_option(value: str) -> dict:
 @click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and its estimated wall "
-              "time and peak memory on this machine, and write nothing.")
-@click.option("--calibrate", is_flag=True, help="With --dry-run: measure this machine's rates again (a few seconds; "
-              "cached in ~/.cache/mergekit-lite/rates.json).")
+              "time and peak memory on this machine, and write no output (the first one measures this machine's "
+              "rates in a few seconds and caches them in ~/.cache/mergekit-lite/rates.json).")
+@click.option("--calibrate", is_flag=True, help="With --dry-run: measure this machine's rates again.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def merge(config_file, out, method, base, models, alpha, t, scale, density, drop, select_topk, temperature, normalize,
           recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size, copy_files_from, tokenizer_source,
