@@ -81,12 +81,15 @@ def _model_option(value: str) -> dict:
 @click.option("--allow-nonfinite", is_flag=True, default=None, help="Merge inputs that contain NaN/Inf instead of stopping.")
 @click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and write nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and its estimated wall "
+              "time and peak memory on this machine, and write no output (the first one measures this machine's "
+              "rates in a few seconds and caches them in ~/.cache/mergekit-lite/rates.json).")
+@click.option("--calibrate", is_flag=True, help="With --dry-run: measure this machine's rates again.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def merge(config_file, out, method, base, models, alpha, beta, t, scale, density, drop, select_topk, decay, order,
           temperature, normalize, recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size,
           copy_files_from, tokenizer_source, mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force,
-          overwrite, dry_run, quiet):
+          overwrite, dry_run, calibrate, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints in training
@@ -119,6 +122,8 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
         data["skip"] = list(skip)
     if "method" not in data:
         raise click.UsageError("give --method or a CONFIG_FILE")
+    if calibrate and not dry_run:
+        raise click.UsageError("--calibrate goes with --dry-run")
     if data["method"] == "ema":
         paths = in_training_order([entry["model"] for entry in data.get("models") or []], order)
         data["models"] = [{"model": path} for path in paths]
@@ -133,7 +138,12 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
     from mergekit_lite.merge.plan import plan_merge
 
     if dry_run:
-        click.echo(plan_merge(config).describe())
+        from mergekit_lite.merge import cost
+
+        plan = plan_merge(config)
+        click.echo(plan.describe())
+        rates, where = cost.load_rates(refresh=calibrate)
+        click.echo(cost.estimate(plan, rates).describe(where))
         return
     if quiet:
         from cli.main import quiet_third_party

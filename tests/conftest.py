@@ -1,7 +1,9 @@
 """Shared pytest fixtures. Expensive artefacts are session-scoped so every test file reuses them."""
 
 import os
+import shutil
 import signal
+import tempfile
 
 # Tests never touch the network; set before anything imports huggingface_hub or datasets.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,6 +23,14 @@ def pytest_configure(config):
     it; give the test processes, and so their children, a terminal's default instead. Runs in every xdist worker."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # --dry-run's rates are measured once per test process into a folder of its own, never the user's cache
+    os.environ["MERGEKIT_LITE_CACHE"] = tempfile.mkdtemp(prefix="mergekit-lite-rates-")
+
+
+def pytest_unconfigure(config):
+    folder = os.environ.pop("MERGEKIT_LITE_CACHE", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -169,9 +169,8 @@ def test_dare_expectation_is_task_arithmetic(tensors, data):
     drops = data.draw(st.lists(st.floats(0.0, 0.9), min_size=count, max_size=count), label="drops")
     scale = data.draw(st.floats(-2.0, 2.0), label="scale")
     repeat = (DRAWS,) + (1,) * base.dim()
-    generators = [torch.Generator().manual_seed(1234 + index) for index in range(count)]
     dare = task_vector_merge(base.repeat(repeat), [m.repeat(repeat) for m in models], weights, scale=scale,
-                             sparsifier="random", drops=drops, generators=generators)
+                             sparsifier="random", drops=drops, keys=[1234 + index for index in range(count)])
     expected = task_vector_merge(base, models, weights, scale=scale)
 
     deltas = [(m.double() - base.double()) * w * scale for m, w in zip(models, weights)]

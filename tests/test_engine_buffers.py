@@ -20,9 +20,10 @@ from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
 from mergekit_lite.io.safetensors import read_at
 from mergekit_lite.io.validation import open_regular
 from mergekit_lite.merge import methods
-from mergekit_lite.merge.engine import DrawsAhead, dare_generator, execute, math_threads, merge_tensor
+from mergekit_lite.merge.engine import KeepsAhead, dare_key, execute, math_threads, merge_state_dict, merge_tensor
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict
+from mergekit_lite.threads import torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,7 @@ def test_a_slow_write_does_not_hold_the_reading_and_the_math(trio, monkeypatch):
     from mergekit_lite.merge import engine
 
     plan = plan_merge(config_from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
-    sizes = [engine._input_bytes(plan, step) for step in plan.steps]
+    sizes = [engine.input_bytes(plan, step) for step in plan.steps]
     stuck = next(i for i in range(1, len(sizes) - 3) if sum(sizes[i:i + 4]) <= max(sizes))  # four fit in the ring
     later_read = threading.Event()
     real_read_step = engine._read_step
@@ -239,10 +240,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 @pytest.mark.parametrize("second_drop", [0.6, 0.0])
-def test_dare_draws_ahead_give_the_masks_of_drawing_whole_tensors(trio, monkeypatch, second_drop):
+def test_dare_chunks_give_the_masks_of_drawing_whole_tensors_at_any_chunk_size_and_thread_count(trio, monkeypatch,
+                                                                                                 second_drop):
     """The chunk loop draws each chunk's masks on other threads while the previous chunk's math runs: over many
-    chunks (a model with no drop drawing nothing) the bytes are those of one draw over the whole tensor."""
-    monkeypatch.setattr(methods, "ELEMENTWISE_CHUNK", 100)
+    chunks of several sizes (a model with no drop drawing nothing), with one or two math threads, the bytes are
+    those of one draw over the whole tensor."""
     config = config_from_dict({
         "method": "dare_ties", "base": str(trio[0]), "parameters": {"drop": 0.3}, "dtype": "float32",
         "models": [str(trio[1]), {"model": str(trio[2]), "parameters": {"drop": second_drop}}]})
@@ -255,39 +257,61 @@ def test_dare_draws_ahead_give_the_masks_of_drawing_whole_tensors(trio, monkeypa
         parameters = step.parameters
         whole = methods.task_vector_merge(
             tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier="random",
-            drops=parameters["drops"], generators=[dare_generator(config.seed, step.name, i) for i in (0, 1)],
+            drops=parameters["drops"], keys=[dare_key(config.seed, step.name, i) for i in (0, 1)],
             consensus=True, normalize=parameters["normalize"], rescale=parameters["rescale"])
-        assert torch.equal(merge_tensor(config, step, tensors).view(torch.int32), whole.view(torch.int32)), step.name
-        chunked += tensors[0].numel() > 3 * methods.ELEMENTWISE_CHUNK
+        for chunk, threads in ((100, 1), (37, 2), (4096, 2)):
+            monkeypatch.setattr(methods, "ELEMENTWISE_CHUNK", chunk)
+            with torch_threads(threads):
+                merged = merge_tensor(config, step, tensors)
+            assert torch.equal(merged.view(torch.int32), whole.view(torch.int32)), (step.name, chunk, threads)
+        chunked += tensors[0].numel() > 3 * 100
     assert chunked > 5
 
 
-def test_draws_ahead_keep_each_stream_in_order_and_draw_at_most_the_window():
-    """More models than pool workers, a short last chunk, one model without a drop: every chunk equals drawing in a
-    loop, and a consumer that stops taking leaves each generator exactly `depth` chunks ahead, no further."""
-    seeds, drops, total, chunk, depth = [1, 2, 3, 4, 5], [0.5, 0.1, 0.0, 0.9, 0.3], 1050, 100, 3
-    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-    draws = DrawsAhead(generators, drops, total, chunk, depth=depth)
-    references = [torch.Generator().manual_seed(seed) for seed in seeds]
+def test_keeps_ahead_give_each_chunks_mask_and_draw_at_most_the_window(monkeypatch):
+    """More models than pool workers, a short last chunk, one model without a drop: every chunk equals drawing it
+    alone, and a consumer that stops taking leaves exactly `depth` chunks drawn ahead, no more."""
+    keys, drops, total, chunk, depth = [1, 2, 3, 4, 5], [0.5, 0.1, 0.0, 0.9, 0.3], 1050, 100, 3
+    drawn = []
+    draw = methods.keep_indicator
+
+    def counted(key, begin, size, drop):
+        drawn.append(begin)
+        return draw(key, begin, size, drop)
+
+    monkeypatch.setattr(methods, "keep_indicator", counted)
+    keeps = KeepsAhead(keys, drops, total, chunk, depth=depth)
     for begin in range(0, total, chunk):
-        expected = [methods.uniform_draw((min(chunk, total - begin),), generator, drop)
-                    for generator, drop in zip(references, drops)]
-        for got, want in zip(draws.take(), expected):
+        expected = [draw(key, begin, min(chunk, total - begin), drop) for key, drop in zip(keys, drops)]
+        for got, want in zip(keeps.take(), expected):
             assert (got is None and want is None) or torch.equal(got, want)
-        if begin == 5 * chunk:  # stop taking for a while: the jobs fill the window and end
-            ahead = [torch.Generator().manual_seed(seed) for seed in seeds]
-            for _ in range(6 + depth):
-                for generator, drop in zip(ahead, drops):
-                    methods.uniform_draw((chunk,), generator, drop)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not all(
-                    torch.equal(g.get_state(), a.get_state()) for g, a in zip(generators, ahead)):
-                time.sleep(0.01)
-            time.sleep(0.1)
-            assert all(torch.equal(g.get_state(), a.get_state()) for g, a in zip(generators, ahead))
+        if begin == 5 * chunk:  # stop taking for a while: only the window's chunks are drawn
+            time.sleep(0.2)
+            assert sorted(set(drawn)) == list(range(0, (6 + depth) * chunk, chunk))
+            assert len(drawn) == (6 + depth) * len(keys)
 
 
-def test_draws_ahead_hand_a_failed_draw_to_the_taker():
-    draws = DrawsAhead([torch.Generator().manual_seed(1), "not a generator"], [0.5, 0.5], 300, 100)
-    with pytest.raises(TypeError):
-        draws.take()
+def test_keeps_ahead_hand_a_failed_draw_to_the_taker():
+    keeps = KeepsAhead([1, -1], [0.5, 0.5], 300, 100)  # a Philox key must be in [0, 2^128)
+    with pytest.raises(ValueError):
+        keeps.take()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method, parameters", [("linear", {}), ("task_arithmetic", {}), ("ties", {"density": 0.4}),
+                                                ("dare_ties", {"drop": 0.3}), ("della", {"density": 0.5})])
+def test_cuda_merges_what_the_cpu_merges(trio, method, parameters):
+    """The same plan on the GPU (pinned ring, uploads, copy-back): DARE's and DELLA's masks are drawn on the CPU, so
+    the same entries stay at the base; the values agree within one float32 rounding of the fused GPU kernels."""
+    config = {"method": method, "base": None if method == "linear" else str(trio[0]), "dtype": "float32",
+              "models": [str(folder) for folder in (trio if method == "linear" else trio[1:])], "parameters": parameters}
+    merged = {device: merge_state_dict(config_from_dict({**config, "device": device})) for device in ("cpu", "cuda")}
+    base = {name: _whole_tensor(trio[0], name) for name in merged["cpu"]}
+    assert merged["cpu"].keys() == merged["cuda"].keys()
+    for name, cpu in merged["cpu"].items():
+        cuda = merged["cuda"][name]
+        assert cuda.device.type == "cpu" and cuda.dtype == cpu.dtype, name
+        torch.testing.assert_close(cuda, cpu, rtol=2e-7, atol=1e-7, msg=name)
+        if method != "linear":
+            kept_base = lambda tensor: tensor == base[name].to(torch.float32)
+            assert torch.equal(kept_base(cuda), kept_base(cpu)), name

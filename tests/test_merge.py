@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,13 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge import cost
+from mergekit_lite.merge.config import METHODS, MergeConfig
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict, load_config
 
@@ -155,6 +158,25 @@ def test_dare_drops_and_rescales_and_is_seeded(models, tmp_path, method):
     assert any(not np.array_equal(first[n], other[n]) for n in base)
 
 
+def test_dare_merges_record_their_mask_version_and_refuse_another(models, tmp_path):
+    """The provenance of a DARE merge names the mask version (README, "DARE's masks"); merging it again gives the
+    same bytes, and a config naming another version is refused in one line instead of merged with other masks."""
+    first = merge({"method": "dare_ties", "base": str(models["base"]), "models": [str(models["a"])],
+                   "parameters": {"drop": 0.4}, "seed": 5}, tmp_path / "first")
+    provenance = tmp_path / "first" / "mergekit_lite_config.yaml"
+    assert yaml.safe_load(provenance.read_text())["dare_mask_version"] == 2
+    again = merge(load_config(provenance).to_dict(), tmp_path / "again")
+    assert all(np.array_equal(first[name], again[name]) for name in first)
+    plain = merge({"method": "ties", "base": str(models["base"]), "models": [str(models["a"])]}, tmp_path / "ties")
+    assert plain and "dare_mask_version" not in (tmp_path / "ties" / "mergekit_lite_config.yaml").read_text()
+    old = tmp_path / "old.yaml"
+    old.write_text(provenance.read_text().replace("dare_mask_version: 2", "dare_mask_version: 1"))
+    result = subprocess.run([CLI, "merge", str(old), "--out", str(tmp_path / "never"), "--quiet"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and not (tmp_path / "never").exists()
+    assert result.stderr.count("\n") == 1 and "dare_mask_version 1" in result.stderr, result.stderr
+
+
 def test_dare_linear_without_drop_equals_task_arithmetic(models, tmp_path):
     common = {"base": str(models["base"]), "models": [str(models["a"]), str(models["b"])], "seed": 3}
     dare = merge({**common, "method": "dare_linear", "parameters": {"drop": 0.0, "lambda": 0.7}}, tmp_path / "d")
@@ -263,6 +285,50 @@ def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "model.layers.0.mlp.down_proj.weight" in result.stdout and "densities=[0.4]" in result.stdout
     assert not out.exists()
+
+
+def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_path):
+    """Rates are measured once per machine and cached; every registered method has them, and each plan gets a
+    wall time of start-up, reads, and the longer of math and writes (which overlap), and a peak memory of at least
+    start-up plus the engine's ring."""
+    rates, where = cost.load_rates()
+    assert set(rates.math_ns_per_element) == set(METHODS) == set(rates.memory_bytes_per_element)
+    assert f"measured {rates.measured_at} at load " in cost.load_rates()[1] and cost.cache_file().is_file()
+    for method in METHODS:
+        if method in cost.SAME_MATH:  # RECALL combines layers linearly; its forward passes are not estimated
+            assert rates.math_ns_per_element[method] == rates.math_ns_per_element[cost.SAME_MATH[method]]
+            continue
+        parameters, count, with_base = cost.CALIBRATION_MERGES.get(method, ({}, 2, True))
+        inputs = [str(models[name]) for name in ("base", "a", "b")]
+        config = config_from_dict({"method": method, "base": inputs[0] if with_base else None,
+                                        "models": inputs[1:count + 1] if with_base else inputs[:count],
+                                        "parameters": parameters})
+        plan = plan_merge(config)
+        estimate = cost.estimate(plan, rates)
+        parts = (estimate.startup_s, estimate.read_s, estimate.math_s, estimate.write_s)
+        assert all(math.isfinite(part) and part > 0 for part in parts), (method, estimate)
+        assert estimate.wall_s == pytest.approx(parts[0] + parts[1] + max(parts[2:])), method
+        assert estimate.peak_rss >= rates.startup_rss + estimate.ring_bytes > rates.startup_rss, method
+    result = subprocess.run([CLI, "merge", "--method", "dare_ties", "--base", str(models["base"]), "--model",
+                             str(models["a"]), "--out", str(tmp_path / "never"), "--dry-run"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "estimate on this machine: wall " in result.stdout and str(cost.cache_file()) in result.stdout
+    refused = subprocess.run([CLI, "merge", "--method", "linear", "--model", str(models["a"]), "--calibrate",
+                              "--out", str(tmp_path / "never")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--calibrate goes with --dry-run" in refused.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_dry_run_estimates_without_a_writable_cache(models, tmp_path):
+    """A cache folder that cannot be made (here under a file) costs a calibration per dry run, never the dry run."""
+    (tmp_path / "a-file").write_text("not a folder")
+    result = subprocess.run([CLI, "merge", "--method", "linear", "--model", str(models["a"]), "--model",
+                             str(models["b"]), "--out", str(tmp_path / "never"), "--dry-run"], capture_output=True,
+                            text=True, env={**os.environ, "MERGEKIT_LITE_CACHE": str(tmp_path / "a-file" / "cache")})
+    assert result.returncode == 0, result.stderr
+    assert "estimate on this machine: wall " in result.stdout and "not cached (" in result.stdout
+    assert (tmp_path / "a-file").read_text() == "not a folder" and not (tmp_path / "never").exists()
 
 
 def test_yaml_config_and_flags(models, tmp_path):

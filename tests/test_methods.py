@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mergekit_lite.merge import methods
+from mergekit_lite.merge.engine import dare_key
 from mergekit_lite.merge.recipes import TASK_VECTOR_METHODS
 
 
@@ -97,13 +98,107 @@ def test_magnitude_threshold_equals_the_sorted_value(size):
             assert methods.magnitude_threshold(values.abs(), keep) == ordered[keep - 1].item(), (label, keep)
 
 
-def test_random_drop_rescales_survivors_and_is_seeded():
+MASK64 = (1 << 64) - 1
+
+
+def philox4x64(counter: list[int], key: list[int], rounds: int = 10) -> list[int]:
+    """Philox4x64 as Salmon et al. 2011 define it (§4, with the multipliers and Weyl key increments of their Table 2),
+    in plain integers: the reference DARE's masks (`methods.keep_indicator`) must equal."""
+    for step in range(rounds):
+        if step:
+            key = [(key[0] + 0x9E3779B97F4A7C15) & MASK64, (key[1] + 0xBB67AE8584CAA73B) & MASK64]
+        high = counter[0] * 0xD2E7470EE14C6C93
+        low = counter[2] * 0xCA5A826395121157
+        counter = [(low >> 64) ^ counter[1] ^ key[0], low & MASK64, (high >> 64) ^ counter[3] ^ key[1], high & MASK64]
+    return counter
+
+
+def reference_draws(key: int, begin: int, size: int) -> list[int]:
+    """Entry i's 16-bit draw: word i mod 16 of Philox4x64-10 at counter i // 16 + 1, 64-bit words in order, each
+    read from its low 16 bits up (the mask version 2 the README documents)."""
+    halves = [key & MASK64, key >> 64]
+    draws = []
+    for entry in range(begin, begin + size):
+        word = philox4x64([entry // 16 + 1, 0, 0, 0], halves)[entry % 16 // 4]
+        draws.append(word >> (16 * (entry % 4)) & 0xFFFF)
+    return draws
+
+
+def test_philox_reference_gives_random123s_known_answers():
+    """The known-answer vectors of Random123 (the paper's library, kat_vectors) for philox4x64 with 10 rounds."""
+    assert philox4x64([0] * 4, [0, 0]) == [0x16554D9ECA36314C, 0xDB20FE9D672D0FDC, 0xD7E772CEE186176B,
+                                           0x7E68B68AEC7BA23B]
+    assert philox4x64([MASK64] * 4, [MASK64] * 2) == [0x87B092C3013FE90B, 0x438C3C67BE8D0224, 0x9CC7D7C69CD777B6,
+                                                      0xA09CAEBF594F0BA0]
+    assert philox4x64([0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89],
+                      [0x452821E638D01377, 0xBE5466CF34E90C6C]) == [0xA528F45403E61D95, 0x38C72DBD566E9788,
+                                                                    0xA5A1610E72FD18B5, 0x57BD43B5E52B7FE6]
+
+
+@pytest.mark.parametrize("begin, size", [(0, 40), (5, 1), (13, 70), (16 * 1000 + 3, 29), ((1 << 40) + 7, 33)])
+def test_keep_indicator_is_philox_at_each_entrys_own_counter(begin, size):
+    """Version 2 masks are a function of (key, entry) alone: the paper's Philox at the entry's counter, compared in
+    integers with the drop's 2^-16 steps, from any offset (not only a multiple of 16) and of any length."""
+    key = 0x0123456789ABCDEF_FEDCBA9876543210
+    for drop in (0.3, 0.5, 0.97):
+        threshold = methods.drop_threshold(drop)
+        expected = [1.0 if draw >= threshold else 0.0 for draw in reference_draws(key, begin, size)]
+        assert methods.keep_indicator(key, begin, size, drop).tolist() == expected, drop
+
+
+def test_drop_threshold_quantises_to_2_to_the_minus_16():
+    assert [methods.drop_threshold(drop) for drop in (0.0, 1e-6, 0.5, 0.3, 1 - 1e-9)] == [0, 0, 32768, 19661, 65535]
+    for drop in (0.1, 0.3, 0.5, 0.6, 0.9):
+        assert abs(methods.drop_threshold(drop) / 65536 - drop) <= 2 ** -17
+    assert methods.keep_indicator(5, 0, 100, 1e-6) is None  # below half a step nothing drops
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 100, 4096, 1 << 18])
+def test_keep_masks_do_not_depend_on_the_chunk_size_or_order(chunk):
+    """Chunks drawn in reverse order, of any size, concatenate to the whole tensor's mask."""
+    key, total, drop = 987654321, 300_007 if chunk >= 100 else 3_001, 0.4
+    whole = methods.keep_indicator(key, 0, total, drop)
+    parts = {begin: methods.keep_indicator(key, begin, min(chunk, total - begin), drop)
+             for begin in reversed(range(0, total, chunk))}
+    assert torch.equal(torch.cat([parts[begin] for begin in sorted(parts)]), whole)
+
+
+TENSOR = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize("drop", [0.01, 0.1, 0.3, 0.5, 0.75, 0.9, 0.99])
+def test_dare_masks_drop_at_the_rate_asked_and_independently(drop):
+    """Over 2^21 entries the drop rate is within 5 binomial standard deviations of the applied drop; and pairs
+    drop together at the product of their rates (within 5 standard deviations): two models' masks (different
+    keys), adjacent entries, entries 4 apart (the next 64-bit word), 16 apart (the next Philox counter) and one
+    engine chunk apart (2^18, the next chunk of the same tensor)."""
+    total = 1 << 21
+    applied = methods.drop_threshold(drop) / 65536
+    first = 1.0 - methods.keep_indicator(dare_key(0, TENSOR, 0), 0, total, drop).double()
+    second = 1.0 - methods.keep_indicator(dare_key(0, TENSOR, 1), 0, total, drop).double()
+
+    def within_bounds(observed: float, expected: float, count: int) -> bool:
+        return abs(observed - expected) <= 5 * math.sqrt(expected * (1 - expected) / count)
+
+    assert within_bounds(first.mean().item(), applied, total), first.mean().item()
+    assert within_bounds(second.mean().item(), applied, total)
+    pairs = {"models": (first, second)}
+    for gap in (1, 4, 16, 1 << 18):
+        pairs[f"gap {gap}"] = (first[:-gap], first[gap:])
+    for name, (left, right) in pairs.items():
+        both = (left * right).mean().item()
+        assert within_bounds(both, applied ** 2, left.numel()), (name, both, applied ** 2)
+
+
+def test_random_drop_rescales_survivors_by_the_applied_drop():
     delta = torch.ones(10_000)
-    dropped = methods.random_drop(delta.clone(), 0.75, torch.rand(10_000, generator=torch.Generator().manual_seed(7)))
-    assert set(dropped.unique().tolist()) == {0.0, 4.0}
-    assert abs((dropped != 0).float().mean().item() - 0.25) < 0.02
-    again = methods.random_drop(delta.clone(), 0.75, torch.rand(10_000, generator=torch.Generator().manual_seed(7)))
-    assert torch.equal(dropped, again)
+    keep = methods.keep_indicator(7, 0, 10_000, 0.75)
+    dropped = methods.random_drop(delta.clone(), 0.75, keep)
+    assert set(dropped.unique().tolist()) == {0.0, 4.0}  # 0.75 is a whole number of 2^-16 steps
+    assert torch.equal((dropped != 0).float(), keep)
+    assert methods.random_drop(delta.clone(), 0.75, keep, rescale=False).tolist() == keep.tolist()
+    third = methods.random_drop(delta.clone(), 1 / 3, methods.keep_indicator(7, 0, 10_000, 1 / 3))
+    assert third.max().item() == pytest.approx(65536 / (65536 - 21845), rel=1e-7)  # not exactly 1.5
 
 
 def test_at_least_is_a_comparison_as_floats():
@@ -249,7 +344,7 @@ def test_magprune_probabilities_rise_linearly_with_rank_within_each_row():
     assert torch.allclose(probabilities, t(0.5, 0.3, 0.7, 0.4, 0.6).reshape(1, 5))
 
 
-def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, seeds, consensus,
+def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, keys, consensus,
                                     normalize, mergekit_rules=False):
     """TIES / DARE / task arithmetic in the plain form of the papers, one whole-tensor op per step: the reference
     the fused task_vector_merge must equal bit for bit (its shortcuts are exact, not approximations)."""
@@ -260,8 +355,9 @@ def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, th
         if sparsifier == "magnitude":
             delta = delta.masked_fill(delta.abs() < thresholds[index], 0.0)
         if sparsifier == "random":
-            dropped = torch.rand(delta.shape, generator=torch.Generator().manual_seed(seeds[index])) < drops[index]
-            delta = (delta * (1.0 / (1.0 - drops[index]))).masked_fill(dropped, 0.0)
+            threshold = round(drops[index] * 65536)
+            dropped = torch.tensor(reference_draws(keys[index], 0, delta.numel())) < threshold
+            delta = (delta * (65536 / (65536 - threshold))).masked_fill(dropped, 0.0)
         deltas.append(delta * weights[index])
     stacked = torch.stack(deltas)
     if not consensus:
@@ -295,12 +391,12 @@ def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, sca
     models[0][:32], models[1][16:48] = 0.0, -0.0
     models[2][100:200] = base[100:200]
     thresholds = [methods.trim_threshold(base, model, 0.5) for model in models]
-    drops, seeds = [0.5, 0.3, 0.6], [11, 12, 13]
+    drops, keys = [0.5, 0.3, 0.6], [11, 12, 2**128 - 13]
     fused = methods.task_vector_merge(
         base, models, weights, scale=scale, sparsifier=sparsifier, thresholds=thresholds, drops=drops,
-        generators=[torch.Generator().manual_seed(seed) for seed in seeds], consensus=consensus, normalize=normalize,
+        keys=keys, consensus=consensus, normalize=normalize,
         mergekit_rules=mergekit_rules)
-    reference = _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, seeds,
+    reference = _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, keys,
                                                 consensus, normalize, mergekit_rules)
     assert torch.equal(fused.view(torch.int32), reference.view(torch.int32))
     assert torch.equal(fused.to(torch.bfloat16).view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))

@@ -27,7 +27,7 @@ import numpy as np
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import resolve_model
 from mergekit_lite.io.validation import parse_size, require_regular
-from mergekit_lite.merge.recipes import TASK_VECTOR_METHODS
+from mergekit_lite.merge.recipes import DARE_MASK_VERSION, TASK_VECTOR_METHODS
 
 # The method registry: the parameters each method takes, and its main coefficient (what a sweep varies).
 METHOD_PARAMETERS = {
@@ -368,7 +368,14 @@ class MergeConfig:
                 source["layer_range"] = list(source["layer_range"])
         source, pad = data.pop("tokenizer_source"), data.pop("pad_to_multiple_of")
         data["tokenizer"] = {"source": source, "pad_to_multiple_of": pad} if source else None
+        if uses_dare_masks(self.method):  # which masks this seed gives (README, "DARE's masks")
+            data["dare_mask_version"] = DARE_MASK_VERSION
         return data
+
+
+def uses_dare_masks(method: str) -> bool:
+    recipe = TASK_VECTOR_METHODS.get(method)
+    return recipe is not None and recipe.sparsifier == "random"
 
 
 def did_you_mean(word: str, choices) -> str:

@@ -44,10 +44,20 @@ from mergekit_lite.merge.vocab import write_tokenizer
 from mergekit_lite.threads import start_on_other_cores, torch_threads
 
 
-def dare_generator(seed: int, tensor_name: str, model_index: int) -> torch.Generator:
-    """A CPU generator per (seed, tensor, model): masks do not depend on tensor order or device."""
-    digest = hashlib.sha256(f"{seed}\0{tensor_name}\0{model_index}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+def _draw_digest(seed: int, tensor_name: str, model_index: int) -> bytes:
+    return hashlib.sha256(f"{seed}\0{tensor_name}\0{model_index}".encode()).digest()
+
+
+def dare_key(seed: int, tensor_name: str, model_index: int) -> int:
+    """DARE's 128-bit Philox key per (seed, tensor, model) (`methods.keep_indicator`): masks depend on neither
+    tensor order, chunk size, thread count nor device."""
+    return int.from_bytes(_draw_digest(seed, tensor_name, model_index)[:16], "little")
+
+
+def magprune_generator(seed: int, tensor_name: str, model_index: int) -> torch.Generator:
+    """DELLA's seeded CPU generator per (seed, tensor, model): its draws do not depend on tensor order or device."""
+    return torch.Generator().manual_seed(int.from_bytes(_draw_digest(seed, tensor_name, model_index)[:8], "little")
+                                         & (2**63 - 1))
 
 
 def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor],
@@ -59,9 +69,10 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     chunks: each chunk is converted to float32, combined, and cast straight into its slice of `out`, so no
     whole-tensor float32 temporary exists. `out` may overlay the first input when its dtype is no wider (a
     chunk is read before its slot is written), and may live on the host while the inputs are on a GPU: each
-    chunk is cast there and copied back asynchronously. DARE draws its masks chunk by chunk from one seeded
-    CPU generator per model, so the bytes do not depend on the device. Row-wise variants and DELLA (ranks
-    within rows), and L1 rescaling (a norm of the sparsified delta), need whole tensors and get them.
+    chunk is cast there and copied back asynchronously. DARE's masks are drawn on the CPU chunk by chunk, each
+    from the chunk's own Philox counters, so the bytes depend on neither the device nor the chunk size. Row-wise
+    variants and DELLA (ranks within rows), and L1 rescaling (a norm of the sparsified delta), need whole tensors
+    and get them.
     """
     whole = _whole_tensor_merge(config, step, tensors)
     if whole is not None:
@@ -76,6 +87,15 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
             chunk = slice(begin, begin + methods.ELEMENTWISE_CHUNK)
             out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
     return out
+
+
+def holds_whole_tensors(method: str, parameters: dict) -> bool:
+    """Whether a step's working memory grows with its tensor: the whole-tensor merges (`_whole_tensor_merge`) and
+    Breadcrumbs' band, a selection over every magnitude; the other methods' temporaries are a few chunks."""
+    recipe = recipes.TASK_VECTOR_METHODS.get(method)
+    return (method == "model_stock" and parameters.get("filter_wise", False)) or method == "sce" or \
+        (method == "nuslerp" and not parameters.get("flatten", True)) or \
+        (recipe is not None and recipe.sparsifier in ("magprune", "outliers"))
 
 
 def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -101,7 +121,7 @@ def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[tor
         return methods.task_vector_merge(
             tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
             densities=parameters["densities"], epsilons=parameters.get("epsilons"), gammas=parameters.get("gammas"),
-            generators=[dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)],
+            generators=[magprune_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)],
             rescale=parameters["rescale"], consensus=recipe.consensus, normalize=parameters["normalize"],
             mergekit_rules=parameters.get("mergekit_rules", False))
     return None
@@ -129,7 +149,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         coefficients = _geometric_coefficients(config, step, tensors)
         return lambda chunk: methods.linear(chunk, coefficients, normalize=False)
     recipe = recipes.TASK_VECTOR_METHODS[method]
-    thresholds = generators = None
+    thresholds = None
     if recipe.sparsifier == "magnitude":  # one model per core: the passes are exact selections, in any order
         thresholds = [future.result() for future in start_on_other_cores(
             lambda pair: methods.trim_threshold(tensors[0], *pair, parameters.get("mergekit_rules", False)),
@@ -137,84 +157,41 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     if recipe.sparsifier == "outliers":
         thresholds = [methods.outlier_band(tensors[0], model, density, gamma)
                       for model, density, gamma in zip(tensors[1:], parameters["densities"], parameters["gammas"])]
-    draws = None
+    keeps = None
     if recipe.sparsifier == "random":
-        generators = [dare_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)]
-        draws = DrawsAhead(generators, parameters["drops"], tensors[0].numel(), methods.ELEMENTWISE_CHUNK)
+        keys = [dare_key(config.seed, step.name, i) for i in range(len(tensors) - 1)]
+        keeps = KeepsAhead(keys, parameters["drops"], tensors[0].numel(), methods.ELEMENTWISE_CHUNK)
     return lambda chunk: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
-        thresholds=thresholds, drops=parameters.get("drops"), draws=None if draws is None else draws.take(),
+        thresholds=thresholds, drops=parameters.get("drops"), keeps=None if keeps is None else keeps.take(),
         consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
         mergekit_rules=parameters.get("mergekit_rules", False))
 
 
-class DrawsAhead:
-    """DARE's uniform draws for a tensor's chunks, in order, drawn on the other cores up to `depth` chunks ahead of
-    the math (a generator draws on one core, the slowest step of DARE).
+class KeepsAhead:
+    """DARE's keep masks for a tensor's chunks, in order, drawn on the other cores up to `depth` chunks ahead of the
+    math. Each chunk's mask depends only on its model's key and its offset (`methods.keep_indicator`), so every
+    (chunk, model) is a job of its own, run in any order; a merge that stops taking leaves at most `depth` chunks
+    drawn."""
 
-    Each model's chunks are drawn by one job at a time, in order, so each generator's stream is consumed as in a
-    loop and the values are those of drawing there. A job draws until the window is full and ends; taking a chunk
-    reopens the window and restarts the jobs that ended. No job waits on another, so any number of models shares
-    the pool, and a merge that stops taking leaves at most `depth` chunks drawn.
-    """
-
-    def __init__(self, generators: list[torch.Generator], drops: list[float], total: int, chunk: int,
-                 depth: int = 4):
-        self._models = list(zip(generators, drops))
-        self._sizes = [min(chunk, total - begin) for begin in range(0, total, chunk)]
-        self._depth = depth
-        self._lock = threading.Lock()
-        self._slots: list[dict[int, Future]] = [{} for _ in self._models]
-        self._next = [0] * len(self._models)  # each model's next chunk to draw
-        self._drawing = [False] * len(self._models)
-        self._taken = 0
-        with self._lock:
-            for model in range(len(self._models)):
-                self._start(model)
+    def __init__(self, keys: list[int], drops: list[float], total: int, chunk: int, depth: int = 4):
+        self._models = list(zip(keys, drops))
+        self._chunks = iter([(begin, min(chunk, total - begin)) for begin in range(0, total, chunk)])
+        self._ahead: deque[list[Future]] = deque()
+        for _ in range(depth):
+            self._start_next()
 
     def take(self) -> list[torch.Tensor | None]:
-        """The next chunk's draws per model (None where a model's drop is 0)."""
-        index = self._taken
-        with self._lock:
-            slots = [self._slot(model, index) for model in range(len(self._models))]
-        draws = [slot.result() for slot in slots]
-        with self._lock:
-            self._taken += 1
-            for model, model_slots in enumerate(self._slots):
-                del model_slots[index]
-                self._start(model)
-        return draws
+        """The next chunk's keep masks per model (None where a model drops nothing)."""
+        jobs = self._ahead.popleft()
+        self._start_next()
+        return [job.result() for job in jobs]
 
-    def _slot(self, model: int, index: int) -> Future:
-        return self._slots[model].setdefault(index, Future())
-
-    def _window_end(self) -> int:
-        """Under the lock: the first chunk not to draw yet."""
-        return min(len(self._sizes), self._taken + self._depth)
-
-    def _start(self, model: int) -> None:
-        """Under the lock: start the model's job if it has ended and its next chunk is inside the window."""
-        if not self._drawing[model] and self._next[model] < self._window_end():
-            self._drawing[model] = True
-            start_on_other_cores(self._draw, [model])
-
-    def _draw(self, model: int) -> None:
-        """One model's job on a pool worker: draw its next chunks in order until the window is full."""
-        while True:
-            with self._lock:
-                index = self._next[model]
-                if index >= self._window_end():
-                    self._drawing[model] = False
-                    return
-                slot = self._slot(model, index)
-            try:
-                draws = methods.uniform_draw((self._sizes[index],), *self._models[model])
-            except BaseException as error:  # handed to the taker; the merge stops there
-                slot.set_exception(error)
-                return
-            slot.set_result(draws)
-            with self._lock:
-                self._next[model] = index + 1
+    def _start_next(self) -> None:
+        begin, size = next(self._chunks, (None, 0))
+        if begin is not None:
+            self._ahead.append(start_on_other_cores(
+                lambda model: methods.keep_indicator(model[0], begin, size, model[1]), self._models))
 
 
 def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> list[float]:
@@ -258,7 +235,7 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
     config = plan.config
     device = usable_device(config.device)
     reuse_freed_memory()
-    ring = BufferRing(max((_input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
+    ring = BufferRing(max((input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
@@ -306,8 +283,9 @@ def compute_bound(method: str) -> bool:
 
 
 def chunk_threads(method: str) -> int:
-    """Intra-op threads for a method's chunk loop: one for DARE, whose draws take the other cores (`DrawsAhead`;
-    a second math thread beside them is slower, `benchmarks/chunk_math.py --chunk-threads 2`), else `math_threads`."""
+    """Intra-op threads for a method's chunk loop: one for DARE, whose masks the other cores draw (`KeepsAhead`),
+    else `math_threads`. With version 2's cheaper draws a second math thread was no faster on a busy 2-core
+    machine (benchmarks/RESULTS.md, `chunk_math.py --methods dare_ties --chunk-threads 1|2`)."""
     recipe = recipes.TASK_VECTOR_METHODS.get(method)
     if recipe is not None and recipe.sparsifier == "random":
         return 1
@@ -327,7 +305,8 @@ def math_threads(compute_bound: bool = False) -> int:
     return max(1, min(torch.get_num_threads(), cores if compute_bound else cores - 1))
 
 
-def _input_bytes(plan: MergePlan, step: TensorStep) -> int:
+def input_bytes(plan: MergePlan, step: TensorStep) -> int:
+    """The step's block of the ring: every input it reads, page-aligned."""
     return sum(_block_sizes(plan, step))
 
 

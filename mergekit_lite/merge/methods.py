@@ -204,28 +204,56 @@ def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma:
     return low, high
 
 
-def uniform_draw(shape: Sequence[int], generator: torch.Generator, drop: float) -> torch.Tensor | None:
-    """DARE's draws for one model: float32 uniforms in [0, 1) of `shape` from its seeded CPU generator, None
-    where its drop is 0 (it draws nothing)."""
-    return torch.rand(tuple(shape), generator=generator, dtype=torch.float32) if drop > 0.0 else None
+DRAW_LEVELS = 1 << 16  # DARE draws 16 bits per entry: drop probabilities are multiples of 2^-16
+ENTRIES_PER_COUNTER = 16  # one Philox4x64 block is four 64-bit words: 16 draws of 16 bits
 
 
-def random_drop(delta: torch.Tensor, drop: float, draws: torch.Tensor, rescale: bool = True) -> torch.Tensor:
+def drop_threshold(drop: float) -> int:
+    """DARE's drop probability in steps of 2^-16: an entry is dropped where its 16-bit draw is below this count.
+
+    The applied drop is round(drop·2^16)/2^16, within 2^-17 (7.6e-6) of `drop`; below 2^-17 nothing is dropped,
+    and the largest is 1 - 2^-16. Any one tensor's realized drop rate scatters by sqrt(drop(1-drop)/n) around it,
+    more than 2^-17 for every tensor under ~10^9 entries at drops of 0.1-0.9, so the step is lost in the noise
+    DARE already makes; the rescale (`random_drop`) uses the applied drop, so the expectation stays exact.
+    """
+    return min(round(drop * DRAW_LEVELS), DRAW_LEVELS - 1)
+
+
+def keep_indicator(key: int, begin: int, size: int, drop: float) -> torch.Tensor | None:
+    """DARE's keep mask (mask version 2) for entries [begin, begin + size) of one model's flattened task vector:
+    float32 1.0 where the entry is kept, 0.0 where dropped; None when nothing drops.
+
+    Entry i's draw is the 16-bit word i mod 16 (little-endian, words in order) of Philox4x64-10 (Salmon et al.
+    2011, "Parallel random numbers: as easy as 1, 2, 3", §4) at counter i // 16 + 1 under the 128-bit `key`:
+    numpy's Philox, whose streams numpy keeps stable, starts one counter past the one it is given. So a chunk's
+    mask depends only on (key, begin, size), and chunks are drawn in any order, on any thread, in any size.
+    The entry is kept where its draw reaches `drop_threshold(drop)`, compared in integers.
+    """
+    threshold = drop_threshold(drop)
+    if threshold == 0:
+        return None
+    counter, skip = divmod(begin, ENTRIES_PER_COUNTER)
+    words = numpy.random.Philox(key=key, counter=counter).random_raw(-(-(skip + size) // 4))
+    draws = words.astype("<u8", copy=False).view("<u2")[skip:skip + size]
+    return torch.from_numpy(numpy.greater_equal(draws, threshold).astype(numpy.float32))
+
+
+def random_drop(delta: torch.Tensor, drop: float, keep: torch.Tensor | None, rescale: bool = True) -> torch.Tensor:
     """DARE: drop each entry with probability `drop`, rescale survivors by 1/(1-drop) to keep the expectation
-    (DARE §3; `rescale=False` keeps them as they are). An entry is kept where its uniform draw reaches `drop`.
+    (DARE §3; `rescale=False` keeps them as they are). `keep` is the mask from `keep_indicator`, whose applied
+    drop (`drop_threshold`) the rescale divides by.
 
-    The draws come from the caller's seeded CPU generator (`uniform_draw`), so the same seed gives the same
-    mask on any device. Dropping multiplies by the keep indicator (`at_least`), several times faster than a
+    The mask depends only on the seed, the tensor, the model and the entry, so the same seed gives the same
+    mask on any device. Dropping multiplies by the float keep indicator, several times faster than a
     masked_fill on a random mask (no branch to mispredict). One addcmul does it all: +0.0 + (scale·delta)·keep,
     the rescaled delta times an exact 0 or 1, plus +0.0, which turns the -0.0 of dropped negative entries into
     the +0.0 a masked_fill writes; a fused multiply-add rounds it the same (a delta overflowed to inf would
     become NaN, which the result check reports).
     """
-    if drop <= 0.0:
+    if keep is None:
         return delta
-    keep = at_least(draws, drop).to(delta.device)
-    scale = 1.0 / (1.0 - drop) if rescale else 1.0
-    return torch.addcmul(delta.new_zeros(()), delta, keep, value=scale, out=delta)
+    scale = DRAW_LEVELS / (DRAW_LEVELS - drop_threshold(drop)) if rescale else 1.0
+    return torch.addcmul(delta.new_zeros(()), delta, keep.to(delta.device), value=scale, out=delta)
 
 
 def magprune_keep_probabilities(delta: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -354,7 +382,8 @@ def task_vector_merge(
     thresholds: Sequence[float] | None = None,
     drops: Sequence[float] | None = None,
     generators: Sequence[torch.Generator] | None = None,
-    draws: Sequence[torch.Tensor | None] | None = None,
+    keys: Sequence[int] | None = None,
+    keeps: Sequence[torch.Tensor | None] | None = None,
     epsilons: Sequence[float] | None = None,
     gammas: Sequence[float] | None = None,
     consensus: bool = False,
@@ -368,8 +397,9 @@ def task_vector_merge(
     `normalize` divides by the sum of the weights that contributed to each entry (TIES's disjoint mean).
     The magnitude trim takes `thresholds` (from `trim_threshold`) and the outlier band takes (low, high)
     pairs (from `outlier_band`), so a tensor can be merged in chunks; both are computed here from
-    `densities` (and `gammas`) when not given. DARE drops with `drops` and each model's uniform `draws`
-    (None where its drop is 0), drawn here from its generator when not given; MagPrune draws with `densities`
+    `densities` (and `gammas`) when not given. DARE drops with `drops` and each model's `keeps` (from
+    `keep_indicator`; None where nothing drops), drawn here from its Philox `keys` over the whole tensor when
+    not given; MagPrune draws with `densities`
     and `epsilons` from each model's generator. `rescale` is the sparsifier's own: DARE's 1/(1-drop),
     or for MagPrune and the outlier band the delta's L1 norm before sparsification (mergekit's; whole
     tensors only). `mergekit_rules` selects mergekit's trim count and sign vote (see `trim_threshold`,
@@ -383,8 +413,8 @@ def task_vector_merge(
                       for model, density, gamma in zip(models, densities, gammas)]
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
-    if sparsifier == "random" and draws is None:
-        draws = [uniform_draw(base32.shape, generator, drop) for generator, drop in zip(generators, drops)]
+    if sparsifier == "random" and keeps is None:
+        keeps = [keep_indicator(key, 0, base32.numel(), drop) for key, drop in zip(keys, drops)]
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
         # bf16/fp16 -> float32 is exact, so promoting inside the subtraction gives the bytes of converting first
@@ -394,7 +424,8 @@ def task_vector_merge(
         if sparsifier == "magnitude":
             trim(delta, thresholds[index])
         elif sparsifier == "random":
-            delta = random_drop(delta, drops[index], draws[index], rescale)
+            delta = random_drop(delta, drops[index], None if keeps[index] is None else keeps[index].view(delta.shape),
+                                rescale)
         elif sparsifier == "magprune":
             delta = magprune(delta, densities[index], epsilons[index], generators[index])
         elif sparsifier == "outliers":

@@ -36,6 +36,7 @@ from mergekit_lite.merge.config import (
     SliceSource,
     did_you_mean,
 )
+from mergekit_lite.merge.recipes import DARE_MASK_VERSION
 
 
 class _Schema(BaseModel):
@@ -89,8 +90,13 @@ class _Options(_Schema):
     chat_template: Optional[StrictStr] = None
     mergekit_compat: Optional[StrictBool] = None
     parameters: ParameterMap = None
+    dare_mask_version: Optional[StrictInt] = None  # written by to_dict; only the version this code draws merges
 
     def common_fields(self) -> dict:
+        if self.dare_mask_version not in (None, DARE_MASK_VERSION):
+            raise InputError(f"dare_mask_version {self.dare_mask_version}: this mergekit-lite draws DARE masks of "
+                             f"version {DARE_MASK_VERSION}, which give other masks for the same seed (remove the key "
+                             f"to merge with version {DARE_MASK_VERSION})")
         if self.tokenizer_source and self.tokenizer:
             raise InputError("give tokenizer_source or tokenizer, not both")
         if self.tokenizer and self.tokenizer.tokens:

@@ -1,0 +1,288 @@
+"""What a planned merge will cost on this machine: wall time and peak RSS from the plan's sizes and rates measured
+once (`calibrate`) and cached per machine in the user's cache folder (`--dry-run`, `--calibrate`).
+
+The model follows the engine's structure: a merge run as a process is start-up, then reading every input once
+(memory copies from the page cache, which take the cores the math needs, so they add up), then the math and the
+writing side by side (shards go to the device past the page cache, `io/direct.py`, while the next steps are
+merged), so whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
+measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs, exact
+from the plan) and the method's working memory: a few chunks' temporaries, or for the methods that hold whole
+tensors (`engine.holds_whole_tensors`) bytes per element of the step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import mergekit_lite
+from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter, read_at
+from mergekit_lite.merge import engine
+from mergekit_lite.merge.config import METHODS
+from mergekit_lite.merge.plan import MergePlan, plan_merge
+from mergekit_lite.merge.schema import config_from_dict
+
+RATES_FORMAT = 2  # bump when what calibrate measures changes: older entries are measured again
+CALIBRATION_SIZES = (1 << 20, 1 << 21)  # elements of the calibration tensors: two sizes split fixed from per-element
+# (both at least a reduction chunk, methods.CHUNK, whose float64 stacks are a fixed cost)
+IO_BYTES = 128 << 20  # enough that a shard's final sync is not most of the write
+TENSOR = "model.layers.0.mlp.up_proj.weight"
+# Calibration merges: the parameters a method needs beyond the defaults, and how many models (besides a base).
+CALIBRATION_MERGES = {
+    "linear": ({}, 2, False), "slerp": ({"t": 0.5}, 1, True), "nearswap": ({"t": 0.5}, 1, True),
+    "passthrough": ({"scale": 0.5}, 1, False), "nuslerp": ({}, 2, True), "multislerp": ({}, 2, True), "karcher": ({}, 2, False),
+    "model_stock": ({}, 2, True), "recall_lerp": ({"alpha": 0.5}, 1, True), "sce": ({}, 2, True),
+    "lines": ({"alpha": 0.5}, 1, True), "ema": ({"decay": 0.9}, 2, False),
+}
+# RECALL's merge is a per-layer linear combination; its measurement (forward passes over the texts) is not estimated
+SAME_MATH = {"recall": "linear", "recall_lerp": "linear"}
+
+
+@dataclass
+class Rates:
+    startup_s: float
+    startup_rss: int
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    math_ns_per_element: dict[str, float]
+    math_s_per_step: dict[str, float]
+    memory_bytes_per_element: dict[str, float]
+    memory_peak_bytes: dict[str, float]  # working memory at the larger calibration size
+    measured_at: str
+    load: float  # the 1-minute load average then: other jobs' threads slow the multi-threaded methods' rates
+
+
+@dataclass
+class Estimate:
+    method: str
+    wall_s: float
+    startup_s: float
+    read_s: float
+    math_s: float
+    write_s: float
+    peak_rss: int
+    ring_bytes: int
+    device: str = "cpu"
+
+    def describe(self, source: str) -> str:
+        note = "  (excludes RECALL's forward passes over the texts)" if self.method in SAME_MATH else ""
+        if self.device != "cpu":
+            note += f"  (math at this CPU's rates, not {self.device}'s)"
+        return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + read "
+                f"{self.read_s:.1f} + the longer of math {self.math_s:.1f} and write {self.write_s:.1f}), peak RSS "
+                f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB){note}\n"
+                f"  rates: {source} (--calibrate measures them again, best on an idle machine)")
+
+
+def cache_file() -> Path:
+    """rates.json in $MERGEKIT_LITE_CACHE, else ~/.cache/mergekit-lite (or under $XDG_CACHE_HOME)."""
+    folder = os.environ.get("MERGEKIT_LITE_CACHE")
+    if not folder:
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mergekit-lite"
+    return Path(folder) / "rates.json"
+
+
+def machine_key() -> str:
+    """Rates hold for one machine, its usable cores and torch threads, one torch and one mergekit-lite."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return (f"{platform.node()}|{cpu}|{len(os.sched_getaffinity(0))} cores|{torch.get_num_threads()} threads|"
+            f"torch {torch.__version__}|mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}")
+
+
+def load_rates(refresh: bool = False) -> tuple[Rates, str]:
+    """This machine's rates from the cache, measured (and cached) when missing or when `refresh`."""
+    path, key = cache_file(), machine_key()
+    cached = {}
+    if path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}  # an unreadable cache is measured again and rewritten
+    if not refresh and isinstance(cached, dict) and isinstance(cached.get(key), dict):
+        try:
+            rates = Rates(**cached[key])
+        except TypeError:
+            rates = None
+        if rates is not None and set(METHODS) <= set(rates.math_ns_per_element):  # a method added since: measure
+            return rates, f"{path}, {_when(rates)}"
+    rates = calibrate()
+    cached = {**(cached if isinstance(cached, dict) else {}), key: asdict(rates)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(cached, indent=1) + "\n")
+    except OSError as error:  # a cache that cannot be written costs a calibration per dry run, nothing else
+        return rates, f"{_when(rates)}, not cached ({error.strerror or error}: {error.filename or path})"
+    return rates, f"{path}, {_when(rates)}"
+
+
+def _when(rates: Rates) -> str:
+    return f"measured {rates.measured_at} at load {rates.load:.1f} on {len(os.sched_getaffinity(0))} cores"
+
+
+def estimate(plan: MergePlan, rates: Rates) -> Estimate:
+    """Wall time and peak RSS of running `plan` as a process on the machine `rates` were measured on."""
+    method = SAME_MATH.get(plan.config.method, plan.config.method)
+    merged = [step for step in plan.steps if step.action != "copy"]
+    input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
+    math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
+                 for step in merged)
+    ring = max((engine.input_bytes(plan, step) for step in plan.steps), default=0)
+    working = max((_working_memory(rates, method, step) for step in merged), default=0)
+    read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
+    return Estimate(plan.config.method, rates.startup_s + read_s + max(math_s, write_s), rates.startup_s, read_s,
+                    math_s, write_s, int(rates.startup_rss + ring + working), ring, plan.config.device)
+
+
+def _working_memory(rates: Rates, method: str, step) -> float:
+    """A step's memory beyond its inputs: the calibrated peak, and for the methods that hold whole tensors the
+    bytes per element measured between the two calibration sizes, for this step's size."""
+    peak = rates.memory_peak_bytes[method]
+    if not engine.holds_whole_tensors(method, step.parameters):
+        return peak
+    per_element = rates.memory_bytes_per_element[method]
+    return max(peak - per_element * CALIBRATION_SIZES[1], 0.0) + per_element * math.prod(step.shape)
+
+
+def calibrate() -> Rates:
+    """Measure this machine in a few seconds: start-up (a fresh interpreter importing the merge path), reading from
+    the page cache and writing a synced shard (128 MB, the engine's own reader and writer), and each method's math
+    and working memory (the engine's merge_tensor on bf16 tensors of two sizes)."""
+    with tempfile.TemporaryDirectory(prefix="mergekit-lite-calibrate-") as scratch:
+        folder = Path(scratch)
+        startup_s, startup_rss = _startup()
+        read_rate, write_rate = _io_rates(folder)
+        per_element, per_step, memory_per_element, memory_peak = {}, {}, {}, {}
+        for method in METHODS:
+            if method in SAME_MATH:
+                continue
+            timings, peaks = [], []
+            for size in CALIBRATION_SIZES:
+                seconds, peak = _merge_rates(method, size, folder / f"{method}-{size}")
+                timings.append(seconds)
+                peaks.append(peak)
+            (small, large), (low, high) = timings, peaks
+            # the larger merge's time per element (a difference of two noisy timings is noisier), the rest per step
+            per_element[method] = large / CALIBRATION_SIZES[1] * 1e9
+            per_step[method] = max(small - per_element[method] * CALIBRATION_SIZES[0] * 1e-9, 0.0)
+            memory_per_element[method] = max(high - low, 0) / (CALIBRATION_SIZES[1] - CALIBRATION_SIZES[0])
+            memory_peak[method] = high
+        for alias, method in SAME_MATH.items():
+            for table in (per_element, per_step, memory_per_element, memory_peak):
+                table[alias] = table[method]
+    return Rates(startup_s, startup_rss, read_rate, write_rate, per_element, per_step, memory_per_element,
+                 memory_peak, time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()[0])
+
+
+def _startup() -> tuple[float, int]:
+    """Wall time and RSS of a fresh interpreter that imports what a merge imports."""
+    script = ("import resource, mergekit_lite.merge.engine, cli.main; "
+              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    root = Path(mergekit_lite.__file__).resolve().parent.parent
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment,
+                            check=True)
+    return time.perf_counter() - started, int(result.stdout.split()[-1])
+
+
+def _io_rates(folder: Path) -> tuple[float, float]:
+    """Bytes per second written through the merge's ShardedWriter (synced, past the page cache where it can) and
+    read back with the engine's positioned reads (the page cache, as a merge of files just written reads them)."""
+    data = torch.randint(0, 256, (IO_BYTES,), dtype=torch.uint8)
+    planned = [PlannedTensor("calibration", (IO_BYTES,), torch.uint8)]
+    started = time.perf_counter()
+    with ShardedWriter(folder, planned, IO_BYTES * 2) as writer:
+        writer.write("calibration", data)
+        writer.close()
+    write_rate = IO_BYTES / (time.perf_counter() - started)
+    target = torch.empty(IO_BYTES, dtype=torch.uint8)
+    [written] = [path for path in folder.iterdir() if path.suffix == ".safetensors"]
+    with open(written, "rb") as handle:
+        read_at(handle, memoryview(target.numpy()), 0)  # once into the page cache, then timed
+        started = time.perf_counter()
+        read_at(handle, memoryview(target.numpy()), 0)
+    read_rate = IO_BYTES / (time.perf_counter() - started)
+    written.unlink()
+    return read_rate, write_rate
+
+
+def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int]:
+    """Seconds (best of three) and working memory (bytes above the resident set before it) of merging one
+    bf16 tensor of `size` elements with `method`'s default parameters."""
+    parameters, count, with_base = CALIBRATION_MERGES.get(method, ({}, 2, True))
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    shape = (size // 1024, 1024)
+    base = torch.randn(shape, generator=generator) * 0.02
+    paths = []
+    for index in range(count + 1):
+        tensor = base if index == 0 else base + torch.randn(shape, generator=generator) * 0.002
+        paths.append(folder / f"m{index}.safetensors")
+        save_file({TENSOR: tensor.to(torch.bfloat16)}, paths[-1])
+    models = [str(path) for path in (paths[1:] if with_base else paths[:count])]
+    config = config_from_dict({"method": method, "base": str(paths[0]) if with_base else None,
+                               "models": models, "parameters": parameters})
+    plan = plan_merge(config)
+    [step] = plan.steps
+    tensors = [source.load(name) for source, name in plan.inputs_of(step)]
+    out = torch.empty(step.shape, dtype=step.out_dtype)
+    seconds = []
+    for _ in range(3):
+        _release_freed_memory()
+        resident = _resident_bytes()
+        _reset_peak()
+        started = time.perf_counter()
+        engine.merge_tensor(config, step, tensors, out)
+        seconds.append(time.perf_counter() - started)
+        peak = _peak_bytes() - resident
+    return min(seconds), max(peak, 0)
+
+
+def _release_freed_memory() -> None:
+    """glibc hands freed heap back to the system, so the peak that follows is this merge's own."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _status(field: str) -> int:
+    """A size from /proc/self/status in bytes; 0 where there is none (not Linux): no working memory is measured."""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.is_file() else []:
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _resident_bytes() -> int:
+    return _status("VmRSS")
+
+
+def _peak_bytes() -> int:
+    return _status("VmHWM")
+
+
+def _reset_peak() -> None:
+    """Linux resets the process's peak RSS (VmHWM) to its current RSS on a 5 written to clear_refs."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
