@@ -130,3 +130,16 @@ def test_walker_sees_lazy_and_relative_imports(tmp_path):
     known = {"pkg", "pkg.a", "pkg.b", "pkg.c"}
     assert imported(package / "a.py", "pkg.a", known) == {"pkg.b"}
     assert imported(package / "b.py", "pkg.b", known) == {"pkg.a", "pkg.c"}
+
+
+def test_the_wheel_ships_every_package():
+    """pyproject's package list is what pip installs: every folder of ours with an `__init__.py` must be found
+    by it (a fixed list of top-level names once left the subpackages out of the wheel)."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_packages(str(ROOT), include=found["include"]))
+    ours = {module_name(path) for package in PACKAGES for path in (ROOT / package).rglob("__init__.py")}
+    assert ours and ours <= shipped, sorted(ours - shipped)

@@ -66,7 +66,7 @@ def test_every_sweep_setting_can_come_from_a_sweep_file_and_bad_vllm_args_fail_b
     from mergekit_lite.sweep import load_sweep_file
     from mergekit_lite.sweep.settings import SETTINGS_KEYS, SweepFile
 
-    assert set(SweepFile.model_fields) == set(SETTINGS_KEYS)
+    assert set(SweepFile.model_fields) == {*SETTINGS_KEYS, "methods"}  # methods: several sweeps (sweep.compare)
     config = tmp_path / "sweep.yaml"
     config.write_text("backend: vllm\nvllm-args: tensor_parallel_size=2,gpu_memory_utilization=0.85\n")
     assert load_sweep_file(config) == {"backend": "vllm", "vllm_args": "tensor_parallel_size=2,gpu_memory_utilization=0.85"}

@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import SampleOutcomes, aggregate, compare
@@ -286,6 +287,16 @@ def test_cli_sweeps_from_a_config_file_with_flag_overrides_and_saves_the_best(to
     provenance = yaml.safe_load((best / "mergekit_lite_config.yaml").read_text())
     assert provenance["parameters"]["alpha"] == results["pick"]["alpha"]
     assert list(best.glob("*.safetensors"))
+    # its model card (issue 25): the Hub's front matter naming both models, the pick and the report-split scores
+    card = (best / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["base_model"] == [Path(toy_pair.pre_dir).name, Path(toy_pair.post_dir).name]
+    assert front["base_model_relation"] == "merge" and "mergekit-lite" in front["tags"]
+    assert f"alpha = {results['pick']['alpha']:g}" in card
+    for point in (results["pre"], *results["points"]):
+        low, high = point["intervals"]["harmonic_mean"]
+        assert f"| {point['label']} | " in card and f"{point['harmonic_mean']:.4f} [{low:.4f}, {high:.4f}] |" in card
+    assert AutoModelForCausalLM.from_pretrained(best).config.num_hidden_layers > 0
 
 
 def test_ctrl_c_ends_a_sweep_at_once_leaving_only_whole_points(toy_pair, tmp_path):

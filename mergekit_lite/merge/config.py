@@ -91,6 +91,7 @@ RANGES = {
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
 EMBED_RULES = ("nearest", "average", "base", "reference")
+MEDIAN_BANDWIDTH = "median"  # RECALL's sigma from the reference's own samples at each layer
 TOKENIZER_SOURCES = ("base", "union")
 
 
@@ -232,8 +233,6 @@ class MergeConfig:
         if not self.slices:
             self._check_model_count()
         if self.method in RECALL_METHODS:
-            from mergekit_lite.merge.recall import check_bandwidth
-
             check_bandwidth(self.recall.bandwidth)
         if self.method in RECALL_METHODS and self.recall.embed_rule not in EMBED_RULES:
             raise InputError(f"recall embed_rule must be one of {', '.join(EMBED_RULES)}, got {self.recall.embed_rule!r}")
@@ -376,6 +375,14 @@ class MergeConfig:
 def uses_dare_masks(method: str) -> bool:
     recipe = TASK_VECTOR_METHODS.get(method)
     return recipe is not None and recipe.sparsifier == "random"
+
+
+def check_bandwidth(bandwidth) -> None:
+    """`median` or a positive number (a fixed sigma for every layer)."""
+    if bandwidth == MEDIAN_BANDWIDTH:
+        return
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
+        raise InputError(f"recall bandwidth must be {MEDIAN_BANDWIDTH!r} or a number > 0 (a fixed sigma), got {bandwidth!r}")
 
 
 def did_you_mean(word: str, choices) -> str:

@@ -42,14 +42,13 @@ import torch
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.validation import read_text, require_regular
+from mergekit_lite.merge.config import EMBED_RULES, MEDIAN_BANDWIDTH, check_bandwidth
 
 KMEANS_ITERATIONS = 30
 DEFAULT_TEMPERATURE = 1.0  # the plain softmax of Fig. 4, stage 3
-MEDIAN_BANDWIDTH = "median"
 UNIFORM_SPREAD = 0.01  # all similarities within this of 1: the weights are close to uniform at any temperature
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 TENSOR_PARTS = ("layer", "embed", "head")
-EMBED_RULES = ("nearest", "average", "base", "reference")
 
 
 def right_pad(token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,14 +181,6 @@ def rbf_similarity(x: torch.Tensor, y: torch.Tensor, sigma: float | None = None)
         raise InputError(f"RBF bandwidth sigma must be > 0, got {sigma}")
     squared = (x.to(torch.float64) - y.to(torch.float64)).pow(2).sum(dim=1)
     return float(torch.exp(-squared / (2 * sigma**2)).mean())
-
-
-def check_bandwidth(bandwidth) -> None:
-    """`median` or a positive number (a fixed sigma for every layer)."""
-    if bandwidth == MEDIAN_BANDWIDTH:
-        return
-    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
-        raise InputError(f"recall bandwidth must be {MEDIAN_BANDWIDTH!r} or a number > 0 (a fixed sigma), got {bandwidth!r}")
 
 
 def layer_similarities(

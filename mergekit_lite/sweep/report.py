@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mergekit_lite.evaluate.forgetting import format_table
+from mergekit_lite.io.model_card import selection_section
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.sweep.result import SweepResult
 from mergekit_lite.sweep.scoring import PointResult, task_accuracy
@@ -236,6 +237,15 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         forgetting_section(f"Forgetting map (report split): pre -> merge at alpha = {pick['alpha']!r}", result.best),
     ]
     return "\n".join(lines)
+
+
+def card_section(result: SweepResult) -> tuple[str, str]:
+    """The model card section of `--save-best`: the pick, and every model's report-split scores with intervals."""
+    shown = ("old", "new", "harmonic_mean")
+    scores = [{"label": point.label, **{name: getattr(point, name) for name in shown},
+               "intervals": {name: point.intervals[name] for name in shown if name in point.intervals}}
+              for point in (result.pre, result.post, *result.points)]
+    return selection_section(result.best.alpha, scores, result.indistinguishable)
 
 
 def _new_figure(size):

@@ -71,7 +71,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     """Evaluate pre, post and every alpha (resuming saved points), pick the best, write the report."""
     from tqdm import tqdm
 
-    from mergekit_lite.sweep.report import write_report
+    from mergekit_lite.sweep.report import card_section, write_report
 
     inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
     if settings.save_best:
@@ -145,7 +145,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
             best = configs(result.best.alpha)
             if settings.copy_files_from:
                 best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
-            run_merge(best, settings.save_best, progress=progress)
+            run_merge(best, settings.save_best, progress=progress, card_sections=[card_section(result)])
     return result
 
 
