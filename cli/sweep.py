@@ -66,6 +66,14 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--out", "-o", type=click.Path(file_okay=False), help="Run folder (created; reused to resume).")
 @click.option("--density", type=Number(), help="ties: share of the task vector kept by magnitude, in (0, 1].")
 @click.option("--drop", type=Number(), help="dare_*: drop probability of task-vector entries, in [0, 1).")
+@click.option("--beta", type=Number(), help="lines: the task vector's scale rises by beta from the first layer to the "
+              "last (default 1 - alpha).")
+@click.option("--betas", help="lines: a 2-D grid, alpha x beta (values as --alphas).")
+@click.option("--densities", help="ties, della, breadcrumbs, dare_*: a 2-D grid, lambda x density (values as --alphas).")
+@click.option("--drops", help="dare_*: a 2-D grid, lambda x drop (values as --alphas).")
+@click.option("--budget", type=click.IntRange(min=3), help="At most N full evaluations' worth of docs (pre and post "
+              "count 1 each, a probe its share of the docs): successive halving on probe docs, then the survivors "
+              "on every doc (see the README).")
 @click.option("--seed", type=int, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical texts, one per line.")
 @click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
@@ -109,7 +117,7 @@ def _flag_values(data: dict, **flags) -> dict:
 def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
           selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
-          backend, vllm_args, probe, quiet):
+          backend, vllm_args, probe, quiet, beta, betas, densities, drops, budget):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -129,7 +137,8 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
                         filter=filter_, choices=choices, aggregation=aggregation, selection=selection,
                         selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence,
                         ray=ray_address, search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype,
-                        backend=backend, vllm_args=vllm_args, probe=probe)
+                        backend=backend, vllm_args=vllm_args, probe=probe, beta=beta, betas=betas,
+                        densities=densities, drops=drops, budget=budget)
     listed = data.pop("methods", None)
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
     if len(methods) > 1 or baseline:
@@ -151,13 +160,14 @@ def summary(result) -> str:
     split = ("picked on the same docs (--selection none)" if result.settings.selection == "none" else
              f"picked on {result.settings.selection_fraction:.0%} of the docs, reported on the rest")
     probe = result.probe
+    second = f" {best.second[0]}={best.second[1]!r}" if best.second else ""
     probed = ([f"probe {len(probe.estimates)} alphas on {probe.samples_probed} of {probe.samples_all} docs each "
                f"(estimates in the report); indistinguishable from the pick by the estimates: "
                f"{', '.join(map(repr, probe.indistinguishable)) or 'none'}"] if probe else [])
     return "\n".join([
         f"pre   old {result.pre.old:.4f}  new {result.pre.new:.4f}",
         f"post  old {result.post.old:.4f}  new {result.post.new:.4f}",
-        f"best  alpha={best.alpha!r} ({result.settings.coefficient} of {result.settings.method})  "
+        f"best  alpha={best.alpha!r}{second} ({result.settings.coefficient} of {result.settings.method})  "
         f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}",
         f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}",
         "forgetting recovered "

@@ -24,9 +24,9 @@ from mergekit_lite.sweep.search import (
 from mergekit_lite.sweep.settings import SweepSettings
 from mergekit_lite.sweep.store import (
     PROBES_DIR,
-    alpha_label,
     load_points,
     point_file,
+    point_label,
     probe_identity,
     save_point,
 )
@@ -45,9 +45,9 @@ def golden_search(settings: SweepSettings, runs: dict[str, list[TaskRun]], evalu
     def at(index: int) -> PointResult:
         if index not in summaries:
             alpha = settings.alphas[index]
-            evaluate(alpha_label(alpha), alpha)
-            summaries[index] = summarise(alpha_label(alpha), alpha, runs[alpha_label(alpha)], baseline, splits,
-                                         settings.aggregation)
+            label = point_label(settings, alpha)
+            evaluate(label, alpha)
+            summaries[index] = summarise(label, alpha, runs[label], baseline, splits, settings.aggregation)
         return summaries[index]
 
     def indistinguishable(i: int, j: int) -> bool:
@@ -62,8 +62,9 @@ def golden_search(settings: SweepSettings, runs: dict[str, list[TaskRun]], evalu
 
 
 def probe_plans(settings: SweepSettings, runs: dict[str, list[TaskRun]],
-                splits: dict[str, tuple[list[str], list[str]]]) -> dict[str, ProbePlan]:
-    """Per scored task, on its selection docs: where pre and post disagree, plus a seeded share of the rest."""
+                splits: dict[str, tuple[list[str], list[str]]], rate: float | None = None) -> dict[str, ProbePlan]:
+    """Per scored task, on its selection docs: where pre and post disagree, plus a seeded share of the rest
+    (`rate`, by default --probe's)."""
     post = {run.task: run.outcomes for run in runs["post"]}
     plans = {}
     for run in runs["pre"]:
@@ -75,7 +76,7 @@ def probe_plans(settings: SweepSettings, runs: dict[str, list[TaskRun]],
                              "existed); use another --out")
         plans[run.task] = probe_plan({key: run.outcomes.correct[key] for key in keys},
                                      {key: post[run.task].correct[key] for key in keys if key in post[run.task].correct},
-                                     settings.probe, f"{settings.seed}:{run.task}")
+                                     rate or settings.probe, f"{settings.seed}:{run.task}")
     return plans
 
 
@@ -134,7 +135,7 @@ def run_probes(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskR
     def at(index: int) -> ProbeEstimate:
         if index not in estimates:
             alpha = settings.alphas[index]
-            label = alpha_label(alpha)
+            label = point_label(settings, alpha)
             if label not in saved:
                 scored = [on_pre_keys(run, samples[run.group][run.task], pre[run.task])
                           for run in probe(label, alpha, samples) if run.task in plans]

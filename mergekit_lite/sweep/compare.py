@@ -27,8 +27,10 @@ from mergekit_lite.sweep.scoring import PointResult, paired_bootstrap
 from mergekit_lite.sweep.settings import SweepSettings, settings_from_dict
 
 COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT = "comparison.json", "comparison.md", "pareto.png"
-METHOD_FIELDS = ("method", "density", "drop", "recall_texts", "recall_samples")  # what pre and post do not depend on
-PER_METHOD = ("alphas", "density", "drop")  # what each entry of `methods:` may set for its own sweep
+# what pre and post do not depend on ("grid": a 2-D method's second coefficient)
+METHOD_FIELDS = ("method", "density", "drop", "recall_texts", "recall_samples", "beta", "grid")
+# what each entry of `methods:` may set for its own sweep (a 2-D grid and its budget included)
+PER_METHOD = ("alphas", "density", "drop", "beta", "betas", "densities", "drops", "budget")
 
 
 @dataclass
@@ -111,13 +113,20 @@ def comparison_json(comparison: Comparison) -> dict:
         "pre": scores(comparison.pre),
         "post": scores(comparison.post),
         "methods": [{"method": row.method, "coefficient": comparison.sweeps[row.method].settings.coefficient,
-                     "pick": row.pick.alpha, **scores(row.pick), "diff_to_baseline": row.diff_to_baseline,
+                     "pick": row.pick.alpha, **({row.pick.second[0]: row.pick.second[1]} if row.pick.second else {}),
+                     **scores(row.pick), "diff_to_baseline": row.diff_to_baseline,
                      "indistinguishable_from_baseline": row.indistinguishable,
                      "pareto": comparison.sweeps[row.method].pareto,
-                     "points": [{"alpha": p.alpha, "old": p.old, "new": p.new}
+                     "points": [{"alpha": p.alpha, **({p.second[0]: p.second[1]} if p.second else {}),
+                                 "old": p.old, "new": p.new}
                                 for p in comparison.sweeps[row.method].points],
                      "report": f"{row.method}/report.md"} for row in comparison.rows],
     }
+
+
+def _chosen(pick: PointResult, coefficient: str) -> str:
+    """A method's pick in words: `lambda 0.5`, with a 2-D grid's second coefficient after it."""
+    return f"{coefficient} {pick.alpha!r}" + (f", {pick.second[0]} {pick.second[1]!r}" if pick.second else "")
 
 
 def _cell(value: float, interval: list[float] | None) -> str:
@@ -145,7 +154,7 @@ def comparison_markdown(comparison: Comparison, data: dict) -> str:
                    "better" if row.diff_to_baseline[0] > 0 else "worse")
         low_high = row.diff_to_baseline
         diff = "" if low_high is None else f"[{low_high[0]:+.3f}, {low_high[1]:+.3f}]"
-        lines.append(f"| [{row.method}]({entry['report']}) | {entry['coefficient']} {pick.alpha!r} | "
+        lines.append(f"| [{row.method}]({entry['report']}) | {_chosen(pick, entry['coefficient'])} | "
                      f"{_cell(pick.old, pick.intervals.get('old'))} | {_cell(pick.new, pick.intervals.get('new'))} | "
                      f"{_cell(pick.harmonic_mean, pick.intervals.get('harmonic_mean'))} | {diff} | {verdict} |")
     lines += ["", f"{comparison.evaluations} models evaluated by this run (pre and post once for every method).",
@@ -163,7 +172,7 @@ def plot_pareto(comparison: Comparison, path: Path) -> None:
     for index, (method, result) in enumerate(comparison.sweeps.items()):
         color = f"C{index % 10}"
         axes.scatter([p.old for p in result.points], [p.new for p in result.points], s=14, color=color, alpha=0.5)
-        front = sorted((p for p in result.points if p.alpha in result.pareto), key=lambda p: p.old)
+        front = sorted((p for p in result.points if p.key in result.pareto), key=lambda p: p.old)
         axes.plot([p.old for p in front], [p.new for p in front], "-", color=color, linewidth=1, label=method)
         axes.plot([result.best.old], [result.best.new], "*", color=color, markersize=14, markeredgecolor="black")
     axes.plot([comparison.pre.old], [comparison.pre.new], "s", color="black", label="pre")
@@ -192,7 +201,7 @@ def comparison_summary(comparison: Comparison) -> str:
         verdict = "" if row.method == comparison.baseline or row.diff_to_baseline is None else \
             f"  vs {comparison.baseline} [{row.diff_to_baseline[0]:+.3f}, {row.diff_to_baseline[1]:+.3f}]" + \
             (" indistinguishable" if row.indistinguishable else "")
-        lines.append(f"best {row.method:<16} ({comparison.sweeps[row.method].settings.coefficient} {pick.alpha!r})  "
+        lines.append(f"best {row.method:<16} ({_chosen(pick, comparison.sweeps[row.method].settings.coefficient)})  "
                      f"old {pick.old:.3f}  new {pick.new:.3f}  harmonic mean {pick.harmonic_mean:.3f}{verdict}")
     lines.append(f"evaluated {comparison.evaluations} models; comparison: {comparison.out / COMPARISON_MD}")
     return "\n".join(lines)

@@ -104,5 +104,5 @@ def evaluate_point(evaluator: PointEvaluator, settings: SweepSettings, label: st
         runs = evaluator.endpoint(0 if label == "pre" else 1)
     else:
         runs = evaluator.merged(config)
-    save_point(point_file(Path(settings.out), label), settings.identity(), label, alpha, runs)
+    save_point(point_file(Path(settings.out), label), settings.cell_identity(), label, alpha, runs)
     return runs

@@ -115,7 +115,8 @@ class ResidentPair:
     model's own (converted) parameters. TIES and DARE sparsify the task vector with per-tensor statistics
     that fused tensors would change: the sparsified vector is computed once on the on-disk tensors, at
     lambda 1 (it does not depend on lambda), and mapped to the parameters through transformers'
-    conversion; each point is then pre + lambda * vector, the engine's own formula.
+    conversion; each point is then pre + lambda * vector, the engine's own formula. A 2-D grid over density
+    or drop changes the vector: it is computed again when a point's other parameters differ from the held one's.
     """
 
     def __init__(self, loader: ModelLoader, settings: SweepSettings, sources, config: MergeConfig):
@@ -131,12 +132,13 @@ class ResidentPair:
         self.pre = {name: parameter.detach().clone() for name, parameter in self.parameters.items()}
         recipe = TASK_VECTOR_METHODS.get(settings.method)
         self.sparsified = recipe is not None and recipe.sparsifier is not None
+        self.loader, self.sources = loader, sources
         if self.sparsified:
-            held = loader.from_state(task_vector_state(config, sources), "the task vector post - pre")
+            self._hold_task_vector(config)
         else:
             held = post_model(loader, settings, sources)
-        self.held = {name: parameter.detach() for name, parameter in held.named_parameters()}
-        del held
+            self.held = {name: parameter.detach() for name, parameter in held.named_parameters()}
+            del held
         self.identical = {name for name in self.parameters
                           if not self.sparsified and torch.equal(self.pre[name], self.held[name])}
         self.layout = layout(sources[0].config)
@@ -147,6 +149,13 @@ class ResidentPair:
         """False for SLERP on a model whose parameters fuse on-disk tensors: its angle is per on-disk tensor,
         so such a sweep merges through a folder on disk instead."""
         return self.method != "slerp" or not converts_tensors(self.model)
+
+    def _hold_task_vector(self, config: MergeConfig) -> None:
+        """The sparsified task vector of `config` at lambda 1 (its density, drop and seed decide it)."""
+        self.held_for = _sparsifier_key(config)
+        self.held = {}  # the previous vector is freed before the next is built
+        held = self.loader.from_state(task_vector_state(config, self.sources), "the task vector post - pre")
+        self.held = {name: parameter.detach() for name, parameter in held.named_parameters()}
 
     def endpoint(self, index: int) -> bool:
         """Write pre (0) or post (1) into the model; False when post is not held (a task vector is)."""
@@ -167,6 +176,8 @@ class ResidentPair:
         )
 
         weights = load_recall_weights(config) if config.method in RECALL_METHODS else None
+        if self.sparsified and _sparsifier_key(config) != self.held_for:
+            self._hold_task_vector(config)
 
         def merged(name):
             pre, held = self.pre[name], self.held[name]
@@ -186,6 +197,11 @@ class ResidentPair:
         with torch.no_grad():
             for name, parameter in self.parameters.items():
                 parameter.copy_(tensor_for(name))
+
+
+def _sparsifier_key(config: MergeConfig) -> str:
+    """What a sparsified task vector depends on: the whole config but lambda."""
+    return json.dumps(config.with_parameter("lambda", 1.0).to_dict(), sort_keys=True, default=str)
 
 
 def post_model(loader: ModelLoader, settings: SweepSettings, sources):

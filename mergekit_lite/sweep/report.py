@@ -15,6 +15,8 @@ from pathlib import Path
 from mergekit_lite.evaluate.forgetting import format_table
 from mergekit_lite.io.model_card import selection_section
 from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.sweep.budget import budget_lines
+from mergekit_lite.sweep.grid import cell_key, cell_text, grid_json, grid_lines, plot_heatmap
 from mergekit_lite.sweep.result import SweepResult
 from mergekit_lite.sweep.scoring import PointResult, task_accuracy
 from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
@@ -28,6 +30,10 @@ ALPHA_MEANING = {
     "ties": "lambda, the scale of post's TIES-trimmed task vector added to pre",
     "dare_linear": "lambda, the scale of post's DARE-dropped task vector added to pre",
     "dare_ties": "lambda, the scale of post's DARE-dropped, sign-elected task vector added to pre",
+    "della": "lambda, the scale of post's DELLA-pruned (magnitude-ranked drop), sign-elected task vector added to pre",
+    "della_linear": "lambda, the scale of post's DELLA-pruned (magnitude-ranked drop) task vector added to pre",
+    "breadcrumbs": "lambda, the scale of post's task vector without its largest and smallest entries, added to pre",
+    "breadcrumbs_ties": "lambda, the scale of post's Breadcrumbs-trimmed, sign-elected task vector added to pre",
     "recall": "softmax temperature of RECALL's per-layer weights (low = each layer follows the closer model)",
     "recall_lerp": "global weight of post; layer l takes alpha ** (its drift / mean drift), flat drift = linear",
     "lines": "LiNeS: post's task vector scaled by alpha in the first layer, rising linearly to 1 in the last",
@@ -57,6 +63,7 @@ def point_json(point: PointResult, splits: dict[str, tuple[list[str], list[str]]
     return {
         "label": point.label,
         "alpha": point.alpha,
+        **({point.second[0]: point.second[1]} if point.second else {}),  # a 2-D grid's second coefficient
         "old": point.old,
         "new": point.new,
         "harmonic_mean": point.harmonic_mean,
@@ -90,16 +97,18 @@ def results_json(result: SweepResult) -> dict:
         "pre": point_json(result.pre, result.splits),
         "post": point_json(result.post, result.splits),
         "points": [point_json(point, result.splits) for point in result.points],
-        "pick": {"alpha": best.alpha, "old": best.old, "new": best.new, "harmonic_mean": best.harmonic_mean,
+        "pick": {"alpha": best.alpha, **({best.second[0]: best.second[1]} if best.second else {}),
+                 "old": best.old, "new": best.new, "harmonic_mean": best.harmonic_mean,
                  "selection_harmonic_mean": best.selection.harmonic_mean, "ties": result.ties,
                  "indistinguishable": result.indistinguishable},
         "pareto": result.pareto,
         "recovered": result.recovered,
         "search": {"method": settings.search,
                    "evaluated": ([settings.alphas[index] for index in result.search.evaluated] if result.search
-                                 else [point.alpha for point in result.points]),
+                                 else [point.key for point in result.points]),
                    "grid": settings.alphas, "stopped": result.search.reason if result.search else None},
         "probe": probe_json(result),
+        **{name: value for name, value in (("grid", grid_json(result)), ("budget", result.budget)) if value},
     }
 
 
@@ -156,12 +165,12 @@ def score_table(results: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---|",
              _row(results["pre"], "pre", ["reference"])]
     for point in results["points"]:
-        alpha = point["alpha"]
-        notes = ["pick"] if alpha == pick["alpha"] else []
-        notes += ["tie"] if alpha in pick["ties"] and alpha != pick["alpha"] else []
+        alpha = cell_key(point)
+        notes = ["pick"] if alpha == cell_key(pick) else []
+        notes += ["tie"] if alpha in pick["ties"] and alpha != cell_key(pick) else []
         notes += ["indistinguishable"] if alpha in pick["indistinguishable"] else []
         notes += ["pareto"] if alpha in pareto else []
-        lines.append(_row(point, repr(alpha), notes))
+        lines.append(_row(point, cell_text(point), notes))
     lines.append(_row(results["post"], "post", ["reference"]))
     return "\n".join(lines)
 
@@ -202,6 +211,7 @@ def report_markdown(result: SweepResult, results: dict) -> str:
     settings, pick = result.settings, results["pick"]
     recovered = results["recovered"]
     ties = ", ".join(map(repr, pick["ties"])) if len(pick["ties"]) > 1 else "none"
+    chosen = cell_text(pick, settings.coefficient) if settings.second else f"alpha = {pick['alpha']!r}"
     same = ", ".join(map(repr, pick["indistinguishable"])) or "none"
     lines = [
         f"# Sweep: {settings.method} between pre and post",
@@ -217,7 +227,7 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         "",
         score_table(results),
         "",
-        f"**Pick: alpha = {pick['alpha']!r}**, chosen on the selection split (harmonic mean "
+        f"**Pick: {chosen}**, chosen on the selection split (harmonic mean "
         f"{pick['selection_harmonic_mean']:.4f}); on the report split: old {pick['old']:.4f}, new {pick['new']:.4f}, "
         f"harmonic mean {pick['harmonic_mean']:.4f}. Ties: {ties}.",
         "",
@@ -229,12 +239,14 @@ def report_markdown(result: SweepResult, results: dict) -> str:
                                     "N/A (post did not lose old-task accuracy)"),
         "",
         *probe_lines(results),
+        *grid_lines(results),
+        *budget_lines(results),
         f"![sweep]({PLOT_FILE})",
         "",
         f"![forgetting map]({MAP_FILE})",
         "",
         forgetting_section("Forgetting map (report split): pre -> post", result.post),
-        forgetting_section(f"Forgetting map (report split): pre -> merge at alpha = {pick['alpha']!r}", result.best),
+        forgetting_section(f"Forgetting map (report split): pre -> merge at {chosen}", result.best),
     ]
     return "\n".join(lines)
 
@@ -245,7 +257,7 @@ def card_section(result: SweepResult) -> tuple[str, str]:
     scores = [{"label": point.label, **{name: getattr(point, name) for name in shown},
                "intervals": {name: point.intervals[name] for name in shown if name in point.intervals}}
               for point in (result.pre, result.post, *result.points)]
-    return selection_section(result.best.alpha, scores, result.indistinguishable)
+    return selection_section(result.best.alpha, scores, None if result.settings.second else result.indistinguishable)
 
 
 def _new_figure(size):
@@ -320,7 +332,8 @@ def layer_profile(result: SweepResult, folder: Path) -> str:
 
 def plot_forgetting_map(result: SweepResult, path: Path) -> None:
     """Heatmaps of F_true and BT_true (report split), tasks by model (post and every alpha), each cell labelled."""
-    models = [("post", result.post)] + [(f"{point.alpha:g}", point) for point in result.points]
+    models = [("post", result.post)] + [(f"{point.alpha:g}" + (f"/{point.second[1]:g}" if point.second else ""), point)
+                                        for point in result.points]
     tasks = [row.task for row in result.post.forgetting]
     group_of = {run.task: run.group for run in result.post.tasks}
     figure = _new_figure((2.2 + 0.75 * len(models) * 2, 1.4 + 0.45 * len(tasks)))
@@ -346,7 +359,8 @@ def write_report(result: SweepResult) -> None:
     """sweep.png, forgetting_map.png, results.json and report.md in the run folder, each replaced atomically, the
     plots first: a report that is written links no plot that failed to be."""
     folder = Path(result.out)
-    for draw, name in ((plot, PLOT_FILE), (plot_forgetting_map, MAP_FILE)):
+    curves = plot if result.settings.second is None else lambda result, path: plot_heatmap(result, path, _new_figure)
+    for draw, name in ((curves, PLOT_FILE), (plot_forgetting_map, MAP_FILE)):
         write_atomic(folder / name, lambda temp, draw=draw: draw(result, temp))
     results = results_json(result)
     write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")

@@ -26,7 +26,7 @@ def dominates(a: Scores, b: Scores) -> bool:
 
 def pareto_front(points: list[PointResult]) -> list[float]:
     """Alphas no other alpha beats on both old and new, on the selection split."""
-    return [p.alpha for p in points if not any(dominates(q.selection, p.selection) for q in points)]
+    return [p.key for p in points if not any(dominates(q.selection, p.selection) for q in points)]
 
 
 @dataclass
@@ -61,6 +61,8 @@ class SweepResult:
     skipped: dict[str, str] = field(default_factory=dict)
     search: SearchTrace | None = None  # the golden-section search's trace; None for a full grid
     probe: ProbeTrace | None = None  # probe mode's estimates; None when every point was scored in full
+    rows: list[dict] | None = None  # a 2-D grid: each row's search (golden / probe), as sweep.grid reports it
+    budget: dict | None = None  # --budget: the successive-halving rounds (sweep.budget)
 
     @property
     def recovered(self) -> float | None:
@@ -71,11 +73,11 @@ class SweepResult:
 
 
 def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
-    """The highest harmonic mean on the selection split, and every alpha within TIE_TOLERANCE of it;
-    ties go to the smallest alpha."""
+    """The highest harmonic mean on the selection split, and every point within TIE_TOLERANCE of it;
+    ties go to the first point (the smallest alpha; in a 2-D grid, the smallest second value, then alpha)."""
     top = max(p.selection.harmonic_mean for p in points)
     tied = [p for p in points if top - p.selection.harmonic_mean <= TIE_TOLERANCE]
-    return tied[0], [p.alpha for p in tied]
+    return tied[0], [p.key for p in tied]
 
 
 def add_intervals(result: SweepResult) -> None:
@@ -95,12 +97,14 @@ def add_intervals(result: SweepResult) -> None:
             model.intervals[name] = np.percentile(draws[:, index, position], [tail, 100 - tail]).tolist()
         difference = draws[:, index, 2] - draws[:, pick_index, 2]
         model.intervals["diff_to_pick"] = np.percentile(difference, [tail, 100 - tail]).tolist()
-    result.indistinguishable = [point.alpha for point in result.points if point is not result.best
+    result.indistinguishable = [point.key for point in result.points if point is not result.best
                                 and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]]
 
 
-def build_result(settings, folder, plan, runs, evaluated) -> SweepResult:
-    """Split every task's docs, summarise every model on both splits, pick on selection, bootstrap on report."""
+def build_result(settings, folder, plan, runs, evaluated,
+                 cells: dict[str, tuple[str, float]] | None = None) -> SweepResult:
+    """Split every task's docs, summarise every model on both splits, pick on selection, bootstrap on report;
+    `cells`: a 2-D grid's label -> (second coefficient, value)."""
     skipped = {run.task: f"{label}: {run.skipped}" for label, _ in plan for run in runs[label] if run.outcomes is None}
     runs = {label: [TaskRun(run.task, run.group, None, skipped[run.task]) if run.task in skipped else run
                     for run in runs[label]] for label, _ in plan}  # a task skipped for one model is for all
@@ -108,6 +112,9 @@ def build_result(settings, folder, plan, runs, evaluated) -> SweepResult:
     splits = doc_splits(settings, baseline)
     results = {label: summarise(label, alpha, runs[label], baseline, splits, settings.aggregation)
                for label, alpha in plan}
+    for label, second in (cells or {}).items():
+        if label in results:
+            results[label].second = second
     points = [results[label] for label, alpha in plan if alpha is not None]
     best, ties = pick(points)
     result = SweepResult(settings, results["pre"], results["post"], points, best, ties, pareto_front(points),

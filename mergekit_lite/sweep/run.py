@@ -13,7 +13,9 @@ from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import OUTPUT_MARKER, check_output_folder, check_run_folder, prepare_run_folder
 from mergekit_lite.merge.schema import config_from_dict
+from mergekit_lite.sweep import grid
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
+from mergekit_lite.sweep.budget import run_budget
 from mergekit_lite.sweep.compare import (
     COMPARISON_JSON,
     COMPARISON_MD,
@@ -24,7 +26,6 @@ from mergekit_lite.sweep.compare import (
     write_comparison,
 )
 from mergekit_lite.sweep.evaluator import MERGE_TEMP, PointEvaluator, evaluate_point
-from mergekit_lite.sweep.models import MergeConfigs
 from mergekit_lite.sweep.result import SweepResult, build_result
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
@@ -33,9 +34,9 @@ from mergekit_lite.sweep.store import (
     POINTS_DIR,
     PROBES_DIR,
     RECALL_DIR,
-    alpha_label,
     load_points,
     point_file,
+    point_label,
     run_lock,
     save_point,
 )
@@ -82,23 +83,28 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     folder = prepare_run_folder(settings.out, inputs, own=run_file)
     (folder / POINTS_DIR).mkdir(exist_ok=True)
     identity = settings.identity()
-    plan = [("pre", None), ("post", None)] + [(alpha_label(alpha), alpha) for alpha in settings.alphas]
+    rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
+    found = grid.cells(rows, folder)  # label -> cell (a 1-D sweep's labels: alpha=A)
+    plan = [("pre", None), ("post", None)] + [(label, cell.alpha) for label, cell in found.items()]
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
-    search = probed = None
+    search = probed = budget = None
+    traces = []  # each row's golden search or probe mode
     with run_lock(folder):
         runs = load_points(folder, identity)
         todo = [(label, alpha) for label, alpha in plan if label not in runs]
-        configs = MergeConfigs(settings, folder)
         evaluated = []
-        total = len(plan) + (1 if settings.probe is not None else 0)  # probe mode: every alpha, then the pick
+        probe_mode = settings.probe is not None and settings.budget is None
+        total = len(plan) + (len(rows) if probe_mode else 0)  # probe mode: every alpha, then each row's pick
         with tqdm(total=total * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
                   desc="sweep", disable=not progress) as bar:
             if settings.ray is not None and todo:
                 from mergekit_lite.sweep.distributed import run_points_on_ray
 
-                points = [(label, alpha, None if alpha is None else configs(alpha).to_dict()) for label, alpha in todo]
-                for _ in run_points_on_ray(settings, points, settings.ray):
-                    bar.update(n_tasks)
+                for index, row in enumerate(rows):  # each row saves its points under its own cell identity
+                    points = [(label, alpha, None if alpha is None else found[label].config().to_dict())
+                              for label, alpha in todo if (index == 0 if alpha is None else found[label].row is row)]
+                    for _ in run_points_on_ray(row, points, settings.ray) if points else ():
+                        bar.update(n_tasks)
                 runs.update(load_points(folder, identity))
                 evaluated = [label for label, _ in todo]
             else:
@@ -107,7 +113,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                 def point_evaluator() -> PointEvaluator:
                     nonlocal evaluator
                     interrupts.check()
-                    evaluator = evaluator or PointEvaluator(settings, folder, bar)
+                    evaluator = evaluator or PointEvaluator(rows[0], folder, bar)
                     return evaluator
 
                 def evaluate(label: str, alpha: float | None) -> None:
@@ -115,34 +121,49 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                         return
                     point = point_evaluator()
                     bar.set_postfix_str(label)
-                    runs[label] = evaluate_point(point, settings, label, alpha, None if alpha is None else configs(alpha))
+                    cell = found.get(label)
+                    runs[label] = evaluate_point(point, cell.row if cell else settings, label, alpha,
+                                                 cell and cell.config())
                     evaluated.append(label)
 
                 def probe(label: str, alpha: float, samples: dict) -> list[TaskRun]:
                     point = point_evaluator()
                     bar.set_postfix_str(f"{label} (probe)")
-                    return point.merged(configs(alpha), samples)
+                    return point.merged(found[label].config(), samples)
 
-                full_grid = settings.search == "grid" and settings.probe is None
+                full_grid = settings.search == "grid" and settings.probe is None and settings.budget is None
                 for label, alpha in plan if full_grid else plan[:2]:
                     evaluate(label, alpha)
-                if settings.probe is not None:
-                    probed, search = run_probes(settings, folder, runs, probe)
-                    evaluate(alpha_label(probed.pick), probed.pick)  # the pick, scored on every doc
-                    plan = plan[:2] + [(alpha_label(probed.pick), probed.pick)]
+                if settings.budget is not None:
+                    budget = run_budget(settings, found, folder, runs, probe, evaluate)
+                    plan = plan[:2] + [(label, found[label].alpha) for label in budget["full"]]
+                elif probe_mode:
+                    plan = plan[:2]
+                    for row in rows:
+                        probed, search = run_probes(row, folder, runs, probe)
+                        label = point_label(row, probed.pick)
+                        evaluate(label, probed.pick)  # the row's pick, scored on every doc
+                        plan.append((label, probed.pick))
+                        traces.append(grid.row_trace(row, search, probed))
                 elif settings.search == "golden":
-                    search = golden_search(settings, runs, evaluate)
-                    bar.total = (len(search.evaluated) + 2) * n_tasks
+                    for row in rows:
+                        search = golden_search(row, runs, evaluate)
+                        traces.append(grid.row_trace(row, search, None))
+                    bar.total = (sum(len(trace["evaluated"]) for trace in traces) + 2) * n_tasks
                     bar.refresh()
         plan = [(label, alpha) for label, alpha in plan if label in runs]
-        result = build_result(settings, folder, plan, runs, evaluated)
-        result.search, result.probe = search, probed
+        result = build_result(settings, folder, plan, runs, evaluated, grid.seconds(found))
+        if settings.second is None:
+            result.search, result.probe = search, probed
+        else:
+            result.rows = traces or None
+        result.budget = budget
         write_report(result)
         if settings.save_best:
             from mergekit_lite.audited import run_merge
 
             check_output_folder(settings.save_best, inputs)
-            best = configs(result.best.alpha)
+            best = found[result.best.label].config()
             if settings.copy_files_from:
                 best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
             run_merge(best, settings.save_best, progress=progress, card_sections=[card_section(result)])

@@ -90,6 +90,12 @@ class PointResult:
     forgetting: list[TaskForgetting] = field(default_factory=list)
     groups: dict[str, GroupForgetting] = field(default_factory=dict)
     intervals: dict[str, list[float]] = field(default_factory=dict)  # name -> [low, high]
+    second: tuple[str, float] | None = None  # a 2-D grid's cell: (the second coefficient, its value)
+
+    @property
+    def key(self) -> float | tuple[float, float] | None:
+        """What names this point in picks, ties and fronts: alpha, or (alpha, second value) in a 2-D grid."""
+        return self.alpha if self.second is None else (self.alpha, self.second[1])
 
     @property
     def old(self) -> float:

@@ -16,7 +16,7 @@ from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_op
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, Scoring
 from mergekit_lite.io.layout import content_identity
 from mergekit_lite.io.validation import read_yaml, require_regular, validate
-from mergekit_lite.merge.config import DTYPES, MAIN_COEFFICIENT, METHODS, RECALL_METHODS, MergeConfig
+from mergekit_lite.merge.config import DTYPES, MAIN_COEFFICIENT, METHOD_PARAMETERS, METHODS, RECALL_METHODS, MergeConfig
 from mergekit_lite.merge.schema import config_from_dict
 
 IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
@@ -25,39 +25,42 @@ IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_p
 SEARCHES = ("grid", "golden")
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
+# a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
+SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
+OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget")  # settings written out only when given
 
 
-def parse_alphas(spec) -> list[float]:
+def parse_alphas(spec, name: str = "alphas") -> list[float]:
     """A grid from "START:STOP:STEP" (STOP included), "a,b,c", a number or a list of numbers; sorted, unique."""
     if isinstance(spec, (list, tuple)):
-        values = [_number(value) for value in spec]
+        values = [_number(value, name) for value in spec]
     elif isinstance(spec, str) and ":" in spec:
-        values = _alpha_range(spec)
+        values = _alpha_range(spec, name)
     elif isinstance(spec, str):
-        values = [_number(part) for part in spec.split(",") if part.strip()]
+        values = [_number(part, name) for part in spec.split(",") if part.strip()]
     else:
-        values = [_number(spec)]
+        values = [_number(spec, name)]
     if not values:
-        raise InputError("alphas: no values (give START:STOP:STEP or a comma list)")
+        raise InputError(f"{name}: no values (give START:STOP:STEP or a comma list)")
     return sorted(set(values))
 
 
-def _number(value) -> float:
+def _number(value, name: str = "alphas") -> float:
     if isinstance(value, bool):
-        raise InputError(f"alphas: {value!r} is not a number")
+        raise InputError(f"{name}: {value!r} is not a number")
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise InputError(f"alphas: {str(value).strip()!r} is not a number") from None
+        raise InputError(f"{name}: {str(value).strip()!r} is not a number") from None
     if not math.isfinite(number):
-        raise InputError(f"alphas: {number} is not a finite number")
+        raise InputError(f"{name}: {number} is not a finite number")
     return number
 
 
 MAX_ALPHA_POINTS = 500
 
 
-def _alpha_range(spec: str) -> list[float]:
+def _alpha_range(spec: str, name: str = "alphas") -> list[float]:
     """Inclusive range; values are rounded to 12 digits so 0:1:0.1 gives 0.3, not 0.30000000000000004.
 
     The number of points is computed before the grid is built and capped at MAX_ALPHA_POINTS: every point
@@ -65,13 +68,13 @@ def _alpha_range(spec: str) -> list[float]:
     (0:1:1e-12 would not finish building its list, let alone its sweep)."""
     parts = spec.split(":")
     if len(parts) != 3:
-        raise InputError(f"alphas: {spec!r} is not START:STOP:STEP")
-    start, stop, step = map(_number, parts)
+        raise InputError(f"{name}: {spec!r} is not START:STOP:STEP")
+    start, stop, step = (_number(part, name) for part in parts)
     if step <= 0 or stop < start:
-        raise InputError(f"alphas: {spec!r} needs STEP > 0 and START <= STOP")
+        raise InputError(f"{name}: {spec!r} needs STEP > 0 and START <= STOP")
     steps = (stop - start) / step + 1e-9  # may be inf for a subnormal STEP
     if not steps < MAX_ALPHA_POINTS:
-        raise InputError(f"alphas: {spec!r} is a grid of {steps + 1:,.0f} points; at most {MAX_ALPHA_POINTS} "
+        raise InputError(f"{name}: {spec!r} is a grid of {steps + 1:,.0f} points; at most {MAX_ALPHA_POINTS} "
                          "(each point is a merge and an evaluation), use a larger STEP")
     return [round(start + index * step, 12) for index in range(math.floor(steps) + 1)]
 
@@ -112,6 +115,12 @@ class SweepSettings:
     backend: str = "hf"  # hf: in-memory transformers model; vllm: lm-eval's vLLM backend on a merged folder
     vllm_args: str | None = None  # lm-eval model_args for vllm, e.g. tensor_parallel_size=2,gpu_memory_utilization=0.8
     probe: float | None = None  # probe mode: share of the samples pre and post agree on that every alpha is scored on
+    beta: float | None = None  # lines: the task vector's rise from the first layer to the last (default 1 - alpha)
+    # a 2-D grid (sweep.grid): at most one of these, the second coefficient's values beside alpha
+    betas: list[float] | None = None
+    densities: list[float] | None = None
+    drops: list[float] | None = None
+    budget: int | None = None  # sweep.budget: at most this many full evaluations' worth of scored docs
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -125,6 +134,7 @@ class SweepSettings:
 
     def __post_init__(self):
         self.alphas = parse_alphas(self.alphas)
+        self._check_grid()
         self.old_tasks, self.new_tasks = parse_tasks(self.old_tasks), parse_tasks(self.new_tasks)
         self.metric, self.filter, self.choices = (_spec_list(getattr(self, name))
                                                   for name in ("metric", "filter", "choices"))
@@ -175,8 +185,36 @@ class SweepSettings:
         self.eval_dtype = DTYPES[dtype]
         if self.method in RECALL_METHODS and not self.recall_texts:
             raise InputError(f"a {self.method} sweep needs typical samples: --recall-texts (one text per line)")
-        for alpha in self.alphas:
-            self.merge_config(alpha)  # every point's merge is valid before any model is read
+        for value in self.second_values() or [None]:
+            for alpha in self.alphas:
+                self.merge_config(alpha, cell=value)  # every point's merge is valid before any model is read
+
+    def _check_grid(self) -> None:
+        """At most one second coefficient, one the method takes; the budget a whole number, only where it decides."""
+        given = [name for name in SECOND_AXES if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InputError(f"sweep one second coefficient at a time (got {' and '.join(given)})")
+        for name in given:
+            setattr(self, name, parse_alphas(getattr(self, name), name))
+            if SECOND_AXES[name] not in METHOD_PARAMETERS.get(self.method, ()):
+                raise InputError(f"{name}: method {self.method!r} has no {SECOND_AXES[name]} to sweep")
+            if len(self.alphas) * len(getattr(self, name)) > MAX_ALPHA_POINTS:
+                raise InputError(f"alphas x {name}: {len(self.alphas)} x {len(getattr(self, name))} points; at most "
+                                 f"{MAX_ALPHA_POINTS} (each point is a merge and an evaluation)")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 3:
+                raise InputError(f"budget must be a whole number >= 3 (pre, post and one merge), got {self.budget!r}")
+            if self.search == "golden" or self.ray is not None:
+                raise InputError("--budget chooses which points to evaluate itself: run it without --search golden "
+                                 "and --ray")
+
+    @property
+    def second(self) -> str | None:
+        """The second coefficient of a 2-D grid (beta, density or drop); None for a 1-D sweep."""
+        return next((SECOND_AXES[name] for name in SECOND_AXES if getattr(self, name) is not None), None)
+
+    def second_values(self) -> list[float] | None:
+        return next((getattr(self, name) for name in SECOND_AXES if getattr(self, name) is not None), None)
 
     def vllm_options(self) -> VllmOptions:
         return parse_vllm_options(self.vllm_args)
@@ -189,10 +227,14 @@ class SweepSettings:
         """The merge parameter alpha stands for with this method."""
         return MAIN_COEFFICIENT[self.method]
 
-    def merge_config(self, alpha: float, recall_weights_file: str | None = None) -> MergeConfig:
-        """The merge at one point: pre is the base (input 0), post the one model, alpha the main coefficient."""
-        parameters = {name: value for name, value in (("density", self.density), ("drop", self.drop),
-                                                      (self.coefficient, alpha)) if value is not None}
+    def merge_config(self, alpha: float, recall_weights_file: str | None = None,
+                     cell: float | None = None) -> MergeConfig:
+        """The merge at one point: pre is the base (input 0), post the one model, alpha the main coefficient;
+        `cell`, in a 2-D grid, the second coefficient's value (else this settings' own)."""
+        fixed = {"density": self.density, "drop": self.drop, "beta": self.beta}
+        if self.second is not None:
+            fixed[self.second] = getattr(self, self.second) if cell is None else cell
+        parameters = {name: value for name, value in (*fixed.items(), (self.coefficient, alpha)) if value is not None}
         data = {"method": self.method, "base": self.pre, "models": [self.post], "parameters": parameters,
                 "seed": self.seed, "device": self.device if self.device.startswith("cuda") else "cpu",
                 "recall": {"texts": self.recall_texts, "samples": self.recall_samples,
@@ -202,12 +244,24 @@ class SweepSettings:
     def identity(self) -> dict:
         """What a saved point depends on; paths absolute so `pre/` and `./pre` are the same model."""
         identity = {name: getattr(self, name) for name in IDENTITY_FIELDS}
+        if self.beta is not None:
+            identity["beta"] = self.beta
+        if self.second is not None:  # a 2-D grid's points: the second coefficient is in each point's label
+            identity.pop(self.second, None)
+            identity["grid"] = self.second
         for name in PATH_FIELDS:
             if identity[name] is not None:
                 identity[name] = str(Path(identity[name]).resolve())
         # the same path may hold other weights later (re-trained, re-downloaded): points of the old ones must not
         # be reused, so the models' content is part of what a point depends on
         identity["pre_content"], identity["post_content"] = content_identity(self.pre), content_identity(self.post)
+        return identity
+
+    def cell_identity(self) -> dict:
+        """A saved point's identity: the sweep's, plus, in a row of a 2-D grid, the row's second coefficient."""
+        identity = self.identity()
+        if self.second is not None:
+            identity[self.second] = getattr(self, self.second)
         return identity
 
     def check_inputs(self) -> None:
@@ -221,7 +275,8 @@ class SweepSettings:
                 require_regular(Path(root) / name, "task file")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every setting; those of 2-D grids and budgets only when given (a 1-D sweep's results.json is unchanged)."""
+        return {name: value for name, value in asdict(self).items() if value is not None or name not in OPTIONAL_KEYS}
 
 
 SETTINGS_KEYS = tuple(SweepSettings.__dataclass_fields__)
@@ -276,8 +331,13 @@ class SweepFile(BaseModel):
     backend: str | None = None
     vllm_args: str | None = None
     probe: float | None = Field(None, gt=0, le=1)
+    beta: float | None = None
+    betas: str | float | list[float] | None = None
+    densities: str | float | list[float] | None = None
+    drops: str | float | list[float] | None = None
+    budget: int | None = Field(None, ge=3)
     # several methods compared in one run (sweep.compare): names, or {method: NAME, alphas/density/drop: ...}
-    methods: list[str | dict[str, str | float | list[float]]] | None = Field(None, min_length=1)
+    methods: list[str | dict[str, str | int | float | list[float]]] | None = Field(None, min_length=1)
 
 
 def load_sweep_file(path: str | Path) -> dict:

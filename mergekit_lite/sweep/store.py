@@ -34,6 +34,13 @@ def alpha_label(alpha: float) -> str:
     return f"alpha={alpha!r}"
 
 
+def point_label(settings: SweepSettings, alpha: float) -> str:
+    """A point's label: `alpha=A`, and in a row of a 2-D grid `alpha=A,density=D` (a 1-D sweep's labels and file
+    names are those of every sweep before 2-D grids, so old run folders resume)."""
+    second = settings.second
+    return alpha_label(alpha) + (f",{second}={getattr(settings, second)!r}" if second else "")
+
+
 class SavedTask(BaseModel):
     """One task of a saved point, as `TaskRun.to_json` writes it: per-sample outcomes, or why it was skipped."""
 
