@@ -41,6 +41,9 @@ Examples:
 \b
   # several methods in one run folder, pre and post evaluated once; comparison.md against --baseline
   mergekit-lite sweep examples/sweep.yaml --method linear,task_arithmetic,ties,lines --out runs/compare
+\b
+  # two coefficients: every lambda x density cell (heat map in the report); --budget: successive halving
+  mergekit-lite sweep examples/sweep.yaml --method ties --densities 0.1:0.9:0.2 --budget 20 --out runs/ties-2d
 """
 
 
@@ -173,5 +176,8 @@ def summary(result) -> str:
         "forgetting recovered "
         + (f"{recovered:.1%}" if recovered is not None else "N/A (post lost no old-task accuracy)"),
         *probed,
+        *([f"budget {result.budget['budget']}: cost {result.budget['cost']:.2f} full evaluations, "
+           f"{len(result.budget['rounds'])} probe rounds, {len(result.budget['full'])} points on every doc"]
+          if result.budget else []),
         f"evaluated {len(result.evaluated)} models, resumed {resumed}; report: {result.out / 'report.md'}",
     ])

@@ -4,7 +4,10 @@ counted from the files the run wrote, and a report for every method a sweep acce
 
 import copy
 import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,7 @@ from mergekit_lite.sweep.store import POINTS_DIR, PROBES_DIR, alpha_label, point
 
 ALPHAS = [0.0, 0.5, 1.0]
 DENSITIES = [0.3, 0.9]
+CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
 
 def settings_for(pair, out, **changes) -> SweepSettings:
@@ -181,3 +185,23 @@ def test_every_sweepable_method_gets_a_report(ties_grid, method):
     results = results_json(result)
     assert results["alpha_means"] and results["coefficient"] == MAIN_COEFFICIENT[method]
     assert f"# Sweep: {method} between pre and post" in report_markdown(result, results)
+
+
+def test_cli_takes_the_grid_from_flags_and_the_yaml(toy_pair, ties_grid, tmp_path):
+    """--densities on the command line, `densities:` in a YAML file: the same grid, resumed from its folder."""
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"pre: {toy_pair.pre_dir}\npost: {toy_pair.post_dir}\nmethod: ties\nalphas: [0.0, 0.5, 1.0]\n"
+                      f"densities: [0.3, 0.9]\nold-tasks: {','.join(toy_pair.old_tasks)}\n"
+                      f"new-tasks: {','.join(toy_pair.new_tasks)}\ninclude-path: {toy_pair.task_dir}\n")
+    best = f"best  alpha={ties_grid.best.alpha!r} density={ties_grid.best.second[1]!r} (lambda of ties)"
+    for args in ([str(config)], ["--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--method", "ties",
+                                 "--alphas", "0,0.5,1", "--densities", "0.3,0.9", "--include-path", toy_pair.task_dir,
+                                 "--old-tasks", ",".join(toy_pair.old_tasks), "--new-tasks",
+                                 ",".join(toy_pair.new_tasks)]):
+        done = subprocess.run([CLI, "sweep", *args, "--out", str(ties_grid.out), "-q"], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert best in done.stdout and "evaluated 0 models" in done.stdout
+    done = subprocess.run([CLI, "sweep", str(config), "--drops", "0.1", "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: sweep one second")

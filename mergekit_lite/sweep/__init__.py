@@ -17,14 +17,15 @@ the scale of post's task vector (post - pre) added to pre; recall -> the softmax
 layer weights; recall_lerp -> the global weight of post its per-layer profile centres on (for both, the
 similarities are computed once per sweep).
 
-One concern per module, imports pointing down this list only:
-`search` (pure: golden-section search on indices, probe plans and their estimator), `settings` (SweepSettings,
-the sweep file), `scoring` (per-task outcomes, splits, group scores, bootstrap), `result` (SweepResult, the
-pick, Pareto front, intervals), `store` (the run folder: point files, identities, lock), `models` (merge config
-per alpha, model loading, the resident pair), `evaluator` (one point evaluated and saved), `adaptive` (golden
-search and probe mode), `report` and `distributed` (read results, run evaluators on Ray), `compare` (several
-methods' picks against a baseline's: comparison.json/.md, pareto.png), `run` (run_sweep and run_comparison,
-the orchestration; nothing imports it but this package's entry point and its callers).
+One concern per module, imports pointing down this list only: `search` (pure: golden-section search on indices,
+probe plans and their estimator), `settings` (SweepSettings, the sweep file), `scoring` (per-task outcomes,
+splits, group scores, bootstrap), `result` (SweepResult, the pick, Pareto front, intervals), `store` (the run
+folder: point files, identities, lock), `models` (merge config per alpha, model loading, the resident pair),
+`evaluator` (one point evaluated and saved), `adaptive` (golden search and probe mode), `grid` (2-D grids: one row
+per value of a second coefficient, the heat map), `budget` (--budget: successive halving on probe docs), `report`
+and `distributed` (read results, run evaluators on Ray), `compare` (several methods' picks against a baseline's:
+comparison.json/.md, pareto.png), `run` (run_sweep and run_comparison, the orchestration; nothing imports it but
+this package's entry point and its callers).
 """
 
 from mergekit_lite.sweep.compare import Comparison, method_settings
