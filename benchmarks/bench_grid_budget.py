@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/work/grid")
     parser.add_argument("--alphas", default="0:1:0.1")
-    parser.add_argument("--budget", type=int, default=20)
+    parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--probe", type=float, default=0.1)
     parser.add_argument("--pairs", default=",".join(PAIRS))
     parser.add_argument("--grids", default=",".join(GRIDS))
