@@ -13,7 +13,7 @@ import pytest
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.config import MAIN_COEFFICIENT
-from mergekit_lite.sweep import SweepSettings, method_settings, run_sweep
+from mergekit_lite.sweep import SweepSettings, method_settings, run_comparison, run_sweep
 from mergekit_lite.sweep.budget import halving_plan
 from mergekit_lite.sweep.report import report_markdown, results_json
 from mergekit_lite.sweep.settings import IDENTITY_FIELDS
@@ -101,9 +101,19 @@ def test_the_resident_grid_equals_streamed_one_dimensional_sweeps(toy_pair, ties
             assert [run.outcomes.correct for run in mine.tasks] == [run.outcomes.correct for run in theirs.tasks]
 
 
-def test_a_rerun_resumes_every_cell(toy_pair, ties_grid):
-    again = run_sweep(settings_for(toy_pair, ties_grid.out, densities=DENSITIES))
+def test_a_rerun_resumes_every_cell_and_saves_the_picked_cell(toy_pair, ties_grid, tmp_path):
+    again = run_sweep(settings_for(toy_pair, ties_grid.out, densities=DENSITIES, save_best=str(tmp_path / "best")))
     assert again.evaluated == [] and again.best.key == ties_grid.best.key
+    from safetensors.torch import load_file
+
+    from mergekit_lite.audited import merge_state_dict
+
+    alpha, density = again.best.key
+    expected = merge_state_dict(settings_for(toy_pair, tmp_path / "x", density=density).merge_config(alpha))
+    saved = {}
+    for shard in (tmp_path / "best").glob("*.safetensors"):
+        saved.update(load_file(shard))
+    assert saved.keys() == expected.keys() and all(saved[name].equal(expected[name]) for name in saved)
 
 
 def test_golden_and_probe_run_along_alpha_in_each_row(toy_pair, tmp_path):
@@ -171,6 +181,12 @@ def test_a_comparison_entry_may_be_a_grid(toy_pair, tmp_path):
             "new_tasks": toy_pair.new_tasks, "include_path": toy_pair.task_dir, "out": str(tmp_path / "run")}
     linear, lines = method_settings(data, ["linear", {"method": "lines", "betas": [0.0, 0.5]}])
     assert linear.second is None and lines.second == "beta" and lines.betas == [0.0, 0.5]
+    comparison = run_comparison([linear, lines])
+    assert comparison.evaluations == 2 + len(ALPHAS) * 3  # linear's alphas, lines' alphas x 2 betas
+    pick = comparison.sweeps["lines"].best
+    entry = json.loads((comparison.out / "comparison.json").read_text())["methods"][1]
+    assert (entry["pick"], entry["beta"]) == (pick.alpha, pick.second[1]) and len(entry["points"]) == 6
+    assert f"alpha {pick.alpha!r}, beta {pick.second[1]!r}" in (comparison.out / "comparison.md").read_text()
     with pytest.raises(InputError, match="no drop"):
         method_settings(data, [{"method": "ties", "drops": [0.1]}])
 
