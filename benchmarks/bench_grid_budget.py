@@ -53,7 +53,8 @@ def main() -> None:
             method = options.pop("method")
             runs = {}
             for kind, extra in (("full", {}), ("budget", {"budget": args.budget, "probe": args.probe})):
-                settings = method_settings({**shared, **options, **extra, "out": str(folder / grid / kind)}, [method])[0]
+                data = {**shared, **options, **extra, "out": str(folder / grid / kind)}
+                settings = method_settings(data, [method])[0]
                 start = time.perf_counter()
                 result = run_sweep(settings)
                 runs[kind] = (result, time.perf_counter() - start)

@@ -72,7 +72,8 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--beta", type=Number(), help="lines: the task vector's scale rises by beta from the first layer to the "
               "last (default 1 - alpha).")
 @click.option("--betas", help="lines: a 2-D grid, alpha x beta (values as --alphas).")
-@click.option("--densities", help="ties, della, breadcrumbs, dare_*: a 2-D grid, lambda x density (values as --alphas).")
+@click.option("--densities", help="ties, della, breadcrumbs, dare_*: a 2-D grid, lambda x density "
+              "(values as --alphas).")
 @click.option("--drops", help="dare_*: a 2-D grid, lambda x drop (values as --alphas).")
 @click.option("--budget", type=click.IntRange(min=3), help="At most N full evaluations' worth of docs (pre and post "
               "count 1 each, a probe its share of the docs): successive halving on probe docs, then the survivors "
