@@ -5,15 +5,14 @@ of one training run). Expected values are read from the raw jsonl lines here, no
 
 import json
 import shutil
-from itertools import product
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from mergekit_lite.evaluate.forgetting import SampleOutcomes, SampleText, Scoring, load_lm_eval_run, sample_text
-from mergekit_lite.evaluate.trajectory import heatmap_values, pick_category, pick_examples, pick_rows, trajectory
+from mergekit_lite.evaluate.forgetting import SampleText, Scoring, load_lm_eval_run, sample_text
+from mergekit_lite.evaluate.trajectory import heatmap_values, trajectory
 
 FILTER = "flexible-extract"
 GROUPS = ["--group", "old=toy_old,norm_old,gen_old,genmc_old", "--group", "new=toy_new,gen_new"]
@@ -265,28 +264,3 @@ def test_outputs_are_new_files_apart_from_the_inputs(lm_eval_runs, tmp_path):
 def test_one_input_is_not_a_comparison(lm_eval_runs):
     result = run_cli(lm_eval_runs.pre)
     assert result.exit_code == 2 and "forgetting needs at least two lm-eval outputs" in result.stderr
-
-
-def test_pick_categories_of_every_transition():
-    """pre, post, merge -> category: what post forgot and the merge won back or not, and what the merge lost of post's."""
-    expected = {(1, 0, 1): "recovered", (1, 0, 0): "still_lost", (1, 1, 0): "newly_lost", (0, 1, 0): "newly_lost"}
-    for scores in product((0, 1), repeat=3):
-        assert pick_category(*map(bool, scores)) == expected.get(scores), scores
-
-
-def test_pick_rows_and_examples_name_the_samples():
-    keys = ["a", "b", "c", "d"]
-    texts = {key: SampleText(f"Q {key}?", " yes", " yes", " yes", key) for key in keys}
-
-    def model(*scores):
-        return SampleOutcomes("t", dict(zip(keys, map(bool, scores))), 2, "acc", doc_ids={k: i for i, k in enumerate(keys)},
-                              texts=texts)
-
-    rows = pick_rows({"t": model(1, 1, 1, 0)}, {"t": model(0, 0, 1, 0)}, {"t": model(1, 0, 0, 0)},
-                     {"t": (["a"], ["b", "c", "d"])})
-    assert [(row["doc_id"], row["category"], row["split"]) for row in rows] == [
-        (0, "recovered", "selection"), (1, "still_lost", "report"), (2, "newly_lost", "report"), (3, None, "report")]
-    assert rows[1]["scores"] == [1, 0, 0] and rows[1]["prompt"] == "Q b?" and "seed" not in rows[1]
-    text = "\n".join(pick_examples(rows))
-    assert "### recovered: 0" in text  # doc a is on the selection split: the report shows the report split
-    assert "### still lost: 1" in text and '`t` doc 1: "Q b?" -> gold " yes"' in text

@@ -90,63 +90,6 @@ def sample_row(outcomes: Sequence[SampleOutcomes], key: str, seed: str) -> dict:
     }
 
 
-# What a merge does to the samples post-training forgot [ours]: pre, post and the merge (a sweep's pick).
-PICK_CATEGORIES = {
-    "recovered": "forgotten by post, recovered by the merge (pre 1, post 0, merge 1)",
-    "still_lost": "forgotten by post, still lost by the merge (pre 1, post 0, merge 0)",
-    "newly_lost": "right in post, lost by the merge (post 1, merge 0)",
-}
-
-
-def pick_category(pre: bool, post: bool, merge: bool) -> str | None:
-    """Which of PICK_CATEGORIES a sample falls in, None for the others (kept by both, never right, ...)."""
-    if pre and not post:
-        return "recovered" if merge else "still_lost"
-    return "newly_lost" if post and not merge else None
-
-
-def pick_rows(pre: dict[str, SampleOutcomes], post: dict[str, SampleOutcomes],
-              merge: dict[str, SampleOutcomes], splits: dict[str, tuple[list[str], list[str]]] | None = None) -> list[dict]:
-    """One row per sample of every task the three models scored (`sample_row`, scores and answers in the
-    order pre, post, merge), with its `category` (PICK_CATEGORIES or None) and, given the sweep's splits,
-    its `split` (selection or report)."""
-    rows = []
-    for task in sorted(pre.keys() & post.keys() & merge.keys()):
-        selection = set(splits[task][0]) if splits and task in splits else None
-        for key in doc_order(pre[task]):
-            row = sample_row([pre[task], post[task], merge[task]], key, "")
-            del row["seed"]
-            row["category"] = pick_category(*map(bool, row["scores"]))
-            if selection is not None:
-                row["split"] = "selection" if key in selection else "report"
-            rows.append(row)
-    return rows
-
-
-def pick_examples(rows: Sequence[dict], per_category: int = 3) -> list[str]:
-    """Markdown: for each of PICK_CATEGORIES, how many samples (on the report split where rows carry one) and
-    the first few as text (prompt, gold, each model's answer)."""
-    lines = []
-    shown = [row for row in rows if row.get("split", "report") == "report"]
-    for category, meaning in PICK_CATEGORIES.items():
-        members = [row for row in shown if row["category"] == category]
-        lines += [f"### {category.replace('_', ' ')}: {len(members)}", "", f"{meaning}.", ""]
-        for row in members[:per_category]:
-            answers = ", ".join(f"{name} {_quoted(answer)}" for name, answer in zip(("pre", "post", "merge"), row["answers"]))
-            lines.append(f"- `{row['task']}` doc {row['doc_id']}: {_quoted(row['prompt'])} -> gold {_quoted(row['gold'])}; "
-                         f"{answers}")
-        lines += [""] if members else []
-    return lines
-
-
-def _quoted(text: str | None, width: int = 120) -> str:
-    """A logged text on one markdown line: JSON-quoted (newlines escaped), its end kept when long."""
-    if text is None:
-        return "(not in the log)"
-    quoted = json.dumps(text, ensure_ascii=False)
-    return quoted if len(quoted) <= width else '"...' + quoted[-(width - 4):]
-
-
 def replay_records(rows: Sequence[dict], replay_format: str,
                    chosen: Callable[[dict], bool] = lambda row: row["outcome"] == "forgotten") -> tuple[list[dict], int]:
     """The `chosen` samples (by default the forgotten ones) as TRL training records, one per (task, doc)

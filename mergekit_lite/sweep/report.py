@@ -1,6 +1,7 @@
 """A finished sweep, written into its run folder: results.json (everything, for tools), report.md (the
-tables, the pick and the forgetting maps, for people), sweep.png (the curves with their bootstrap
-intervals) and forgetting_map.png (F_true and BT_true per task and model).
+tables, the pick, the forgetting maps and what the pick did to the docs post forgot, for people), sweep.png
+(the curves with their bootstrap intervals), forgetting_map.png (F_true and BT_true per task and model) and
+samples.jsonl (each report doc's outcome for pre, post and the pick: sweep.samples).
 
 report.md is rendered from the same dict that results.json stores, so the two cannot disagree.
 """
@@ -18,6 +19,7 @@ from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.sweep.budget import budget_lines
 from mergekit_lite.sweep.grid import cell_key, cell_text, grid_json, grid_lines, plot_heatmap
 from mergekit_lite.sweep.result import SweepResult
+from mergekit_lite.sweep.samples import samples_json, samples_lines, write_samples
 from mergekit_lite.sweep.scoring import PointResult, task_accuracy
 from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
 
@@ -108,6 +110,7 @@ def results_json(result: SweepResult) -> dict:
                                  else [point.key for point in result.points]),
                    "grid": settings.alphas, "stopped": result.search.reason if result.search else None},
         "probe": probe_json(result),
+        "samples": samples_json(result),
         **{name: value for name, value in (("grid", grid_json(result)), ("budget", result.budget)) if value},
     }
 
@@ -247,6 +250,7 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         "",
         forgetting_section("Forgetting map (report split): pre -> post", result.post),
         forgetting_section(f"Forgetting map (report split): pre -> merge at {chosen}", result.best),
+        *samples_lines(results["samples"]),
     ]
     return "\n".join(lines)
 
@@ -356,12 +360,13 @@ def plot_forgetting_map(result: SweepResult, path: Path) -> None:
 
 
 def write_report(result: SweepResult) -> None:
-    """sweep.png, forgetting_map.png, results.json and report.md in the run folder, each replaced atomically, the
+    """sweep.png, forgetting_map.png, samples.jsonl, results.json and report.md in the run folder, each replaced atomically, the
     plots first: a report that is written links no plot that failed to be."""
     folder = Path(result.out)
     curves = plot if result.settings.second is None else lambda result, path: plot_heatmap(result, path, _new_figure)
     for draw, name in ((curves, PLOT_FILE), (plot_forgetting_map, MAP_FILE)):
         write_atomic(folder / name, lambda temp, draw=draw: draw(result, temp))
+    write_samples(result)
     results = results_json(result)
     write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     write_atomic(folder / REPORT_FILE, report_markdown(result, results) + layer_profile(result, folder))
