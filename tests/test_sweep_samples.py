@@ -69,7 +69,7 @@ def test_every_report_doc_is_classified_as_the_point_files_say(sweep):
         pick_map = next(entry for entry in next(point for point in results["points"] if point["label"] == pick)
                         ["forgetting"]["tasks"] if entry["task"] == task)
         assert counts["still_lost"] + counts["newly_lost"] == pick_map["forgotten"]
-    assert sum(counts["recovered"] for counts in results["samples"]["counts"].values()) > 0  # post forgets on the toy pair
+    assert sum(counts["recovered"] for counts in results["samples"]["counts"].values()) > 0  # the toy pair forgets
 
 
 def test_report_shows_the_counts_and_doc_ids(sweep):

@@ -360,8 +360,8 @@ def plot_forgetting_map(result: SweepResult, path: Path) -> None:
 
 
 def write_report(result: SweepResult) -> None:
-    """sweep.png, forgetting_map.png, samples.jsonl, results.json and report.md in the run folder, each replaced atomically, the
-    plots first: a report that is written links no plot that failed to be."""
+    """sweep.png, forgetting_map.png, samples.jsonl, results.json and report.md in the run folder, each replaced
+    atomically, the plots first: a report that is written links no plot that failed to be."""
     folder = Path(result.out)
     curves = plot if result.settings.second is None else lambda result, path: plot_heatmap(result, path, _new_figure)
     for draw, name in ((curves, PLOT_FILE), (plot_forgetting_map, MAP_FILE)):
