@@ -1,8 +1,12 @@
 """Shared pytest fixtures. Expensive artefacts are session-scoped so every test file reuses them."""
 
+import fcntl
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 
 # Tests never touch the network; set before anything imports huggingface_hub or datasets.
@@ -16,6 +20,9 @@ import pytest
 
 from mergekit_lite.toy import ToyPair, build_toy_pair
 
+TEST_CACHE = "MERGEKIT_LITE_TEST_RATES"  # the test run's rates folder, inherited by its xdist workers
+OWN_CACHE = pytest.StashKey[str]()  # set in the process that made the folder (and removes it)
+
 
 def pytest_configure(config):
     """Tests press Ctrl-C on the CLI by sending SIGINT to it. A shell starts a background job (`.ci/run &`,
@@ -23,14 +30,33 @@ def pytest_configure(config):
     it; give the test processes, and so their children, a terminal's default instead. Runs in every xdist worker."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    # --dry-run's rates are measured once per test process into a folder of its own, never the user's cache
-    os.environ["MERGEKIT_LITE_CACHE"] = tempfile.mkdtemp(prefix="mergekit-lite-rates-")
+    # --dry-run's rates go to a folder of this test run, never the user's cache; xdist workers inherit the
+    # controller's environment, so they share its folder (and `calibrated_rates` measures once per run)
+    if not os.environ.get(TEST_CACHE):
+        os.environ[TEST_CACHE] = tempfile.mkdtemp(prefix="mergekit-lite-rates-")
+        config.stash[OWN_CACHE] = os.environ[TEST_CACHE]
+    os.environ["MERGEKIT_LITE_CACHE"] = os.environ[TEST_CACHE]
 
 
 def pytest_unconfigure(config):
-    folder = os.environ.pop("MERGEKIT_LITE_CACHE", None)
+    os.environ.pop("MERGEKIT_LITE_CACHE", None)
+    folder = config.stash.get(OWN_CACHE, None)
     if folder:
+        os.environ.pop(TEST_CACHE, None)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def calibrated_rates() -> str:
+    """This machine's rates measured once per test run into the run's cache (the first worker to ask measures,
+    under a lock; the others wait and read them), in a fresh interpreter as the CLI measures them. Returns their
+    `measured_at`, which a dry run that reused them (and did not calibrate again) prints."""
+    folder = Path(os.environ["MERGEKIT_LITE_CACHE"])
+    with open(folder / "calibrating.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, "-c", "from mergekit_lite.merge import cost; cost.load_rates()"], check=True)
+    [rates] = json.loads((folder / "rates.json").read_text()).values()
+    return rates["measured_at"]
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,9 @@ TARGET = "model.layers.1.self_attn.q_proj.weight"  # the tensor the cases break
 
 
 def run_cli(*args, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CLI), "merge", *map(str, args)], capture_output=True, text=True, env=ENV,
+    # a dry run does no math: the test run's own thread count, the one `calibrated_rates` measured at
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"} if "--dry-run" in args else ENV
+    return subprocess.run([str(CLI), "merge", *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=timeout)
 
 
@@ -408,13 +410,14 @@ def test_unknown_method_flag_is_a_usage_error(models, tmp_path):
 # ------------------------------------------------------------------------------ accepted with an opt-in
 
 
-def test_mixed_dtypes_upcast_with_a_note(models, tmp_path):
+def test_mixed_dtypes_upcast_with_a_note(models, tmp_path, calibrated_rates):
     state = {name: tensor.to(torch.bfloat16) for name, tensor in load_state(models["other"]).items()}
     other_bf16 = save_single(tmp_path / "bf16", state, models["other"])
     out = tmp_path / "merged"
     dry = run_cli(*lerp_args(models["base"], other_bf16), "--out", out, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "note: inputs mix dtypes (bfloat16, float32): upcast to float32 for the math" in dry.stdout
+    assert f"measured {calibrated_rates} at load " in dry.stdout  # the run's rates, not measured again
     assert not out.exists()
     result = run_cli(*lerp_args(models["base"], other_bf16), "--out", out, "-q")
     assert result.returncode == 0, result.stderr

@@ -277,17 +277,19 @@ def test_prefixed_names_and_tied_heads_are_mapped(models, tmp_path):
     np.testing.assert_allclose(merged["lm_head.weight"], expected, atol=1e-6)
 
 
-def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path):
+def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path, calibrated_rates):
+    """With the run's rates cached, a dry run reads them (prints when they were measured) and measures nothing."""
     out = tmp_path / "never"
     result = subprocess.run([CLI, "merge", "--method", "ties", "--base", str(models["base"]), "--model",
                              f"{models['a']}:0.5", "--density", "0.4", "--out", str(out), "--dry-run"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "model.layers.0.mlp.down_proj.weight" in result.stdout and "densities=[0.4]" in result.stdout
+    assert f"rates: {cost.cache_file()}, measured {calibrated_rates} at load " in result.stdout
     assert not out.exists()
 
 
-def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_path):
+def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_path, calibrated_rates):
     """Rates are measured once per machine and cached; every registered method has them, and each plan gets a
     wall time of start-up, reads, and the longer of math and writes (which overlap), and a peak memory of at least
     start-up plus the engine's ring."""
@@ -321,7 +323,8 @@ def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_pat
 
 
 def test_dry_run_estimates_without_a_writable_cache(models, tmp_path):
-    """A cache folder that cannot be made (here under a file) costs a calibration per dry run, never the dry run."""
+    """A cache folder that cannot be made (here under a file) costs a calibration per dry run, never the dry run.
+    The suite's one cold calibration through the CLI (the other dry runs share `calibrated_rates`)."""
     (tmp_path / "a-file").write_text("not a folder")
     result = subprocess.run([CLI, "merge", "--method", "linear", "--model", str(models["a"]), "--model",
                              str(models["b"]), "--out", str(tmp_path / "never"), "--dry-run"], capture_output=True,

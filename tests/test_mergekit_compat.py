@@ -660,7 +660,8 @@ def real_side_by_side(zoo) -> dict[str, tuple[Path, Path, subprocess.CompletedPr
 
 
 def run_cli(config: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # a dry run does no math: the test run's own thread count, the one `calibrated_rates` measured at
+    env = dict(os.environ) if "--dry-run" in flags else {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([str(CLI), "merge", str(config), "--out", str(out), *flags], capture_output=True,
                           text=True, env=env, timeout=300)
 
@@ -680,7 +681,7 @@ def test_settings_mergekit_ignores_are_accepted_and_named(real_side_by_side):
     assert "lambda has no effect per model (mergekit reads it from parameters: only)" in run.stdout
 
 
-def test_della_per_model_epsilon_reaches_the_plan(zoo, tmp_path):
+def test_della_per_model_epsilon_reaches_the_plan(zoo, tmp_path, calibrated_rates):
     """adriansterr/fine-tuning-for-absa merging_configurations/german/della/della_1_08_07_08_02_01: per-model
     epsilon was refused by the CLI ("models[0]: unknown key 'epsilon'")."""
     config = tmp_path / "della.yml"
@@ -707,7 +708,7 @@ parameters:
 """)
     run = run_cli(config, tmp_path / "out", "--dry-run")
     assert run.returncode == 0, run.stderr
-    assert "epsilons=[0.2, 0.1]" in run.stdout
+    assert "epsilons=[0.2, 0.1]" in run.stdout and f"measured {calibrated_rates} at load " in run.stdout
 
 
 def test_default_module_is_the_whole_model(zoo, tmp_path):
