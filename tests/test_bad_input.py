@@ -1,4 +1,5 @@
-"""What users can throw at `mergekit-lite merge`, through the real CLI in a subprocess.
+"""What users can throw at `mergekit-lite merge`, through the real CLI in a subprocess (the table of refusals
+through the CLI's click group in-process, which handles errors exactly as the console script does).
 
 Every bad input must end in one line on stderr (`error: ...` naming the file / tensor / key), exit code 2,
 no traceback, and no output folder that looks complete: the output does not exist and no
@@ -16,14 +17,16 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tiny_models import save_random_pair, save_tiny_llama
 
+from cli.main import main
 from mergekit_lite.merge.methods import lerp
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
@@ -363,30 +366,34 @@ ERROR_CASES = [
 ]
 
 
+def run_in_process(*args) -> subprocess.CompletedProcess:
+    """`mergekit-lite merge ARGS` through the CLI's own group in this process (CliRunner): the same error
+    handling as the console script without a torch import per run. Any warning is raised, so the one-line check
+    also covers what a fresh process would print besides the error."""
+    argv = ["merge", *map(str, args)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = CliRunner().invoke(main, argv)
+    return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)
+
+
 @pytest.fixture(scope="module")
 def error_runs(models, tmp_path_factory, request) -> dict[str, object]:
-    """The selected rows' merges, two subprocesses at a time (each spends most of its ~1.5 s importing torch).
-
-    Inputs are built here in order; a builder that fails is stored and re-raised by its own row."""
+    """The selected rows' merges, in this process (the console script's own exit codes, stderr and clean-up
+    are tested through real processes below). Inputs are built here in order; a builder that fails is stored and
+    re-raised by its own row."""
     selected = {item.callspec.id for item in request.session.items
                 if getattr(item, "originalname", None) == "test_bad_input_is_one_line_exit_2_and_leaves_nothing"}
-    commands = {}
+    outcomes = {}
     for case in (case for case in ERROR_CASES if case.id in selected):
         folder = tmp_path_factory.mktemp(case.id)
         try:
-            commands[case.id] = (case.values[0](models, folder), folder / "merged")
+            args, out = case.values[0](models, folder), folder / "merged"
         except Exception as error:  # reported by the row, not by the fixture
-            commands[case.id] = error
-
-    def run(item):
-        case_id, command = item
-        if isinstance(command, Exception):
-            return case_id, command
-        args, out = command
-        return case_id, (run_cli(*args, "--out", out, "-q"), out)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, commands.items()))
+            outcomes[case.id] = error
+            continue
+        outcomes[case.id] = run_in_process(*args, "--out", out, "-q"), out
+    return outcomes
 
 
 @pytest.mark.parametrize("build, patterns", ERROR_CASES)
