@@ -3,6 +3,7 @@
 import fcntl
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import pytest
 
@@ -22,6 +24,7 @@ from mergekit_lite.toy import ToyPair, build_toy_pair
 
 TEST_CACHE = "MERGEKIT_LITE_TEST_RATES"  # the test run's rates folder, inherited by its xdist workers
 OWN_CACHE = pytest.StashKey[str]()  # set in the process that made the folder (and removes it)
+Built = TypeVar("Built")
 
 
 def pytest_configure(config):
@@ -59,13 +62,28 @@ def calibrated_rates() -> str:
     return rates["measured_at"]
 
 
+def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], Built]) -> Built:
+    """`build(folder)` once per test run, not once per xdist worker: the workers share a folder under the run's
+    temp root (the parent of each worker's own); the first to take the lock builds, the others wait and read what
+    it built (pickled). Without xdist, simply a folder of this session."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    folder, built = root / f"once-{name}", root / f"once-{name}.pickle"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built.is_file():
+            value = build(folder)
+            built.write_bytes(pickle.dumps(value))
+    return pickle.loads(built.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def toy_pair(tmp_path_factory) -> ToyPair:
     """The toy pre -> post pair (seed 0), saved in several safetensors shards so streaming code
     sees sharded inputs, with post-training's checkpoints at steps 25 and 50 (a training run: pre is step 0,
-    post the last step). Built once per session (a few seconds)."""
-    return build_toy_pair(tmp_path_factory.mktemp("toy_pair"), seed=0, max_shard_size="100KB",
-                          post_checkpoints=[25, 50])
+    post the last step). Built once per test run (a few seconds)."""
+    return once_per_run(tmp_path_factory, "toy_pair", lambda folder: build_toy_pair(
+        folder, seed=0, max_shard_size="100KB", post_checkpoints=[25, 50]))
 
 
 @pytest.fixture(autouse=True)
@@ -92,16 +110,18 @@ class LmEvalRuns:
 
 @pytest.fixture(scope="session")
 def lm_eval_runs(toy_pair, tmp_path_factory) -> LmEvalRuns:
-    """lm-eval run once per model for the whole session (about half a minute each)."""
+    """lm-eval run once per model for the whole test run (about half a minute each)."""
     from lm_eval_tasks import run_lm_eval, task_configs, write_tasks
 
-    root = tmp_path_factory.mktemp("lm_eval")
-    include_path = write_tasks(toy_pair.task_dir, root / "tasks")
-    tasks = [*toy_pair.old_tasks, *toy_pair.new_tasks, *task_configs(toy_pair.task_dir)]
-    limit = 32
-    pre = run_lm_eval(toy_pair.pre_dir, tasks, include_path, root / "pre", limit=limit)
-    post = run_lm_eval(toy_pair.post_dir, tasks, include_path, root / "post", limit=limit)
-    return LmEvalRuns(tasks, include_path, limit, pre, post)
+    def build(root: Path) -> LmEvalRuns:
+        include_path = write_tasks(toy_pair.task_dir, root / "tasks")
+        tasks = [*toy_pair.old_tasks, *toy_pair.new_tasks, *task_configs(toy_pair.task_dir)]
+        limit = 32
+        pre = run_lm_eval(toy_pair.pre_dir, tasks, include_path, root / "pre", limit=limit)
+        post = run_lm_eval(toy_pair.post_dir, tasks, include_path, root / "post", limit=limit)
+        return LmEvalRuns(tasks, include_path, limit, pre, post)
+
+    return once_per_run(tmp_path_factory, "lm_eval", build)
 
 
 @pytest.fixture(scope="session")
@@ -110,6 +130,6 @@ def lm_eval_checkpoint(toy_pair, lm_eval_runs, tmp_path_factory) -> Path:
     three checkpoints of one training run."""
     from lm_eval_tasks import run_lm_eval
 
-    root = tmp_path_factory.mktemp("lm_eval_checkpoint")
-    return run_lm_eval(toy_pair.checkpoints[0], lm_eval_runs.tasks, lm_eval_runs.include_path, root / "step-25",
-                       limit=lm_eval_runs.limit)
+    return once_per_run(tmp_path_factory, "lm_eval_checkpoint", lambda root: run_lm_eval(
+        toy_pair.checkpoints[0], lm_eval_runs.tasks, lm_eval_runs.include_path, root / "step-25",
+        limit=lm_eval_runs.limit))
