@@ -384,15 +384,19 @@ def error_runs(models, tmp_path_factory, request) -> dict[str, object]:
     re-raised by its own row."""
     selected = {item.callspec.id for item in request.session.items
                 if getattr(item, "originalname", None) == "test_bad_input_is_one_line_exit_2_and_leaves_nothing"}
-    outcomes = {}
-    for case in (case for case in ERROR_CASES if case.id in selected):
-        folder = tmp_path_factory.mktemp(case.id)
-        try:
-            args, out = case.values[0](models, folder), folder / "merged"
-        except Exception as error:  # reported by the row, not by the fixture
-            outcomes[case.id] = error
-            continue
-        outcomes[case.id] = run_in_process(*args, "--out", out, "-q"), out
+    outcomes, environment = {}, dict(os.environ)
+    try:
+        for case in (case for case in ERROR_CASES if case.id in selected):
+            folder = tmp_path_factory.mktemp(case.id)
+            try:
+                args, out = case.values[0](models, folder), folder / "merged"
+            except Exception as error:  # reported by the row, not by the fixture
+                outcomes[case.id] = error
+                continue
+            outcomes[case.id] = run_in_process(*args, "--out", out, "-q"), out
+    finally:  # -q's quieting variables must not reach later tests' subprocesses (set up before restore_environment)
+        os.environ.clear()
+        os.environ.update(environment)
     return outcomes
 
 
