@@ -4,6 +4,8 @@
 import click
 
 from cli.types import Number
+from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.trajectory import REPLAY_FORMATS
 from mergekit_lite.merge.config import MAIN_COEFFICIENT
 
 EXAMPLES = """
@@ -31,7 +33,8 @@ Tasks are scored as `mergekit-lite forgetting` scores lm-eval files: --metric, -
 --choices take a global value or TASK=VALUE (e.g. --filter gsm8k=flexible-extract).
 \b
 The --out folder gets points/ (one JSON per finished model: rerunning the same command
-resumes), results.json, report.md, sweep.png and forgetting_map.png.
+resumes), results.json, report.md, sweep.png, forgetting_map.png and samples.jsonl (each doc's
+outcome for pre, post and the pick; --replay writes the docs the pick still loses as training data).
 \b
 Examples:
   mergekit-lite sweep --pre base/ --post instruct/ --alphas 0:1:0.1 \\
@@ -117,17 +120,25 @@ def _flag_values(data: dict, **flags) -> dict:
               help="Probe mode: score each alpha only on the selection docs where pre and post disagree plus this "
                    "share of the others (seeded), estimate its scores with standard errors, then score the pick on "
                    "every doc (e.g. 0.1; default: every doc at every alpha).")
+@click.option("--replay", "replay_out", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
+              help="Write the docs post forgot that the pick still loses as training data (TRL's prompt/completion "
+                   "JSONL, as `forgetting --replay`), both splits.")
+@click.option("--replay-format", type=click.Choice(REPLAY_FORMATS), default="prompt-completion", show_default=True,
+              help="--replay records: prompt/completion, or chat messages (user, assistant).")
+@click.option("--replay-all", is_flag=True, help="--replay every doc post forgot, the ones the pick won back too.")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
 def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
           selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
-          backend, vllm_args, probe, quiet, beta, betas, densities, drops, budget):
+          backend, vllm_args, probe, quiet, beta, betas, densities, drops, budget, replay_out, replay_format,
+          replay_all):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
     same keys (flags win); see examples/sweep.yaml.
     """
     from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
+    from mergekit_lite.sweep.samples import check_replay, write_replay
 
     if quiet:
         from cli.main import quiet_third_party
@@ -145,16 +156,28 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
                         densities=densities, drops=drops, budget=budget)
     listed = data.pop("methods", None)
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
+    if (replay_format != "prompt-completion" or replay_all) and not replay_out:
+        raise InputError("--replay-format and --replay-all shape --replay's file: give --replay FILE.jsonl")
     if len(methods) > 1 or baseline:
         from mergekit_lite.sweep import method_settings, run_comparison
+
+        if replay_out:
+            raise InputError("--replay writes one sweep's pick: give a single --method")
         from mergekit_lite.sweep.compare import comparison_summary
 
         comparison = run_comparison(method_settings(data, methods), baseline or "linear", progress=not quiet)
         click.echo(comparison_summary(comparison))
         return
     settings = settings_from_dict(data)
+    if replay_out:
+        check_replay(replay_out, settings)
     result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
+    if replay_out:
+        written, left_out = write_replay(result, replay_out, replay_format, replay_all)
+        which = "forgotten by post" if replay_all else "still lost by the pick"
+        click.echo(f"replay: {written} docs {which} written to {replay_out}; {left_out} left out (no prompt or gold "
+                   "answer in the point files)", err=True)
 
 
 def summary(result) -> str:

@@ -23,7 +23,7 @@ splits, group scores, bootstrap), `result` (SweepResult, the pick, Pareto front,
 folder: point files, identities, lock), `models` (merge config per alpha, model loading, the resident pair),
 `evaluator` (one point evaluated and saved), `adaptive` (golden search and probe mode), `grid` (2-D grids: one row
 per value of a second coefficient, the heat map), `budget` (--budget: successive halving on probe docs), `samples`
-(what the pick did to each report doc: samples.jsonl), `report`
+(what the pick did to each doc: samples.jsonl, --replay), `report`
 and `distributed` (read results, run evaluators on Ray), `compare` (several methods' picks against a baseline's:
 comparison.json/.md, pareto.png), `run` (run_sweep and run_comparison, the orchestration; nothing imports it but
 this package's entry point and its callers).

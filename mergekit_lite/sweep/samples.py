@@ -1,17 +1,24 @@
-"""What the sweep's pick did to each doc of the report split, next to pre and post [ours]: the docs post forgot
-that the pick wins back (`recovered`) or still loses (`still_lost`), those it loses though post kept them
-(`newly_lost`), and the other transitions, written to samples.jsonl with counts per task for results.json and
-report.md. Point files keep each doc's 0/1 outcome, not lm-eval's text, so the prompt, gold answer and answers
-are null here and no replay set can be built from a sweep (`forgetting --samples/--replay` on lm-eval's own
-output files has them)."""
+"""What the sweep's pick did to each doc, next to pre and post [ours]: the docs post forgot that the pick wins
+back (`recovered`) or still loses (`still_lost`), those it loses though post kept them (`newly_lost`), and the
+other transitions. samples.jsonl holds every doc of both splits (its `split` field says which) with the
+forgetting command's fields (`trajectory.sample_row`: prompt, gold answer, each model's answer); the counts in
+results.json and report.md are on the report split, as the forgetting maps are. The texts come from the point
+files (pre's keeps the prompts and gold answers, every point its answers); a run folder from before they were
+kept resumes with null texts. `--replay` writes the still-lost docs (or every doc post forgot) as a training set
+("Demystifying Language Model Forgetting with Low-Rank Example Associations" replays the forgotten examples)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from mergekit_lite.evaluate.trajectory import doc_order, jsonl
-from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.forgetting import NO_SEED
+from mergekit_lite.evaluate.trajectory import OUTCOMES, doc_order, jsonl, replay_records, sample_row
+from mergekit_lite.io.outputs import check_output_file, write_atomic
 from mergekit_lite.sweep.result import SweepResult
+from mergekit_lite.sweep.scoring import GROUPS
+from mergekit_lite.sweep.settings import SweepSettings
 
 SAMPLES_FILE = "samples.jsonl"
 # (pre, post, pick) right -> class; the first three are what a merge is for, the rest for completeness
@@ -26,7 +33,7 @@ CLASSES = {
     (False, True, False): "gain_lost",  # gained by post, lost by the pick
 }
 SHOWN = ("recovered", "still_lost", "newly_lost")
-NO_TEXT = "point files keep 0/1 outcomes per doc, not lm-eval's text"
+PROMPT_WIDTH = 160  # characters of a prompt's end the report shows (few-shot prompts end with the question)
 
 
 def doc_hash(key: str, doc_id: int | None) -> str | None:
@@ -36,58 +43,106 @@ def doc_hash(key: str, doc_id: int | None) -> str | None:
 
 
 def sample_rows(result: SweepResult) -> list[dict]:
-    """One row per (task, report doc) of every scored task, in task and lm-eval doc order: its class, the 0/1
-    outcomes of pre, post and the pick, and null text fields (NO_TEXT)."""
-    models = {"pre": result.pre, "post": result.post, "pick": result.best}
-    outcomes = {name: {run.task: run.outcomes for run in point.tasks if run.outcomes is not None}
-                for name, point in models.items()}
+    """One row per (task, doc) of every scored task, in task and lm-eval doc order: its split and class, the
+    outcomes of post and of the pick against pre, and `sample_row`'s scores, texts and answers for
+    [pre, post, pick]."""
+    models = (result.pre, result.post, result.best)
+    outcomes = [{run.task: run.outcomes for run in point.tasks if run.outcomes is not None} for point in models]
     rows = []
-    for task in sorted(outcomes["pre"]):
+    for task in sorted(outcomes[0]):
         report = set(result.splits[task][1])
-        for key in doc_order(outcomes["pre"][task]):
-            if key not in report:
-                continue
-            right = {name: outcomes[name][task].correct[key] for name in models}
-            doc_id = outcomes["pre"][task].doc_ids.get(key)
-            rows.append({"task": task, "doc_id": doc_id, "doc_hash": doc_hash(key, doc_id), "key": key,
-                         "class": CLASSES[tuple(right.values())], **{name: int(value) for name, value in right.items()},
-                         "prompt": None, "gold": None, "answers": None})
+        task_outcomes = [scored[task] for scored in outcomes]
+        for key in doc_order(task_outcomes[0]):
+            row = sample_row(task_outcomes, key, NO_SEED)
+            pre, post, pick = (bool(score) for score in row["scores"])
+            rows.append({"task": task, "doc_id": row["doc_id"], "doc_hash": doc_hash(key, row["doc_id"]), "key": key,
+                         "split": "report" if key in report else "selection", "class": CLASSES[pre, post, pick],
+                         "outcome_post": OUTCOMES[pre, post], "outcome_pick": OUTCOMES[pre, pick],
+                         "models": ["pre", "post", result.best.label], "seed": row["seed"], "scores": row["scores"],
+                         "prompt": row["prompt"], "gold": row["gold"], "answers": row["answers"],
+                         "answer_rule": row["answer_rule"] or None, "completion": row["completion"]})
     return rows
 
 
-def class_counts(rows: list[dict]) -> dict[str, dict[str, int]]:
-    """task -> class -> docs (every class listed, zeros included)."""
+def class_counts(rows: list[tuple[str, dict]]) -> dict[str, dict[str, int]]:
+    """name -> class -> docs (every class listed, zeros included), rows grouped by `name` (a task or a group)."""
     counts: dict[str, dict[str, int]] = {}
-    for row in rows:
-        counts.setdefault(row["task"], dict.fromkeys(CLASSES.values(), 0))[row["class"]] += 1
+    for name, row in rows:
+        counts.setdefault(name, dict.fromkeys(CLASSES.values(), 0))[row["class"]] += 1
     return counts
 
 
-def samples_json(result: SweepResult, shown: int = 5) -> dict:
-    """results.json's `samples`: the file, the pick it describes, the counts per task, and the first few docs of
-    each class a merge is for (task and doc id; the sample key where the log had no doc_id)."""
-    rows = sample_rows(result)
-    examples = {name: [[row["task"], row["doc_id"] if row["doc_id"] is not None else row["key"]]
+def _tail(text: str | None, width: int = PROMPT_WIDTH) -> str | None:
+    """A text on one line, its end kept when long."""
+    if text is None:
+        return None
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else "..." + flat[-(width - 3):]
+
+
+def samples_json(result: SweepResult, shown: int = 3) -> dict:
+    """results.json's `samples`: the file, the pick it describes, the report split's counts per task and per
+    group, and the first few report docs of each class a merge is for, as text (prompt's end, gold answer,
+    post's and the pick's answers)."""
+    rows = [row for row in sample_rows(result) if row["split"] == "report"]
+    group = {run.task: run.group for run in result.pre.tasks}
+    by_group = class_counts([(group[row["task"]], row) for row in rows])
+    examples = {name: [{"task": row["task"], "doc_id": row["doc_id"] if row["doc_id"] is not None else row["key"],
+                        "prompt": _tail(row["prompt"]), "gold": row["gold"],
+                        "post": row["answers"][1], "pick": row["answers"][2]}
                        for row in rows if row["class"] == name][:shown] for name in SHOWN}
-    return {"file": SAMPLES_FILE, "split": "report", "pick": result.best.label, "text": None, "why_no_text": NO_TEXT,
-            "counts": class_counts(rows), "examples": examples}
+    return {"file": SAMPLES_FILE, "rows": "every doc, its split in `split`", "split": "report", "pick": result.best.label,
+            "counts": class_counts([(row["task"], row) for row in rows]),
+            "groups": {name: by_group[name] for name in GROUPS if name in by_group},
+            "without_text": sum(row["prompt"] is None or row["gold"] is None for row in rows),
+            "examples": examples}
+
+
+def _code(text: str | None) -> str:
+    """Inline code for report.md (backticks swapped for quotes); `?` where the point files keep no text."""
+    return "?" if text is None else "`" + " ".join(text.split()).replace("`", "'") + "`"
 
 
 def samples_lines(samples: dict) -> list[str]:
-    """report.md: the counts per task of the classes a merge is for, and a few doc ids of each."""
+    """report.md: the counts per task and group of the classes a merge is for, and a few report docs of each."""
     lines = [f"## What the pick did to the docs post forgot (report split, `{SAMPLES_FILE}`)", "",
              "| task | " + " | ".join(SHOWN) + " |", "|---|" + "---:|" * len(SHOWN)]
     lines += [f"| {task} | " + " | ".join(str(counts[name]) for name in SHOWN) + " |"
               for task, counts in samples["counts"].items()]
+    lines += [f"| **{name}** | " + " | ".join(str(counts[name]) for name in SHOWN) + " |"
+              for name, counts in samples["groups"].items()]
     lines.append("")
     for name in SHOWN:
         total = sum(counts[name] for counts in samples["counts"].values())
-        ids = ", ".join(f"{task} doc {doc}" for task, doc in samples["examples"][name])
-        lines.append(f"- {name.replace('_', ' ')}: {total}" + (f" (e.g. {ids})" if ids else ""))
-    return lines + ["", f"Doc ids only: {NO_TEXT}; `mergekit-lite forgetting --samples` on lm-eval's output files "
-                    "shows the texts.", ""]
+        lines.append(f"- {name.replace('_', ' ')}: {total}")
+        lines += [f"  - {example['task']} doc {example['doc_id']}: {_code(example['prompt'])} gold "
+                  f"{_code(example['gold'])}, post {_code(example['post'])}, pick {_code(example['pick'])}"
+                  for example in samples["examples"][name]]
+    if samples["without_text"]:
+        lines += ["", f"{samples['without_text']} report docs have no prompt or gold answer in the point files (`?`: "
+                  "points saved before they were kept, or a log that does not give them)."]
+    return lines + [""]
 
 
 def write_samples(result: SweepResult) -> None:
     """samples.jsonl in the run folder (`sample_rows`), whole or not at all."""
     write_atomic(Path(result.out) / SAMPLES_FILE, jsonl(sample_rows(result)))
+
+
+def check_replay(path: str | os.PathLike, settings: SweepSettings) -> None:
+    """--replay, checked before any work: a new file, outside the inputs and outside the run folder."""
+    check_output_file(path, [settings.pre, settings.post, settings.include_path, settings.recall_texts])
+    out = Path(os.path.realpath(settings.out))
+    if out in Path(os.path.realpath(path)).parents:
+        raise InputError(f"{path}: is inside the run folder {settings.out}; write the replay set elsewhere")
+
+
+def write_replay(result: SweepResult, path: str | os.PathLike, replay_format: str = "prompt-completion",
+                 every_forgotten: bool = False) -> tuple[int, int]:
+    """The docs of both splits the pick still loses (`every_forgotten`: every doc post forgot) as TRL training
+    records (`trajectory.replay_records`), whole or not at all; (records written, docs left out for lack of a
+    prompt or gold answer)."""
+    chosen = {"still_lost", "recovered"} if every_forgotten else {"still_lost"}
+    records, unrecoverable = replay_records(sample_rows(result), replay_format, lambda row: row["class"] in chosen)
+    write_atomic(Path(path), jsonl(records))
+    return len(records), unrecoverable

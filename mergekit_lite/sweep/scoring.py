@@ -15,6 +15,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import (
     GroupForgetting,
     SampleOutcomes,
+    SampleText,
     Scoring,
     TaskForgetting,
     TaskSkipped,
@@ -25,6 +26,7 @@ from mergekit_lite.sweep.search import harmonic_mean
 from mergekit_lite.sweep.settings import SweepSettings
 
 GROUPS = ("old", "new")
+TEXT_FIELDS = ("prompt", "gold", "answer", "completion")  # SampleText's text, as a point file keeps it
 
 
 @dataclass
@@ -40,21 +42,30 @@ class TaskRun:
     def acc(self) -> float:
         return self.outcomes.accuracy
 
-    def to_json(self) -> dict:
+    def to_json(self, prompts: bool = False) -> dict:
+        """The point file's entry: outcomes, doc ids and each doc's answer as text; with `prompts` (pre's file)
+        also its prompt, gold answer and replay completion, which every model shares (sweep.samples)."""
         if self.outcomes is None:
             return {"task": self.task, "group": self.group, "skipped": self.skipped}
         k = self.outcomes.n_choices
+        kept = TEXT_FIELDS if prompts else ("answer",)
         return {"task": self.task, "group": self.group, "metric": self.outcomes.metric,
                 "filter": self.outcomes.filter, "n_choices": None if math.isinf(k) else k,
-                "correct": self.outcomes.correct, "doc_ids": self.outcomes.doc_ids}
+                "correct": self.outcomes.correct, "doc_ids": self.outcomes.doc_ids,
+                "answer_rule": self.outcomes.answer_rule,
+                "texts": {key: {name: getattr(text, name) for name in kept}
+                          for key, text in self.outcomes.texts.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> TaskRun:
+        """A saved entry back; a point file from before texts were kept gives no texts (null in samples.jsonl)."""
         if "correct" not in data:
             return cls(data["task"], data["group"], None, str(data["skipped"]))
         k = math.inf if data["n_choices"] is None else float(data["n_choices"])
+        texts = {key: SampleText(*(text.get(name) for name in TEXT_FIELDS))
+                 for key, text in (data.get("texts") or {}).items()}
         outcomes = SampleOutcomes(data["task"], data["correct"], k, data.get("metric", ""), data.get("filter", ""),
-                                  data.get("doc_ids") or {})
+                                  data.get("doc_ids") or {}, texts, data.get("answer_rule") or "")
         return cls(data["task"], data["group"], outcomes)
 
 

@@ -41,8 +41,19 @@ def point_label(settings: SweepSettings, alpha: float) -> str:
     return alpha_label(alpha) + (f",{second}={getattr(settings, second)!r}" if second else "")
 
 
+class SavedText(BaseModel):
+    """One doc's text in a saved point: its answer, and in pre's file its prompt, gold answer and completion."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    prompt: str | None = None
+    gold: str | None = None
+    answer: str | None = None
+    completion: str | None = None
+
+
 class SavedTask(BaseModel):
-    """One task of a saved point, as `TaskRun.to_json` writes it: per-sample outcomes, or why it was skipped."""
+    """One task of a saved point, as `TaskRun.to_json` writes it: per-sample outcomes (and, since samples.jsonl
+    shows texts, each doc's text: absent in older point files), or why it was skipped."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     task: str
@@ -52,6 +63,8 @@ class SavedTask(BaseModel):
     n_choices: int | float | None = None
     correct: dict[str, bool] | None = None
     doc_ids: dict[str, int] | None = None
+    answer_rule: str | None = None
+    texts: dict[str, SavedText] | None = None
     skipped: str | None = None
 
 
@@ -85,7 +98,9 @@ def load_points(folder: Path, identity: dict, directory: str = POINTS_DIR) -> di
 
 
 def save_point(path: Path, identity: dict, label: str, alpha: float | None, runs: list[TaskRun]) -> None:
-    data = {"identity": identity, "label": label, "alpha": alpha, "tasks": [run.to_json() for run in runs]}
+    """One finished point; pre's file also keeps the prompts and gold answers every point shares."""
+    data = {"identity": identity, "label": label, "alpha": alpha,
+            "tasks": [run.to_json(prompts=label == "pre") for run in runs]}
     write_atomic(path, json.dumps(data) + "\n")
 
 
