@@ -44,14 +44,16 @@ def read_jsonl(path):
 @pytest.fixture(scope="module")
 def sweep(toy_pair, lm_eval_runs, tmp_path_factory):
     """The sweep with --replay (the still-lost docs), then the same command again with --replay-all as chat
-    messages: every point resumes."""
+    messages: every point resumes, and samples.jsonl comes out byte-identical from the saved points."""
     root = tmp_path_factory.mktemp("sweep-samples")
     first = sweep_cli(toy_pair, lm_eval_runs, root / "run", "--replay", root / "replay.jsonl")
     assert first.exit_code == 0, first.output
+    fresh = (root / "run" / SAMPLES_FILE).read_bytes()
     again = sweep_cli(toy_pair, lm_eval_runs, root / "run", "--replay", root / "all.jsonl", "--replay-all",
                       "--replay-format", "messages")
     assert again.exit_code == 0, again.output
     assert "evaluated 0 models, resumed 4" in again.stdout
+    assert (root / "run" / SAMPLES_FILE).read_bytes() == fresh  # texts read back from the point files
     return root, first.stderr, again.stderr
 
 
@@ -182,14 +184,19 @@ def test_replay_holds_the_still_lost_docs_or_every_forgotten_one(sweep):
 
 @pytest.mark.parametrize("where, message", [
     ("existing", "already exists"), ("pre", "is inside the input"), ("run", "is inside the run folder"),
-    ("flag-only", "give --replay FILE.jsonl")])
+    ("best", "is inside --save-best"), ("flag-only", "give --replay FILE.jsonl"),
+    ("methods", "give a single --method")])
 def test_a_bad_replay_path_is_refused_before_any_work(sweep, toy_pair, lm_eval_runs, tmp_path, where, message):
     root = sweep[0]
     out = tmp_path / "run"
-    target = {"existing": root / "replay.jsonl", "pre": toy_pair.pre_dir / "replay.jsonl",
-              "run": out / "replay.jsonl", "flag-only": None}[where]
-    result = sweep_cli(toy_pair, lm_eval_runs, out, *(["--replay", target] if target else ["--replay-all"]))
-    assert result.exit_code == 2 and message in result.stderr and not out.exists()
+    replay = tmp_path / "replay.jsonl"
+    args = {"existing": ["--replay", root / "replay.jsonl"], "pre": ["--replay", toy_pair.pre_dir / "replay.jsonl"],
+            "run": ["--replay", out / "replay.jsonl"], "flag-only": ["--replay-all"],
+            "best": ["--save-best", tmp_path / "best", "--replay", tmp_path / "best" / "replay.jsonl"],
+            "methods": ["--method", "linear,task_arithmetic", "--replay", replay]}[where]
+    result = sweep_cli(toy_pair, lm_eval_runs, out, *args)
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert not out.exists() and not (tmp_path / "best").exists() and not replay.exists()
     assert not (toy_pair.pre_dir / "replay.jsonl").exists()
 
 

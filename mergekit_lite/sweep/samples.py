@@ -130,11 +130,12 @@ def write_samples(result: SweepResult) -> None:
 
 
 def check_replay(path: str | os.PathLike, settings: SweepSettings) -> None:
-    """--replay, checked before any work: a new file, outside the inputs and outside the run folder."""
+    """--replay, checked before any work: a new file, outside the inputs and the folders the sweep writes."""
     check_output_file(path, [settings.pre, settings.post, settings.include_path, settings.recall_texts])
-    out = Path(os.path.realpath(settings.out))
-    if out in Path(os.path.realpath(path)).parents:
-        raise InputError(f"{path}: is inside the run folder {settings.out}; write the replay set elsewhere")
+    parents = Path(os.path.realpath(path)).parents
+    for what, folder in (("the run folder", settings.out), ("--save-best", settings.save_best)):
+        if folder is not None and Path(os.path.realpath(folder)) in parents:
+            raise InputError(f"{path}: is inside {what} {folder}; write the replay set elsewhere")
 
 
 def write_replay(result: SweepResult, path: str | os.PathLike, replay_format: str = "prompt-completion",

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
-from mergekit_lite.io.validation import read_json, require_regular_inside, validate
+from mergekit_lite.io.validation import parse_json, read_text, require_regular_inside, validate
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
 
@@ -24,6 +24,9 @@ PROBES_DIR = "probes"  # probe-mode points: scored on probe samples only, never 
 RECALL_DIR = "recall"
 SIMILARITY_FILE = "similarity.json"
 LOCK_FILE = ".sweep.lock"
+# a point file is read whole: pre's holds every doc's prompt (a full few-shot MMLU alone is tens of MiB), so
+# point files get a larger cap than other JSON inputs
+POINT_FILE_BYTES = 1 << 30
 
 
 def point_file(folder: Path, label: str, directory: str = POINTS_DIR) -> Path:
@@ -84,7 +87,8 @@ def load_points(folder: Path, identity: dict, directory: str = POINTS_DIR) -> di
     points = {}
     for path in sorted((folder / directory).glob("*.json")):
         try:
-            point = validate(PointFile, read_json(require_regular_inside(path, folder / directory)), path)
+            text = read_text(require_regular_inside(path, folder / directory), POINT_FILE_BYTES)
+            point = validate(PointFile, parse_json(text, path), path)
         except InputError as error:
             raise InputError(f"{error} (not a sweep point file; delete it to evaluate that point again)") from None
         label, saved = point.label, point.identity
