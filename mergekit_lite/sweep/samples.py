@@ -91,7 +91,8 @@ def samples_json(result: SweepResult, shown: int = 3) -> dict:
                         "prompt": _tail(row["prompt"]), "gold": row["gold"],
                         "post": row["answers"][1], "pick": row["answers"][2]}
                        for row in rows if row["class"] == name][:shown] for name in SHOWN}
-    return {"file": SAMPLES_FILE, "rows": "every doc, its split in `split`", "split": "report", "pick": result.best.label,
+    return {"file": SAMPLES_FILE, "rows": "every doc, its split in `split`", "split": "report",
+            "pick": result.best.label,
             "counts": class_counts([(row["task"], row) for row in rows]),
             "groups": {name: by_group[name] for name in GROUPS if name in by_group},
             "without_text": sum(row["prompt"] is None or row["gold"] is None for row in rows),
