@@ -1,5 +1,6 @@
-"""What users can throw at `mergekit-lite merge`, through the real CLI in a subprocess (the table of refusals
-through the CLI's click group in-process, which handles errors exactly as the console script does).
+"""What users can throw at `mergekit-lite merge`, through the CLI's click group in this process (which handles
+errors exactly as the console script does), and in a real process where the process matters (signals, a full
+a kill midway, click's own usage error).
 
 Every bad input must end in one line on stderr (`error: ...` naming the file / tensor / key), exit code 2,
 no traceback, and no output folder that looks complete: the output does not exist and no
@@ -17,16 +18,14 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from test_safety import cli
 from tiny_models import save_random_pair, save_tiny_llama
 
-from cli.main import main
 from mergekit_lite.merge.methods import lerp
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
@@ -38,9 +37,8 @@ TARGET = "model.layers.1.self_attn.q_proj.weight"  # the tensor the cases break
 
 
 def run_cli(*args, timeout: float = 180) -> subprocess.CompletedProcess:
-    # a dry run does no math: the test run's own thread count, the one `calibrated_rates` measured at
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"} if "--dry-run" in args else ENV
-    return subprocess.run([str(CLI), "merge", *map(str, args)], capture_output=True, text=True, env=env,
+    """`mergekit-lite merge ARGS` in a real process (the rest run in this one through `cli`)."""
+    return subprocess.run([str(CLI), "merge", *map(str, args)], capture_output=True, text=True, env=ENV,
                           timeout=timeout)
 
 
@@ -366,17 +364,6 @@ ERROR_CASES = [
 ]
 
 
-def run_in_process(*args) -> subprocess.CompletedProcess:
-    """`mergekit-lite merge ARGS` through the CLI's own group in this process (CliRunner): the same error
-    handling as the console script without a torch import per run. Any warning is raised, so the one-line check
-    also covers what a fresh process would print besides the error."""
-    argv = ["merge", *map(str, args)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        result = CliRunner().invoke(main, argv)
-    return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)
-
-
 @pytest.fixture(scope="module")
 def error_runs(models, tmp_path_factory, request) -> dict[str, object]:
     """The selected rows' merges, in this process (the console script's own exit codes, stderr and clean-up
@@ -393,7 +380,7 @@ def error_runs(models, tmp_path_factory, request) -> dict[str, object]:
             except Exception as error:  # reported by the row, not by the fixture
                 outcomes[case.id] = error
                 continue
-            outcomes[case.id] = run_in_process(*args, "--out", out, "-q"), out
+            outcomes[case.id] = cli("merge", *args, "--out", out, "-q"), out
     finally:  # -q's quieting variables must not reach later tests' subprocesses (set up before restore_environment)
         os.environ.clear()
         os.environ.update(environment)
@@ -425,12 +412,12 @@ def test_mixed_dtypes_upcast_with_a_note(models, tmp_path, calibrated_rates):
     state = {name: tensor.to(torch.bfloat16) for name, tensor in load_state(models["other"]).items()}
     other_bf16 = save_single(tmp_path / "bf16", state, models["other"])
     out = tmp_path / "merged"
-    dry = run_cli(*lerp_args(models["base"], other_bf16), "--out", out, "--dry-run")
+    dry = cli("merge", *lerp_args(models["base"], other_bf16), "--out", out, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "note: inputs mix dtypes (bfloat16, float32): upcast to float32 for the math" in dry.stdout
     assert f"measured {calibrated_rates} at load " in dry.stdout  # the run's rates, not measured again
     assert not out.exists()
-    result = run_cli(*lerp_args(models["base"], other_bf16), "--out", out, "-q")
+    result = cli("merge", *lerp_args(models["base"], other_bf16), "--out", out, "-q")
     assert result.returncode == 0, result.stderr
     merged = load_state(out) if (out / "model.safetensors.index.json").exists() else load_file(out / "model.safetensors")
     expected = 0.5 * load_state(models["base"])[TARGET] + 0.5 * state[TARGET].float()
@@ -441,7 +428,7 @@ def test_mixed_dtypes_upcast_with_a_note(models, tmp_path, calibrated_rates):
 def test_pickle_weights_merge_with_allow_pickle(models, tmp_path):
     pickled = pickle_model(models, tmp_path)
     out = tmp_path / "merged"
-    result = run_cli(*lerp_args(models["base"], pickled), "--allow-pickle", "--out", out, "-q")
+    result = cli("merge", *lerp_args(models["base"], pickled), "--allow-pickle", "--out", out, "-q")
     assert result.returncode == 0, result.stderr
     merged, base, other = load_file(out / "model.safetensors"), load_state(models["base"]), load_state(models["other"])
     assert merged.keys() == base.keys()
@@ -451,7 +438,8 @@ def test_pickle_weights_merge_with_allow_pickle(models, tmp_path):
 
 def test_nonfinite_merges_with_allow_nonfinite(models, tmp_path):
     out = tmp_path / "merged"
-    result = run_cli(*lerp_args(models["base"], nan_model(models, tmp_path)), "--allow-nonfinite", "--out", out, "-q")
+    result = cli("merge", *lerp_args(models["base"], nan_model(models, tmp_path)), "--allow-nonfinite", "--out", out,
+                 "-q")
     assert result.returncode == 0, result.stderr
     merged = load_file(out / "model.safetensors")[TARGET]
     assert merged.flatten()[3].isnan() and torch.isfinite(merged).sum() == merged.numel() - 1
@@ -467,7 +455,7 @@ def test_zero_size_tensors_merge(models, tmp_path):
     for method in ("linear", "ties"):
         out = tmp_path / method
         args = lerp_args(*pair) if method == "linear" else ["--method", "ties", "--base", pair[0], "--model", pair[1]]
-        result = run_cli(*args, "--out", out, "-q")
+        result = cli("merge", *args, "--out", out, "-q")
         assert result.returncode == 0, result.stderr
         merged = load_file(out / "model.safetensors")
         assert merged["model.empty"].shape == (0, 3)
@@ -479,21 +467,21 @@ def test_zero_size_tensors_merge(models, tmp_path):
 
 def test_existing_output_refused_without_overwrite_replaced_with_it(models, tmp_path):
     out = tmp_path / "merged"
-    first = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "-q")
+    first = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "-q")
     assert first.returncode == 0, first.stderr
-    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "-q")
+    result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "-q")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: {out}: already exists (pass --overwrite to replace it)"
     assert partials(out) == []
 
     (out / "notes.txt").write_text("a file of the user's beside our output")
-    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
+    result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
     assert result.stderr.strip() == (f"error: {out}: holds files mergekit-lite did not write there (notes.txt); "
                                      "--overwrite replaces only a folder holding nothing but a mergekit-lite output, "
                                      "choose a new folder")
     assert result.returncode == 2 and (out / "notes.txt").read_text().startswith("a file of the user's")
     (out / "notes.txt").unlink()
-    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
+    result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
     assert result.returncode == 0, result.stderr
     assert (out / "model.safetensors").is_file() and partials(out) == []
 
@@ -516,7 +504,7 @@ def tiny_disk(tmp_path):
 
 def test_full_disk_is_one_line_and_leaves_nothing(models, tiny_disk):
     out = tiny_disk / "merged"
-    result = run_cli(*lerp_args(models["base"], models["other"]), "--out", out, "-q")
+    result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "-q")
     line = assert_clean_error(result, out, [r"No space left on device", r"merged\.partial-\d+/model\.safetensors"])
     assert list(tiny_disk.iterdir()) == [], line
 
@@ -536,13 +524,11 @@ def test_full_disk_for_run_folders_and_files_names_the_file_and_leaves_nothing(m
     marker, run folder or temp file left behind (an empty marker would make the folder look like ours)."""
     fill(tiny_disk)
     before = sorted(p.name for p in tiny_disk.iterdir())
-    sweep = subprocess.run([str(CLI), "sweep", "--pre", str(models["base"]), "--post", str(models["other"]),
-                            "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b", "--out", str(tiny_disk / "run")],
-                           capture_output=True, text=True, env=ENV, timeout=180)
+    sweep = cli("sweep", "--pre", models["base"], "--post", models["other"], "--alphas", "0,1", "--old-tasks", "a",
+                "--new-tasks", "b", "--out", tiny_disk / "run")
     assert sweep.returncode == 2 and "Traceback" not in sweep.stderr, sweep.stderr
     assert sweep.stderr.strip() == f"error: No space left on device ({tiny_disk / 'run' / '.mergekit-lite-output'})"
-    fingerprint = subprocess.run([str(CLI), "audit", "fingerprint", str(models["base"]), "--out",
-                                  str(tiny_disk / "fp.json"), "-q"], capture_output=True, text=True, env=ENV, timeout=180)
+    fingerprint = cli("audit", "fingerprint", models["base"], "--out", tiny_disk / "fp.json", "-q")
     assert fingerprint.returncode == 2 and "Traceback" not in fingerprint.stderr, fingerprint.stderr
     assert fingerprint.stderr == f"error: No space left on device ({tiny_disk / 'fp.json'})\n"
     assert sorted(p.name for p in tiny_disk.iterdir()) == before

@@ -9,25 +9,21 @@ timeout, so a hang fails the test instead of stalling the suite.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from test_safety import lm_eval_output, one_error_line, run, tree_hash
+from test_safety import cli, lm_eval_output, one_error_line, run, tree_hash
 from tiny_models import save_tiny_llama, tiny_llama
 
-from cli.main import main
 from mergekit_lite.io.outputs import OUTPUT_MARKER
 
 TARGET = "model.layers.1.self_attn.q_proj.weight"
@@ -59,14 +55,7 @@ def refused(folder: Path, *args, patterns=(), code: int = 2, timeout: float | No
     through the CLI's click group (the console script's error handling, without a torch import per run; any
     warning raised, so the one-line check also covers what a fresh process would print)."""
     before = tree_hash(folder)
-    if timeout is not None:
-        result = run(*args, cwd=folder, timeout=timeout)
-    else:
-        argv = list(map(str, args))
-        with contextlib.chdir(folder), warnings.catch_warnings():
-            warnings.simplefilter("error")
-            invoked = CliRunner().invoke(main, argv)
-        result = subprocess.CompletedProcess(argv, invoked.exit_code, invoked.stdout, invoked.stderr)
+    result = run(*args, cwd=folder, timeout=timeout) if timeout is not None else cli(*args, cwd=folder)
     line = one_error_line(result, code, *patterns)
     assert tree_hash(folder) == before
     return line
@@ -122,7 +111,7 @@ def legacy_marker(out: Path) -> str:
 def test_overwrite_refuses_a_merge_output_holding_anything_else(fresh, spoil):
     """A published merge downloaded next to a user's notes (or changed by them) is not replaced; its own files are
     named; an untouched output of ours still is replaced."""
-    assert run(*lerp("--out", "merged"), cwd=fresh).returncode == 0
+    assert cli(*lerp("--out", "merged"), cwd=fresh).returncode == 0
     pattern = spoil(fresh / "merged")
     refused(fresh, *lerp("--out", "merged", "--overwrite"),
             patterns=[r"^error: merged: holds files mergekit-lite did not write there", pattern])
@@ -131,8 +120,8 @@ def test_overwrite_refuses_a_merge_output_holding_anything_else(fresh, spoil):
 def test_overwrite_replaces_an_untouched_output_of_merge_and_of_extract(fresh):
     extract = ["extract", "--base", "pre", "--model", "post", "--rank", "2", "--out", "adapter"]
     for command in (lerp("--out", "merged"), extract):
-        assert run(*command, cwd=fresh).returncode == 0
-        again = run(*command, "--overwrite", cwd=fresh)
+        assert cli(*command, cwd=fresh).returncode == 0
+        again = cli(*command, "--overwrite", cwd=fresh)
         assert again.returncode == 0, again.stderr
     add_notes(fresh / "adapter")
     refused(fresh, *extract, "--overwrite",
@@ -269,7 +258,7 @@ def test_nuslerp_weights_without_a_direction_are_refused(fresh, weights):
 @pytest.mark.parametrize("alpha", [1e30, 1e38, -1e32])
 def test_an_adapter_whose_update_overflows_is_rejected_and_never_merged(fresh, alpha):
     edit_json(fresh / "lora" / "adapter_config.json", lora_alpha=alpha)
-    audit = run("audit", "lora", "--base", "pre", "--json", cwd=fresh)
+    audit = cli("audit", "lora", "--base", "pre", "--json", cwd=fresh)
     assert audit.returncode == 1, audit.stderr
     report = json.loads(audit.stdout)["reports"][0]
     assert report["verdict"] == "REJECTED" and "overflows float32" in report["checks"][0]["detail"]
@@ -282,7 +271,7 @@ def test_an_adapter_whose_update_overflows_is_rejected_and_never_merged(fresh, a
 def test_a_quantised_declared_base_fails(fresh, declared):
     """As the README's audit table says: REJECTED, whether or not the given base has a hub id to compare with."""
     edit_json(fresh / "lora" / "adapter_config.json", base_model_name_or_path=declared)
-    audit = run("audit", "lora", "--base", "pre", "--json", cwd=fresh)
+    audit = cli("audit", "lora", "--base", "pre", "--json", cwd=fresh)
     assert audit.returncode == 1, audit.stderr
     checks = {check["name"]: check for check in json.loads(audit.stdout)["reports"][0]["checks"]}
     assert checks["base-id"]["status"] == "fail" and "declares a quantised base" in checks["base-id"]["detail"]
