@@ -133,3 +133,17 @@ def lm_eval_checkpoint(toy_pair, lm_eval_runs, tmp_path_factory) -> Path:
     return once_per_run(tmp_path_factory, "lm_eval_checkpoint", lambda root: run_lm_eval(
         toy_pair.checkpoints[0], lm_eval_runs.tasks, lm_eval_runs.include_path, root / "step-25",
         limit=lm_eval_runs.limit))
+
+
+SWEEP_ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.fixture(scope="session")
+def linear_sweep(toy_pair, tmp_path_factory):
+    """One full linear sweep of the toy pair (alphas 0 to 1 by 0.25, every doc), once per test run and shared
+    by the xdist workers: a test that writes into its folder (a lock, a rerun) works on a copy."""
+    from mergekit_lite.sweep import SweepSettings, run_sweep
+
+    return once_per_run(tmp_path_factory, "linear_sweep", lambda folder: run_sweep(SweepSettings(
+        toy_pair.pre_dir, toy_pair.post_dir, "linear", SWEEP_ALPHAS, toy_pair.old_tasks, toy_pair.new_tasks,
+        toy_pair.task_dir, folder / "run", limit=None)))

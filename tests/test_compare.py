@@ -1,20 +1,19 @@
 """Several methods in one sweep: pre and post evaluated once and shared, each method an ordinary sweep, and the
 comparison's linear pick equal to a linear-only sweep's on the same grid and docs."""
 
+import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_safety import cli
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.sweep import method_settings, run_comparison, run_sweep
+from mergekit_lite.sweep import method_settings, run_comparison
 from mergekit_lite.sweep.store import POINTS_DIR
 
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 METHODS = ["linear", "task_arithmetic", "ties", "lines"]
-CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
 
 def shared(pair, out) -> dict:
@@ -41,8 +40,11 @@ def test_pre_and_post_are_evaluated_once_for_every_method(comparison):
         assert result.pre.old == comparison.pre.old and result.post.new == comparison.post.new
 
 
-def test_linear_pick_equals_a_linear_only_sweep_on_the_same_grid_and_split(toy_pair, comparison, tmp_path):
-    alone = run_sweep(method_settings(shared(toy_pair, tmp_path / "alone"), ["linear"])[0])
+def test_linear_pick_equals_a_linear_only_sweep_on_the_same_grid_and_split(toy_pair, comparison, linear_sweep):
+    """`linear_sweep` (tests/conftest.py) is run_sweep on the settings a linear-only comparison would give."""
+    alone = linear_sweep
+    [settings] = method_settings(shared(toy_pair, "elsewhere"), ["linear"])
+    assert dataclasses.replace(settings, out=alone.settings.out) == alone.settings
     row = next(row for row in comparison.rows if row.method == "linear")
     assert row.pick.alpha == alone.best.alpha
     assert (row.pick.old, row.pick.new, row.pick.harmonic_mean) == (alone.best.old, alone.best.new,
@@ -85,11 +87,10 @@ def test_bad_method_lists_fail_before_any_model_is_read(toy_pair, tmp_path):
 
 
 def test_cli_compares_methods_and_prints_a_summary(toy_pair, comparison):
-    result = subprocess.run([CLI, "sweep", "--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir,
-                             "--method", ",".join(METHODS), "--alphas", ",".join(map(str, ALPHAS)),
-                             "--old-tasks", ",".join(toy_pair.old_tasks), "--new-tasks", ",".join(toy_pair.new_tasks),
-                             "--include-path", toy_pair.task_dir, "--out", str(comparison.out), "-q"],
-                            capture_output=True, text=True, timeout=600)
+    result = cli("sweep", "--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--method", ",".join(METHODS),
+                 "--alphas", ",".join(map(str, ALPHAS)), "--old-tasks", ",".join(toy_pair.old_tasks),
+                 "--new-tasks", ",".join(toy_pair.new_tasks), "--include-path", toy_pair.task_dir,
+                 "--out", comparison.out, "-q")
     assert result.returncode == 0, result.stderr
     assert "evaluated 0 models" in result.stdout
     for method in METHODS:

@@ -40,10 +40,9 @@ def settings_for(pair, out, **changes) -> SweepSettings:
                          pair.old_tasks, pair.new_tasks, pair.task_dir, out, **options)
 
 
-@pytest.fixture(scope="module")
-def linear_sweep(toy_pair, tmp_path_factory):
-    """One full linear sweep shared by the end-to-end tests (they copy its folder before changing it)."""
-    return run_sweep(settings_for(toy_pair, tmp_path_factory.mktemp("sweep") / "run"))
+def test_the_shared_linear_sweep_is_this_files_settings(toy_pair, linear_sweep):
+    """`linear_sweep` (tests/conftest.py, one per test run) is the sweep `settings_for` describes."""
+    assert linear_sweep.settings == settings_for(toy_pair, linear_sweep.out)
 
 
 def test_parse_alphas_ranges_lists_and_errors():
@@ -199,19 +198,21 @@ def test_rerun_evaluates_only_the_missing_alpha_and_streaming_gives_the_same_sco
     assert [run.outcomes for run in after.tasks] == [run.outcomes for run in before.tasks]
 
 
-def test_a_held_lock_stops_a_second_sweep(linear_sweep):
-    with open(linear_sweep.out / LOCK_FILE, "a") as handle:
+def test_a_held_lock_stops_a_second_sweep(toy_pair, linear_sweep, tmp_path):
+    folder = Path(shutil.copytree(linear_sweep.out, tmp_path / "run"))
+    with open(folder / LOCK_FILE, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(InputError, match="another sweep is running"):
-            run_sweep(linear_sweep.settings)
+            run_sweep(settings_for(toy_pair, folder))
 
 
 @pytest.mark.parametrize("changes", [{"limit": 16}, {"method": "ties", "alphas": [0.5]}], ids=["limit", "method"])
-def test_rerun_with_other_settings_into_the_same_folder_fails(toy_pair, linear_sweep, changes):
-    before = {path: path.stat().st_mtime_ns for path in (linear_sweep.out / "points").iterdir()}
+def test_rerun_with_other_settings_into_the_same_folder_fails(toy_pair, linear_sweep, tmp_path, changes):
+    folder = Path(shutil.copytree(linear_sweep.out, tmp_path / "run"))
+    before = {path: path.stat().st_mtime_ns for path in (folder / "points").iterdir()}
     with pytest.raises(InputError, match="other settings"):
-        run_sweep(settings_for(toy_pair, linear_sweep.out, **changes))
-    assert {path: path.stat().st_mtime_ns for path in (linear_sweep.out / "points").iterdir()} == before
+        run_sweep(settings_for(toy_pair, folder, **changes))
+    assert {path: path.stat().st_mtime_ns for path in (folder / "points").iterdir()} == before
 
 
 @pytest.mark.parametrize("change", ["retrained", "resaved-as-one-file", "config"])
