@@ -17,6 +17,7 @@ import torch
 import yaml
 from mergekit_reference import mergekit_cli, run_mergekit, run_mergekit_batch
 from safetensors.torch import load_file
+from test_safety import cli
 from tiny_models import VOCAB, tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
@@ -324,24 +325,32 @@ def read_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def side_by_side(zoo) -> dict[str, tuple[Path, Path]]:
-    """Every config run as-is by mergekit (two at a time) and by mergekit-lite: name -> (theirs, ours)."""
+def mergekit_outputs(zoo) -> dict[str, tuple[Path, Path]]:
+    """Every config of this file (CONFIGS, SLICE_CONFIGS, REAL_CONFIGS) written out with the zoo's paths and run
+    as-is by mergekit, two at a time (its CLI itself for one config, the rest in one batch that pays mergekit's
+    imports once): name -> (config file, mergekit's output)."""
     mergekit_cli()
     root = zoo["root"]
     paths = {name: str(path) for name, path in zoo.items()}
     written = {}
-    for name, text in {**CONFIGS, **SLICE_CONFIGS}.items():
+    for name, text in {**CONFIGS, **SLICE_CONFIGS, **REAL_CONFIGS}.items():
         written[name] = root / f"{name}.yml"
         written[name].write_text(text.format(**paths).replace("@TEMPLATE@", json.dumps(TEMPLATE)))
     theirs = {name: root / f"mk-{name}" for name in written}
-    with ThreadPoolExecutor(max_workers=2) as pool:  # the CLI itself for one config, the rest in one batch
-        cli = pool.submit(run_mergekit, written["union"], theirs["union"])
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        alone = pool.submit(run_mergekit, written["union"], theirs["union"])
         run_mergekit_batch({written[name]: theirs[name] for name in written if name != "union"})
-        cli.result()
-    ours = {}
-    for name in CONFIGS:
-        ours[name] = run_merge(load_config(written[name]), root / f"lite-{name}").out
-    return {name: (theirs[name], ours.get(name), written[name]) for name in written}
+        alone.result()
+    return {name: (written[name], theirs[name]) for name in written}
+
+
+@pytest.fixture(scope="module")
+def side_by_side(zoo, mergekit_outputs) -> dict[str, tuple[Path, Path, Path]]:
+    """CONFIGS and SLICE_CONFIGS by mergekit and CONFIGS by mergekit-lite: name -> (theirs, ours, config)."""
+    ours = {name: run_merge(load_config(mergekit_outputs[name][0]), zoo["root"] / f"lite-{name}").out
+            for name in CONFIGS}
+    return {name: (mergekit_outputs[name][1], ours.get(name), mergekit_outputs[name][0])
+            for name in {**CONFIGS, **SLICE_CONFIGS}}
 
 
 @pytest.mark.parametrize("name", ["linear", "task_arithmetic_fp32", "ties", "ties_zero_sum", "dare_ties_no_drop",
@@ -644,26 +653,19 @@ name: Qwen2.5-7B-della
 
 
 @pytest.fixture(scope="module")
-def real_side_by_side(zoo) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess]]:
+def real_side_by_side(zoo, mergekit_outputs) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess]]:
     """Each real config through mergekit and through our CLI (which reads the file and re-reads it in our own
     schema, so every key has to survive that trip): name -> (theirs, ours, our CLI run)."""
-    mergekit_cli()
-    root = zoo["root"] / "real"
-    root.mkdir()
-    written = {}
-    for name, text in REAL_CONFIGS.items():
-        written[name] = root / f"{name}.yml"
-        written[name].write_text(text.format(**{k: str(v) for k, v in zoo.items()}))
-    run_mergekit_batch({path: root / f"mergekit-{name}" for name, path in written.items()})
-    return {name: (root / f"mergekit-{name}", root / f"lite-{name}", run_cli(path, root / f"lite-{name}"))
-            for name, path in written.items()}
+    outputs = {}
+    for name in REAL_CONFIGS:
+        config, theirs = mergekit_outputs[name]
+        outputs[name] = theirs, zoo["root"] / f"lite-{name}", run_cli(config, zoo["root"] / f"lite-{name}")
+    return outputs
 
 
 def run_cli(config: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
-    # a dry run does no math: the test run's own thread count, the one `calibrated_rates` measured at
-    env = dict(os.environ) if "--dry-run" in flags else {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([str(CLI), "merge", str(config), "--out", str(out), *flags], capture_output=True,
-                          text=True, env=env, timeout=300)
+    """`mergekit-lite merge CONFIG --out OUT` through the CLI's click group in this process."""
+    return cli("merge", config, "--out", out, *flags)
 
 
 @pytest.mark.parametrize("name", list(REAL_CONFIGS))
