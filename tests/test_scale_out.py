@@ -241,15 +241,25 @@ def local_points(toy_pair, tmp_path_factory):
     return scores(out)
 
 
-def stable_point_count(out: Path, quiet_seconds: float = 10) -> int:
-    """The number of point files once none has appeared for `quiet_seconds`."""
-    count, since = -1, time.monotonic()
-    while time.monotonic() - since < quiet_seconds:
-        now = len(list((out / POINTS_DIR).glob("*.json")))
-        if now != count:
-            count, since = now, time.monotonic()
-        time.sleep(0.5)
-    return count
+def wait_for_session_to_end(session: int, timeout: float = 60) -> None:
+    """Until no live process of `session` is left. Ray starts its workers in their own process groups of the
+    driver's session: they outlive a killed driver's group for a few seconds and may still save points."""
+    import psutil
+
+    def alive() -> list[int]:
+        found = []
+        for pid in psutil.pids():
+            try:
+                if os.getsid(pid) == session and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    found.append(pid)
+            except (OSError, psutil.Error):  # ended meanwhile
+                pass
+        return found
+
+    deadline = time.monotonic() + timeout
+    while alive():
+        assert time.monotonic() < deadline, f"processes of the killed sweep still running: {alive()}"
+        time.sleep(0.2)
 
 
 def sweep_command(pair, out: Path) -> list[str]:
@@ -271,7 +281,8 @@ def test_ray_sweep_gives_the_same_points_and_resumes_after_a_kill(toy_pair, loca
         time.sleep(0.5)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
-    finished_before = stable_point_count(out)  # Ray's workers outlive a killed driver for a moment
+    wait_for_session_to_end(first.pid)  # nothing of the first run can save a point after this
+    finished_before = len(list((out / POINTS_DIR).glob("*.json")))
     assert 1 <= finished_before
     second = subprocess.run(sweep_command(toy_pair, out), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr
