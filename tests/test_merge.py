@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
+from test_safety import cli
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from mergekit_lite.audited import merge_state_dict, run_merge
@@ -171,8 +172,7 @@ def test_dare_merges_record_their_mask_version_and_refuse_another(models, tmp_pa
     assert plain and "dare_mask_version" not in (tmp_path / "ties" / "mergekit_lite_config.yaml").read_text()
     old = tmp_path / "old.yaml"
     old.write_text(provenance.read_text().replace("dare_mask_version: 2", "dare_mask_version: 1"))
-    result = subprocess.run([CLI, "merge", str(old), "--out", str(tmp_path / "never"), "--quiet"],
-                            capture_output=True, text=True)
+    result = cli("merge", old, "--out", tmp_path / "never", "--quiet")
     assert result.returncode == 2 and not (tmp_path / "never").exists()
     assert result.stderr.count("\n") == 1 and "dare_mask_version 1" in result.stderr, result.stderr
 
@@ -280,9 +280,8 @@ def test_prefixed_names_and_tied_heads_are_mapped(models, tmp_path):
 def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path, calibrated_rates):
     """With the run's rates cached, a dry run reads them (prints when they were measured) and measures nothing."""
     out = tmp_path / "never"
-    result = subprocess.run([CLI, "merge", "--method", "ties", "--base", str(models["base"]), "--model",
-                             f"{models['a']}:0.5", "--density", "0.4", "--out", str(out), "--dry-run"],
-                            capture_output=True, text=True)
+    result = cli("merge", "--method", "ties", "--base", models["base"], "--model", f"{models['a']}:0.5",
+                 "--density", "0.4", "--out", out, "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "model.layers.0.mlp.down_proj.weight" in result.stdout and "densities=[0.4]" in result.stdout
     assert f"rates: {cost.cache_file()}, measured {calibrated_rates} at load " in result.stdout
@@ -311,13 +310,11 @@ def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_pat
         assert all(math.isfinite(part) and part > 0 for part in parts), (method, estimate)
         assert estimate.wall_s == pytest.approx(parts[0] + parts[1] + max(parts[2:])), method
         assert estimate.peak_rss >= rates.startup_rss + estimate.ring_bytes > rates.startup_rss, method
-    result = subprocess.run([CLI, "merge", "--method", "dare_ties", "--base", str(models["base"]), "--model",
-                             str(models["a"]), "--out", str(tmp_path / "never"), "--dry-run"],
-                            capture_output=True, text=True)
+    result = cli("merge", "--method", "dare_ties", "--base", models["base"], "--model", models["a"],
+                 "--out", tmp_path / "never", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "estimate on this machine: wall " in result.stdout and str(cost.cache_file()) in result.stdout
-    refused = subprocess.run([CLI, "merge", "--method", "linear", "--model", str(models["a"]), "--calibrate",
-                              "--out", str(tmp_path / "never")], capture_output=True, text=True)
+    refused = cli("merge", "--method", "linear", "--model", models["a"], "--calibrate", "--out", tmp_path / "never")
     assert refused.returncode == 2 and "--calibrate goes with --dry-run" in refused.stderr
     assert not (tmp_path / "never").exists()
 
@@ -339,8 +336,7 @@ def test_yaml_config_and_flags(models, tmp_path):
     config_file.write_text(f"method: linear\nbase: {models['base']}\nmodels:\n  - model: {models['a']}\n"
                            f"parameters:\n  alpha: 0.2\ndtype: fp16\n")
     out = tmp_path / "yaml-out"
-    result = subprocess.run([CLI, "merge", str(config_file), "--alpha", "0.6", "--out", str(out), "--quiet"],
-                            capture_output=True, text=True)
+    result = cli("merge", config_file, "--alpha", "0.6", "--out", out, "--quiet")
     assert result.returncode == 0, result.stderr
     pre, post, merged = read_model(models["base"]), read_model(models["a"]), read_model(out)
     name = "model.layers.1.self_attn.q_proj.weight"
