@@ -3,20 +3,18 @@ checked by PEFT itself and against mergekit-extract-lora run side by side."""
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from mergekit_reference import mergekit_cli
 from peft import PeftModel
 from safetensors.torch import load_file
+from test_safety import cli
 from tiny_models import tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mergekit_lite.merge.extract import extract_lora, low_rank_factors
 
-CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
 
 def test_low_rank_factors_are_the_best_rank_r_approximation():
@@ -83,8 +81,7 @@ def full_fine_tunes(tmp_path_factory):
 ])
 def test_full_rank_cli_adapter_merges_back_to_the_fine_tune_in_peft(label, extra, lora_bias, full_fine_tunes, tmp_path):
     base, tuned = full_fine_tunes[label]
-    result = subprocess.run([CLI, "extract", "--base", str(base), "--model", str(tuned), "--rank", "64",
-                             "--out", str(tmp_path / "lora"), *extra], capture_output=True, text=True)
+    result = cli("extract", "--base", base, "--model", tuned, "--rank", "64", "--out", tmp_path / "lora", *extra)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "lora" / "adapter_config.json").read_text())["lora_bias"] is lora_bias
     auto = Qwen2ForCausalLM if label == "qwen2" else LlamaForCausalLM
@@ -119,8 +116,7 @@ def test_factors_agree_with_mergekit_extract_lora(full_fine_tunes, tmp_path):
                              str(tmp_path / "theirs"), "--max-rank", "6", "--no-copy-tokenizer"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    ours = subprocess.run([CLI, "extract", "--base-model", str(base), "--model", str(tuned), "--out-path",
-                           str(tmp_path / "ours"), "--max-rank", "6"], capture_output=True, text=True)
+    ours = cli("extract", "--base-model", base, "--model", tuned, "--out-path", tmp_path / "ours", "--max-rank", "6")
     assert ours.returncode == 0, ours.stderr
     theirs_tensors = load_file(tmp_path / "theirs" / "adapter_model.safetensors")
     ours_tensors = load_file(tmp_path / "ours" / "adapter_model.safetensors")
