@@ -7,14 +7,12 @@ code's category means) are recomputed here in plain Python from the raw jsonl li
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_safety import cli
 
 from cli.main import main
 from mergekit_lite.evaluate.forgetting import Scoring, load_lm_eval_run
@@ -182,13 +180,10 @@ def test_sweep_cli_end_to_end_on_a_gsm8k_style_task_scores_like_the_lm_eval_file
     task: it runs lm-eval in-process; its pre/post outcomes must equal what the forgetting map reads from
     lm-eval's CLI files."""
     out = tmp_path / "run"
-    command = [str(Path(sys.executable).with_name("mergekit-lite")), "sweep", "--pre", str(toy_pair.pre_dir),
-               "--post", str(toy_pair.post_dir), "--alphas", "0.5", "--old-tasks", "toy_old,genmc_old,norm_old",
-               "--new-tasks", "gen_new", "--filter", "gen_new=flexible-extract", "--include-path",
-               str(lm_eval_runs.include_path), "--limit", str(lm_eval_runs.limit), "--bootstrap", "200",
-               "--out", str(out), "--quiet"]
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    done = cli("sweep", "--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--alphas", "0.5",
+               "--old-tasks", "toy_old,genmc_old,norm_old", "--new-tasks", "gen_new", "--filter",
+               "gen_new=flexible-extract", "--include-path", lm_eval_runs.include_path, "--limit", lm_eval_runs.limit,
+               "--bootstrap", "200", "--out", out, "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     scoring = Scoring.from_specs([], ["gen_new=flexible-extract"])

@@ -1,8 +1,6 @@
 """A LoRA adapter takes part in a merge as a task vector: streamed base + scaling*B@A, audited first."""
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.numpy import load_file, save_file
+from test_safety import cli
 from tiny_models import save_tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
@@ -17,8 +16,6 @@ from mergekit_lite.audited import run_merge
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.threads import torch_threads
-
-CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
 
 def train_adapter(base_dir, adapter_dir, seed, targets):
@@ -53,8 +50,8 @@ def read(folder):
 
 def test_adapter_merged_alone_equals_peft_merge_and_unload(setup, tmp_path):
     root, first, _ = setup
-    result = subprocess.run([CLI, "merge", "--method", "linear", "--base", str(root / "base"), "--model", str(first),
-                             "--alpha", "1", "--out", str(tmp_path / "out"), "--quiet"], capture_output=True, text=True)
+    result = cli("merge", "--method", "linear", "--base", root / "base", "--model", first, "--alpha", "1",
+                 "--out", tmp_path / "out", "--quiet")
     assert result.returncode == 0, result.stderr
     merged, expected = read(tmp_path / "out"), peft_merged(root / "base", first)
     assert set(merged) == set(expected)
@@ -147,9 +144,8 @@ def test_modules_to_save_head_on_a_tied_base_merges_untied(tmp_path):
                                LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
         train_lora(model, steps=4, seed=3).save_pretrained(tmp_path / "head-lora")
     assert "lm_head.weight" not in read(tmp_path / "tied")
-    result = subprocess.run([CLI, "merge", "--method", "linear", "--base", str(tmp_path / "tied"), "--model",
-                             str(tmp_path / "head-lora"), "--alpha", "1", "--out", str(tmp_path / "out"), "--quiet"],
-                            capture_output=True, text=True)
+    result = cli("merge", "--method", "linear", "--base", tmp_path / "tied", "--model", tmp_path / "head-lora",
+                 "--alpha", "1", "--out", tmp_path / "out", "--quiet")
     assert result.returncode == 0, result.stderr
     merged = LlamaForCausalLM.from_pretrained(tmp_path / "out")
     assert merged.config.tie_word_embeddings is False
