@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 
 # Short, varied prompts (facts, arithmetic, code, dialogue, prose); the same for every adapter so the numbers compare.
@@ -76,7 +77,8 @@ def load_causal_lm(base_dir, device: str):
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+        with interrupts.deferred():  # transformers builds the model through torch's device modes: see interrupts
+            model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     except Exception as error:  # transformers raises many types for an unloadable folder
         raise InputError(f"{base_dir}: cannot load the base as a causal LM for the behavioural check "
                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None

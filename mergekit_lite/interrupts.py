@@ -4,13 +4,22 @@ Python raises KeyboardInterrupt wherever the main thread happens to be, includin
 ThreadPoolExecutor's locks, which can leave a worker waiting forever on a lock the main thread held.
 Inside `deferred()` sections (the merge loop, writing and removing output folders) the handlers only
 record the signal, and the code calls `check()` between tensors, where nothing is locked. Elsewhere
-(loading models, lm-eval) they raise at once, as Ctrl-C normally does. Either way the exception is
+(lm-eval, forward passes) they raise at once, as Ctrl-C normally does. Either way the exception is
 `Interrupted`, which the CLI turns into one line and exit 128 + signal number (130 / 143).
+
+Some Python runs inside C++: torch's import and transformers building a model (torch's device modes call
+back into Python from pybind11). An exception raised there cannot always unwind through the C++ frames, and
+the process aborts ("terminate called after throwing an instance of 'pybind11::error_already_set'") instead
+of ending in one line. Those sections are deferred too: torch's import by `install()` (wherever it is first
+imported), model building by `deferred()` around it.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -37,17 +46,39 @@ def _handler(signum, frame) -> None:
         raise Interrupted(signum)
 
 
+class _DeferredTorchImport(importlib.abc.MetaPathFinder):
+    """Finds torch as Python would and runs its import inside `deferred()`; used once, then it steps aside."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            run_module = spec.loader.exec_module
+
+            def exec_module(module):
+                with deferred():
+                    run_module(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
 def install() -> None:
     """Route SIGINT and SIGTERM through the flag (main thread only, as `signal` requires).
 
-    Signals stay deferred until `started()`: while the CLI imports its modules, nothing could catch them.
-    A signal the parent set to be ignored (`nohup`, a background job of a script) stays ignored."""
+    Signals stay deferred until `started()`: while the CLI imports its modules, nothing could catch them;
+    later, torch's import is deferred wherever it happens. A signal the parent set to be ignored (`nohup`,
+    a background job of a script) stays ignored."""
     global _starting
     if threading.current_thread() is threading.main_thread():
         _starting = True
         for signum in HANDLED:
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, _handler)
+        if "torch" not in sys.modules:
+            sys.meta_path.insert(0, _DeferredTorchImport())
 
 
 def started() -> None:

@@ -818,6 +818,26 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
     assert interrupted >= STRESS_TRIES // 3, outcomes
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_torch_imports_ends_in_one_line_once_it_has_imported(tmp_path, work, signum):
+    """torch's import runs Python inside C++ (pybind11), where an exception cannot always unwind: the process
+    aborted once ("terminate called after throwing ... error_already_set"). A signal sent from inside that
+    import (an audit hook fires as torch._C loads) is acted on once torch has imported: one line, 128 + signal."""
+    program = ("import atexit, os, signal, sys, cli.main\n"
+               "def hook(event, args):\n"
+               "    if event == 'import' and args[0] == 'torch._C' and not hasattr(hook, 'sent'):\n"
+               f"        hook.sent = True; os.kill(os.getpid(), {int(signum)})\n"
+               "sys.addaudithook(hook)\n"
+               "atexit.register(lambda: print('sent', hasattr(hook, 'sent'),\n"
+               "                              'whole', 'torch.nn.functional' in sys.modules))\n"
+               "sys.argv[0] = 'mergekit-lite'\ncli.main.main()\n")
+    result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
+                             "--out", tmp_path / "merged"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert (result.returncode, result.stderr) == (128 + signum, f"interrupted ({signum.name})\n")
+    assert result.stdout == "sent True whole True\n"
+    assert not (tmp_path / "merged").exists() and not list(tmp_path.iterdir())
+
+
 def test_a_signal_during_the_exit_of_a_finished_run_is_quiet(tmp_path, work):
     """A signal after the output is in place, while the interpreter shuts down (here from an atexit callback,
     which runs last): the run still exits 0 with nothing on stderr, and its output is whole."""

@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
+from mergekit_lite import interrupts
+
 SUB_CONFIG_KEYS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
 # Far above any released model (Llama 3.1 405B: 126 layers; the largest MoE: a few hundred experts per layer), far
 # below what a config.json of a few bytes can ask for: building a skeleton costs time and memory per module even on
@@ -41,7 +43,7 @@ def _skeleton(config_json: str):
         config = transformers.AutoConfig.for_model(**data)
         architecture = next(iter(data.get("architectures") or []), None)
         model_class = getattr(transformers, architecture, None) if architecture else None
-        with torch.device("meta"):
+        with interrupts.deferred(), torch.device("meta"):  # Python called from C++: see interrupts
             if model_class is not None:
                 return model_class(config)
             return transformers.AutoModelForCausalLM.from_config(config)

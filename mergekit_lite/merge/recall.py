@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.validation import read_text, require_regular
 from mergekit_lite.merge.config import EMBED_RULES, MEDIAN_BANDWIDTH, check_bandwidth
@@ -397,7 +398,8 @@ def model_representations(model_dir: str, tokenizer, texts: list[str], device: s
     """Load one model, represent the texts, free it: peak memory stays one model."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with interrupts.deferred():  # transformers builds the model through torch's device modes: see interrupts
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     representations = token_mean_hidden_states(model, tokenizer, texts, device=device, max_length=max_length,
                                                special_tokens=special_tokens)
     del model

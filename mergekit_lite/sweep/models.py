@@ -9,6 +9,7 @@ import math
 import os
 from pathlib import Path
 
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.merge.config import RECALL_METHODS, MergeConfig
@@ -82,13 +83,16 @@ class ModelLoader:
         self.dtype, self.device = dtype, device
 
     def from_folder(self, folder) -> object:
-        return self._checked(str(folder), self.model_class.from_pretrained(
-            str(folder), dtype=self.dtype, output_loading_info=True))
+        with interrupts.deferred():  # transformers builds the model through torch's device modes: see interrupts
+            loaded = self.model_class.from_pretrained(str(folder), dtype=self.dtype, output_loading_info=True)
+        return self._checked(str(folder), loaded)
 
     def from_state(self, state: dict, what: str) -> object:
         """A model from on-disk tensor names (e.g. an adapter applied to pre, or a task vector)."""
-        return self._checked(what, self.model_class.from_pretrained(
-            None, config=self.config, state_dict=state, dtype=self.dtype, output_loading_info=True))
+        with interrupts.deferred():
+            loaded = self.model_class.from_pretrained(None, config=self.config, state_dict=state, dtype=self.dtype,
+                                                      output_loading_info=True)
+        return self._checked(what, loaded)
 
     def _checked(self, what, loaded):
         model, info = loaded
