@@ -6,6 +6,11 @@ from dataclasses import asdict, dataclass, field
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 VERIFIED, WARNED, REJECTED = "VERIFIED", "WARN", "REJECTED"
+SHOWN_NAMES = 3  # names a check's detail lists before "(+N more)"
+
+
+def shown_names(names: list[str]) -> str:
+    return ", ".join(names[:SHOWN_NAMES]) + (f" (+{len(names) - SHOWN_NAMES} more)" if len(names) > SHOWN_NAMES else "")
 
 
 @dataclass

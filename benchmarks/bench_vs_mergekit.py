@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     venv = Path(args.mergekit_venv) if args.mergekit_venv else None
     version = mergekit_version(venv)
     if version is None:
-        log(f"mergekit not found (set MERGEKIT_VENV or --mergekit-venv); measuring mergekit-lite alone")
+        log("mergekit not found (set MERGEKIT_VENV or --mergekit-venv); measuring mergekit-lite alone")
         venv = None
     import torch
 

@@ -175,7 +175,9 @@ def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, 
         from cli.main import quiet_third_party
 
         quiet_third_party()
-    from audits.adapter import AuditBase, AuditThresholds, audit_batch, find_adapters, read_adapter_list
+    from audits.adapter import audit_batch, find_adapters, read_adapter_list
+    from audits.base import AuditBase
+    from audits.thresholds import AuditThresholds
 
     names = [*adapters, *(read_adapter_list(from_file) if from_file else [])]
     if not names:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import click
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, Scoring, format_table, load_lm_eval_run
+from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, format_table
+from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 from mergekit_lite.evaluate.trajectory import (
     REPLAY_FORMATS,
     Trajectory,

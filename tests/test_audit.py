@@ -12,13 +12,7 @@ from tiny_models import VOCAB, tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
 from audits import fingerprint as fingerprint_module
-from audits.adapter import (
-    AuditThresholds,
-    audit_adapter,
-    find_adapters,
-    require_verified,
-    target_mismatch,
-)
+from audits.adapter import audit_adapter, find_adapters, require_verified, target_mismatch
 from audits.fingerprint import (
     FINGERPRINT_FILE,
     compute_fingerprint,
@@ -27,6 +21,7 @@ from audits.fingerprint import (
     write_fingerprint,
 )
 from audits.leakage import check_leakage, find_contamination
+from audits.thresholds import AuditThresholds
 from cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.threads import torch_threads

@@ -13,16 +13,12 @@ from hypothesis import strategies as st
 
 from cli.main import main
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import (
+from mergekit_lite.evaluate.forgetting import aggregate, compare, forgetting_map, forgetting_metrics, format_table
+from mergekit_lite.evaluate.outcomes import (
     LoadedRun,
     SampleOutcomes,
     ScoringRule,
     TaskSkipped,
-    aggregate,
-    compare,
-    forgetting_map,
-    forgetting_metrics,
-    format_table,
     load_lm_eval_run,
     outcomes_from_lm_eval,
 )

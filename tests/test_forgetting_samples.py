@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from mergekit_lite.evaluate.forgetting import SampleText, Scoring, load_lm_eval_run, sample_text
+from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
+from mergekit_lite.evaluate.records import SampleText, sample_text
 from mergekit_lite.evaluate.trajectory import heatmap_values, trajectory
 
 FILTER = "flexible-extract"

@@ -18,12 +18,12 @@ from click.testing import CliRunner
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.utils import filter_repo_objects
 from peft import LoraConfig, get_peft_model
-from safetensors.torch import load_file, save_file
 from tiny_models import tiny_llama, train_lora
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-import audits.adapter as adapter_module
+import audits.base as audit_base_module
 from audits.adapter import audit_adapter
+from audits.thresholds import AuditThresholds
 from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
 from cli.main import main
 from mergekit_lite.errors import InputError
@@ -124,10 +124,10 @@ def statuses(report) -> dict[str, str]:
 @pytest.mark.parametrize("name, verdict, failed", [("good", "VERIFIED", None), ("noop", "REJECTED", "delta"),
                                                    ("wrong", "REJECTED", "base-id")])
 def test_hub_ids_get_the_verdicts_of_their_folders(hub, offline_cache, name, verdict, failed, revision):
-    by_id = audit_adapter(f"tiny-org/{name}-lora{revision}", "tiny-org/base", thresholds=adapter_module.AuditThresholds(
+    by_id = audit_adapter(f"tiny-org/{name}-lora{revision}", "tiny-org/base", thresholds=AuditThresholds(
         min_total_norm=0.01))
     by_folder = audit_adapter(hub[name], hub["base"], base_id="tiny-org/base",
-                              thresholds=adapter_module.AuditThresholds(min_total_norm=0.01))
+                              thresholds=AuditThresholds(min_total_norm=0.01))
     assert by_id.verdict == by_folder.verdict == verdict, by_id.reasons
     assert statuses(by_id) == statuses(by_folder)
     assert by_id.adapter == f"tiny-org/{name}-lora{revision}" and by_id.base == "tiny-org/base"
@@ -226,9 +226,9 @@ class Counter:
 
 
 def test_a_batch_opens_and_measures_the_base_once(hub, offline_cache, tmp_path, monkeypatch):
-    opened, decomposed = Counter(adapter_module.open_model), Counter(adapter_module.top_singular)
-    monkeypatch.setattr(adapter_module, "open_model", opened)
-    monkeypatch.setattr(adapter_module, "top_singular", decomposed)
+    opened, decomposed = Counter(audit_base_module.open_model), Counter(audit_base_module.top_singular)
+    monkeypatch.setattr(audit_base_module, "open_model", opened)
+    monkeypatch.setattr(audit_base_module, "top_singular", decomposed)
     listing = tmp_path / "adapters.txt"
     by_id = [f"tiny-org/batch-{index:02d}" for index in range(0, BATCH, 2)]
     folders = [str(hub["batch"] / f"a{index:02d}") for index in range(1, BATCH, 2)]
@@ -342,7 +342,7 @@ def test_behaviour_in_a_batch_loads_the_base_once_and_gives_it_back_unchanged(hu
 
     loads = Counter(behaviour_module.load_causal_lm)
     monkeypatch.setattr(behaviour_module, "load_causal_lm", loads)
-    base = adapter_module.AuditBase.open(hub["base"])
+    base = audit_base_module.AuditBase.open(hub["base"])
     kl = lambda report: next(c for c in report.checks if c.name == "behaviour").measurements["mean_kl"]
     batch = [kl(audit_adapter(hub[name], base, behaviour=True)) for name in ("good", "wrong", "good")]
     assert len(loads.calls) == 1

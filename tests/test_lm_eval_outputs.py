@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from test_safety import cli
 
 from cli.main import main
-from mergekit_lite.evaluate.forgetting import Scoring, load_lm_eval_run
+from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 
 OLD = ["toy_old", "norm_old", "gen_old", "genmc_old"]
 NEW = ["toy_new", "gen_new"]

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import SampleOutcomes, aggregate, compare
+from mergekit_lite.evaluate.forgetting import aggregate, compare
+from mergekit_lite.evaluate.outcomes import SampleOutcomes
 from mergekit_lite.io.outputs import OUTPUT_MARKER
 from mergekit_lite.merge.recall import layer_weights
 from mergekit_lite.sweep import PointResult, SweepSettings, load_sweep_file, run_sweep
@@ -356,7 +357,7 @@ def test_sweep_example_config_is_valid(tmp_path):
 
 
 def test_a_task_with_a_non_binary_metric_is_skipped_with_a_warning_not_thresholded():
-    from mergekit_lite.evaluate.forgetting import Scoring
+    from mergekit_lite.evaluate.outcomes import Scoring
     from mergekit_lite.evaluate.lm_harness import TaskScore
     from mergekit_lite.sweep.scoring import score_task
 

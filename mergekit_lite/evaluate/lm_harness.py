@@ -15,11 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import (
-    SampleOutcomes,
-    ScoringRule,
-    outcomes_from_lm_eval,
-)
+from mergekit_lite.evaluate.outcomes import SampleOutcomes, ScoringRule, outcomes_from_lm_eval
 
 # Everything is local; without these, lm-eval/datasets may wait on a network that isn't there.
 # Set at import because huggingface_hub reads them once, when it is first imported.
@@ -31,7 +27,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 class TaskScore:
     """One task's lm-eval per-sample records and the task config lm-eval reports beside them.
 
-    Scores come from the records through `forgetting.outcomes_from_lm_eval`, the code that also reads
+    Scores come from the records through `outcomes.outcomes_from_lm_eval`, the code that also reads
     `--log_samples` files, so a sweep and `mergekit-lite forgetting` score a task the same way (same
     metric, filter and k) and any 0/1 metric lm-eval logs can be swept.
     """

@@ -2,7 +2,7 @@
 
 The forgetting map ("Mapping Post-Training Forgetting in Language Models at Scale", §2) counts transitions;
 this module names them: one row per compared (task, doc, seed) with each model's score, the prompt, the gold
-answer and each model's answer (`forgetting.sample_text`), the samples to replay ("Demystifying Language
+answer and each model's answer (`records.sample_text`), the samples to replay ("Demystifying Language
 Model Forgetting with Low-Rank Example Associations" replays the forgotten examples), and the map along a
 training run: checkpoint i is compared with checkpoint 0, exactly as the two-model map compares post with pre,
 with alert thresholds a training pipeline can stop on.
@@ -18,14 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import (
-    SHARES,
-    ForgettingMap,
-    GroupForgetting,
-    LoadedRun,
-    SampleOutcomes,
-    forgetting_map,
-)
+from mergekit_lite.evaluate.forgetting import SHARES, ForgettingMap, GroupForgetting, forgetting_map
+from mergekit_lite.evaluate.outcomes import LoadedRun, SampleOutcomes
 
 OUTCOMES = {(True, True): "kept", (False, True): "gained", (True, False): "forgotten", (False, False): "never"}
 REPLAY_FORMATS = ("prompt-completion", "messages")
@@ -77,7 +71,7 @@ def doc_order(outcomes: SampleOutcomes) -> list[str]:
 def sample_row(outcomes: Sequence[SampleOutcomes], key: str, seed: str) -> dict:
     """One sample across models (the first is the reference): `scores` and `answers` in the models' order,
     `outcome` the transition from the first to the last (for two models: pre -> post), the prompt, gold and
-    replay completion from the reference's record (`forgetting.sample_text`)."""
+    replay completion from the reference's record (`records.sample_text`)."""
     reference = outcomes[0]
     scores = [outcome.correct[key] for outcome in outcomes]
     text = reference.texts.get(key)

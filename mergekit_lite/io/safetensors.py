@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import DirectFile
-from mergekit_lite.io.layout import INDEX_FILE, MAX_READ_BYTES, SINGLE_FILE, WEIGHT_SUFFIXES
+from mergekit_lite.io.layout import INDEX_FILE, MAX_READ_BYTES, SINGLE_FILE
 from mergekit_lite.io.validation import open_regular, parse_json, read_json, require_regular_inside, validate
 
 SAFETENSORS_DTYPES = {

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import SampleOutcomes
+from mergekit_lite.evaluate.outcomes import SampleOutcomes
 from mergekit_lite.sweep.result import ProbeTrace
 from mergekit_lite.sweep.scoring import GROUPS, PointResult, TaskRun, doc_splits, paired_bootstrap, summarise
 from mergekit_lite.sweep.search import (

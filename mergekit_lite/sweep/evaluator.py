@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mergekit_lite.evaluate.forgetting import logged_names
+from mergekit_lite.evaluate.records import logged_names
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.sweep.models import ModelLoader, ResidentPair, fits_in_memory, post_model
 from mergekit_lite.sweep.scoring import TaskRun, score_task

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import NO_SEED
+from mergekit_lite.evaluate.outcomes import NO_SEED
 from mergekit_lite.evaluate.trajectory import OUTCOMES, doc_order, jsonl, replay_records, sample_row
 from mergekit_lite.io.outputs import check_output_file, write_atomic
 from mergekit_lite.sweep.result import SweepResult

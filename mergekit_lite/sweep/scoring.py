@@ -12,16 +12,9 @@ import warnings
 from dataclasses import dataclass, field
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import (
-    GroupForgetting,
-    SampleOutcomes,
-    SampleText,
-    Scoring,
-    TaskForgetting,
-    TaskSkipped,
-    aggregate,
-    compare,
-)
+from mergekit_lite.evaluate.forgetting import GroupForgetting, TaskForgetting, aggregate, compare
+from mergekit_lite.evaluate.outcomes import SampleOutcomes, Scoring, TaskSkipped
+from mergekit_lite.evaluate.records import SampleText
 from mergekit_lite.sweep.search import harmonic_mean
 from mergekit_lite.sweep.settings import SweepSettings
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
-from mergekit_lite.evaluate.forgetting import AGGREGATIONS, Scoring
+from mergekit_lite.evaluate.forgetting import AGGREGATIONS
+from mergekit_lite.evaluate.outcomes import Scoring
 from mergekit_lite.io.layout import content_identity
 from mergekit_lite.io.validation import read_yaml, require_regular, validate
 from mergekit_lite.merge.config import DTYPES, MAIN_COEFFICIENT, METHOD_PARAMETERS, METHODS, RECALL_METHODS, MergeConfig
