@@ -182,11 +182,22 @@ class ModelSource:
         float8 tensors come back upcast to float32 (exact): torch has almost no float8 kernels, and the
         merge stores them back in the planned dtype (`dtype(name)` still reports the stored one)."""
         entry = self.entry(name)
-        buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into[:entry.nbytes]
-        if entry.nbytes:
-            if read_at(self._handle(entry.file), memoryview(buffer.numpy()), entry.offset) != entry.nbytes:
-                raise InputError(f"{entry.file}: truncated file (tensor {name})")
-        tensor = buffer.view(entry.dtype).reshape(entry.shape)
+        return self._read(entry, entry.offset, entry.nbytes, entry.shape, into)
+
+    def load_rows(self, name: str, begin: int, end: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [begin, end) of one tensor (its first dimension), read as `load` reads the whole."""
+        entry = self.entry(name)
+        row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+        shape = (end - begin, *entry.shape[1:])
+        return self._read(entry, entry.offset + begin * row_bytes, (end - begin) * row_bytes, shape, into)
+
+    def _read(self, entry: TensorEntry, offset: int, nbytes: int, shape: tuple[int, ...],
+              into: torch.Tensor | None) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8) if into is None else into[:nbytes]
+        if nbytes:
+            if read_at(self._handle(entry.file), memoryview(buffer.numpy()), offset) != nbytes:
+                raise InputError(f"{entry.file}: truncated file (tensor {entry.name})")
+        tensor = buffer.view(entry.dtype).reshape(shape)
         return tensor.float() if entry.dtype in FLOAT8 else tensor
 
     def _handle(self, file: Path):
@@ -376,20 +387,30 @@ class ShardedWriter:
             f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         self._queue = [(shard_index, tensor) for shard_index, shard in enumerate(self.shards) for tensor in shard]
         self._position = 0
+        self._rows_written = 0  # of the tensor at `_position`, when it comes in row slabs
         self._open_shard = -1
         self._handle = None
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
+        """Append the planned tensor `name`, whole or as its rows from `first_row` on (row slabs, in order)."""
         shard_index, planned = self._queue[self._position]
-        if name != planned.name or tuple(tensor.shape) != planned.shape or tensor.dtype != planned.dtype:
-            raise RuntimeError(f"writer expected {planned}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        shape = tuple(tensor.shape)
+        fits = shape == planned.shape if not planned.shape else (
+            shape[1:] == planned.shape[1:] and first_row == self._rows_written
+            and first_row + shape[0] <= planned.shape[0])
+        if name != planned.name or not fits or tensor.dtype != planned.dtype:
+            raise RuntimeError(f"writer expected {planned} from row {self._rows_written}, got {name} {shape} "
+                               f"{tensor.dtype} from row {first_row}")
         with self._naming_failed_file():
             if shard_index != self._open_shard:
                 self._start_shard(shard_index)
-            if planned.nbytes:
+            if tensor.numel():
                 data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
                 self._handle.write(memoryview(data.numpy()))
-        self._position += 1
+        self._rows_written += shape[0] if shape else 0
+        if not planned.shape or self._rows_written == planned.shape[0]:
+            self._position += 1
+            self._rows_written = 0
 
     @contextmanager
     def _naming_failed_file(self):

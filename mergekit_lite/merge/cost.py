@@ -5,7 +5,7 @@ The model follows the engine's structure: a merge run as a process is start-up, 
 (memory copies from the page cache, which take the cores the math needs, so they add up), then the math and the
 writing side by side (shards go to the device past the page cache, `io/direct.py`, while the next steps are
 merged), so whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
-measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs, exact
+measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
 from the plan) and the method's working memory: a few chunks' temporaries, or for the methods that hold whole
 tensors (`engine.holds_whole_tensors`) bytes per element of the step.
 """
@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 import mergekit_lite
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter, read_at
-from mergekit_lite.merge import engine
+from mergekit_lite.merge import engine, slabs
 from mergekit_lite.merge.config import METHODS
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
@@ -144,7 +144,7 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
                  for step in merged)
-    ring = max((engine.input_bytes(plan, step) for step in plan.steps), default=0)
+    ring = slabs.ring_capacity(plan)
     working = max((_working_memory(rates, method, step) for step in merged), default=0)
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
     return Estimate(plan.config.method, rates.startup_s + read_s + max(math_s, write_s), rates.startup_s, read_s,

@@ -20,7 +20,7 @@ import yaml
 from mergekit_lite import interrupts
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.buffers import BufferRing, aligned, reuse_freed_memory
+from mergekit_lite.io.buffers import BufferRing, reuse_freed_memory
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.outputs import (
     atomic_output_dir,
@@ -31,7 +31,7 @@ from mergekit_lite.io.outputs import (
 from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, write_card
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource
-from mergekit_lite.merge import methods, recipes
+from mergekit_lite.merge import methods, recipes, slabs
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.plan import (
     PROVENANCE_FILE,
@@ -61,8 +61,9 @@ def magprune_generator(seed: int, tensor_name: str, model_index: int) -> torch.G
 
 
 def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor],
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, first_element: int = 0) -> torch.Tensor:
     """Apply the method to one tensor's inputs (input 0 is the base where the method has one), into `out`.
+    The inputs may be a row slab of the step's tensors (merge/slabs.py) starting at flat index `first_element`.
 
     Per-tensor statistics (SLERP's angle, the Gram matrices of the geometric methods, TIES's trim
     thresholds, Breadcrumbs' bands) come from the whole tensors; the elementwise rest runs in cache-sized
@@ -77,10 +78,10 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     whole = _whole_tensor_merge(config, step, tensors)
     if whole is not None:
         return whole.to(step.out_dtype) if out is None else out.copy_(whole)
-    combine = _chunk_combiner(config, step, tensors)
+    combine = _chunk_combiner(config, step, tensors, first_element)
     flats = [tensor.reshape(-1) for tensor in tensors]
     if out is None:
-        out = torch.empty(step.shape, dtype=step.out_dtype, device=flats[0].device)
+        out = torch.empty(tensors[0].shape, dtype=step.out_dtype, device=flats[0].device)
     out_flat = out.view(-1)
     with torch_threads(chunk_threads(config.method)):
         for begin in range(0, out_flat.numel(), methods.ELEMENTWISE_CHUNK):
@@ -127,7 +128,7 @@ def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[tor
     return None
 
 
-def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]):
+def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor], first_element: int = 0):
     """The elementwise part of the method, with its per-tensor statistics bound in."""
     parameters = step.parameters
     method = config.method
@@ -160,7 +161,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     keeps = None
     if recipe.sparsifier == "random":
         keys = [dare_key(config.seed, step.name, i) for i in range(len(tensors) - 1)]
-        keeps = KeepsAhead(keys, parameters["drops"], tensors[0].numel(), methods.ELEMENTWISE_CHUNK)
+        keeps = KeepsAhead(keys, parameters["drops"], tensors[0].numel(), methods.ELEMENTWISE_CHUNK, first_element)
     return lambda chunk: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
         thresholds=thresholds, drops=parameters.get("drops"), keeps=None if keeps is None else keeps.take(),
@@ -174,9 +175,10 @@ class KeepsAhead:
     (chunk, model) is a job of its own, run in any order; a merge that stops taking leaves at most `depth` chunks
     drawn."""
 
-    def __init__(self, keys: list[int], drops: list[float], total: int, chunk: int, depth: int = 4):
+    def __init__(self, keys: list[int], drops: list[float], total: int, chunk: int, first: int = 0, depth: int = 4):
+        """`total` entries from flat index `first` of the models' tensors (a row slab's), in chunks of `chunk`."""
         self._models = list(zip(keys, drops))
-        self._chunks = iter([(begin, min(chunk, total - begin)) for begin in range(0, total, chunk)])
+        self._chunks = iter([(first + begin, min(chunk, total - begin)) for begin in range(0, total, chunk)])
         self._ahead: deque[list[Future]] = deque()
         for _ in range(depth):
             self._start_next()
@@ -215,8 +217,8 @@ def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list
     return [1.0 - math.fsum(weights), *weights] if has_base else weights
 
 
-def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress: bool = False,
-            sink_keeps_tensors: bool = False) -> None:
+def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
+            sink_keeps_tensors: bool = False, in_slabs: bool = False) -> None:
     """Stream every step: read its inputs, check them, merge (or copy), hand the result to `sink`.
 
     Three threads overlap: a reader fills the coming steps' inputs and checks them while step i is merged, and a
@@ -225,7 +227,9 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
     its slot is written), so memory stays bounded by that ring and no tensor pays for fresh pages; a step's
     block is free again once it is written, which is what holds a reader that runs ahead. Neither queue is
     waited on in between, so a slow disk and slow math overlap instead of taking turns. With
-    `sink_keeps_tensors` (an in-memory merge) each result is given its own memory.
+    `sink_keeps_tensors` (an in-memory merge) each result is given its own memory. With `in_slabs` the large
+    tensors of elementwise methods go through in row slabs (merge/slabs.py; same bytes), handed to the sink as
+    `sink(name, rows, first_row)`, so the ring holds a few slabs instead of the largest tensor's inputs.
 
     On a GPU the ring is pinned: inputs go up with non-blocking copies while the reader fills the next block,
     results come back cast to the output dtype, and the host waits for the device once per step.
@@ -235,31 +239,34 @@ def execute(plan: MergePlan, sink: Callable[[str, torch.Tensor], None], progress
     config = plan.config
     device = usable_device(config.device)
     reuse_freed_memory()
-    ring = BufferRing(max((input_bytes(plan, step) for step in plan.steps), default=0), pin=device.type == "cuda")
+    units = slabs.parts(plan, in_slabs)
+    ring = BufferRing(slabs.ring_capacity(plan, in_slabs), pin=device.type == "cuda")
+    copies: dict[str, bool] = {}  # a slabbed step's copy decision, made by the reader at its first slab
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
         # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
-        reads: deque[Future] = deque(reader.submit(_read_step, plan, step, ring) for step in plan.steps)
+        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, copies) for part in units)
         writes: deque[Future] = deque()
         write_failed = threading.Event()
         try:
-            for step in plan.steps:
+            for part in units:
                 interrupts.check()  # signals are handled here, never inside the executors' locks
                 block, tensors, copied = reads.popleft().result()
+                step = part.step
                 if copied:
                     merged = tensors[0].to(step.out_dtype)
                 else:
                     merged = merge_tensor(config, step, [t.to(device, non_blocking=True) for t in tensors],
-                                          _output_slot(step, tensors[0], block))
+                                          _output_slot(part, tensors[0], block), part.first_element)
                 _wait_for(device)
                 del tensors
                 if sink_keeps_tensors and _within(merged, block):
                     merged = merged.clone()
                 while writes and writes[0].done():
                     writes.popleft().result()  # a failed write or check stops the merge here
-                writes.append(writer.submit(_write_step, plan, step, sink, merged, ring, block, write_failed))
-                bar.update(step.nbytes)
+                writes.append(writer.submit(_write_step, plan, part, sink, merged, ring, block, write_failed))
+                bar.update(part.nbytes)
             while writes:
                 writes.popleft().result()
         finally:
@@ -306,49 +313,69 @@ def math_threads(compute_bound: bool = False) -> int:
 
 
 def input_bytes(plan: MergePlan, step: TensorStep) -> int:
-    """The step's block of the ring: every input it reads, page-aligned."""
-    return sum(_block_sizes(plan, step))
+    """The bytes a step reads: every input, page-aligned."""
+    return sum(slabs.block_sizes(plan, slabs.Part(step)))
 
 
-def _block_sizes(plan: MergePlan, step: TensorStep) -> list[int]:
-    """Each input's share of the step's ring block, page-aligned so every tensor view is aligned."""
-    inputs = plan.inputs_of(step)[:1] if step.action == "copy" else plan.inputs_of(step)
-    return [aligned(math.prod(step.shape) * source.dtype(name).itemsize) for source, name in inputs]
+def _load(plan: MergePlan, part: slabs.Part, block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    tensors, offset = [], 0
+    for (source, name), size in zip(plan.inputs_of(part.step), sizes):
+        into = block[offset:offset + size]
+        tensors.append(source.load(name, into) if part.rows is None else source.load_rows(name, *part.rows, into))
+        offset += size
+    return tensors
 
 
-def _read_step(plan: MergePlan, step: TensorStep, ring: BufferRing) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
-    """The reader thread's job: one ring block holding every input of `step` (waits while the ring is full),
-    whether the step is a plain copy (identical inputs), and the inputs' finite check where the method needs it.
+def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing,
+               copies: dict[str, bool]) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+    """The reader thread's job: one ring block holding every input of `part` (waits while the ring is full),
+    whether its step is a plain copy (identical inputs), and the inputs' finite check where the method needs it.
 
     The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
-    it runs on one thread, and fine-tuned inputs differ in their first entries.
+    it runs on one thread, and fine-tuned inputs differ in their first entries. A step in slabs is a copy when
+    every slab is identical, decided at its first slab (`_identical_in_slabs`), as a whole step would be.
     """
-    sizes = _block_sizes(plan, step)
+    step = part.step
+    sizes = slabs.block_sizes(plan, part)
     block = ring.take(sum(sizes))
-    tensors, offset = [], 0
-    for (source, name), size in zip(plan.inputs_of(step), sizes):
-        tensors.append(source.load(name, block[offset:offset + size]))
-        offset += size
     with torch_threads(1):
-        copied = step.action == "copy" or _all_identical(tensors)
+        if part.rows is None:
+            tensors = _load(plan, part, block, sizes)
+            copied = step.action == "copy" or _all_identical(tensors)
+        else:
+            if part.rows[0] == 0:
+                copies[step.name] = _identical_in_slabs(plan, step, part.rows[1], block)
+            copied = copies[step.name]
+            tensors = _load(plan, part, block, sizes)
         if not (copied or plan.config.allow_nonfinite) and sparsifies(plan.config.method):
             _FiniteChecks(plan, step).of_inputs(tensors)
     return block, tensors, copied
 
 
-def _output_slot(step: TensorStep, first: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+def _identical_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> bool:
+    """Whether every input holds the same tensor, compared slab by slab in `block` up to the first difference
+    (fine-tuned inputs differ in their first slab, so this reads little more than one slab)."""
+    for begin in range(0, step.shape[0], rows):
+        part = slabs.Part(step, (begin, min(begin + rows, step.shape[0])))
+        if not _all_identical(_load(plan, part, block, slabs.block_sizes(plan, part))):
+            return False
+    return True
+
+
+def _output_slot(part: slabs.Part, first: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     """Where a merged result goes: over its first input's bytes when that input was read into the ring block
     and the output dtype is no wider, else new host memory (e.g. a float32 output of bf16 inputs)."""
-    if first.data_ptr() == block.data_ptr() and step.out_dtype.itemsize <= first.dtype.itemsize:
-        return block[:step.nbytes].view(step.out_dtype).view(step.shape)
-    return torch.empty(step.shape, dtype=step.out_dtype)
+    out_dtype = part.step.out_dtype
+    if first.data_ptr() == block.data_ptr() and out_dtype.itemsize <= first.dtype.itemsize:
+        return block[:part.nbytes].view(out_dtype).view(part.shape)
+    return torch.empty(part.shape, dtype=out_dtype)
 
 
 def _within(tensor: torch.Tensor, block: torch.Tensor) -> bool:
     return block.data_ptr() <= tensor.data_ptr() < block.data_ptr() + max(block.numel(), 1)
 
 
-def _write_step(plan: MergePlan, step: TensorStep, sink, merged: torch.Tensor, ring: BufferRing,
+def _write_step(plan: MergePlan, part: slabs.Part, sink, merged: torch.Tensor, ring: BufferRing,
                 block: torch.Tensor, failed: threading.Event) -> None:
     """The writer thread's job: check the result (on one thread, beside the math) and hand it to `sink`; the
     step's ring block is free again once that is done. After a failed write or check the queued steps are skipped,
@@ -356,10 +383,14 @@ def _write_step(plan: MergePlan, step: TensorStep, sink, merged: torch.Tensor, r
     try:
         if failed.is_set():
             return
+        step = part.step
         if not plan.config.allow_nonfinite:
             with torch_threads(1):
                 _FiniteChecks(plan, step).of_result(merged)
-        sink(step.name, merged)
+        if part.rows is None:
+            sink(step.name, merged)
+        else:
+            sink(step.name, merged, part.rows[0])
     except BaseException:
         failed.set()
         raise
@@ -444,7 +475,7 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
         with ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                            config.out_shard_size) as writer:
-            execute(plan, writer.write, progress=progress)
+            execute(plan, writer.write, progress=progress, in_slabs=True)
             writer.close()
         _write_side_files(plan, folder)
         write_card(folder, merge_card(config, reports, card_sections))

@@ -1,0 +1,97 @@
+"""Large tensors merged in row slabs, so the engine holds a few slabs at a time, not the largest tensor's inputs.
+
+A method whose every output entry depends only on the same entry of each input (and, for DARE, on that entry's
+own draw: `methods.keep_indicator`) gives the same bytes whether a tensor is merged whole or a band of rows at a
+time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
+masks drawn per chunk, are exactly the whole tensor's. Methods with per-tensor statistics (SLERP's angle, TIES's
+trim thresholds, the Gram matrices of the geometric methods, the L1 rescales, row-wise variants) read whole
+tensors as before; so do inputs that are not plain safetensors (adapters, pickles, untied heads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mergekit_lite.io.buffers import aligned
+from mergekit_lite.io.safetensors import ModelSource
+from mergekit_lite.merge import methods, recipes
+from mergekit_lite.merge.plan import MergePlan, TensorStep
+
+SLAB_BYTES = 32 << 20  # the inputs' bytes one slab reads, all inputs together
+RING_SLABS = 3  # slabs in flight: one being read, one in the math, one being written
+ELEMENTWISE_METHODS = ("linear", "recall", "recall_lerp", "ema", "passthrough", "lines", "nearswap")
+
+
+def merges_elementwise(method: str, parameters: dict) -> bool:
+    """Whether each output entry of `method` depends on the same entry of the inputs alone (see the module)."""
+    if method in ELEMENTWISE_METHODS:
+        return True
+    recipe = recipes.TASK_VECTOR_METHODS.get(method)
+    return recipe is not None and recipe.sparsifier in (None, "random")
+
+
+@dataclass(frozen=True)
+class Part:
+    """A step of the plan, whole (`rows` None) or one band of its rows [begin, end)."""
+
+    step: TensorStep
+    rows: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.step.shape if self.rows is None else (self.rows[1] - self.rows[0], *self.step.shape[1:])
+
+    @property
+    def first_element(self) -> int:
+        """The flat index, in the step's tensor, of the part's first entry."""
+        return 0 if self.rows is None else self.rows[0] * math.prod(self.step.shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        """The part's bytes in the output."""
+        return math.prod(self.shape) * self.step.out_dtype.itemsize
+
+
+def slab_rows(plan: MergePlan, step: TensorStep) -> int | None:
+    """Rows per slab when `step` is merged in slabs, else None: a merged (not copied) tensor of plain safetensors
+    inputs whose method merges elementwise and whose inputs exceed SLAB_BYTES."""
+    inputs = plan.inputs_of(step)
+    if step.action != "merge" or len(step.shape) < 2 or not merges_elementwise(plan.config.method, step.parameters) \
+            or any(type(source) is not ModelSource for source, _ in inputs):
+        return None
+    row_elements = math.prod(step.shape[1:])
+    row_bytes = sum(row_elements * source.dtype(name).itemsize for source, name in inputs)
+    unit = methods.ELEMENTWISE_CHUNK // math.gcd(row_elements, methods.ELEMENTWISE_CHUNK)  # rows per whole chunk
+    rows = SLAB_BYTES // max(row_bytes, 1) // unit * unit
+    return rows if 0 < rows < step.shape[0] else None
+
+
+def parts(plan: MergePlan, slabs: bool = True) -> list[Part]:
+    """The plan's steps in order, each whole or (with `slabs`) cut into row slabs where `slab_rows` allows."""
+    found = []
+    for step in plan.steps:
+        rows = slab_rows(plan, step) if slabs else None
+        if rows is None:
+            found.append(Part(step))
+        else:
+            found.extend(Part(step, (begin, min(begin + rows, step.shape[0])))
+                         for begin in range(0, step.shape[0], rows))
+    return found
+
+
+def block_sizes(plan: MergePlan, part: Part) -> list[int]:
+    """Each input's share of the part's ring block, page-aligned so every tensor view is aligned."""
+    step = part.step
+    inputs = plan.inputs_of(step)[:1] if step.action == "copy" else plan.inputs_of(step)
+    return [aligned(math.prod(part.shape) * source.dtype(name).itemsize) for source, name in inputs]
+
+
+def ring_capacity(plan: MergePlan, slabs: bool = True) -> int:
+    """The engine's ring: the largest part's inputs, with room for RING_SLABS slabs where the plan has slabs, and
+    never more than the largest whole step's inputs."""
+    found = parts(plan, slabs)
+    largest = max((sum(block_sizes(plan, part)) for part in found), default=0)
+    slab = max((sum(block_sizes(plan, part)) for part in found if part.rows is not None), default=0)
+    whole = max((sum(block_sizes(plan, Part(step))) for step in plan.steps), default=0)
+    return min(max(largest, RING_SLABS * slab), whole)

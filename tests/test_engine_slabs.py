@@ -1,0 +1,118 @@
+"""Large tensors merged in row slabs (merge/slabs.py) give the bytes of whole-tensor merges, for every method that
+merges elementwise, including DARE's masks, a tensor every input holds alike (copied through, not merged) and
+one alike only in its first rows (merged, as whole: no slab of it is copied on its own); and the ring shrinks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mergekit_lite.audited import run_merge
+from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter
+from mergekit_lite.merge import slabs
+from mergekit_lite.merge.plan import plan_merge
+from mergekit_lite.merge.schema import config_from_dict
+
+ROWS, WIDTH = 2600, 512  # 1.3 M entries: slabs of whole chunks (512 rows each) and a short last one
+SMALL_SLABS = 4 << 20  # 2 to 6 slabs of each large tensor
+
+
+def save_models(root, dtype) -> list[str]:
+    """Three models: a tensor that differs, one alike in its first 1200 rows only, one alike everywhere, one of odd
+    width (its slabs could not start at whole chunks: merged whole), and a vector."""
+    generator = torch.Generator().manual_seed(7)
+    shared = {name: torch.randn(ROWS, WIDTH, generator=generator) for name in ("frozen", "same")}
+    folders = []
+    for index in range(3):
+        frozen = shared["frozen"].clone()
+        frozen[1200:] = torch.randn(ROWS - 1200, WIDTH, generator=generator)
+        tensors = {
+            "model.layers.0.mlp.up_proj.weight": torch.randn(ROWS, WIDTH, generator=generator),
+            "model.layers.1.mlp.up_proj.weight": frozen,
+            "model.layers.1.mlp.down_proj.weight": shared["same"],
+            "model.layers.0.self_attn.o_proj.weight": torch.randn(700, 999, generator=generator),
+            "model.norm.weight": torch.randn(WIDTH, generator=generator),
+        }
+        folder = root / f"m{index}"
+        folder.mkdir()
+        save_file({name: tensor.to(dtype).contiguous() for name, tensor in tensors.items()},
+                  folder / "model.safetensors", metadata={"format": "pt"})
+        folders.append(str(folder))
+    return folders
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def models(request, tmp_path_factory):
+    return save_models(tmp_path_factory.mktemp(f"slab-models-{str(request.param)[6:]}"), request.param)
+
+
+CONFIGS = {
+    "linear": lambda m: {"method": "linear", "base": m[0], "models": [m[1]], "parameters": {"alpha": 0.3}},
+    "linear_weights": lambda m: {"method": "linear", "models": [{"model": m[0], "weight": 0.2},
+                                                                 {"model": m[1], "weight": 0.5},
+                                                                 {"model": m[2], "weight": 0.3}]},
+    "ema": lambda m: {"method": "ema", "models": m, "parameters": {"decay": 0.6}},
+    "task_arithmetic": lambda m: {"method": "task_arithmetic", "base": m[0], "models": m[1:],
+                                  "parameters": {"lambda": 0.8}},
+    "lines": lambda m: {"method": "lines", "base": m[0], "models": [m[1]], "parameters": {"alpha": 0.2, "beta": 0.6}},
+    "nearswap": lambda m: {"method": "nearswap", "base": m[0], "models": [m[1]], "parameters": {"t": 0.01}},
+    "dare_linear": lambda m: {"method": "dare_linear", "base": m[0], "models": m[1:], "seed": 3,
+                              "parameters": {"density": 0.4}},
+    "dare_ties": lambda m: {"method": "dare_ties", "base": m[0], "models": m[1:], "seed": 3,
+                            "parameters": {"density": 0.6}},
+}
+
+
+@pytest.mark.parametrize("method", CONFIGS)
+def test_slabs_give_the_bytes_of_whole_tensors(models, method, tmp_path, monkeypatch):
+    config = config_from_dict(CONFIGS[method](models))
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 1 << 40)
+    plan = plan_merge(config)
+    assert len(slabs.parts(plan)) == len(plan.steps)
+    run_merge(config, tmp_path / "whole")
+    monkeypatch.setattr(slabs, "SLAB_BYTES", SMALL_SLABS)
+    cut = {part.step.name for part in slabs.parts(plan) if part.rows is not None}
+    assert cut == {"model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                   "model.layers.1.mlp.down_proj.weight"}, "the odd-width tensor and the vector stay whole"
+    run_merge(config, tmp_path / "slabs")
+    assert (tmp_path / "slabs" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model.safetensors").read_bytes()
+
+
+def test_the_ring_holds_three_slabs_instead_of_the_largest_tensors_inputs(models, monkeypatch):
+    plan = plan_merge(config_from_dict(CONFIGS["task_arithmetic"](models)))
+    itemsize = plan.steps[0].out_dtype.itemsize
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 3 * (1 << 18) * itemsize)  # one chunk of each of the three inputs
+    whole = 3 * ROWS * WIDTH * itemsize
+    assert slabs.ring_capacity(plan, slabs=False) == whole
+    assert slabs.ring_capacity(plan) == slabs.RING_SLABS * slabs.SLAB_BYTES < whole
+
+
+def test_methods_with_per_tensor_statistics_stay_whole(models):
+    for method, parameters in (("slerp", {"t": 0.4}), ("ties", {"density": 0.5})):
+        plan = plan_merge(config_from_dict({"method": method, "base": models[0], "models": [models[1]],
+                                            "parameters": parameters}))
+        assert all(part.rows is None for part in slabs.parts(plan)), method
+
+
+def test_slab_rows_start_at_whole_chunks(models):
+    plan = plan_merge(config_from_dict(CONFIGS["task_arithmetic"](models)))
+    for part in slabs.parts(plan):
+        if part.rows is not None:
+            assert part.first_element % (1 << 18) == 0 and part.shape[1:] == part.step.shape[1:]
+
+
+def test_the_writer_takes_slabs_only_in_order(tmp_path):
+    planned = [PlannedTensor("a", (4, 2), torch.float32), PlannedTensor("b", (3,), torch.float32)]
+    rows = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    with ShardedWriter(tmp_path, planned, 1 << 30) as writer:
+        writer.write("a", rows[:2], 0)
+        with pytest.raises(RuntimeError, match="from row 2"):
+            writer.write("a", rows[3:], 3)
+        with pytest.raises(RuntimeError, match="expected"):
+            writer.write("b", torch.zeros(3))
+        writer.write("a", rows[2:], 2)
+        writer.write("b", torch.zeros(3))
+        writer.close()
+    assert load_file(tmp_path / "model.safetensors")["a"].equal(rows)
