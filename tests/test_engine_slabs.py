@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_lite.audited import run_merge
 from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter
-from mergekit_lite.merge import slabs
+from mergekit_lite.merge import methods, slabs
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
@@ -61,6 +61,11 @@ CONFIGS = {
                               "parameters": {"density": 0.4}},
     "dare_ties": lambda m: {"method": "dare_ties", "base": m[0], "models": m[1:], "seed": 3,
                             "parameters": {"density": 0.6}},
+    "ties": lambda m: {"method": "ties", "base": m[0], "models": [{"model": m[1], "density": 0.3},
+                                                                {"model": m[2], "density": 0.7}]},
+    "ties_mergekit": lambda m: {"merge_method": "ties", "base_model": m[0], "parameters": {"normalize": True},
+                                "models": [{"model": m[1], "parameters": {"weight": 0.6, "density": 0.5}},
+                                           {"model": m[2], "parameters": {"weight": 0.4, "density": 1.0}}]},
 }
 
 
@@ -89,11 +94,31 @@ def test_the_ring_holds_three_slabs_instead_of_the_largest_tensors_inputs(models
     assert slabs.ring_capacity(plan) == slabs.RING_SLABS * slabs.SLAB_BYTES < whole
 
 
-def test_methods_with_per_tensor_statistics_stay_whole(models):
-    for method, parameters in (("slerp", {"t": 0.4}), ("ties", {"density": 0.5})):
-        plan = plan_merge(config_from_dict({"method": method, "base": models[0], "models": [models[1]],
+def test_methods_with_other_per_tensor_statistics_stay_whole(models):
+    for method, parameters, count in (("slerp", {"t": 0.4}, 1), ("breadcrumbs", {"density": 0.5}, 2),
+                                      ("model_stock", {}, 2)):
+        plan = plan_merge(config_from_dict({"method": method, "base": models[0], "models": models[1:1 + count],
                                             "parameters": parameters}))
         assert all(part.rows is None for part in slabs.parts(plan)), method
+
+
+@pytest.mark.parametrize("density", [0.01, 0.3, 0.5, 0.97])
+def test_the_trim_threshold_from_slabs_is_the_whole_tensors(density):
+    """Sampled from a few rows, then counted as uneven slabs (starting at whole chunks): the value of the whole
+    tensors, on magnitudes with many ties (a quarter of the entries share one value) as on distinct ones; a
+    sample from the first rows only, which brackets the wrong values, still gives it."""
+    generator = torch.Generator().manual_seed(11)
+    base = torch.randn(3001, 256, generator=generator)
+    model = base + torch.randn(3001, 256, generator=generator)
+    model[::4] = base[::4] + 0.5
+    expected = methods.trim_threshold(base, model, density)
+    bounds = [0, 1024, 2048, 3001]  # rows: 1024 rows of 256 entries are one chunk
+    for sampled in (slice(None, None, 12), slice(0, 40)):
+        trim = methods.TrimThreshold(base.numel(), density)
+        trim.sample(base[sampled], model[sampled])
+        for begin, end in zip(bounds, bounds[1:]):
+            trim.count(base[begin:end], model[begin:end])
+        assert trim.select(lambda: (base, model)) == expected
 
 
 def test_slab_rows_start_at_whole_chunks(models):

@@ -61,9 +61,11 @@ def magprune_generator(seed: int, tensor_name: str, model_index: int) -> torch.G
 
 
 def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor],
-                 out: torch.Tensor | None = None, first_element: int = 0) -> torch.Tensor:
+                 out: torch.Tensor | None = None, first_element: int = 0,
+                 thresholds: list[float] | None = None) -> torch.Tensor:
     """Apply the method to one tensor's inputs (input 0 is the base where the method has one), into `out`.
-    The inputs may be a row slab of the step's tensors (merge/slabs.py) starting at flat index `first_element`.
+    The inputs may be a row slab of the step's tensors (merge/slabs.py) starting at flat index `first_element`,
+    with TIES's `thresholds` computed over the whole tensors.
 
     Per-tensor statistics (SLERP's angle, the Gram matrices of the geometric methods, TIES's trim
     thresholds, Breadcrumbs' bands) come from the whole tensors; the elementwise rest runs in cache-sized
@@ -78,7 +80,7 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     whole = _whole_tensor_merge(config, step, tensors)
     if whole is not None:
         return whole.to(step.out_dtype) if out is None else out.copy_(whole)
-    combine = _chunk_combiner(config, step, tensors, first_element)
+    combine = _chunk_combiner(config, step, tensors, first_element, thresholds)
     flats = [tensor.reshape(-1) for tensor in tensors]
     if out is None:
         out = torch.empty(tensors[0].shape, dtype=step.out_dtype, device=flats[0].device)
@@ -128,7 +130,8 @@ def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[tor
     return None
 
 
-def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor], first_element: int = 0):
+def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor], first_element: int = 0,
+                    thresholds: list[float] | None = None):
     """The elementwise part of the method, with its per-tensor statistics bound in."""
     parameters = step.parameters
     method = config.method
@@ -150,8 +153,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         coefficients = _geometric_coefficients(config, step, tensors)
         return lambda chunk: methods.linear(chunk, coefficients, normalize=False)
     recipe = recipes.TASK_VECTOR_METHODS[method]
-    thresholds = None
-    if recipe.sparsifier == "magnitude":  # one model per core: the passes are exact selections, in any order
+    if recipe.sparsifier == "magnitude" and thresholds is None:  # one model per core: exact selections, any order
         thresholds = [future.result() for future in start_on_other_cores(
             lambda pair: methods.trim_threshold(tensors[0], *pair, parameters.get("mergekit_rules", False)),
             zip(tensors[1:], parameters["densities"]))]
@@ -241,24 +243,24 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     reuse_freed_memory()
     units = slabs.parts(plan, in_slabs)
     ring = BufferRing(slabs.ring_capacity(plan, in_slabs), pin=device.type == "cuda")
-    copies: dict[str, bool] = {}  # a slabbed step's copy decision, made by the reader at its first slab
+    decided: dict[str, tuple] = {}  # a slabbed step's copy decision and TIES thresholds, from its first slab
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
         # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
-        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, copies) for part in units)
+        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided) for part in units)
         writes: deque[Future] = deque()
         write_failed = threading.Event()
         try:
             for part in units:
                 interrupts.check()  # signals are handled here, never inside the executors' locks
-                block, tensors, copied = reads.popleft().result()
+                block, tensors, copied, thresholds = reads.popleft().result()
                 step = part.step
                 if copied:
                     merged = tensors[0].to(step.out_dtype)
                 else:
                     merged = merge_tensor(config, step, [t.to(device, non_blocking=True) for t in tensors],
-                                          _output_slot(part, tensors[0], block), part.first_element)
+                                          _output_slot(part, tensors[0], block), part.first_element, thresholds)
                 _wait_for(device)
                 del tensors
                 if sink_keeps_tensors and _within(merged, block):
@@ -326,37 +328,60 @@ def _load(plan: MergePlan, part: slabs.Part, block: torch.Tensor, sizes: list[in
     return tensors
 
 
-def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing,
-               copies: dict[str, bool]) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, tuple]):
     """The reader thread's job: one ring block holding every input of `part` (waits while the ring is full),
-    whether its step is a plain copy (identical inputs), and the inputs' finite check where the method needs it.
+    whether its step is a plain copy (identical inputs), TIES's thresholds for a step in slabs (else None), and
+    the inputs' finite check where the method needs it.
 
     The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
     it runs on one thread, and fine-tuned inputs differ in their first entries. A step in slabs is a copy when
-    every slab is identical, decided at its first slab (`_identical_in_slabs`), as a whole step would be.
+    every slab is identical, decided at its first slab (`_identical_in_slabs`), as a whole step would be; its
+    TIES thresholds are computed then too, over every slab (`_thresholds_in_slabs`).
     """
     step = part.step
     sizes = slabs.block_sizes(plan, part)
     block = ring.take(sum(sizes))
+    thresholds = None
     with torch_threads(1):
         if part.rows is None:
             tensors = _load(plan, part, block, sizes)
             copied = step.action == "copy" or _all_identical(tensors)
         else:
             if part.rows[0] == 0:
-                copies[step.name] = _identical_in_slabs(plan, step, part.rows[1], block)
-            copied = copies[step.name]
+                copied = _identical_in_slabs(plan, step, part.rows[1], block)
+                trims = not copied and slabs.trims_by_magnitude(plan.config.method)
+                decided[step.name] = copied, _thresholds_in_slabs(plan, step, part.rows[1], block) if trims else None
+            copied, thresholds = decided[step.name]
             tensors = _load(plan, part, block, sizes)
         if not (copied or plan.config.allow_nonfinite) and sparsifies(plan.config.method):
             _FiniteChecks(plan, step).of_inputs(tensors)
-    return block, tensors, copied
+    return block, tensors, copied, thresholds
+
+
+def _thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> list[float]:
+    """Each model's TIES trim threshold (`methods.TrimThreshold`, the value `trim_threshold` gives on whole
+    tensors): sampled from rows spread over the tensor (a few hundred small reads), then counted in one pass
+    over the slabs read through `block`, the models on other cores."""
+    inputs = plan.inputs_of(step)
+    trims = [methods.TrimThreshold(math.prod(step.shape), density, step.parameters.get("mergekit_rules", False))
+             for density in step.parameters["densities"]]
+    sampled_rows = max(methods.THRESHOLD_SAMPLE // math.prod(step.shape[1:]), 1)
+    for row in range(0, step.shape[0], max(step.shape[0] // sampled_rows, 1)):
+        base, *models = [source.load_rows(name, row, row + 1) for source, name in inputs]
+        for trim, model in zip(trims, models):
+            trim.sample(base, model)
+    for part in slabs.row_slabs(step, rows):
+        base, *models = _load(plan, part, block, slabs.block_sizes(plan, part))
+        for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models)):
+            job.result()
+    return [trim.select(lambda i=i: (inputs[0][0].load(inputs[0][1]), inputs[i][0].load(inputs[i][1])))
+            for i, trim in enumerate(trims, start=1)]
 
 
 def _identical_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> bool:
     """Whether every input holds the same tensor, compared slab by slab in `block` up to the first difference
     (fine-tuned inputs differ in their first slab, so this reads little more than one slab)."""
-    for begin in range(0, step.shape[0], rows):
-        part = slabs.Part(step, (begin, min(begin + rows, step.shape[0])))
+    for part in slabs.row_slabs(step, rows):
         if not _all_identical(_load(plan, part, block, slabs.block_sizes(plan, part))):
             return False
     return True

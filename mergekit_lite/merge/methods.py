@@ -115,44 +115,75 @@ def trim_threshold(base: torch.Tensor, model: torch.Tensor, density: float, merg
     The share is round(density * n) entries (TIES §3, "keep the top-k% values"), plus any entries tied at
     the threshold, so equal magnitudes are treated alike; with `mergekit_rules`, max(1, int(density * n)) as
     mergekit's sparsify.magnitude counts (it then breaks ties by sort order, which is not reproducible).
-
-    Exact, without materializing the task vector: a strided sample brackets the threshold between two
-    sample quantiles a few binomial standard deviations apart, one chunked pass counts the entries above
-    the bracket and gathers the few inside it, and the answer is selected among those. When the bracket
-    misses (rare), it falls back to kthvalue over all magnitudes. Same value as a full selection either way.
-    The counting and gathering run in numpy, whose comparisons and compress take a fraction of torch's time
-    on the CPU (torch builds bool tensors slowly).
+    Computed by `TrimThreshold` from the tensors as one slab.
     """
-    total = base.numel()
-    keep = max(1, int(density * total)) if mergekit_rules else round(density * total)
-    if density >= 1.0:
-        return 0.0
-    if keep == 0:
-        return math.inf
-    base_flat, model_flat = base.reshape(-1), model.reshape(-1)
+    trim = TrimThreshold(base.numel(), density, mergekit_rules)
+    if trim.value is None:
+        stride = max(base.numel() // THRESHOLD_SAMPLE, 1)
+        trim.sample(base.reshape(-1)[::stride], model.reshape(-1)[::stride])
+        trim.count(base, model)
+        trim.select(lambda: (base, model))
+    return trim.value
 
-    def magnitudes(part: slice) -> torch.Tensor:
-        return torch.sub(model_flat[part], base_flat[part].to(torch.float32)).abs_()
 
-    if total <= ELEMENTWISE_CHUNK:
-        return magnitude_threshold(magnitudes(slice(None)), keep)
-    sample = magnitudes(slice(None, None, max(total // THRESHOLD_SAMPLE, 1))).cpu().numpy()
-    quantile = 1.0 - keep / total
-    margin = 6.0 * math.sqrt(sample.size * quantile * (1.0 - quantile)) + 8
-    bracket = (max(int(quantile * sample.size - margin), 0), min(int(quantile * sample.size + margin), sample.size - 1))
-    low, high = numpy.partition(sample, bracket)[list(bracket)]  # two order statistics, not a full sort
-    above, band = 0, []
-    for begin in range(0, total, ELEMENTWISE_CHUNK):
-        chunk = magnitudes(slice(begin, begin + ELEMENTWISE_CHUNK)).cpu().numpy()
-        reach_low = chunk >= low
-        band.append(numpy.compress(reach_low & (chunk <= high), chunk))
-        above += numpy.count_nonzero(reach_low) - band[-1].size  # above the bracket: reaching it, not inside it
-    # kthvalue, not numpy's partition, which slowed down badly on the band's millions of repeated magnitudes
-    band = torch.from_numpy(numpy.concatenate(band))
-    rank_in_band = keep - int(above)
-    if 1 <= rank_in_band <= band.numel():
-        return torch.kthvalue(band, band.numel() - rank_in_band + 1).values.item()
-    return magnitude_threshold(magnitudes(slice(None)), keep)
+class TrimThreshold:
+    """`trim_threshold` fed a spread-out sample of the entries (`sample`), then the whole tensors in order, whole
+    or as row slabs (`count`; merge/slabs.py), then `select`: the same value however it is fed.
+
+    Exact, without materializing the task vector: the sample brackets the threshold between two sample
+    quantiles a few binomial standard deviations apart, one chunked pass counts the entries above the bracket
+    and gathers the few inside it, and the answer is selected among those. When the bracket misses (rare), it
+    falls back to kthvalue over all magnitudes (`whole()` gives the tensors). The sample only decides how few
+    entries are gathered, never the value. The counting and gathering run in numpy, whose comparisons and
+    compress take a fraction of torch's time on the CPU (torch builds bool tensors slowly).
+    """
+
+    def __init__(self, total: int, density: float, mergekit_rules: bool = False):
+        self.total, self.keep = total, max(1, int(density * total)) if mergekit_rules else round(density * total)
+        self.value = 0.0 if density >= 1.0 else math.inf if self.keep == 0 else None
+        self._samples, self._band, self._above, self._bracket = [], [], 0, None
+
+    @staticmethod
+    def _magnitudes(base: torch.Tensor, model: torch.Tensor, part: slice) -> torch.Tensor:
+        return torch.sub(model.reshape(-1)[part], base.reshape(-1)[part].to(torch.float32)).abs_()
+
+    def sample(self, base: torch.Tensor, model: torch.Tensor) -> None:
+        """Add these entries (some THRESHOLD_SAMPLE spread over the tensor, in any number of calls) to the sample."""
+        if self.value is None and self.total > ELEMENTWISE_CHUNK:
+            self._samples.append(self._magnitudes(base, model, slice(None)).cpu())
+
+    def count(self, base: torch.Tensor, model: torch.Tensor) -> None:
+        """Count the entries (the next slab, starting at a whole chunk) above the bracket; keep those inside it."""
+        if self.value is not None or self.total <= ELEMENTWISE_CHUNK:
+            return
+        if self._bracket is None:
+            sample = torch.cat(self._samples).numpy()
+            quantile = 1.0 - self.keep / self.total
+            margin = 6.0 * math.sqrt(sample.size * quantile * (1.0 - quantile)) + 8
+            ranks = (max(int(quantile * sample.size - margin), 0),
+                     min(int(quantile * sample.size + margin), sample.size - 1))
+            self._bracket = numpy.partition(sample, ranks)[list(ranks)]  # two order statistics, not a full sort
+        low, high = self._bracket
+        for begin in range(0, base.numel(), ELEMENTWISE_CHUNK):
+            chunk = self._magnitudes(base, model, slice(begin, begin + ELEMENTWISE_CHUNK)).cpu().numpy()
+            reach_low = chunk >= low
+            self._band.append(numpy.compress(reach_low & (chunk <= high), chunk))
+            self._above += numpy.count_nonzero(reach_low) - self._band[-1].size  # reaching the bracket, not inside
+
+    def select(self, whole) -> float:
+        """The threshold, once every slab was sampled and counted; `whole()` gives (base, model) if the bracket
+        missed, or for a tensor of at most one chunk."""
+        if self.value is not None:
+            return self.value
+        if self.total > ELEMENTWISE_CHUNK:
+            # kthvalue, not numpy's partition, which slowed down badly on the band's millions of repeated magnitudes
+            band = torch.from_numpy(numpy.concatenate(self._band))
+            rank_in_band = self.keep - int(self._above)
+            if 1 <= rank_in_band <= band.numel():
+                self.value = torch.kthvalue(band, band.numel() - rank_in_band + 1).values.item()
+                return self.value
+        self.value = magnitude_threshold(self._magnitudes(*whole(), slice(None)), self.keep)
+        return self.value
 
 
 def below(value: float) -> float:

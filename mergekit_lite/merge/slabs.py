@@ -3,9 +3,11 @@
 A method whose every output entry depends only on the same entry of each input (and, for DARE, on that entry's
 own draw: `methods.keep_indicator`) gives the same bytes whether a tensor is merged whole or a band of rows at a
 time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
-masks drawn per chunk, are exactly the whole tensor's. Methods with per-tensor statistics (SLERP's angle, TIES's
-trim thresholds, the Gram matrices of the geometric methods, the L1 rescales, row-wise variants) read whole
-tensors as before; so do inputs that are not plain safetensors (adapters, pickles, untied heads).
+masks drawn per chunk, are exactly the whole tensor's. TIES's trim (and its mergekit form) needs one statistic
+per model, the magnitude threshold: the engine's reader computes it first, in two passes over the slabs
+(`methods.TrimThreshold`, the same value). Methods with other per-tensor statistics (SLERP's angle, the Gram
+matrices of the geometric methods, the L1 rescales, row-wise variants) read whole tensors as before; so do
+inputs that are not plain safetensors (adapters, pickles, untied heads).
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ RING_SLABS = 3  # slabs in flight: one being read, one in the math, one being wr
 ELEMENTWISE_METHODS = ("linear", "recall", "recall_lerp", "ema", "passthrough", "lines", "nearswap")
 
 
-def merges_elementwise(method: str, parameters: dict) -> bool:
+def merges_elementwise(method: str) -> bool:
     """Whether each output entry of `method` depends on the same entry of the inputs alone (see the module)."""
     if method in ELEMENTWISE_METHODS:
         return True
     recipe = recipes.TASK_VECTOR_METHODS.get(method)
     return recipe is not None and recipe.sparsifier in (None, "random")
+
+
+def trims_by_magnitude(method: str) -> bool:
+    """TIES's trim: elementwise once each model's magnitude threshold is known."""
+    recipe = recipes.TASK_VECTOR_METHODS.get(method)
+    return recipe is not None and recipe.sparsifier == "magnitude"
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,10 @@ class Part:
 
 def slab_rows(plan: MergePlan, step: TensorStep) -> int | None:
     """Rows per slab when `step` is merged in slabs, else None: a merged (not copied) tensor of plain safetensors
-    inputs whose method merges elementwise and whose inputs exceed SLAB_BYTES."""
+    inputs whose method merges elementwise (or trims by magnitude) and whose inputs exceed SLAB_BYTES."""
     inputs = plan.inputs_of(step)
-    if step.action != "merge" or len(step.shape) < 2 or not merges_elementwise(plan.config.method, step.parameters) \
+    method = plan.config.method
+    if step.action != "merge" or len(step.shape) < 2 or not (merges_elementwise(method) or trims_by_magnitude(method)) \
             or any(type(source) is not ModelSource for source, _ in inputs):
         return None
     row_elements = math.prod(step.shape[1:])
@@ -72,12 +81,13 @@ def parts(plan: MergePlan, slabs: bool = True) -> list[Part]:
     found = []
     for step in plan.steps:
         rows = slab_rows(plan, step) if slabs else None
-        if rows is None:
-            found.append(Part(step))
-        else:
-            found.extend(Part(step, (begin, min(begin + rows, step.shape[0])))
-                         for begin in range(0, step.shape[0], rows))
+        found.extend([Part(step)] if rows is None else row_slabs(step, rows))
     return found
+
+
+def row_slabs(step: TensorStep, rows: int) -> list[Part]:
+    """The step's tensor as consecutive slabs of `rows` rows (the last one shorter)."""
+    return [Part(step, (begin, min(begin + rows, step.shape[0]))) for begin in range(0, step.shape[0], rows)]
 
 
 def block_sizes(plan: MergePlan, part: Part) -> list[int]:
