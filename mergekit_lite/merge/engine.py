@@ -319,15 +319,6 @@ def input_bytes(plan: MergePlan, step: TensorStep) -> int:
     return sum(slabs.block_sizes(plan, slabs.Part(step)))
 
 
-def _load(plan: MergePlan, part: slabs.Part, block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    tensors, offset = [], 0
-    for (source, name), size in zip(plan.inputs_of(part.step), sizes):
-        into = block[offset:offset + size]
-        tensors.append(source.load(name, into) if part.rows is None else source.load_rows(name, *part.rows, into))
-        offset += size
-    return tensors
-
-
 def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, tuple]):
     """The reader thread's job: one ring block holding every input of `part` (waits while the ring is full),
     whether its step is a plain copy (identical inputs), TIES's thresholds for a step in slabs (else None), and
@@ -335,8 +326,8 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
 
     The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
     it runs on one thread, and fine-tuned inputs differ in their first entries. A step in slabs is a copy when
-    every slab is identical, decided at its first slab (`_identical_in_slabs`), as a whole step would be; its
-    TIES thresholds are computed then too, over every slab (`_thresholds_in_slabs`).
+    every slab is identical, decided at its first slab (`slabs.identical_in_slabs`), as a whole step would be;
+    its TIES thresholds are computed then too, over every slab (`slabs.trim_thresholds_in_slabs`).
     """
     step = part.step
     sizes = slabs.block_sizes(plan, part)
@@ -344,47 +335,19 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
     thresholds = None
     with torch_threads(1):
         if part.rows is None:
-            tensors = _load(plan, part, block, sizes)
-            copied = step.action == "copy" or _all_identical(tensors)
+            tensors = slabs.load_part(plan, part, block, sizes)
+            copied = step.action == "copy" or slabs.all_identical(tensors)
         else:
             if part.rows[0] == 0:
-                copied = _identical_in_slabs(plan, step, part.rows[1], block)
+                copied = slabs.identical_in_slabs(plan, step, part.rows[1], block)
                 trims = not copied and slabs.trims_by_magnitude(plan.config.method)
-                decided[step.name] = copied, _thresholds_in_slabs(plan, step, part.rows[1], block) if trims else None
+                thresholds = slabs.trim_thresholds_in_slabs(plan, step, part.rows[1], block) if trims else None
+                decided[step.name] = copied, thresholds
             copied, thresholds = decided[step.name]
-            tensors = _load(plan, part, block, sizes)
+            tensors = slabs.load_part(plan, part, block, sizes)
         if not (copied or plan.config.allow_nonfinite) and sparsifies(plan.config.method):
             _FiniteChecks(plan, step).of_inputs(tensors)
     return block, tensors, copied, thresholds
-
-
-def _thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> list[float]:
-    """Each model's TIES trim threshold (`methods.TrimThreshold`, the value `trim_threshold` gives on whole
-    tensors): sampled from rows spread over the tensor (a few hundred small reads), then counted in one pass
-    over the slabs read through `block`, the models on other cores."""
-    inputs = plan.inputs_of(step)
-    trims = [methods.TrimThreshold(math.prod(step.shape), density, step.parameters.get("mergekit_rules", False))
-             for density in step.parameters["densities"]]
-    sampled_rows = max(methods.THRESHOLD_SAMPLE // math.prod(step.shape[1:]), 1)
-    for row in range(0, step.shape[0], max(step.shape[0] // sampled_rows, 1)):
-        base, *models = [source.load_rows(name, row, row + 1) for source, name in inputs]
-        for trim, model in zip(trims, models):
-            trim.sample(base, model)
-    for part in slabs.row_slabs(step, rows):
-        base, *models = _load(plan, part, block, slabs.block_sizes(plan, part))
-        for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models)):
-            job.result()
-    return [trim.select(lambda i=i: (inputs[0][0].load(inputs[0][1]), inputs[i][0].load(inputs[i][1])))
-            for i, trim in enumerate(trims, start=1)]
-
-
-def _identical_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> bool:
-    """Whether every input holds the same tensor, compared slab by slab in `block` up to the first difference
-    (fine-tuned inputs differ in their first slab, so this reads little more than one slab)."""
-    for part in slabs.row_slabs(step, rows):
-        if not _all_identical(_load(plan, part, block, slabs.block_sizes(plan, part))):
-            return False
-    return True
 
 
 def _output_slot(part: slabs.Part, first: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
@@ -467,12 +430,6 @@ def _aminmax(tensor: torch.Tensor):
     return torch.aminmax(tensor.float() if tensor.element_size() == 1 else tensor)
 
 
-def _all_identical(tensors: list[torch.Tensor]) -> bool:
-    """Identical inputs are copied through byte for byte (no rounding from the math)."""
-    first = tensors[0]
-    return len(tensors) > 1 and all(t.dtype == first.dtype and torch.equal(t, first) for t in tensors[1:])
-
-
 @dataclass
 class MergeResult:
     out: Path
@@ -541,7 +498,8 @@ def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
     return ModelCard(bases=list(names.values()), relation="merge", method=config.method,
                      parameters=dict(config.parameters), config_yaml=yaml.safe_dump(shown, sort_keys=False),
                      licenses=licenses_of(inputs),
-                     audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons} for r in reports],
+                     audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons}
+                             for r in reports],
                      sections=list(sections))
 
 

@@ -4,8 +4,9 @@ A method whose every output entry depends only on the same entry of each input (
 own draw: `methods.keep_indicator`) gives the same bytes whether a tensor is merged whole or a band of rows at a
 time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
 masks drawn per chunk, are exactly the whole tensor's. TIES's trim (and its mergekit form) needs one statistic
-per model, the magnitude threshold: the engine's reader computes it first, in two passes over the slabs
-(`methods.TrimThreshold`, the same value). Methods with other per-tensor statistics (SLERP's angle, the Gram
+per model, the magnitude threshold: the engine's reader computes it first, from a sample of rows and one
+counting pass over the slabs (`methods.TrimThreshold`, the same value). This module also reads the parts
+into the engine's ring and decides, slab by slab, whether a tensor is the same in every input. Methods with other per-tensor statistics (SLERP's angle, the Gram
 matrices of the geometric methods, the L1 rescales, row-wise variants) read whole tensors as before; so do
 inputs that are not plain safetensors (adapters, pickles, untied heads).
 """
@@ -15,10 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from mergekit_lite.io.buffers import aligned
 from mergekit_lite.io.safetensors import ModelSource
 from mergekit_lite.merge import methods, recipes
 from mergekit_lite.merge.plan import MergePlan, TensorStep
+from mergekit_lite.threads import start_on_other_cores
 
 SLAB_BYTES = 32 << 20  # the inputs' bytes one slab reads, all inputs together
 RING_SLABS = 3  # slabs in flight: one being read, one in the math, one being written
@@ -105,3 +109,48 @@ def ring_capacity(plan: MergePlan, slabs: bool = True) -> int:
     slab = max((sum(block_sizes(plan, part)) for part in found if part.rows is not None), default=0)
     whole = max((sum(block_sizes(plan, Part(step))) for step in plan.steps), default=0)
     return min(max(largest, RING_SLABS * slab), whole)
+
+
+def load_part(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The part's inputs read into `block`, each at its offset in `sizes` (`block_sizes`)."""
+    tensors, offset = [], 0
+    for (source, name), size in zip(plan.inputs_of(part.step), sizes):
+        into = block[offset:offset + size]
+        tensors.append(source.load(name, into) if part.rows is None else source.load_rows(name, *part.rows, into))
+        offset += size
+    return tensors
+
+
+def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> list[float]:
+    """Each model's TIES trim threshold (`methods.TrimThreshold`, the value `trim_threshold` gives on whole
+    tensors): sampled from rows spread over the tensor (a few hundred small reads), then counted in one pass
+    over the slabs read through `block`, the models on other cores."""
+    inputs = plan.inputs_of(step)
+    trims = [methods.TrimThreshold(math.prod(step.shape), density, step.parameters.get("mergekit_rules", False))
+             for density in step.parameters["densities"]]
+    sampled_rows = max(methods.THRESHOLD_SAMPLE // math.prod(step.shape[1:]), 1)
+    for row in range(0, step.shape[0], max(step.shape[0] // sampled_rows, 1)):
+        base, *models = [source.load_rows(name, row, row + 1) for source, name in inputs]
+        for trim, model in zip(trims, models):
+            trim.sample(base, model)
+    for part in row_slabs(step, rows):
+        base, *models = load_part(plan, part, block, block_sizes(plan, part))
+        for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models)):
+            job.result()
+    return [trim.select(lambda i=i: (inputs[0][0].load(inputs[0][1]), inputs[i][0].load(inputs[i][1])))
+            for i, trim in enumerate(trims, start=1)]
+
+
+def identical_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> bool:
+    """Whether every input holds the same tensor, compared slab by slab in `block` up to the first difference
+    (fine-tuned inputs differ in their first slab, so this reads little more than one slab)."""
+    for part in row_slabs(step, rows):
+        if not all_identical(load_part(plan, part, block, block_sizes(plan, part))):
+            return False
+    return True
+
+
+def all_identical(tensors: list[torch.Tensor]) -> bool:
+    """Identical inputs are copied through byte for byte (no rounding from the math)."""
+    first = tensors[0]
+    return len(tensors) > 1 and all(t.dtype == first.dtype and torch.equal(t, first) for t in tensors[1:])
