@@ -326,23 +326,20 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
 
     The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
     it runs on one thread, and fine-tuned inputs differ in their first entries. A step in slabs is a copy when
-    every slab is identical, decided at its first slab (`slabs.identical_in_slabs`), as a whole step would be;
-    its TIES thresholds are computed then too, over every slab (`slabs.trim_thresholds_in_slabs`).
+    every slab is identical, and gets its TIES thresholds over every slab, both decided at its first slab
+    (`slabs.first_slab`), as for a whole step.
     """
     step = part.step
     sizes = slabs.block_sizes(plan, part)
     block = ring.take(sum(sizes))
-    thresholds = None
     with torch_threads(1):
         if part.rows is None:
             tensors = slabs.load_part(plan, part, block, sizes)
-            copied = step.action == "copy" or slabs.all_identical(tensors)
+            copied, thresholds = step.action == "copy" or slabs.all_identical(tensors), None
+        elif part.rows[0] == 0:
+            tensors, copied, thresholds = slabs.first_slab(plan, part, block, sizes)
+            decided[step.name] = copied, thresholds
         else:
-            if part.rows[0] == 0:
-                copied = slabs.identical_in_slabs(plan, step, part.rows[1], block)
-                trims = not copied and slabs.trims_by_magnitude(plan.config.method)
-                thresholds = slabs.trim_thresholds_in_slabs(plan, step, part.rows[1], block) if trims else None
-                decided[step.name] = copied, thresholds
             copied, thresholds = decided[step.name]
             tensors = slabs.load_part(plan, part, block, sizes)
         if not (copied or plan.config.allow_nonfinite) and sparsifies(plan.config.method):

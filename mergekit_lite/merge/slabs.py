@@ -6,9 +6,10 @@ time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the ch
 masks drawn per chunk, are exactly the whole tensor's. TIES's trim (and its mergekit form) needs one statistic
 per model, the magnitude threshold: the engine's reader computes it first, from a sample of rows and one
 counting pass over the slabs (`methods.TrimThreshold`, the same value). This module also reads the parts
-into the engine's ring and decides, slab by slab, whether a tensor is the same in every input. Methods with other per-tensor statistics (SLERP's angle, the Gram
-matrices of the geometric methods, the L1 rescales, row-wise variants) read whole tensors as before; so do
-inputs that are not plain safetensors (adapters, pickles, untied heads).
+into the engine's ring and decides, slab by slab, whether a tensor is the same in every input. Methods with
+other per-tensor statistics (SLERP's angle, the Gram matrices of the geometric methods, the L1 rescales,
+row-wise variants) read whole tensors as before; so do inputs that are not plain safetensors (adapters,
+pickles, untied heads).
 """
 
 from __future__ import annotations
@@ -141,13 +142,23 @@ def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block
             for i, trim in enumerate(trims, start=1)]
 
 
-def identical_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> bool:
-    """Whether every input holds the same tensor, compared slab by slab in `block` up to the first difference
-    (fine-tuned inputs differ in their first slab, so this reads little more than one slab)."""
-    for part in row_slabs(step, rows):
-        if not all_identical(load_part(plan, part, block, block_sizes(plan, part))):
-            return False
-    return True
+def first_slab(plan: MergePlan, part: Part, block: torch.Tensor,
+               sizes: list[int]) -> tuple[list[torch.Tensor], bool, list[float] | None]:
+    """The first slab of a step in slabs read into `block`, and what the whole step needs decided once: whether
+    it is a copy (every slab identical in every input, as for a whole tensor) and, for TIES, each model's trim
+    threshold (else None). Later slabs are read here only when the first is identical in every input (fine-tuned
+    inputs differ in their first slab) or for TIES's thresholds; the first is then read again."""
+    step = part.step
+    tensors = load_part(plan, part, block, sizes)
+    first_identical = all_identical(tensors)
+    copied = first_identical and all(all_identical(load_part(plan, later, block, block_sizes(plan, later)))
+                                     for later in row_slabs(step, part.rows[1])[1:])
+    thresholds = None
+    if not copied and trims_by_magnitude(plan.config.method):
+        thresholds = trim_thresholds_in_slabs(plan, step, part.rows[1], block)
+    if first_identical or thresholds is not None:  # the block holds a later slab now
+        tensors = load_part(plan, part, block, sizes)
+    return tensors, copied, thresholds
 
 
 def all_identical(tensors: list[torch.Tensor]) -> bool:
