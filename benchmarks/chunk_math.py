@@ -10,7 +10,8 @@ read once, the output written once), timed the same way. Both run at the thread 
 settings a merge uses.
 
     PYTHONPATH=$PWD python benchmarks/chunk_math.py [--ckpt benchmarks/work/ckpt-1gb] [--repeat 3] [--json FILE]
-        [--elementwise-chunk 18]   # log2 of the elements per chunk of the elementwise passes, to compare sizes
+        [--elementwise-chunk 18]   # log2 of the elements per chunk of the compute-bound methods' passes
+        [--dense-chunk 16]         # the same for the memory-bound methods (linear, slerp, task arithmetic)
         [--chunk-threads 2]        # intra-op threads of every method's chunk loop instead of the engine's choice
 """
 
@@ -56,10 +57,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--elementwise-chunk", type=int, help="log2 of methods.ELEMENTWISE_CHUNK for this run")
+    parser.add_argument("--dense-chunk", type=int, help="log2 of methods.DENSE_CHUNK for this run")
     parser.add_argument("--chunk-threads", type=int, help="intra-op threads of the chunk loops (engine.chunk_threads)")
     args = parser.parse_args()
     if args.elementwise_chunk is not None:
         methods.ELEMENTWISE_CHUNK = 1 << args.elementwise_chunk
+    if args.dense_chunk is not None:
+        methods.DENSE_CHUNK = 1 << args.dense_chunk
     if args.chunk_threads is not None:
         engine.chunk_threads = lambda method: args.chunk_threads
     if not (args.ckpt / "base").is_dir():
@@ -90,7 +94,7 @@ def main() -> None:
               f"{row['copy_ns_per_element']:.3f} ns ({row['times_copy']}x)", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "elementwise_chunk": methods.ELEMENTWISE_CHUNK,
-                                         "rows": rows}, indent=1) + "\n")
+                                         "dense_chunk": methods.DENSE_CHUNK, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -268,6 +268,30 @@ def test_dare_chunks_give_the_masks_of_drawing_whole_tensors_at_any_chunk_size_a
     assert chunked > 5
 
 
+@pytest.mark.parametrize("method", ["linear", "slerp", "task_arithmetic"])
+def test_memory_bound_chunks_give_the_whole_tensors_bytes_at_any_size_and_thread_count(trio_bf16, monkeypatch, method):
+    """The memory-bound methods' loop (`methods.DENSE_CHUNK`; LERP written straight into the output): chunks of
+    several sizes, one or two math threads, give the bytes of one chunk over the whole tensor, in bf16 and fp32."""
+    base, first, second = (str(folder) for folder in trio_bf16)
+    models = {"linear": [{"model": base, "parameters": {"weight": 1}}, {"model": first, "parameters": {"weight": 3}}],
+              "slerp": [first], "task_arithmetic": [first, second]}[method]
+    for dtype in ("bfloat16", "float32"):
+        parameters = {"linear": {}, "slerp": {"t": 0.3}, "task_arithmetic": {"lambda": 0.7}}[method]
+        config = config_from_dict({"method": method, "dtype": dtype, "parameters": parameters,
+                                   **({} if method == "linear" else {"base": base}), "models": models})
+        plan = plan_merge(config)
+        for step in plan.steps:
+            tensors = [source.load(name) for source, name in plan.inputs_of(step)]
+            monkeypatch.setattr(methods, "DENSE_CHUNK", 1 << 30)
+            whole = merge_tensor(config, step, tensors)
+            for chunk, threads in ((100, 1), (37, 2), (4096, 2)):
+                monkeypatch.setattr(methods, "DENSE_CHUNK", chunk)
+                with torch_threads(threads):
+                    merged = merge_tensor(config, step, tensors)
+                assert merged.dtype == whole.dtype and torch.equal(merged.view(-1).view(torch.uint8),
+                                                                   whole.view(-1).view(torch.uint8)), (method, step.name)
+
+
 def test_keeps_ahead_give_each_chunks_mask_and_draw_at_most_the_window(monkeypatch):
     """More models than pool workers, a short last chunk, one model without a drop: every chunk equals drawing it
     alone, and a consumer that stops taking leaves exactly `depth` chunks drawn ahead, no more."""

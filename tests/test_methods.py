@@ -37,6 +37,45 @@ def test_lerp_is_exact_at_the_ends_in_bf16():
     assert torch.allclose(methods.lerp(start, end, 0.25), 0.75 * start.float() + 0.25 * end.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_lerp_into_its_output_rounds_the_float32_lerp_once_at_any_size_and_over_its_start(dtype):
+    """LERP writes bf16/fp16/fp32 results straight into the output: the bytes of computing in float32 and rounding
+    once, for sizes that end in the kernel's scalar tail (1, 7 and 1003 entries), for weights on both sides of its
+    0.5 switch and outside [0, 1], and with the output overlaying `start` (as over the engine's ring). Against
+    float64 arithmetic it is off by at most the rounding to the dtype plus float32's."""
+    generator = torch.Generator().manual_seed(7)
+    for size in (1, 7, 1003):
+        start = torch.randn(size, generator=generator).to(dtype)
+        end = torch.randn(size, generator=generator).to(dtype)
+        for alpha in (0.3, 0.5, 0.7, -0.4, 1.3):
+            float32 = methods.lerp(start, end, alpha)
+            assert float32.dtype == torch.float32
+            direct = methods.lerp(start, end, alpha, out=torch.empty_like(start))
+            assert direct.dtype == dtype and torch.equal(direct.view(-1).view(torch.uint8),
+                                                          float32.to(dtype).view(-1).view(torch.uint8))
+            overlay = start.clone()
+            assert methods.lerp(overlay, end, alpha, out=overlay) is overlay and torch.equal(overlay, direct)
+            exact = (1 - alpha) * start.double() + alpha * end.double()
+            ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+            assert ((direct.double() - exact).abs() <= ulp + 4e-7 * (start.double().abs() + end.double().abs())).all()
+
+
+def test_linear_of_two_proportions_is_their_lerp_and_other_weights_a_weighted_sum():
+    """Two normalized weights (or two summing to exactly 1) are a LERP and can go straight into an output; other
+    weights (SLERP's, a sum of three) are summed in float32 in model order."""
+    generator = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randn(257, generator=generator).to(torch.bfloat16) for _ in range(3))
+    assert torch.equal(methods.linear([a, b], [1.0, 3.0]), methods.lerp(a, b, 0.75))
+    assert torch.equal(methods.linear([a, b], [0.25, 0.75], normalize=False), methods.lerp(a, b, 0.75))
+    out = torch.empty_like(a)
+    assert methods.linear([a, b], [2.0, 2.0], out=out) is out and torch.equal(out, methods.lerp(a, b, 0.5).to(a.dtype))
+    summed = methods.linear([a, b], [0.8, 0.7], normalize=False, out=out)
+    assert summed.dtype == torch.float32
+    assert torch.allclose(summed.double(), a.double() * 0.8 + b.double() * 0.7, rtol=1e-6, atol=1e-7)
+    three = methods.linear([a, b, c], [1.0, 1.0, 2.0])
+    assert torch.allclose(three.double(), (a.double() + b.double() + 2 * c.double()) / 4, rtol=1e-6, atol=1e-7)
+
+
 def test_slerp_on_orthogonal_unit_vectors_follows_the_arc():
     merged = methods.slerp(t(1.0, 0.0), t(0.0, 1.0), 0.5)
     assert torch.allclose(merged, t(math.sqrt(0.5), math.sqrt(0.5)), atol=1e-7)

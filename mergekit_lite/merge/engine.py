@@ -85,10 +85,14 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     if out is None:
         out = torch.empty(tensors[0].shape, dtype=step.out_dtype, device=flats[0].device)
     out_flat = out.view(-1)
+    size = chunk_size(config.method)
     with torch_threads(chunk_threads(config.method)):
-        for begin in range(0, out_flat.numel(), methods.ELEMENTWISE_CHUNK):
-            chunk = slice(begin, begin + methods.ELEMENTWISE_CHUNK)
-            out_flat[chunk].copy_(combine([flat[chunk] for flat in flats]), non_blocking=True)
+        for begin in range(0, out_flat.numel(), size):
+            chunk = slice(begin, begin + size)
+            target = out_flat[chunk]
+            merged = combine([flat[chunk] for flat in flats], target)
+            if merged is not target:  # a float32 result (LERP writes straight into the output where it can)
+                target.copy_(merged, non_blocking=True)
     return out
 
 
@@ -136,22 +140,22 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     parameters = step.parameters
     method = config.method
     if method in ("linear", "recall_lerp") and "alpha" in parameters:
-        return lambda chunk: methods.lerp(chunk[0], chunk[1], parameters["alpha"])
+        return lambda chunk, out: methods.lerp(chunk[0], chunk[1], parameters["alpha"], out)
     if method in ("linear", "recall", "ema"):
-        return lambda chunk: methods.linear(chunk, parameters["weights"], normalize=parameters.get("normalize", True))
+        return lambda chunk, out: methods.linear(chunk, parameters["weights"], parameters.get("normalize", True), out)
     if method == "slerp":
         weights = methods.slerp_weights(tensors[0], tensors[1], parameters["t"])
-        return lambda chunk: methods.linear(chunk, weights, normalize=False)
+        return lambda chunk, out: methods.linear(chunk, weights, normalize=False, out=out)
     if method == "passthrough":
-        return lambda chunk: chunk[0].to(torch.float32) * parameters["scale"]
+        return lambda chunk, out: chunk[0].to(torch.float32) * parameters["scale"]
     if method == "lines":
-        return lambda chunk: methods.lines(chunk[0], chunk[1:], parameters["weights"], parameters["alpha"],
-                                           parameters["beta"], parameters["layer"], parameters["n_layers"])
+        return lambda chunk, out: methods.lines(chunk[0], chunk[1:], parameters["weights"], parameters["alpha"],
+                                                parameters["beta"], parameters["layer"], parameters["n_layers"])
     if method == "nearswap":
-        return lambda chunk: methods.nearswap(chunk[0], chunk[1], parameters["t"])
+        return lambda chunk, out: methods.nearswap(chunk[0], chunk[1], parameters["t"])
     if method in ("model_stock", "nuslerp", "multislerp", "karcher"):
         coefficients = _geometric_coefficients(config, step, tensors)
-        return lambda chunk: methods.linear(chunk, coefficients, normalize=False)
+        return lambda chunk, out: methods.linear(chunk, coefficients, normalize=False, out=out)
     recipe = recipes.TASK_VECTOR_METHODS[method]
     if recipe.sparsifier == "magnitude" and thresholds is None:  # one model per core: exact selections, any order
         thresholds = [future.result() for future in start_on_other_cores(
@@ -164,7 +168,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     if recipe.sparsifier == "random":
         keys = [dare_key(config.seed, step.name, i) for i in range(len(tensors) - 1)]
         keeps = KeepsAhead(keys, parameters["drops"], tensors[0].numel(), methods.ELEMENTWISE_CHUNK, first_element)
-    return lambda chunk: methods.task_vector_merge(
+    return lambda chunk, out: methods.task_vector_merge(
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
         thresholds=thresholds, drops=parameters.get("drops"), keeps=None if keeps is None else keeps.take(),
         consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
@@ -289,6 +293,13 @@ def compute_bound(method: str) -> bool:
     """Methods whose chunk math (sparsify, elect signs, disjoint mean: ~15 float32 ops per element and model)
     costs several times the reading and writing; the others are bound by memory and I/O."""
     return sparsifies(method)
+
+
+def chunk_size(method: str) -> int:
+    """Elements per chunk of a method's loop: cache-sized for the memory-bound methods (`methods.DENSE_CHUNK`),
+    larger for the compute-bound ones, whose per-chunk work outweighs the calls (`methods.ELEMENTWISE_CHUNK`). The
+    bytes are the same at any size: the chunks are elementwise."""
+    return methods.ELEMENTWISE_CHUNK if compute_bound(method) else methods.DENSE_CHUNK
 
 
 def chunk_threads(method: str) -> int:

@@ -1,4 +1,5 @@
-"""Merge math: pure functions, tensors in, one float32 tensor out. No files, no names, no config.
+"""Merge math: pure functions, tensors in, one float32 tensor out (`lerp` may write its result straight into a
+given output instead). No files, no names, no config.
 
 Task arithmetic, TIES, DARE, DELLA and Model Breadcrumbs are one family (`task_vector_merge`): task
 vectors (model - base), an optional sparsifier (magnitude trim, random drop, magnitude-ranked random
@@ -28,19 +29,28 @@ CHUNK = 1 << 20  # elements per chunk of the reductions (SLERP's angle, Gram mat
 # Elements per chunk of the elementwise passes, exact at any size: a TIES or DARE chunk's float32 temporaries (several
 # per model) then stay in the caches (benchmarks/RESULTS.md, chunk_math.py --elementwise-chunk 18 against 20)
 ELEMENTWISE_CHUNK = 1 << 18
+# Elements per chunk of the memory-bound methods' passes (linear, SLERP, task arithmetic, ...): their two to four
+# float32 temporaries per chunk then fit in a core's L2 cache (benchmarks/RESULTS.md, `chunk_math.py --dense-chunk`)
+DENSE_CHUNK = 1 << 16
+# Dtypes whose torch.lerp computes in float32 and rounds once to the dtype (CPU and CUDA kernels alike)
+LERP_IN_PLACE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 THRESHOLD_SAMPLE = 1 << 16  # strided sample that brackets TIES's trim threshold on large tensors
 
 
-def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True) -> torch.Tensor:
-    """Weighted sum of tensors (LERP/EMA for two); with `normalize`, weights are proportions of their sum."""
+def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of tensors; with `normalize`, weights are proportions of their sum. Two tensors whose weights
+    are proportions (normalized, or summing to exactly 1) are a `lerp`, which may write into `out`."""
     if normalize:
         total = math.fsum(weights)
         if total == 0:
             raise ValueError("linear weights sum to zero; cannot normalize")
         weights = [w / total for w in weights]
+    if len(tensors) == 2 and (normalize or weights[0] + weights[1] == 1.0):
+        return lerp(tensors[0], tensors[1], weights[1], out)
     merged = tensors[0].to(torch.float32, copy=True).mul_(weights[0])
     for tensor, weight in zip(tensors[1:], weights[1:]):
-        merged.add_(tensor, alpha=weight)
+        merged.add_(tensor.to(torch.float32), alpha=weight)  # converted first: a mixed-dtype add is slower
     return merged
 
 
@@ -52,9 +62,18 @@ def ema_weights(count: int, decay: float) -> list[float]:
     return [decay ** last] + [(1.0 - decay) * decay ** (last - i) for i in range(1, count)]
 
 
-def lerp(start: torch.Tensor, end: torch.Tensor, alpha: float) -> torch.Tensor:
-    """alpha*end + (1-alpha)*start, exact at alpha 0 and 1."""
-    return linear([start, end], [1.0 - alpha, alpha], normalize=False)
+def lerp(start: torch.Tensor, end: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(1-alpha)*start + alpha*end as torch.lerp computes it in float32: start + alpha*(end - start) for |alpha| < 0.5,
+    else end - (1-alpha)*(end - start), each one fused multiply-add, so exact at alpha 0 and 1.
+
+    Given `out` of the inputs' dtype and device (bf16, fp16 or fp32), the result goes straight there, rounded once
+    from float32: the same bytes as rounding the float32 result, in one pass instead of four (convert both inputs,
+    combine, round). `out` may be `start` itself. Else the float32 result is returned.
+    """
+    if out is not None and start.dtype == end.dtype == out.dtype and out.dtype in LERP_IN_PLACE_DTYPES \
+            and start.device == end.device == out.device:
+        return torch.lerp(start, end, alpha, out=out)
+    return torch.lerp(start.to(torch.float32), end.to(torch.float32), alpha)
 
 
 def slerp_weights(start: torch.Tensor, end: torch.Tensor, t: float) -> tuple[float, float]:
