@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.direct import STAGE_BYTES
 from mergekit_lite.merge import cost
 from mergekit_lite.merge.config import METHODS, MergeConfig
 from mergekit_lite.merge.plan import plan_merge
@@ -291,7 +292,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path, calibrated
 def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_path, calibrated_rates):
     """Rates are measured once per machine and cached; every registered method has them, and each plan gets a
     wall time of start-up, reads, and the longer of math and writes (which overlap), and a peak memory of at least
-    start-up plus the engine's ring."""
+    start-up plus the engine's ring and the writer's two direct-write stages."""
     rates, where = cost.load_rates()
     assert set(rates.math_ns_per_element) == set(METHODS) == set(rates.memory_bytes_per_element)
     assert f"measured {rates.measured_at} at load " in cost.load_rates()[1] and cost.cache_file().is_file()
@@ -309,7 +310,9 @@ def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_pat
         parts = (estimate.startup_s, estimate.read_s, estimate.math_s, estimate.write_s)
         assert all(math.isfinite(part) and part > 0 for part in parts), (method, estimate)
         assert estimate.wall_s == pytest.approx(parts[0] + parts[1] + max(parts[2:])), method
-        assert estimate.peak_rss >= rates.startup_rss + estimate.ring_bytes > rates.startup_rss, method
+        assert estimate.writer_bytes == 2 * STAGE_BYTES, method
+        assert estimate.peak_rss >= rates.startup_rss + estimate.ring_bytes + estimate.writer_bytes, method
+        assert estimate.ring_bytes > 0, method
     result = cli("merge", "--method", "dare_ties", "--base", models["base"], "--model", models["a"],
                  "--out", tmp_path / "never", "--dry-run")
     assert result.returncode == 0, result.stderr

@@ -6,8 +6,9 @@ The model follows the engine's structure: a merge run as a process is start-up, 
 writing side by side (shards go to the device past the page cache, `io/direct.py`, while the next steps are
 merged), so whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
-from the plan) and the method's working memory: a few chunks' temporaries, or for the methods that hold whole
-tensors (`engine.holds_whole_tensors`) bytes per element of the step.
+from the plan), the writer's two direct-write stages, and the method's working memory: a few chunks'
+temporaries, or for the methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the
+step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 import mergekit_lite
+from mergekit_lite.io.direct import STAGE_BYTES
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter, read_at
 from mergekit_lite.merge import engine, slabs
@@ -35,11 +37,12 @@ from mergekit_lite.merge.config import METHODS
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
-RATES_FORMAT = 2  # bump when what calibrate measures changes: older entries are measured again
+RATES_FORMAT = 3  # bump when what calibrate measures changes: older entries are measured again
 CALIBRATION_SIZES = (1 << 20, 1 << 21)  # elements of the calibration tensors: two sizes split fixed from per-element
 # (both at least a reduction chunk, methods.CHUNK, whose float64 stacks are a fixed cost)
 IO_BYTES = 128 << 20  # enough that a shard's final sync is not most of the write
 TENSOR = "model.layers.0.mlp.up_proj.weight"
+WRITER_BYTES = 2 * STAGE_BYTES  # the writer's two direct-write stages (none where a filesystem refuses O_DIRECT)
 # Calibration merges: the parameters a method needs beyond the defaults, and how many models (besides a base).
 CALIBRATION_MERGES = {
     "linear": ({}, 2, False), "slerp": ({"t": 0.5}, 1, True), "nearswap": ({"t": 0.5}, 1, True),
@@ -75,6 +78,7 @@ class Estimate:
     write_s: float
     peak_rss: int
     ring_bytes: int
+    writer_bytes: int
     device: str = "cpu"
 
     def describe(self, source: str) -> str:
@@ -83,7 +87,8 @@ class Estimate:
             note += f"  (math at this CPU's rates, not {self.device}'s)"
         return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + read "
                 f"{self.read_s:.1f} + the longer of math {self.math_s:.1f} and write {self.write_s:.1f}), peak RSS "
-                f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB){note}\n"
+                f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB, writer {self.writer_bytes / 1e6:.0f} MB)"
+                f"{note}\n"
                 f"  rates: {source} (--calibrate measures them again, best on an idle machine)")
 
 
@@ -148,7 +153,8 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     working = max((_working_memory(rates, method, step) for step in merged), default=0)
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
     return Estimate(plan.config.method, rates.startup_s + read_s + max(math_s, write_s), rates.startup_s, read_s,
-                    math_s, write_s, int(rates.startup_rss + ring + working), ring, plan.config.device)
+                    math_s, write_s, int(rates.startup_rss + ring + WRITER_BYTES + working), ring, WRITER_BYTES,
+                    plan.config.device)
 
 
 def _working_memory(rates: Rates, method: str, step) -> float:
