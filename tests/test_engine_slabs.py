@@ -94,8 +94,38 @@ def test_the_ring_holds_three_slabs_instead_of_the_largest_tensors_inputs(models
     assert slabs.ring_capacity(plan) == slabs.RING_SLABS * slabs.SLAB_BYTES < whole
 
 
+def test_slerp_in_slabs_of_whole_reduction_chunks_gives_the_bytes_of_whole_tensors(models, tmp_path, monkeypatch):
+    """SLERP's angle is summed over chunks of methods.CHUNK entries: its slabs start at multiples of that chunk
+    (2048 rows of 512 here: two slabs, the second short), the reader sums the angle over them before the first is
+    merged, and the output is the whole tensors' byte for byte, with a per-layer t; a tensor alike in every input
+    is still copied."""
+    config = config_from_dict({"method": "slerp", "base": models[0], "models": [models[1]],
+                               "parameters": {"t": [0.2, 0.7]}})
+    plan = plan_merge(config)
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 1 << 40)
+    run_merge(config, tmp_path / "whole")
+    monkeypatch.setattr(slabs, "SLAB_BYTES", methods.CHUNK * 2 * plan.steps[0].out_dtype.itemsize)
+    cut = {part.step.name: part.rows for part in slabs.parts(plan) if part.rows is not None}
+    assert set(cut) == {"model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                        "model.layers.1.mlp.down_proj.weight"}  # the last alike everywhere: copied
+    assert all(part.first_element % methods.CHUNK == 0 for part in slabs.parts(plan) if part.rows is not None)
+    run_merge(config, tmp_path / "slabs")
+    assert (tmp_path / "slabs" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model.safetensors").read_bytes()
+
+
+def test_the_slerp_angle_from_slabs_is_the_whole_tensors():
+    generator = torch.Generator().manual_seed(5)
+    start = torch.randn(3 * 1024 + 77, 1024, generator=generator)
+    end = start + torch.randn(start.shape, generator=generator)
+    angle = methods.SlerpAngle()
+    for begin, stop in ((0, 1024), (1024, 3072), (3072, start.shape[0])):  # 1024 rows of 1024: one CHUNK
+        angle.add(start[begin:stop], end[begin:stop])
+    assert angle.weights(0.3) == methods.slerp_weights(start, end, 0.3) != (0.7, 0.3)
+
+
 def test_methods_with_other_per_tensor_statistics_stay_whole(models):
-    for method, parameters, count in (("slerp", {"t": 0.4}, 1), ("breadcrumbs", {"density": 0.5}, 2),
+    for method, parameters, count in (("nuslerp", {"weight": 0.5}, 2), ("breadcrumbs", {"density": 0.5}, 2),
                                       ("model_stock", {}, 2)):
         plan = plan_merge(config_from_dict({"method": method, "base": models[0], "models": models[1:1 + count],
                                             "parameters": parameters}))

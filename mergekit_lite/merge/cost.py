@@ -2,8 +2,8 @@
 once (`calibrate`) and cached per machine in the user's cache folder (`--dry-run`, `--calibrate`).
 
 The model follows the engine's structure: a merge run as a process is start-up, then reading every input once
-(memory copies from the page cache, which take the cores the math needs, so they add up), then the math and the
-writing side by side (shards go to the device past the page cache, `io/direct.py`, while the next steps are
+(twice for the steps in slabs whose statistics need a pass of their own, TIES's and SLERP's; memory copies from
+the page cache, which take the cores the math needs, so they add up), then the math and the writing side by side (shards go to the device past the page cache, `io/direct.py`, while the next steps are
 merged), so whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
 from the plan), the writer's two direct-write stages, and the method's working memory: a few chunks'
@@ -146,7 +146,10 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     """Wall time and peak RSS of running `plan` as a process on the machine `rates` were measured on."""
     method = SAME_MATH.get(plan.config.method, plan.config.method)
     merged = [step for step in plan.steps if step.action != "copy"]
-    input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
+    # a step in slabs whose statistics need a pass of their own reads its inputs twice
+    input_bytes = sum(engine.input_bytes(plan, step) * (2 if slabs.slab_rows(plan, step) and
+                                                        slabs.needs_statistics(plan.config.method) else 1)
+                      for step in plan.steps)
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
                  for step in merged)
     ring = slabs.ring_capacity(plan)

@@ -62,10 +62,10 @@ def magprune_generator(seed: int, tensor_name: str, model_index: int) -> torch.G
 
 def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor],
                  out: torch.Tensor | None = None, first_element: int = 0,
-                 thresholds: list[float] | None = None) -> torch.Tensor:
+                 statistics: list[float] | tuple[float, float] | None = None) -> torch.Tensor:
     """Apply the method to one tensor's inputs (input 0 is the base where the method has one), into `out`.
     The inputs may be a row slab of the step's tensors (merge/slabs.py) starting at flat index `first_element`,
-    with TIES's `thresholds` computed over the whole tensors.
+    with the `statistics` computed over the whole tensors (TIES's thresholds, SLERP's weights).
 
     Per-tensor statistics (SLERP's angle, the Gram matrices of the geometric methods, TIES's trim
     thresholds, Breadcrumbs' bands) come from the whole tensors; the elementwise rest runs in cache-sized
@@ -80,7 +80,7 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     whole = _whole_tensor_merge(config, step, tensors)
     if whole is not None:
         return whole.to(step.out_dtype) if out is None else out.copy_(whole)
-    combine = _chunk_combiner(config, step, tensors, first_element, thresholds)
+    combine = _chunk_combiner(config, step, tensors, first_element, statistics)
     flats = [tensor.reshape(-1) for tensor in tensors]
     if out is None:
         out = torch.empty(tensors[0].shape, dtype=step.out_dtype, device=flats[0].device)
@@ -135,8 +135,8 @@ def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[tor
 
 
 def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor], first_element: int = 0,
-                    thresholds: list[float] | None = None):
-    """The elementwise part of the method, with its per-tensor statistics bound in."""
+                    statistics: list[float] | tuple[float, float] | None = None):
+    """The elementwise part of the method, with its per-tensor statistics bound in (computed here unless given)."""
     parameters = step.parameters
     method = config.method
     if method in ("linear", "recall_lerp") and "alpha" in parameters:
@@ -144,7 +144,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
     if method in ("linear", "recall", "ema"):
         return lambda chunk, out: methods.linear(chunk, parameters["weights"], parameters.get("normalize", True), out)
     if method == "slerp":
-        weights = methods.slerp_weights(tensors[0], tensors[1], parameters["t"])
+        weights = methods.slerp_weights(tensors[0], tensors[1], parameters["t"]) if statistics is None else statistics
         return lambda chunk, out: methods.linear(chunk, weights, normalize=False, out=out)
     if method == "passthrough":
         return lambda chunk, out: chunk[0].to(torch.float32) * parameters["scale"]
@@ -157,6 +157,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         coefficients = _geometric_coefficients(config, step, tensors)
         return lambda chunk, out: methods.linear(chunk, coefficients, normalize=False, out=out)
     recipe = recipes.TASK_VECTOR_METHODS[method]
+    thresholds = statistics
     if recipe.sparsifier == "magnitude" and thresholds is None:  # one model per core: exact selections, any order
         thresholds = [future.result() for future in start_on_other_cores(
             lambda pair: methods.trim_threshold(tensors[0], *pair, parameters.get("mergekit_rules", False)),
@@ -247,24 +248,26 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     reuse_freed_memory()
     units = slabs.parts(plan, in_slabs)
     ring = BufferRing(slabs.ring_capacity(plan, in_slabs), pin=device.type == "cuda")
-    decided: dict[str, tuple] = {}  # a slabbed step's copy decision and TIES thresholds, from its first slab
+    decided: dict[str, tuple] = {}  # a slabbed step's copy decision and statistics, from its first slab
+    reduction_threads = torch.get_num_threads()  # what a whole tensor's reductions would run with, here
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
         # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
-        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided) for part in units)
+        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, reduction_threads)
+                                     for part in units)
         writes: deque[Future] = deque()
         write_failed = threading.Event()
         try:
             for part in units:
                 interrupts.check()  # signals are handled here, never inside the executors' locks
-                block, tensors, copied, thresholds = reads.popleft().result()
+                block, tensors, copied, statistics = reads.popleft().result()
                 step = part.step
                 if copied:
                     merged = tensors[0].to(step.out_dtype)
                 else:
                     merged = merge_tensor(config, step, [t.to(device, non_blocking=True) for t in tensors],
-                                          _output_slot(part, tensors[0], block), part.first_element, thresholds)
+                                          _output_slot(part, tensors[0], block), part.first_element, statistics)
                 _wait_for(device)
                 del tensors
                 if sink_keeps_tensors and _within(merged, block):
@@ -330,15 +333,16 @@ def input_bytes(plan: MergePlan, step: TensorStep) -> int:
     return sum(slabs.block_sizes(plan, slabs.Part(step)))
 
 
-def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, tuple]):
+def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, tuple],
+               reduction_threads: int):
     """The reader thread's job: one ring block holding every input of `part` (waits while the ring is full),
-    whether its step is a plain copy (identical inputs), TIES's thresholds for a step in slabs (else None), and
-    the inputs' finite check where the method needs it.
+    whether its step is a plain copy (identical inputs), the statistics of a step in slabs (TIES's thresholds,
+    SLERP's weights; else None), and the inputs' finite check where the method needs it.
 
     The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
     it runs on one thread, and fine-tuned inputs differ in their first entries. A step in slabs is a copy when
-    every slab is identical, and gets its TIES thresholds over every slab, both decided at its first slab
-    (`slabs.first_slab`), as for a whole step.
+    every slab is identical, and gets its statistics over every slab (SLERP's on `reduction_threads`, as the
+    math thread would compute them for a whole tensor), both decided at its first slab (`slabs.first_slab`).
     """
     step = part.step
     sizes = slabs.block_sizes(plan, part)
@@ -346,16 +350,16 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
     with torch_threads(1):
         if part.rows is None:
             tensors = slabs.load_part(plan, part, block, sizes)
-            copied, thresholds = step.action == "copy" or slabs.all_identical(tensors), None
+            copied, statistics = step.action == "copy" or slabs.all_identical(tensors), None
         elif part.rows[0] == 0:
-            tensors, copied, thresholds = slabs.first_slab(plan, part, block, sizes)
-            decided[step.name] = copied, thresholds
+            tensors, copied, statistics = slabs.first_slab(plan, part, block, sizes, reduction_threads)
+            decided[step.name] = copied, statistics
         else:
-            copied, thresholds = decided[step.name]
+            copied, statistics = decided[step.name]
             tensors = slabs.load_part(plan, part, block, sizes)
         if not (copied or plan.config.allow_nonfinite) and sparsifies(plan.config.method):
             _FiniteChecks(plan, step).of_inputs(tensors)
-    return block, tensors, copied, thresholds
+    return block, tensors, copied, statistics
 
 
 def _output_slot(part: slabs.Part, first: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

@@ -82,23 +82,39 @@ def slerp_weights(start: torch.Tensor, end: torch.Tensor, t: float) -> tuple[flo
     The angle comes from the normalized vectors, the interpolation uses the raw ones (as mergekit and
     the original SLERP merges do), so norms are interpolated too. Nearly colinear vectors and zero
     vectors get the linear coefficients (1-t, t), where the spherical formula loses precision or is
-    undefined. Reductions run chunk by chunk in float32 and accumulate in float64.
+    undefined. See `SlerpAngle` for the reductions.
     """
-    start_flat, end_flat = start.reshape(-1), end.reshape(-1)
-    dot = start_sq = end_sq = 0.0
-    for begin in range(0, start_flat.numel(), CHUNK):
-        a = start_flat[begin:begin + CHUNK].to(torch.float32)
-        b = end_flat[begin:begin + CHUNK].to(torch.float32)
-        dot += torch.dot(a, b).item()
-        start_sq += torch.dot(a, a).item()
-        end_sq += torch.dot(b, b).item()
-    start_norm, end_norm = math.sqrt(start_sq), math.sqrt(end_sq)
-    if start_norm < NORM_EPS or end_norm < NORM_EPS:
-        return 1.0 - t, t
-    cosine = max(-1.0, min(1.0, dot / (start_norm * end_norm)))
-    if abs(cosine) > COLINEAR_DOT:
-        return 1.0 - t, t
-    return spherical_weights(cosine, t)
+    angle = SlerpAngle()
+    angle.add(start, end)
+    return angle.weights(t)
+
+
+class SlerpAngle:
+    """The inner products behind SLERP's angle, added up chunk by chunk of CHUNK entries: float32 dot products
+    accumulated in float64, in the order of the chunks. Fed a tensor's row slabs in order, slabs that start at
+    multiples of CHUNK (merge/slabs.py), it gives the sums, and so the weights, of the whole tensor."""
+
+    def __init__(self):
+        self.dot = self.start_sq = self.end_sq = 0.0
+
+    def add(self, start: torch.Tensor, end: torch.Tensor) -> None:
+        start_flat, end_flat = start.reshape(-1), end.reshape(-1)
+        for begin in range(0, start_flat.numel(), CHUNK):
+            a = start_flat[begin:begin + CHUNK].to(torch.float32)
+            b = end_flat[begin:begin + CHUNK].to(torch.float32)
+            self.dot += torch.dot(a, b).item()
+            self.start_sq += torch.dot(a, a).item()
+            self.end_sq += torch.dot(b, b).item()
+
+    def weights(self, t: float) -> tuple[float, float]:
+        """`slerp_weights` for what was added."""
+        start_norm, end_norm = math.sqrt(self.start_sq), math.sqrt(self.end_sq)
+        if start_norm < NORM_EPS or end_norm < NORM_EPS:
+            return 1.0 - t, t
+        cosine = max(-1.0, min(1.0, self.dot / (start_norm * end_norm)))
+        if abs(cosine) > COLINEAR_DOT:
+            return 1.0 - t, t
+        return spherical_weights(cosine, t)
 
 
 def spherical_weights(cosine: float, t: float) -> tuple[float, float]:

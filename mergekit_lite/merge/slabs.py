@@ -3,13 +3,15 @@
 A method whose every output entry depends only on the same entry of each input (and, for DARE, on that entry's
 own draw: `methods.keep_indicator`) gives the same bytes whether a tensor is merged whole or a band of rows at a
 time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
-masks drawn per chunk, are exactly the whole tensor's. TIES's trim (and its mergekit form) needs one statistic
-per model, the magnitude threshold: the engine's reader computes it first, from a sample of rows and one
-counting pass over the slabs (`methods.TrimThreshold`, the same value). This module also reads the parts
-into the engine's ring and decides, slab by slab, whether a tensor is the same in every input. Methods with
-other per-tensor statistics (SLERP's angle, the Gram matrices of the geometric methods, the L1 rescales,
-row-wise variants) read whole tensors as before; so do inputs that are not plain safetensors (adapters,
-pickles, untied heads).
+masks drawn per chunk, are exactly the whole tensor's. Two methods need a statistic of the whole tensor first,
+which the engine's reader computes in a pass over the slabs before the first is merged: TIES's trim (and its
+mergekit form) each model's magnitude threshold, from a sample of rows and one counting pass
+(`methods.TrimThreshold`, the same value), and SLERP its angle, whose reductions run chunk by chunk of
+`methods.CHUNK` entries (`methods.SlerpAngle`): its slabs start at multiples of that chunk, so the sums, the
+weights and the bytes are the whole tensor's. This module also reads the parts into the engine's ring and
+decides, slab by slab, whether a tensor is the same in every input. Methods with other per-tensor statistics
+(the Gram matrices of the geometric methods, the L1 rescales, row-wise variants) read whole tensors as before;
+so do inputs that are not plain safetensors (adapters, pickles, untied heads).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from mergekit_lite.io.buffers import aligned
 from mergekit_lite.io.safetensors import ModelSource
 from mergekit_lite.merge import methods, recipes
 from mergekit_lite.merge.plan import MergePlan, TensorStep
-from mergekit_lite.threads import start_on_other_cores
+from mergekit_lite.threads import start_on_other_cores, torch_threads
 
 SLAB_BYTES = 32 << 20  # the inputs' bytes one slab reads, all inputs together
 RING_SLABS = 3  # slabs in flight: one being read, one in the math, one being written
@@ -42,6 +44,18 @@ def trims_by_magnitude(method: str) -> bool:
     """TIES's trim: elementwise once each model's magnitude threshold is known."""
     recipe = recipes.TASK_VECTOR_METHODS.get(method)
     return recipe is not None and recipe.sparsifier == "magnitude"
+
+
+def needs_statistics(method: str) -> bool:
+    """Methods whose steps in slabs first read every slab for a statistic of the whole tensor (TIES's trim
+    thresholds, SLERP's angle), and so read their inputs twice."""
+    return trims_by_magnitude(method) or method == "slerp"
+
+
+def slab_unit(method: str) -> int:
+    """The entries a slab's first entry is a multiple of: the chunk of the method's reductions (SLERP's angle) or of
+    its elementwise passes and DARE's draws."""
+    return methods.CHUNK if method == "slerp" else methods.ELEMENTWISE_CHUNK
 
 
 @dataclass(frozen=True)
@@ -68,15 +82,18 @@ class Part:
 
 def slab_rows(plan: MergePlan, step: TensorStep) -> int | None:
     """Rows per slab when `step` is merged in slabs, else None: a merged (not copied) tensor of plain safetensors
-    inputs whose method merges elementwise (or trims by magnitude) and whose inputs exceed SLAB_BYTES."""
+    inputs whose method merges elementwise (or does once TIES's thresholds or SLERP's angle are known) and whose
+    inputs exceed SLAB_BYTES."""
     inputs = plan.inputs_of(step)
     method = plan.config.method
-    if step.action != "merge" or len(step.shape) < 2 or not (merges_elementwise(method) or trims_by_magnitude(method)) \
+    in_slabs = merges_elementwise(method) or needs_statistics(method)
+    if step.action != "merge" or len(step.shape) < 2 or not in_slabs \
             or any(type(source) is not ModelSource for source, _ in inputs):
         return None
     row_elements = math.prod(step.shape[1:])
     row_bytes = sum(row_elements * source.dtype(name).itemsize for source, name in inputs)
-    unit = methods.ELEMENTWISE_CHUNK // math.gcd(row_elements, methods.ELEMENTWISE_CHUNK)  # rows per whole chunk
+    chunk = slab_unit(method)
+    unit = chunk // math.gcd(row_elements, chunk)  # rows per whole chunk
     rows = SLAB_BYTES // max(row_bytes, 1) // unit * unit
     return rows if 0 < rows < step.shape[0] else None
 
@@ -142,23 +159,37 @@ def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block
             for i, trim in enumerate(trims, start=1)]
 
 
-def first_slab(plan: MergePlan, part: Part, block: torch.Tensor,
-               sizes: list[int]) -> tuple[list[torch.Tensor], bool, list[float] | None]:
+def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor,
+                           threads: int) -> tuple[float, float]:
+    """SLERP's two weights from the slabs read in order through `block`: `methods.SlerpAngle`'s sums over chunks
+    that are the whole tensor's, on the `threads` intra-op threads a whole tensor's reductions run with (float32
+    dot products round differently with another count)."""
+    angle = methods.SlerpAngle()
+    with torch_threads(threads):
+        for part in row_slabs(step, rows):
+            angle.add(*load_part(plan, part, block, block_sizes(plan, part)))
+    return angle.weights(step.parameters["t"])
+
+
+def first_slab(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int],
+               threads: int) -> tuple[list[torch.Tensor], bool, list[float] | tuple[float, float] | None]:
     """The first slab of a step in slabs read into `block`, and what the whole step needs decided once: whether
-    it is a copy (every slab identical in every input, as for a whole tensor) and, for TIES, each model's trim
-    threshold (else None). Later slabs are read here only when the first is identical in every input (fine-tuned
-    inputs differ in their first slab) or for TIES's thresholds; the first is then read again."""
+    it is a copy (every slab identical in every input, as for a whole tensor) and its statistics: TIES's trim
+    thresholds, one per model, or SLERP's weights (else None; SLERP's on `threads` threads). Later slabs are
+    read here only when the first is identical in every input (fine-tuned inputs differ in their first slab) or
+    for the statistics; the first is then read again."""
     step = part.step
     tensors = load_part(plan, part, block, sizes)
     first_identical = all_identical(tensors)
     copied = first_identical and all(all_identical(load_part(plan, later, block, block_sizes(plan, later)))
                                      for later in row_slabs(step, part.rows[1])[1:])
-    thresholds = None
-    if not copied and trims_by_magnitude(plan.config.method):
-        thresholds = trim_thresholds_in_slabs(plan, step, part.rows[1], block)
-    if first_identical or thresholds is not None:  # the block holds a later slab now
+    statistics = None
+    if not copied and needs_statistics(plan.config.method):
+        statistics = trim_thresholds_in_slabs(plan, step, part.rows[1], block) if plan.config.method != "slerp" \
+            else slerp_weights_in_slabs(plan, step, part.rows[1], block, threads)
+    if first_identical or statistics is not None:  # the block holds a later slab now
         tensors = load_part(plan, part, block, sizes)
-    return tensors, copied, thresholds
+    return tensors, copied, statistics
 
 
 def all_identical(tensors: list[torch.Tensor]) -> bool:
