@@ -2,9 +2,10 @@
 once (`calibrate`) and cached per machine in the user's cache folder (`--dry-run`, `--calibrate`).
 
 The model follows the engine's structure: a merge run as a process is start-up, then reading every input once
-(twice for the steps in slabs whose statistics need a pass of their own, TIES's and SLERP's; memory copies from
-the page cache, which take the cores the math needs, so they add up), then the math and the writing side by side (shards go to the device past the page cache, `io/direct.py`, while the next steps are
-merged), so whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
+(twice for the steps in slabs whose statistics need a pass of their own, TIES's and SLERP's) and the math, which
+add up (reads are memory copies from the page cache, on the cores the math needs), side by side with the writing
+(shards go to the device past the page cache, `io/direct.py`, while the next steps are read and merged), so
+whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
 from the plan), the writer's two direct-write stages, and the method's working memory: a few chunks'
 temporaries, or for the methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the
@@ -85,10 +86,10 @@ class Estimate:
         note = "  (excludes RECALL's forward passes over the texts)" if self.method in SAME_MATH else ""
         if self.device != "cpu":
             note += f"  (math at this CPU's rates, not {self.device}'s)"
-        return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + read "
-                f"{self.read_s:.1f} + the longer of math {self.math_s:.1f} and write {self.write_s:.1f}), peak RSS "
-                f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB, writer {self.writer_bytes / 1e6:.0f} MB)"
-                f"{note}\n"
+        return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + the longer of "
+                f"read {self.read_s:.1f} + math {self.math_s:.1f} and write {self.write_s:.1f}), peak RSS "
+                f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB, writer "
+                f"{self.writer_bytes / 1e6:.0f} MB){note}\n"
                 f"  rates: {source} (--calibrate measures them again, best on an idle machine)")
 
 
@@ -155,7 +156,7 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     ring = slabs.ring_capacity(plan)
     working = max((_working_memory(rates, method, step) for step in merged), default=0)
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
-    return Estimate(plan.config.method, rates.startup_s + read_s + max(math_s, write_s), rates.startup_s, read_s,
+    return Estimate(plan.config.method, rates.startup_s + max(read_s + math_s, write_s), rates.startup_s, read_s,
                     math_s, write_s, int(rates.startup_rss + ring + WRITER_BYTES + working), ring, WRITER_BYTES,
                     plan.config.device)
 
