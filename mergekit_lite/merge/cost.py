@@ -38,9 +38,12 @@ from mergekit_lite.merge.config import METHODS
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
-RATES_FORMAT = 3  # bump when what calibrate measures changes: older entries are measured again
-CALIBRATION_SIZES = (1 << 20, 1 << 21)  # elements of the calibration tensors: two sizes split fixed from per-element
-# (both at least a reduction chunk, methods.CHUNK, whose float64 stacks are a fixed cost)
+RATES_FORMAT = 4  # bump when what calibrate measures changes: older entries are measured again
+# Elements of the calibration tensors: two sizes split fixed from per-element costs (both at least a reduction
+# chunk, methods.CHUNK, whose float64 stacks are a fixed cost). The larger is a mid-sized layer's: below a few
+# million entries the per-tensor start-up (threads, DARE's first draws) still shows per element, and 2 M entries
+# put TIES's and DARE's rates 25-35 % above those of the 12-65 M entry tensors of a real model
+CALIBRATION_SIZES = (1 << 20, 1 << 23)
 IO_BYTES = 128 << 20  # enough that a shard's final sync is not most of the write
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 WRITER_BYTES = 2 * STAGE_BYTES  # the writer's two direct-write stages (none where a filesystem refuses O_DIRECT)
