@@ -40,9 +40,9 @@ from mergekit_lite.merge.schema import config_from_dict
 
 RATES_FORMAT = 4  # bump when what calibrate measures changes: older entries are measured again
 # Elements of the calibration tensors: two sizes split fixed from per-element costs (both at least a reduction
-# chunk, methods.CHUNK, whose float64 stacks are a fixed cost). The larger is a mid-sized layer's: below a few
-# million entries the per-tensor start-up (threads, DARE's first draws) still shows per element, and 2 M entries
-# put TIES's and DARE's rates 25-35 % above those of the 12-65 M entry tensors of a real model
+# chunk, methods.CHUNK, whose float64 stacks are a fixed cost). The larger is a mid-sized layer's: at 2 M entries
+# the per-tensor start-up (threads, DARE's first draws) still showed in the per-entry rates, and the 4 GB walls
+# were predicted 26-32 % long (benchmarks/RESULTS.md, the dry run's predictions)
 CALIBRATION_SIZES = (1 << 20, 1 << 23)
 IO_BYTES = 128 << 20  # enough that a shard's final sync is not most of the write
 TENSOR = "model.layers.0.mlp.up_proj.weight"
