@@ -293,6 +293,26 @@ def test_row_sum_weighs_agreement_rows_in_model_order():
     assert methods.row_sum(deltas[:1]).data_ptr() == deltas.data_ptr()  # one row with weight 1: no copy
 
 
+@pytest.mark.parametrize("model_dtype, base_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+                                                     (torch.float32, torch.float32), (torch.float64, torch.float32),
+                                                     (torch.bfloat16, torch.float64)])
+def test_task_vector_has_the_bytes_of_torch_sub_and_leaves_its_inputs(model_dtype, base_dtype):
+    """The copy-then-subtract path (bf16, fp16, fp32) and torch's promotion (float64) against torch.sub of the
+    base in float32, signed zeros, subnormals, inf and NaN included; a float32 model is not written into."""
+    generator = torch.Generator().manual_seed(8)
+    values = torch.cat([torch.randn(5000, generator=generator),
+                        torch.tensor([0.0, -0.0, 1e-40, -1e-40, math.inf, -math.inf, math.nan, 3e38, -3e38])])
+    model, base = values.to(model_dtype), values.flip(0).to(base_dtype)
+    kept = model.clone()
+    expected = torch.sub(model, base.to(torch.float32))
+    result = methods.task_vector(model, base)
+    assert result.dtype == expected.dtype and torch.equal(model.view(torch.uint8), kept.view(torch.uint8))
+    assert torch.equal(result.view(torch.uint8), expected.view(torch.uint8))
+    out = torch.empty(values.shape, dtype=torch.float32)
+    assert methods.task_vector(model, base, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out.view(torch.int32), expected.to(torch.float32).view(torch.int32))
+
+
 def test_sign_consensus_elects_the_sign_with_more_mass():
     stacked = torch.stack([t(1.0, -3.0, 0.0), t(-2.0, 1.0, 0.5), t(0.5, 1.0, 0.0)])
     agree = methods.sign_consensus(stacked)
@@ -415,7 +435,8 @@ def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, th
     return merged * scale + base32
 
 
-@pytest.mark.parametrize("weights, scale", [([1.0, 1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6), ([0.5, 1e-8, 1.3], -1.0)])
+@pytest.mark.parametrize("weights, scale", [([1.0, 1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6), ([0.5, 1e-8, 1.3], -1.0),
+                                            ([1.0, 1.0], 1.0), ([1.0], 1.0)])
 @pytest.mark.parametrize("sparsifier, consensus, normalize, mergekit_rules", [
     (None, False, False, False), (None, False, True, False), ("magnitude", True, True, False),
     ("magnitude", True, False, False), ("magnitude", True, True, True), ("random", True, True, False),
@@ -427,10 +448,10 @@ def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, sca
     base = (torch.randn(4099, generator=generator) * 0.02).to(torch.bfloat16)
     models = [(base.float() + torch.randn(4099, generator=generator) * 0.002).to(torch.bfloat16) for _ in weights]
     base[:64] = -0.0  # signed zeros and unchanged entries, where a shortcut could flip a zero's sign
-    models[0][:32], models[1][16:48] = 0.0, -0.0
-    models[2][100:200] = base[100:200]
+    models[0][:32], models[-1][16:48] = 0.0, -0.0
+    models[-1][100:200] = base[100:200]
     thresholds = [methods.trim_threshold(base, model, 0.5) for model in models]
-    drops, keys = [0.5, 0.3, 0.6], [11, 12, 2**128 - 13]
+    drops, keys = [0.5, 0.3, 0.6][:len(models)], [11, 12, 2**128 - 13][:len(models)]
     fused = methods.task_vector_merge(
         base, models, weights, scale=scale, sparsifier=sparsifier, thresholds=thresholds, drops=drops,
         keys=keys, consensus=consensus, normalize=normalize,

@@ -307,10 +307,11 @@ def chunk_size(method: str) -> int:
 
 def chunk_threads(method: str) -> int:
     """Intra-op threads for a method's chunk loop: one for DARE, whose masks the other cores draw (`KeepsAhead`),
-    else `math_threads`. With version 2's cheaper draws a second math thread was no faster on a busy 2-core
-    machine (benchmarks/RESULTS.md, `chunk_math.py --methods dare_ties --chunk-threads 1|2`)."""
+    and for TIES, whose thresholds the reader counts on them for the coming tensors (merge/slabs.py), else
+    `math_threads`. A second math thread was no faster for DARE with version 2's cheaper draws, and slower for
+    TIES, whose two math threads and threshold counts then contend for two cores (benchmarks/RESULTS.md)."""
     recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    if recipe is not None and recipe.sparsifier == "random":
+    if recipe is not None and recipe.sparsifier in ("random", "magnitude"):
         return 1
     return math_threads(compute_bound(method))
 

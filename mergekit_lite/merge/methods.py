@@ -32,8 +32,9 @@ ELEMENTWISE_CHUNK = 1 << 18
 # Elements per chunk of the memory-bound methods' passes (linear, SLERP, task arithmetic, ...): their two to four
 # float32 temporaries per chunk then fit in a core's L2 cache (benchmarks/RESULTS.md, `chunk_math.py --dense-chunk`)
 DENSE_CHUNK = 1 << 16
-# Dtypes whose torch.lerp computes in float32 and rounds once to the dtype (CPU and CUDA kernels alike)
-LERP_IN_PLACE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Dtypes that float32 holds exactly: torch.lerp computes them in float32 and rounds once to the dtype (CPU and
+# CUDA kernels alike), and `task_vector` converts them before subtracting
+EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 THRESHOLD_SAMPLE = 1 << 16  # strided sample that brackets TIES's trim threshold on large tensors
 
 
@@ -70,7 +71,7 @@ def lerp(start: torch.Tensor, end: torch.Tensor, alpha: float, out: torch.Tensor
     from float32: the same bytes as rounding the float32 result, in one pass instead of four (convert both inputs,
     combine, round). `out` may be `start` itself. Else the float32 result is returned.
     """
-    if out is not None and start.dtype == end.dtype == out.dtype and out.dtype in LERP_IN_PLACE_DTYPES \
+    if out is not None and start.dtype == end.dtype == out.dtype and out.dtype in EXACT_IN_FLOAT32 \
             and start.device == end.device == out.device:
         return torch.lerp(start, end, alpha, out=out)
     return torch.lerp(start.to(torch.float32), end.to(torch.float32), alpha)
@@ -138,6 +139,20 @@ def nearswap(base: torch.Tensor, model: torch.Tensor, t: float) -> torch.Tensor:
     return step * model32 + (1.0 - step) * base32
 
 
+def task_vector(model: torch.Tensor, base: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """model - base in float32 (Ilharco et al. 2023's task vector), into `out` when given.
+
+    bfloat16, float16 and float32 convert to float32 exactly, so copying the model into float32 and subtracting
+    the base in place gives the bytes of a subtraction across dtypes, in half its time on the CPU (torch's mixed
+    dtype kernels convert element by element). Other dtypes subtract as torch promotes them.
+    """
+    if model.dtype not in EXACT_IN_FLOAT32 or base.dtype not in EXACT_IN_FLOAT32:
+        return torch.sub(model, base.to(torch.float32), out=out)
+    if out is None:
+        out = torch.empty(model.shape, dtype=torch.float32, device=model.device)
+    return out.copy_(model).sub_(base)
+
+
 def magnitude_threshold(magnitudes: torch.Tensor, keep: int) -> float:
     """The `keep`-th largest value of a non-negative tensor: a linear-time selection (kthvalue), not a sort."""
     flat = magnitudes.reshape(-1)
@@ -180,7 +195,7 @@ class TrimThreshold:
 
     @staticmethod
     def _magnitudes(base: torch.Tensor, model: torch.Tensor, part: slice) -> torch.Tensor:
-        return torch.sub(model.reshape(-1)[part], base.reshape(-1)[part].to(torch.float32)).abs_()
+        return task_vector(model.reshape(-1)[part], base.reshape(-1)[part]).abs_()
 
     def sample(self, base: torch.Tensor, model: torch.Tensor) -> None:
         """Add these entries (some THRESHOLD_SAMPLE spread over the tensor, in any number of calls) to the sample."""
@@ -362,7 +377,7 @@ def sce(base: torch.Tensor, models: Sequence[torch.Tensor], select_topk: float =
     kept, added to the base. Whole tensors: the selection ranks and the weights are per tensor.
     """
     base32 = base.to(torch.float32)
-    deltas = torch.stack([torch.sub(model, base32) for model in models])
+    deltas = torch.stack([task_vector(model, base32) for model in models])
     if select_topk < 1.0:
         deltas.mul_(variance_keep(deltas, select_topk))
     agree = sign_consensus(deltas, zero_sum_positive=True).to(torch.float32)
@@ -425,7 +440,7 @@ def positive_agreement(weighted_deltas: torch.Tensor, zero_sum_positive: bool = 
     """`sign_consensus` as float32 for deltas weighted by at least NORM_EPS: 1.0 where a delta agrees, else ±0.0.
 
     The merge's bytes are those of the comparison, in float ops only (bool tensors are slow on the CPU):
-    sign(d)·elected, clamped at 0, can differ from it only in the sign of a zero term, and a zero's sign
+    sign(d·elected) (elected is -1, 0 or 1, so d·elected is exact), clamped at 0, can differ from it only in the sign of a zero term, and a zero's sign
     reaches the result only where the base is -0.0. There every zero delta is +0.0 (x - (-0.0) is never
     -0.0, the sparsifiers write +0.0, positive weights keep it), so where no sign is elected both sum to
     +0.0, and where one is, some row strictly agrees and the sum is the agreeing rows'. The total's zero may
@@ -433,8 +448,8 @@ def positive_agreement(weighted_deltas: torch.Tensor, zero_sum_positive: bool = 
     """
     total = row_sum(weighted_deltas)
     elected = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total) if zero_sum_positive \
-        else torch.sign(total)
-    return torch.sign(weighted_deltas).mul_(elected).clamp_min_(0.0)
+        else total.sign_() if len(weighted_deltas) > 1 else torch.sign(total)  # one row: total is that row
+    return torch.mul(weighted_deltas, elected).sign_().clamp_min_(0.0)
 
 
 def task_vector_merge(
@@ -483,9 +498,8 @@ def task_vector_merge(
         keeps = [keep_indicator(key, 0, base32.numel(), drop) for key, drop in zip(keys, drops)]
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
-        # bf16/fp16 -> float32 is exact, so promoting inside the subtraction gives the bytes of converting first
         slot = stacked[index] if consensus else None
-        delta = torch.sub(model, base32, out=slot)
+        delta = task_vector(model, base32, out=slot)
         dense_l1 = delta.abs().sum().item() if rescale and sparsifier in L1_RESCALED else None
         if sparsifier == "magnitude":
             trim(delta, thresholds[index])
@@ -512,7 +526,7 @@ def task_vector_merge(
         if normalize:
             divisor = row_sum(agree, weights)
             if positive:  # every non-zero divisor is then at least NORM_EPS: a clamp does the masked fill's work
-                divisor = divisor.clamp_min(NORM_EPS)
+                divisor = divisor.clamp_min_(NORM_EPS)  # in place: a new sum, or the agreement, read already
             else:
                 divisor = divisor.masked_fill(divisor.abs() < NORM_EPS, 1.0)
             if scale == 1.0:  # base + merged / divisor in one pass: a division, then an addition, as unfused
