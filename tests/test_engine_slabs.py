@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mergekit_lite.audited import run_merge
+from mergekit_lite.errors import InputError
 from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter
 from mergekit_lite.merge import methods, slabs
 from mergekit_lite.merge.plan import plan_merge
@@ -122,6 +123,37 @@ def test_the_slerp_angle_from_slabs_is_the_whole_tensors():
     for begin, stop in ((0, 1024), (1024, 3072), (3072, start.shape[0])):  # 1024 rows of 1024: one CHUNK
         angle.add(start[begin:stop], end[begin:stop])
     assert angle.weights(0.3) == methods.slerp_weights(start, end, 0.3) != (0.7, 0.3)
+
+
+def test_statistics_are_read_through_one_slab_of_their_own(models, monkeypatch):
+    """TIES and SLERP decide each tensor in slabs on the statistician thread, through a block of the largest
+    first slab (counted in the dry run's ring); the methods without statistics need none."""
+    monkeypatch.setattr(slabs, "SLAB_BYTES", SMALL_SLABS)
+    for method in ("ties", "linear", "dare_ties"):
+        plan = plan_merge(config_from_dict(CONFIGS[method](models)))
+        firsts = [sum(slabs.block_sizes(plan, part)) for part in slabs.parts(plan) if part.rows and not part.rows[0]]
+        expected = max(firsts) if method == "ties" else 0
+        assert len(firsts) == 3 and slabs.statistics_block_bytes(plan) == expected, method
+        assert slabs.statistics_block_bytes(plan, in_slabs=False) == 0
+        assert expected <= SMALL_SLABS and (expected > 0) == (method == "ties")
+
+
+def test_a_failed_statistics_pass_stops_the_merge_and_leaves_no_output(models, tmp_path, monkeypatch):
+    """An error on the statistician thread (here: the second tensor's) reaches the caller as itself and no output
+    folder is left behind."""
+    monkeypatch.setattr(slabs, "SLAB_BYTES", SMALL_SLABS)
+    decide, decided = slabs.decide, []
+
+    def failing(plan, step, *args):
+        decided.append(step.name)
+        if len(decided) == 2:
+            raise InputError(f"{step.name}: unreadable")
+        return decide(plan, step, *args)
+
+    monkeypatch.setattr(slabs, "decide", failing)
+    with pytest.raises(InputError, match="unreadable") as raised:
+        run_merge(config_from_dict(CONFIGS["ties"](models)), tmp_path / "out")
+    assert str(raised.value).startswith(decided[1]) and not (tmp_path / "out").exists()
 
 
 def test_methods_with_other_per_tensor_statistics_stay_whole(models):

@@ -7,7 +7,7 @@ add up (reads are memory copies from the page cache, on the cores the math needs
 (shards go to the device past the page cache, `io/direct.py`, while the next steps are read and merged), so
 whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
-from the plan), the writer's two direct-write stages, and the method's working memory: a few chunks'
+from the plan, and one more slab for TIES's and SLERP's statistics, read on a thread of their own), the writer's two direct-write stages, and the method's working memory: a few chunks'
 temporaries, or for the methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the
 step.
 """
@@ -156,7 +156,7 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
                       for step in plan.steps)
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
                  for step in merged)
-    ring = slabs.ring_capacity(plan)
+    ring = slabs.ring_capacity(plan) + slabs.statistics_block_bytes(plan)  # the blocks inputs are read into
     working = max((_working_memory(rates, method, step) for step in merged), default=0)
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
     return Estimate(plan.config.method, rates.startup_s + max(read_s + math_s, write_s), rates.startup_s, read_s,

@@ -229,7 +229,8 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     """Stream every step: read its inputs, check them, merge (or copy), hand the result to `sink`.
 
     Three threads overlap: a reader fills the coming steps' inputs and checks them while step i is merged, and a
-    writer checks and hands the finished steps to `sink`. Inputs are read into one reused ring of the largest
+    writer checks and hands the finished steps to `sink`; a fourth computes, tensors ahead, the statistics of the
+    steps in slabs that need a pass over every slab first (TIES's thresholds, SLERP's angle). Inputs are read into one reused ring of the largest
     step's size, and each result is cast chunk by chunk over its first input's bytes (every chunk is read before
     its slot is written), so memory stays bounded by that ring and no tensor pays for fresh pages; a step's
     block is free again once it is written, which is what holds a reader that runs ahead. Neither queue is
@@ -248,13 +249,19 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     reuse_freed_memory()
     units = slabs.parts(plan, in_slabs)
     ring = BufferRing(slabs.ring_capacity(plan, in_slabs), pin=device.type == "cuda")
-    decided: dict[str, tuple] = {}  # a slabbed step's copy decision and statistics, from its first slab
+    decided: dict[str, bool] = {}  # a slabbed step's copy decision, from its first slab
     reduction_threads = torch.get_num_threads()  # what a whole tensor's reductions would run with, here
+    statistics_bytes = slabs.statistics_block_bytes(plan, in_slabs)
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
-            ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer:
+            ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer, \
+            ThreadPoolExecutor(max_workers=1) as statistician:
+        # the statistics of the steps in slabs that need them, in step order, as far ahead as the statistician gets
+        block = torch.empty(statistics_bytes, dtype=torch.uint8)
+        ahead = {part.step.name: statistician.submit(_decide_step, plan, part, block, reduction_threads)
+                 for part in units if statistics_bytes and part.rows is not None and part.rows[0] == 0}
         # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
-        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, reduction_threads)
+        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, ahead)
                                      for part in units)
         writes: deque[Future] = deque()
         write_failed = threading.Event()
@@ -279,8 +286,8 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
             while writes:
                 writes.popleft().result()
         finally:
-            for future in (*reads, *writes):
-                future.cancel()  # a failed merge waits for neither the queued reads nor the queued writes
+            for future in (*ahead.values(), *reads, *writes):
+                future.cancel()  # a failed merge waits for none of the queued statistics, reads or writes
             ring.close()
 
 
@@ -334,30 +341,40 @@ def input_bytes(plan: MergePlan, step: TensorStep) -> int:
     return sum(slabs.block_sizes(plan, slabs.Part(step)))
 
 
-def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, tuple],
-               reduction_threads: int):
+def _decide_step(plan: MergePlan, part: slabs.Part, block: torch.Tensor, reduction_threads: int):
+    """The statistician thread's job: `slabs.decide` for the step of `part` (its first slab), on one thread (SLERP's
+    reductions on `reduction_threads`, as the math thread would compute them for a whole tensor)."""
+    with torch_threads(1):
+        return slabs.decide(plan, part.step, part.rows[1] - part.rows[0], block, reduction_threads)
+
+
+def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, bool],
+               ahead: dict[str, Future]):
     """The reader thread's job: one ring block holding every input of `part` (waits while the ring is full),
     whether its step is a plain copy (identical inputs), the statistics of a step in slabs (TIES's thresholds,
-    SLERP's weights; else None), and the inputs' finite check where the method needs it.
+    SLERP's weights, from the statistician's `ahead`; else None), and the inputs' finite check where the method
+    needs it.
 
     The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
     it runs on one thread, and fine-tuned inputs differ in their first entries. A step in slabs is a copy when
-    every slab is identical, and gets its statistics over every slab (SLERP's on `reduction_threads`, as the
-    math thread would compute them for a whole tensor), both decided at its first slab (`slabs.first_slab`).
+    every slab is identical, decided at its first slab (`slabs.first_slab`) or with its statistics.
     """
     step = part.step
     sizes = slabs.block_sizes(plan, part)
     block = ring.take(sum(sizes))
+    statistics = None
     with torch_threads(1):
         if part.rows is None:
             tensors = slabs.load_part(plan, part, block, sizes)
-            copied, statistics = step.action == "copy" or slabs.all_identical(tensors), None
-        elif part.rows[0] == 0:
-            tensors, copied, statistics = slabs.first_slab(plan, part, block, sizes, reduction_threads)
-            decided[step.name] = copied, statistics
-        else:
-            copied, statistics = decided[step.name]
+            copied = step.action == "copy" or slabs.all_identical(tensors)
+        elif step.name in ahead:
             tensors = slabs.load_part(plan, part, block, sizes)
+            copied, statistics = ahead[step.name].result()
+        elif part.rows[0] == 0:
+            tensors, copied = slabs.first_slab(plan, part, block, sizes)
+            decided[step.name] = copied
+        else:
+            tensors, copied = slabs.load_part(plan, part, block, sizes), decided[step.name]
         if not (copied or plan.config.allow_nonfinite) and sparsifies(plan.config.method):
             _FiniteChecks(plan, step).of_inputs(tensors)
     return block, tensors, copied, statistics

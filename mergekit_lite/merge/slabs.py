@@ -4,7 +4,7 @@ A method whose every output entry depends only on the same entry of each input (
 own draw: `methods.keep_indicator`) gives the same bytes whether a tensor is merged whole or a band of rows at a
 time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
 masks drawn per chunk, are exactly the whole tensor's. Two methods need a statistic of the whole tensor first,
-which the engine's reader computes in a pass over the slabs before the first is merged: TIES's trim (and its
+which a thread of the engine computes in a pass over the slabs, tensors ahead of the reader (`decide`): TIES's trim (and its
 mergekit form) each model's magnitude threshold, from a sample of rows and one counting pass
 (`methods.TrimThreshold`, the same value), and SLERP its angle, whose reductions run chunk by chunk of
 `methods.CHUNK` entries (`methods.SlerpAngle`): its slabs start at multiples of that chunk, so the sums, the
@@ -171,25 +171,41 @@ def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: 
     return angle.weights(step.parameters["t"])
 
 
-def first_slab(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int],
-               threads: int) -> tuple[list[torch.Tensor], bool, list[float] | tuple[float, float] | None]:
-    """The first slab of a step in slabs read into `block`, and what the whole step needs decided once: whether
-    it is a copy (every slab identical in every input, as for a whole tensor) and its statistics: TIES's trim
-    thresholds, one per model, or SLERP's weights (else None; SLERP's on `threads` threads). Later slabs are
-    read here only when the first is identical in every input (fine-tuned inputs differ in their first slab) or
-    for the statistics; the first is then read again."""
-    step = part.step
+def first_slab(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
+    """The first slab of a step in slabs read into `block`, and whether the step is a copy: every slab identical
+    in every input, as for a whole tensor. Later slabs are read here only when the first is identical in every
+    input (fine-tuned inputs differ in their first slab); the first is then read again."""
     tensors = load_part(plan, part, block, sizes)
-    first_identical = all_identical(tensors)
-    copied = first_identical and all(all_identical(load_part(plan, later, block, block_sizes(plan, later)))
-                                     for later in row_slabs(step, part.rows[1])[1:])
-    statistics = None
-    if not copied and needs_statistics(plan.config.method):
-        statistics = trim_thresholds_in_slabs(plan, step, part.rows[1], block) if plan.config.method != "slerp" \
-            else slerp_weights_in_slabs(plan, step, part.rows[1], block, threads)
-    if first_identical or statistics is not None:  # the block holds a later slab now
-        tensors = load_part(plan, part, block, sizes)
-    return tensors, copied, statistics
+    if not all_identical(tensors):
+        return tensors, False
+    copied = all(all_identical(load_part(plan, later, block, block_sizes(plan, later)))
+                 for later in row_slabs(part.step, part.rows[1])[1:])
+    return load_part(plan, part, block, sizes), copied
+
+
+def statistics_block_bytes(plan: MergePlan, in_slabs: bool = True) -> int:
+    """The bytes of the block `decide` reads slabs through: the largest slab of a step whose statistics need a
+    pass of their own (0 where none does)."""
+    if not (in_slabs and needs_statistics(plan.config.method)):
+        return 0
+    return max((sum(block_sizes(plan, part)) for part in parts(plan, in_slabs)
+                if part.rows is not None and part.rows[0] == 0), default=0)
+
+
+def decide(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor,
+           threads: int) -> tuple[bool, list[float] | tuple[float, float] | None]:
+    """What a step in slabs of `rows` rows, whose method needs statistics, has decided before its first slab is
+    merged, reading its slabs through `block` (`statistics_block_bytes`): whether it is a copy (`first_slab`'s
+    rule) and else its statistics: TIES's trim thresholds, one per model, or SLERP's weights (on `threads`
+    threads). The engine runs this on a thread of its own, tensors ahead of the reader, so the pass that reads
+    every slab twice overlaps the merge of earlier tensors instead of holding the reader."""
+    first = row_slabs(step, rows)[0]
+    copied = first_slab(plan, first, block, block_sizes(plan, first))[1]
+    if copied:
+        return True, None
+    if plan.config.method == "slerp":
+        return False, slerp_weights_in_slabs(plan, step, rows, block, threads)
+    return False, trim_thresholds_in_slabs(plan, step, rows, block)
 
 
 def all_identical(tensors: list[torch.Tensor]) -> bool:
