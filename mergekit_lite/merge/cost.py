@@ -38,7 +38,7 @@ from mergekit_lite.merge.config import METHODS
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
-RATES_FORMAT = 4  # bump when what calibrate measures changes: older entries are measured again
+RATES_FORMAT = 5  # bump when what calibrate measures changes: older entries are measured again
 # Elements of the calibration tensors: two sizes split fixed from per-element costs (both at least a reduction
 # chunk, methods.CHUNK, whose float64 stacks are a fixed cost). The larger is a mid-sized layer's: at 2 M entries
 # the per-tensor start-up (threads, DARE's first draws) still showed in the per-entry rates, and the 4 GB walls
