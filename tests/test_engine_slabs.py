@@ -144,11 +144,11 @@ def test_a_failed_statistics_pass_stops_the_merge_and_leaves_no_output(models, t
     monkeypatch.setattr(slabs, "SLAB_BYTES", SMALL_SLABS)
     decide, decided = slabs.decide, []
 
-    def failing(plan, step, *args):
-        decided.append(step.name)
+    def failing(plan, first, *args):
+        decided.append(first.step.name)
         if len(decided) == 2:
-            raise InputError(f"{step.name}: unreadable")
-        return decide(plan, step, *args)
+            raise InputError(f"{first.step.name}: unreadable")
+        return decide(plan, first, *args)
 
     monkeypatch.setattr(slabs, "decide", failing)
     with pytest.raises(InputError, match="unreadable") as raised:

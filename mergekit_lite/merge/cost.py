@@ -7,9 +7,9 @@ add up (reads are memory copies from the page cache, on the cores the math needs
 (shards go to the device past the page cache, `io/direct.py`, while the next steps are read and merged), so
 whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
-from the plan, and one more slab for TIES's and SLERP's statistics, read on a thread of their own), the writer's two direct-write stages, and the method's working memory: a few chunks'
-temporaries, or for the methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the
-step.
+from the plan, and one more slab for TIES's and SLERP's statistics, read on a thread of their own), the
+writer's two direct-write stages, and the method's working memory: a few chunks' temporaries, or for the
+methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the step.
 """
 
 from __future__ import annotations
@@ -267,9 +267,7 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int]:
         _release_freed_memory()
         resident = _resident_bytes()
         _reset_peak()
-        started = time.perf_counter()
-        engine.merge_tensor(config, step, tensors, out)
-        seconds.append(time.perf_counter() - started)
+        seconds.append(_timed(lambda: engine.merge_tensor(config, step, tensors, out)))
         peak = _peak_bytes() - resident
     return min(seconds), max(peak, 0)
 

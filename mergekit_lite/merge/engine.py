@@ -230,11 +230,12 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
 
     Three threads overlap: a reader fills the coming steps' inputs and checks them while step i is merged, and a
     writer checks and hands the finished steps to `sink`; a fourth computes, tensors ahead, the statistics of the
-    steps in slabs that need a pass over every slab first (TIES's thresholds, SLERP's angle). Inputs are read into one reused ring of the largest
-    step's size, and each result is cast chunk by chunk over its first input's bytes (every chunk is read before
-    its slot is written), so memory stays bounded by that ring and no tensor pays for fresh pages; a step's
-    block is free again once it is written, which is what holds a reader that runs ahead. Neither queue is
-    waited on in between, so a slow disk and slow math overlap instead of taking turns. With
+    steps in slabs that need a pass over every slab first (TIES's thresholds, SLERP's angle). Inputs are read
+    into one reused ring of the largest step's size, and each result is cast chunk by chunk over its first
+    input's bytes (every chunk is read before its slot is written), so memory stays bounded by that ring and no
+    tensor pays for fresh pages; a step's block is free again once it is written, which is what holds a reader
+    that runs ahead. Neither queue is waited on in between, so a slow disk and slow math overlap instead of
+    taking turns. With
     `sink_keeps_tensors` (an in-memory merge) each result is given its own memory. With `in_slabs` the large
     tensors of elementwise methods go through in row slabs (merge/slabs.py; same bytes), handed to the sink as
     `sink(name, rows, first_row)`, so the ring holds a few slabs instead of the largest tensor's inputs.
@@ -345,7 +346,7 @@ def _decide_step(plan: MergePlan, part: slabs.Part, block: torch.Tensor, reducti
     """The statistician thread's job: `slabs.decide` for the step of `part` (its first slab), on one thread (SLERP's
     reductions on `reduction_threads`, as the math thread would compute them for a whole tensor)."""
     with torch_threads(1):
-        return slabs.decide(plan, part.step, part.rows[1] - part.rows[0], block, reduction_threads)
+        return slabs.decide(plan, part, block, reduction_threads)
 
 
 def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, bool],

@@ -440,11 +440,11 @@ def positive_agreement(weighted_deltas: torch.Tensor, zero_sum_positive: bool = 
     """`sign_consensus` as float32 for deltas weighted by at least NORM_EPS: 1.0 where a delta agrees, else ±0.0.
 
     The merge's bytes are those of the comparison, in float ops only (bool tensors are slow on the CPU):
-    sign(d·elected) (elected is -1, 0 or 1, so d·elected is exact), clamped at 0, can differ from it only in the sign of a zero term, and a zero's sign
-    reaches the result only where the base is -0.0. There every zero delta is +0.0 (x - (-0.0) is never
-    -0.0, the sparsifiers write +0.0, positive weights keep it), so where no sign is elected both sum to
-    +0.0, and where one is, some row strictly agrees and the sum is the agreeing rows'. The total's zero may
-    be -0.0 (`row_sum`): only when every delta is a zero, which no elected sign keeps.
+    sign(d·elected) (elected is -1, 0 or 1, so d·elected is exact), clamped at 0, can differ from it only in the
+    sign of a zero term, and a zero's sign reaches the result only where the base is -0.0. There every zero delta
+    is +0.0 (x - (-0.0) is never -0.0, the sparsifiers write +0.0, positive weights keep it), so where no sign is
+    elected both sum to +0.0, and where one is, some row strictly agrees and the sum is the agreeing rows'. The
+    total's zero may be -0.0 (`row_sum`): only when every delta is a zero, which no elected sign keeps.
     """
     total = row_sum(weighted_deltas)
     elected = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total) if zero_sum_positive \

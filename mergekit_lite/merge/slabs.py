@@ -4,8 +4,8 @@ A method whose every output entry depends only on the same entry of each input (
 own draw: `methods.keep_indicator`) gives the same bytes whether a tensor is merged whole or a band of rows at a
 time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
 masks drawn per chunk, are exactly the whole tensor's. Two methods need a statistic of the whole tensor first,
-which a thread of the engine computes in a pass over the slabs, tensors ahead of the reader (`decide`): TIES's trim (and its
-mergekit form) each model's magnitude threshold, from a sample of rows and one counting pass
+which a thread of the engine computes in a pass over the slabs, tensors ahead of the reader (`decide`): TIES's
+trim (and its mergekit form) each model's magnitude threshold, from a sample of rows and one counting pass
 (`methods.TrimThreshold`, the same value), and SLERP its angle, whose reductions run chunk by chunk of
 `methods.CHUNK` entries (`methods.SlerpAngle`): its slabs start at multiples of that chunk, so the sums, the
 weights and the bytes are the whole tensor's. This module also reads the parts into the engine's ring and
@@ -172,15 +172,20 @@ def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: 
 
 
 def first_slab(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
-    """The first slab of a step in slabs read into `block`, and whether the step is a copy: every slab identical
-    in every input, as for a whole tensor. Later slabs are read here only when the first is identical in every
-    input (fine-tuned inputs differ in their first slab); the first is then read again."""
+    """The first slab of a step in slabs read into `block`, and whether the step is a copy: every slab identical in
+    every input, as for a whole tensor. Later slabs are read only when the first is identical in every input
+    (fine-tuned inputs differ in their first slab); the first is then read again."""
     tensors = load_part(plan, part, block, sizes)
     if not all_identical(tensors):
         return tensors, False
-    copied = all(all_identical(load_part(plan, later, block, block_sizes(plan, later)))
-                 for later in row_slabs(part.step, part.rows[1])[1:])
+    copied = later_slabs_identical(plan, part, block)
     return load_part(plan, part, block, sizes), copied
+
+
+def later_slabs_identical(plan: MergePlan, first: Part, block: torch.Tensor) -> bool:
+    """Whether every slab after the `first` is identical in every input, each read through `block`."""
+    return all(all_identical(load_part(plan, later, block, block_sizes(plan, later)))
+               for later in row_slabs(first.step, first.rows[1])[1:])
 
 
 def statistics_block_bytes(plan: MergePlan, in_slabs: bool = True) -> int:
@@ -192,17 +197,17 @@ def statistics_block_bytes(plan: MergePlan, in_slabs: bool = True) -> int:
                 if part.rows is not None and part.rows[0] == 0), default=0)
 
 
-def decide(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor,
+def decide(plan: MergePlan, first: Part, block: torch.Tensor,
            threads: int) -> tuple[bool, list[float] | tuple[float, float] | None]:
-    """What a step in slabs of `rows` rows, whose method needs statistics, has decided before its first slab is
-    merged, reading its slabs through `block` (`statistics_block_bytes`): whether it is a copy (`first_slab`'s
-    rule) and else its statistics: TIES's trim thresholds, one per model, or SLERP's weights (on `threads`
-    threads). The engine runs this on a thread of its own, tensors ahead of the reader, so the pass that reads
-    every slab twice overlaps the merge of earlier tensors instead of holding the reader."""
-    first = row_slabs(step, rows)[0]
-    copied = first_slab(plan, first, block, block_sizes(plan, first))[1]
-    if copied:
+    """What a step in slabs, whose method needs statistics, has decided before its `first` slab is merged,
+    reading its slabs through `block` (`statistics_block_bytes`): whether it is a copy (`first_slab`'s rule)
+    and else its statistics: TIES's trim thresholds, one per model, or SLERP's weights (on `threads` threads).
+    The engine runs this on a thread of its own, tensors ahead of the reader, so the pass that reads every slab
+    twice overlaps the merge of earlier tensors instead of holding the reader."""
+    if all_identical(load_part(plan, first, block, block_sizes(plan, first))) and \
+            later_slabs_identical(plan, first, block):
         return True, None
+    step, rows = first.step, first.rows[1]
     if plan.config.method == "slerp":
         return False, slerp_weights_in_slabs(plan, step, rows, block, threads)
     return False, trim_thresholds_in_slabs(plan, step, rows, block)
