@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from test_safety import cli
 from tiny_models import save_random_pair, save_tiny_llama
 
+from mergekit_lite.merge.engine import all_finite
 from mergekit_lite.merge.methods import lerp
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
@@ -221,6 +223,15 @@ def nan_for_ties(models, tmp):
     return ["--method", "ties", "--base", models["base"], "--model", nan_model(models, tmp), "--density", "0.5"]
 
 
+def nan_for_dare(models, tmp):
+    """DARE drops by multiplying, so a dropped NaN is NaN: only the result is checked, and it names the input."""
+    return ["--method", "dare_ties", "--base", models["base"], "--model", nan_model(models, tmp), "--drop", "0.9"]
+
+
+def inf_in_base_for_dare_linear(models, tmp):
+    return ["--method", "dare_linear", "--base", inf_model(models, tmp), "--model", models["base"], "--drop", "0.9"]
+
+
 def identical_inputs_overflowing_float16(models, tmp):
     """Identical inputs are copied, not merged; the copy's cast to float16 overflows and must still be refused."""
     huge = variant(models, tmp)
@@ -313,6 +324,10 @@ ERROR_CASES = [
                                r"or Inf values"], id="inf-in-base"),
     pytest.param(nan_for_ties, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
                                 r"or Inf values"], id="nan-in-model-ties"),
+    pytest.param(nan_for_dare, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
+                                r"or Inf values"], id="nan-in-model-dare"),
+    pytest.param(inf_in_base_for_dare_linear, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\."
+                                               r"safetensors has NaN or Inf values"], id="inf-in-base-dare-linear"),
     pytest.param(identical_inputs_overflowing_float16, [r"merged tensor " + re.escape(TARGET) + r" has NaN or Inf "
                                                         r"values \(overflow in the merge or the output dtype float16"],
                  id="copied-tensor-overflows-float16"),
@@ -443,6 +458,30 @@ def test_nonfinite_merges_with_allow_nonfinite(models, tmp_path):
     assert result.returncode == 0, result.stderr
     merged = load_file(out / "model.safetensors")[TARGET]
     assert merged.flatten()[3].isnan() and torch.isfinite(merged).sum() == merged.numel() - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_finite_check_agrees_with_isfinite_on_every_16_bit_pattern(dtype):
+    """The integer-view check against torch.isfinite: each of the 65536 patterns alone beside finite values."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(patterns.float())
+    assert all_finite(patterns[finite]) and not all_finite(patterns)
+    for bad in patterns[~finite]:
+        for where in (0, 5, 9):
+            tensor = patterns[finite][:10].clone()
+            tensor[where] = bad
+            assert not all_finite(tensor), (bad.view(torch.int16).item(), where)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, -math.nan, None])
+def test_finite_check_agrees_with_isfinite_on_wide_and_float8_dtypes(dtype, bad):
+    tensor = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(dtype)
+    tensor[7] = -0.0
+    if bad is not None:
+        tensor[4000] = bad  # float8_e4m3fn has no Inf: it becomes NaN
+    assert all_finite(tensor) == bool(torch.isfinite(tensor.float()).all())
+    assert all_finite(tensor[3:9].t()) and all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(3))
 
 
 def test_zero_size_tensors_merge(models, tmp_path):

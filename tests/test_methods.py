@@ -462,6 +462,38 @@ def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, sca
     assert torch.equal(fused.to(torch.bfloat16).view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))
 
 
+@pytest.mark.parametrize("weights, scale", [([1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6), ([0.0, 1.0], 0.0),
+                                            ([1.0], -1.0)])
+@pytest.mark.parametrize("sparsifier, consensus, normalize, mergekit_rules, rescale", [
+    (None, False, False, False, True), (None, False, True, False, True), ("random", True, True, False, True),
+    ("random", True, True, True, True), ("random", True, False, False, False), ("random", False, False, False, True),
+    ("random", False, True, False, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dare_and_dense_merges_carry_every_nonfinite_input_entry_into_the_result(
+        weights, scale, sparsifier, consensus, normalize, mergekit_rules, rescale, dtype):
+    """Why the engine checks only the result of these methods (engine.hides_nonfinite): NaN, +Inf and -Inf in the
+    base or in any model, alone or together, dropped by DARE's mask or kept, stay non-finite in that entry."""
+    generator = torch.Generator().manual_seed(5)
+    size = 64
+    base = (torch.randn(size, generator=generator) * 0.02).to(dtype)
+    models = [(base.float() + torch.randn(size, generator=generator) * 0.002).to(dtype) for _ in weights]
+    bad_values = [math.nan, math.inf, -math.inf]
+    poisoned = []
+    for entry in range(0, size, 2):  # odd entries stay finite: they must stay so
+        row = entry // 2 % (len(models) + 2)  # the base, one model, or (last) the base and every model
+        value = bad_values[entry // 2 % 3]
+        for tensor in ([base] if row == 0 else [models[row - 1]] if row <= len(models) else [base, *models]):
+            tensor[entry] = value if tensor is base else -value
+        poisoned.append(entry)
+    keeps = [torch.tensor([float(i % 4 < 2) for i in range(size)]).roll(index) for index in range(len(models))]
+    merged = methods.task_vector_merge(
+        base, models, weights, scale=scale, sparsifier=sparsifier, drops=[0.5] * len(models),
+        keeps=keeps if sparsifier else None, consensus=consensus, normalize=normalize, rescale=rescale,
+        mergekit_rules=mergekit_rules)
+    assert not torch.isfinite(merged[poisoned]).any()
+    assert torch.isfinite(merged[1::2]).all()
+
+
 def test_sce_selects_by_variance_weighs_by_mean_square_and_erases_by_sign():
     """SCE (arXiv 2408.07990 §3.3) on hand-made task vectors: variances across the models 9, 1 and 0 (both
     models agree on entry 2), so a share of the two non-zero variances keeps int(2 * share) entries."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy
 import torch
 import yaml
 
@@ -292,18 +293,23 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
             ring.close()
 
 
-def sparsifies(method: str) -> bool:
-    """Methods that drop entries of the task vectors (TIES, DARE, DELLA, Breadcrumbs): a NaN or Inf input entry
-    may be dropped, so it need not show in the output. Every other method combines every input entry with a
-    float32 coefficient, and NaN or Inf survives that (Inf x 0 is NaN)."""
+def hides_nonfinite(method: str) -> bool:
+    """Whether a NaN or Inf input entry may be missing from the result, so the inputs need a check of their own
+    (results are always checked): the sparsifiers that select entries (TIES's trim, DELLA, Breadcrumbs) may zero
+    it. Every other method combines every input entry with a float32 coefficient, and NaN or Inf survives that
+    (Inf x 0 is NaN); DARE too, which drops by multiplying by its 0-or-1 mask, so a dropped NaN or Inf is NaN, and
+    the sign election's products and sums, the disjoint mean's division and the scale carry it into the entry's
+    result (tests/test_methods.py, every input and option)."""
     recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    return recipe is not None and recipe.sparsifier is not None
+    return recipe is not None and recipe.sparsifier not in (None, "random")
 
 
 def compute_bound(method: str) -> bool:
     """Methods whose chunk math (sparsify, elect signs, disjoint mean: ~15 float32 ops per element and model)
-    costs several times the reading and writing; the others are bound by memory and I/O."""
-    return sparsifies(method)
+    costs several times the reading and writing: those of the task-vector family that sparsify (TIES, DARE, DELLA,
+    Breadcrumbs); the others are bound by memory and I/O."""
+    recipe = recipes.TASK_VECTOR_METHODS.get(method)
+    return recipe is not None and recipe.sparsifier is not None
 
 
 def chunk_size(method: str) -> int:
@@ -376,7 +382,7 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
             decided[step.name] = copied
         else:
             tensors, copied = slabs.load_part(plan, part, block, sizes), decided[step.name]
-        if not (copied or plan.config.allow_nonfinite) and sparsifies(plan.config.method):
+        if not (copied or plan.config.allow_nonfinite) and hides_nonfinite(plan.config.method):
             _FiniteChecks(plan, step).of_inputs(tensors)
     return block, tensors, copied, statistics
 
@@ -427,10 +433,10 @@ class _FiniteChecks:
     """Refuse NaN or Inf in a step's inputs or its result, naming the input that has them.
 
     The result is always checked: finite inputs can still overflow (a huge --lambda, a sum beyond float16's
-    range). Methods that do not sparsify carry every input entry into the result, so a finite result proves
-    the inputs finite and they need no pass of their own; only when the result is not finite are the inputs
-    read again (the result may overlay the first one) to name the culprit. Sparsifying methods may drop the
-    bad entry, so their inputs are checked before the merge.
+    range). Most methods carry every non-finite input entry into the result, so a finite result proves the
+    inputs finite and they need no pass of their own; only when the result is not finite are the inputs read
+    again (the result may overlay the first one) to name the culprit. Methods that may select the bad entry
+    away (`hides_nonfinite`) have their inputs checked before the merge.
     """
 
     def __init__(self, plan: MergePlan, step: TensorStep):
@@ -452,13 +458,31 @@ class _FiniteChecks:
                          f"write it anyway)")
 
     def _finite(self, tensor: torch.Tensor) -> bool:
-        """min and max propagate NaN and reach Inf, so one aminmax pass (much faster than isfinite) decides."""
-        return not (tensor.is_floating_point() and tensor.numel()) or all(map(math.isfinite, _aminmax(tensor)))
+        return all_finite(tensor)
 
 
-def _aminmax(tensor: torch.Tensor):
-    """aminmax has no float8 kernel: those (1-byte) tensors are upcast, which is exact."""
-    return torch.aminmax(tensor.float() if tensor.element_size() == 1 else tensor)
+# The integer views of IEEE floats: signed, and its unsigned twin in numpy (torch has few unsigned kernels)
+INTEGER_VIEWS = {2: (torch.int16, numpy.uint16), 4: (torch.int32, numpy.uint32), 8: (torch.int64, numpy.uint64)}
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor has no NaN or Inf, from two integer maxima of its bits (IEEE 754 §3.4's encoding).
+
+    Every non-finite float has all exponent bits set, so without its sign its bits reach +Inf's. Read as signed
+    integers, the positive ones are then the largest, at least +Inf's bits; read as unsigned, the negative ones,
+    at least -Inf's. numpy's integer maxima take a third of the time of torch's aminmax on bfloat16 (the checks
+    read every input and result of a merge; benchmarks/RESULTS.md). Tensors off the CPU, and float8 (whose
+    encodings have no Inf), go through aminmax, which propagates NaN and reaches Inf (upcast for float8: exact).
+    """
+    if not (tensor.is_floating_point() and tensor.numel()):
+        return True
+    if tensor.device.type != "cpu" or tensor.element_size() not in INTEGER_VIEWS:
+        low_high = torch.aminmax(tensor.float() if tensor.element_size() == 1 else tensor)
+        return all(math.isfinite(value) for value in low_high)
+    signed, unsigned = INTEGER_VIEWS[tensor.element_size()]
+    infinities = torch.tensor([math.inf, -math.inf], dtype=tensor.dtype).view(signed).numpy()
+    bits = tensor.reshape(-1).view(signed).numpy()
+    return bits.max() < infinities[0] and bits.view(unsigned).max() < infinities[1:].view(unsigned)[0]
 
 
 @dataclass
