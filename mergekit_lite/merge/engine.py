@@ -144,9 +144,10 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         return lambda chunk, out: methods.lerp(chunk[0], chunk[1], parameters["alpha"], out)
     if method in ("linear", "recall", "ema"):
         return lambda chunk, out: methods.linear(chunk, parameters["weights"], parameters.get("normalize", True), out)
+    if statistics is None:
+        statistics = tensor_statistics(config, step, tensors)
     if method == "slerp":
-        weights = methods.slerp_weights(tensors[0], tensors[1], parameters["t"]) if statistics is None else statistics
-        return lambda chunk, out: methods.linear(chunk, weights, normalize=False, out=out)
+        return lambda chunk, out: methods.linear(chunk, statistics, normalize=False, out=out)
     if method == "passthrough":
         return lambda chunk, out: chunk[0].to(torch.float32) * parameters["scale"]
     if method == "lines":
@@ -159,10 +160,6 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         return lambda chunk, out: methods.linear(chunk, coefficients, normalize=False, out=out)
     recipe = recipes.TASK_VECTOR_METHODS[method]
     thresholds = statistics
-    if recipe.sparsifier == "magnitude" and thresholds is None:  # one model per core: exact selections, any order
-        thresholds = [future.result() for future in start_on_other_cores(
-            lambda pair: methods.trim_threshold(tensors[0], *pair, parameters.get("mergekit_rules", False)),
-            zip(tensors[1:], parameters["densities"]))]
     if recipe.sparsifier == "outliers":
         thresholds = [methods.outlier_band(tensors[0], model, density, gamma)
                       for model, density, gamma in zip(tensors[1:], parameters["densities"], parameters["gammas"])]
@@ -175,6 +172,21 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         thresholds=thresholds, drops=parameters.get("drops"), keeps=None if keeps is None else keeps.take(),
         consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
         mergekit_rules=parameters.get("mergekit_rules", False))
+
+
+def tensor_statistics(config: MergeConfig, step: TensorStep,
+                      tensors: list[torch.Tensor]) -> list[float] | tuple[float, float] | None:
+    """What a chunked merge needs from the whole tensors before its first chunk (merge/slabs.py computes the same
+    from slabs): SLERP's two weights, TIES's trim threshold per model (one model per core: exact selections, in
+    any order); None for the other methods."""
+    parameters = step.parameters
+    if config.method == "slerp":
+        return methods.slerp_weights(tensors[0], tensors[1], parameters["t"])
+    if slabs.trims_by_magnitude(config.method):
+        return [future.result() for future in start_on_other_cores(
+            lambda pair: methods.trim_threshold(tensors[0], *pair, parameters.get("mergekit_rules", False)),
+            zip(tensors[1:], parameters["densities"]))]
+    return None
 
 
 class KeepsAhead:
@@ -263,7 +275,7 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
         ahead = {part.step.name: statistician.submit(_decide_step, plan, part, block, reduction_threads)
                  for part in units if statistics_bytes and part.rows is not None and part.rows[0] == 0}
         # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
-        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, ahead)
+        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, ahead, reduction_threads)
                                      for part in units)
         writes: deque[Future] = deque()
         write_failed = threading.Event()
@@ -356,11 +368,12 @@ def _decide_step(plan: MergePlan, part: slabs.Part, block: torch.Tensor, reducti
 
 
 def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, bool],
-               ahead: dict[str, Future]):
+               ahead: dict[str, Future], reduction_threads: int):
     """The reader thread's job: one ring block holding every input of `part` (waits while the ring is full),
-    whether its step is a plain copy (identical inputs), the statistics of a step in slabs (TIES's thresholds,
-    SLERP's weights, from the statistician's `ahead`; else None), and the inputs' finite check where the method
-    needs it.
+    whether its step is a plain copy (identical inputs), the inputs' finite check where the method needs it, and
+    the step's statistics (TIES's thresholds, SLERP's weights; None for other methods): a step in slabs has them
+    from the statistician's `ahead`, a whole step from its inputs just read (`tensor_statistics`, SLERP's
+    reductions on the `reduction_threads` the math thread would use), so the math thread only merges.
 
     The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
     it runs on one thread, and fine-tuned inputs differ in their first entries. A step in slabs is a copy when
@@ -384,6 +397,9 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
             tensors, copied = slabs.load_part(plan, part, block, sizes), decided[step.name]
         if not (copied or plan.config.allow_nonfinite) and hides_nonfinite(plan.config.method):
             _FiniteChecks(plan, step).of_inputs(tensors)
+    if part.rows is None and not copied:
+        with torch_threads(reduction_threads):
+            statistics = tensor_statistics(plan.config, step, tensors)
     return block, tensors, copied, statistics
 
 
