@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """mergekit-lite vs mergekit, side by side in one run: builds the checkpoints, runs both tools, checks that the
-outputs agree, measures the I/O and start-up bound, prints the ratio table and writes one small summary JSON.
+outputs agree, measures the I/O and start-up bound, asks `--dry-run` what each merge will cost, prints the ratio
+table (the predictions beside the measurements) and writes one small summary JSON.
 
     MERGEKIT_VENV=/path/to/venv python benchmarks/bench_vs_mergekit.py                  # 1 GB and 4 GB
     python benchmarks/bench_vs_mergekit.py --sizes 1gb --methods linear,ties --repeat 1  # quicker
@@ -62,6 +63,19 @@ def lite_command(method: str, ckpt: Path, out: Path) -> list[str]:
     }[method]
     return [str(Path(sys.executable).parent / "mergekit-lite"), "merge", *args, "--out", str(out),
             "--out-shard-size", LITE_SHARD, "--quiet"]
+
+
+ESTIMATE = re.compile(r"estimate on this machine: wall ([\d.]+) s .*peak RSS (\d+) MB")
+
+
+def predicted(method: str, ckpt: Path, calibrate: bool) -> dict:
+    """`--dry-run`'s estimate for the merge, parsed from its own line: what a user sees."""
+    command = [arg for arg in lite_command(method, ckpt, WORK / "never") if arg != "--quiet"]
+    result = subprocess.run([*command, "--dry-run", *(["--calibrate"] if calibrate else [])], capture_output=True,
+                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    match = ESTIMATE.search(result.stdout)
+    return {"wall_s": float(match.group(1)), "rss_mb": int(match.group(2)),
+            "line": result.stdout[match.start():].splitlines()[0]}
 
 
 def mergekit_config(method: str, ckpt: Path, dtype: str) -> dict:
@@ -249,6 +263,8 @@ def run_size(size: str, methods: list[str], args, venv: Path | None, summary: di
                "unsynced_bound_s": round(read + bounds["write_unsynced_s"] + bounds["startup_s"], 2),
                "bandwidth_s": round(moved / (bounds["copy_gb_per_s"] * 1e9), 2),
                "runs": {tool: [] for tool in tools}}
+        row["predicted"] = predicted(method, ckpt, args.calibrate)
+        args.calibrate = False  # the rates measured once, before the first dry run
         commands = {}
         for tool in tools:
             out = WORK / f"out-{size}-{method}-{tool}"
@@ -297,6 +313,11 @@ def ratio(a, b) -> str:
     return f"{a / b:.2f}" if a is not None and b else "-"
 
 
+def error_of(guess, measured) -> str:
+    """A prediction beside its error against the measurement."""
+    return f"{guess} ({guess / measured - 1:+.0%})" if guess is not None and measured else "-"
+
+
 def print_table(summary: dict) -> None:
     for size, entry in summary["sizes"].items():
         bounds = entry["bounds"]
@@ -305,8 +326,8 @@ def print_table(summary: dict) -> None:
               f"{bounds['copy_gb_per_s']} GB/s; bound = read + synced write + start-up (unsynced: with the unsynced "
               f"write); bw = inputs + output at copy speed")
         dtypes = [d for d in MERGEKIT_DTYPES if f"mergekit-{d}" in next(iter(entry["methods"].values()), {})]
-        header = ["method", "lite s", "lite cpu", "lite MB", "bound s", "lite/bound", "lite/unsynced", "bw s",
-                  "lite/bw"]
+        header = ["method", "lite s", "lite cpu", "lite MB", "dry run s", "dry run MB", "bound s", "lite/bound",
+                  "lite/unsynced", "bw s", "lite/bw"]
         for dtype in dtypes:
             tag = {"bfloat16": "mk-bf16", "float32": "mk-fp32"}[dtype]
             header += [f"{tag} s", f"{tag} cpu", f"{tag} MB", f"wall/{tag}", f"cpu/{tag}", f"rss/{tag}"]
@@ -314,7 +335,10 @@ def print_table(summary: dict) -> None:
         rows = [header]
         for method, row in entry["methods"].items():
             lite = row["lite"]
-            cells = [method, str(lite["wall_s"]), str(lite["cpu_s"]), str(lite["rss_mb"]), str(row["bound_s"]),
+            guess = row.get("predicted", {})
+            cells = [method, str(lite["wall_s"]), str(lite["cpu_s"]), str(lite["rss_mb"]),
+                     error_of(guess.get("wall_s"), lite["wall_s"]), error_of(guess.get("rss_mb"), lite["rss_mb"]),
+                     str(row["bound_s"]),
                      ratio(lite["wall_s"], row["bound_s"]), ratio(lite["wall_s"], row["unsynced_bound_s"]),
                      str(row["bandwidth_s"]),
                      ratio(lite["wall_s"], row["bandwidth_s"])]
@@ -345,6 +369,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-compare", action="store_true", help="do not compare the outputs")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep benchmarks/work/ckpt-SIZE afterwards")
     parser.add_argument("--json", type=Path, default=HERE / "results.json", help="summary file (default results.json)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's rates before the first dry run (`--dry-run --calibrate`)")
     args = parser.parse_args(argv)
     args.mergekit_dtypes = [d for d in args.mergekit_dtypes.split(",") if d]
     methods = [m for m in args.methods.split(",") if m]

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -24,20 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_vs_mergekit import METHODS, REPO, WORK, lite_command, load_average, log, timed_run  # noqa: E402
-
-ESTIMATE = re.compile(r"estimate on this machine: wall ([\d.]+) s .*peak RSS (\d+) MB")
-
-
-def predicted(method: str, ckpt: Path, calibrate: bool) -> dict:
-    """The dry run's own line, parsed: what a user sees."""
-    command = [arg for arg in lite_command(method, ckpt, WORK / "never") if arg != "--quiet"]
-    result = subprocess.run([*command, "--dry-run", *(["--calibrate"] if calibrate else [])], capture_output=True,
-                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
-    match = ESTIMATE.search(result.stdout)
-    return {"wall_s": float(match.group(1)), "rss_mb": int(match.group(2)),
-            "line": result.stdout[match.start():].splitlines()[0]}
-
+from bench_vs_mergekit import METHODS, WORK, lite_command, load_average, log, predicted, timed_run  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
