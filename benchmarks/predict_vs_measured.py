@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_vs_mergekit import METHODS, WORK, lite_command, load_average, log, predicted, timed_run  # noqa: E402
 
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1gb,4gb", help="make_checkpoints.py presets, comma-separated")

@@ -460,21 +460,18 @@ class _FiniteChecks:
 
     def of_inputs(self, tensors: list[torch.Tensor]) -> None:
         for (source, name), tensor in zip(self.inputs, tensors):
-            if not self._finite(tensor):
+            if not all_finite(tensor):
                 where = source.entry(name).file if isinstance(source, ModelSource) else source.path
                 raise InputError(f"tensor {name} in {where} has NaN or Inf values "
                                  f"(pass --allow-nonfinite to merge anyway)")
 
     def of_result(self, merged: torch.Tensor) -> None:
-        if self._finite(merged):
+        if all_finite(merged):
             return
         self.of_inputs([source.load(name) for source, name in self.inputs])
         raise InputError(f"merged tensor {self.step.name} has NaN or Inf values (overflow in the merge or the "
                          f"output dtype {str(merged.dtype).removeprefix('torch.')}; pass --allow-nonfinite to "
                          f"write it anyway)")
-
-    def _finite(self, tensor: torch.Tensor) -> bool:
-        return all_finite(tensor)
 
 
 # The integer views of IEEE floats: signed, and its unsigned twin in numpy (torch has few unsigned kernels)
@@ -486,8 +483,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
     Every non-finite float has all exponent bits set, so without its sign its bits reach +Inf's. Read as signed
     integers, the positive ones are then the largest, at least +Inf's bits; read as unsigned, the negative ones,
-    at least -Inf's. numpy's integer maxima take a third of the time of torch's aminmax on bfloat16 (the checks
-    read every input and result of a merge; benchmarks/RESULTS.md). Tensors off the CPU, and float8 (whose
+    at least -Inf's: integer maxima, which numpy vectorizes, instead of torch's aminmax over the floats (the checks
+    read every input and result of a merge). Tensors off the CPU, and float8 (whose
     encodings have no Inf), go through aminmax, which propagates NaN and reaches Inf (upcast for float8: exact).
     """
     if not (tensor.is_floating_point() and tensor.numel()):
