@@ -7,6 +7,7 @@ One arena, touched once and reused for every tensor, removes that cost and bound
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 
@@ -77,7 +78,7 @@ class BufferRing:
         return newest_end if oldest - newest_end >= size else None
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
 SMALL_ALLOCATION_LIMIT = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 KEPT_FREE_MEMORY = 1 << 30
 
@@ -88,16 +89,20 @@ def reuse_freed_memory() -> bool:
     By default glibc maps any allocation above a threshold that it adjusts as the program runs, and unmaps it
     on free; whether the chunk temporaries land above or below it varied from run to run, and when above, every
     one of them was a fresh mapping: 1-5 million page faults instead of 0.16 million, and up to 3x the system
-    time, for a 1 GB DARE merge (benchmarks/RESULTS.md, allocator A/B). Fixing the threshold at its ceiling and keeping up to KEPT_FREE_MEMORY of freed
-    heap makes every run take the fast path; larger allocations are still mapped and returned, so peak memory
-    is unchanged. False where the C library has no mallopt (musl, macOS): nothing changes there.
+    time, for a 1 GB DARE merge (benchmarks/RESULTS.md, allocator A/B). Fixing the threshold at its ceiling and
+    keeping up to KEPT_FREE_MEMORY of freed heap makes every run take the fast path; larger allocations are still
+    mapped and returned, so peak memory is unchanged. The engine's threads (reader, writer, statistician, math,
+    helpers) then share one arena per usable core instead of glibc's up to eight per core, each arena keeping its
+    own freed temporaries (less peak RSS for TIES, whose threshold counts allocate on four threads: benchmarks/
+    RESULTS.md). False where the C library has no mallopt (musl, macOS): nothing changes there.
     """
     import ctypes
 
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, SMALL_ALLOCATION_LIMIT)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_MEMORY))
+    return bool(mallopt(M_MMAP_THRESHOLD, SMALL_ALLOCATION_LIMIT)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_MEMORY)) \
+        and bool(mallopt(M_ARENA_MAX, len(os.sched_getaffinity(0))))
 
 
 def aligned(nbytes: int) -> int:
