@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import STAGE_BYTES
-from mergekit_lite.merge import cost
+from mergekit_lite.merge import cost, slabs
 from mergekit_lite.merge.config import METHODS, MergeConfig
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict, load_config
@@ -292,9 +292,12 @@ def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path, calibrated
 def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_path, calibrated_rates):
     """Rates are measured once per machine and cached; every registered method has them, and each plan gets a
     wall time of start-up and the longer of reads + math and writes (which overlap), and a peak memory of at least
-    start-up plus the engine's ring and the writer's two direct-write stages."""
+    start-up plus the engine's ring and the writer's two direct-write stages (and for TIES and SLERP their
+    statistics' working memory, computed beside the math)."""
     rates, where = cost.load_rates()
     assert set(rates.math_ns_per_element) == set(METHODS) == set(rates.memory_bytes_per_element)
+    assert set(rates.statistics_peak_bytes) == {method for method in METHODS if slabs.needs_statistics(method)}
+    assert all(peak > 0 for peak in rates.statistics_peak_bytes.values()), rates.statistics_peak_bytes
     assert f"measured {rates.measured_at} at load " in cost.load_rates()[1] and cost.cache_file().is_file()
     for method in METHODS:
         if method in cost.SAME_MATH:  # RECALL combines layers linearly; its forward passes are not estimated
@@ -312,6 +315,9 @@ def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_pat
         assert estimate.wall_s == pytest.approx(parts[0] + max(parts[1] + parts[2], parts[3])), method
         assert estimate.writer_bytes == 2 * STAGE_BYTES, method
         assert estimate.peak_rss >= rates.startup_rss + estimate.ring_bytes + estimate.writer_bytes, method
+        if method in rates.statistics_peak_bytes:  # chunked methods: their working memory does not scale down
+            assert estimate.peak_rss >= rates.startup_rss + estimate.ring_bytes + estimate.writer_bytes + \
+                rates.memory_peak_bytes[method] + rates.statistics_peak_bytes[method], method
         assert estimate.ring_bytes > 0, method
     result = cli("merge", "--method", "dare_ties", "--base", models["base"], "--model", models["a"],
                  "--out", tmp_path / "never", "--dry-run")

@@ -9,7 +9,9 @@ whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the p
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
 from the plan, and one more slab for TIES's and SLERP's statistics, read on a thread of their own), the
 writer's two direct-write stages, and the method's working memory: a few chunks' temporaries, or for the
-methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the step.
+methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the step; for TIES and SLERP
+also their statistics' own, which the reader's and the statistician's threads compute while the math thread
+merges.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,13 +35,13 @@ from safetensors.torch import save_file
 import mergekit_lite
 from mergekit_lite.io.direct import STAGE_BYTES
 from mergekit_lite.io.outputs import write_atomic
-from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter, read_at
+from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter, read_at
 from mergekit_lite.merge import engine, slabs
 from mergekit_lite.merge.config import METHODS
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
-RATES_FORMAT = 5  # bump when what calibrate measures changes: older entries are measured again
+RATES_FORMAT = 6  # bump when what calibrate measures changes: older entries are measured again
 # Elements of the calibration tensors: two sizes split fixed from per-element costs (both at least a reduction
 # chunk, methods.CHUNK, whose float64 stacks are a fixed cost). The larger is a mid-sized layer's: at 2 M entries
 # the per-tensor start-up (threads, DARE's first draws) still showed in the per-entry rates, and the 4 GB walls
@@ -68,6 +71,7 @@ class Rates:
     math_s_per_step: dict[str, float]
     memory_bytes_per_element: dict[str, float]
     memory_peak_bytes: dict[str, float]  # working memory at the larger calibration size
+    statistics_peak_bytes: dict[str, float]  # the whole-tensor statistics' working memory there (TIES, SLERP)
     measured_at: str
     load: float  # the 1-minute load average then: other jobs' threads slow the multi-threaded methods' rates
 
@@ -167,7 +171,7 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
 def _working_memory(rates: Rates, method: str, step) -> float:
     """A step's memory beyond its inputs: the calibrated peak, and for the methods that hold whole tensors the
     bytes per element measured between the two calibration sizes, for this step's size."""
-    peak = rates.memory_peak_bytes[method]
+    peak = rates.memory_peak_bytes[method] + rates.statistics_peak_bytes.get(method, 0.0)
     if not engine.holds_whole_tensors(method, step.parameters):
         return peak
     per_element = rates.memory_bytes_per_element[method]
@@ -182,15 +186,17 @@ def calibrate() -> Rates:
         folder = Path(scratch)
         startup_s, startup_rss = _startup()
         read_rate, write_rate = _io_rates(folder)
-        per_element, per_step, memory_per_element, memory_peak = {}, {}, {}, {}
+        per_element, per_step, memory_per_element, memory_peak, statistics_peak = {}, {}, {}, {}, {}
         for method in METHODS:
             if method in SAME_MATH:
                 continue
             timings, peaks = [], []
             for size in CALIBRATION_SIZES:
-                seconds, peak = _merge_rates(method, size, folder / f"{method}-{size}")
+                seconds, peak, statistics_bytes = _merge_rates(method, size, folder / f"{method}-{size}")
                 timings.append(seconds)
                 peaks.append(peak)
+            if slabs.needs_statistics(method):
+                statistics_peak[method] = statistics_bytes
             (small, large), (low, high) = timings, peaks
             # the larger merge's time per element (a difference of two noisy timings is noisier), the rest per step
             per_element[method] = large / CALIBRATION_SIZES[1] * 1e9
@@ -200,8 +206,9 @@ def calibrate() -> Rates:
         for alias, method in SAME_MATH.items():
             for table in (per_element, per_step, memory_per_element, memory_peak):
                 table[alias] = table[method]
-    return Rates(startup_s, startup_rss, read_rate, write_rate, per_element, per_step, memory_per_element,
-                 memory_peak, time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()[0])
+    return Rates(startup_s, startup_rss, read_rate, write_rate, per_element, per_step,
+                 memory_per_element, memory_peak, statistics_peak, time.strftime("%Y-%m-%d %H:%M:%S"),
+                 os.getloadavg()[0])
 
 
 def _startup() -> tuple[float, int]:
@@ -223,28 +230,31 @@ def _timed(action) -> float:
 
 
 def _io_rates(folder: Path) -> tuple[float, float]:
-    """Bytes per second written through the merge's ShardedWriter (synced, past the page cache where it can) and
-    read back with the engine's positioned reads (the page cache, as a merge of files just written reads them;
-    the fastest of three reads: one read of 128 MB once took five times the others on a busy machine)."""
+    """Bytes per second written through the merge's ShardedWriter (synced, past the page cache where it can; the
+    median of three writes, which on these VMs vary by up to 2x from one to the next) and read back with the
+    engine's positioned reads (the page cache, as a merge of files just written reads them; the fastest of three
+    reads: one read of 128 MB once took five times the others on a busy machine)."""
     data = torch.randint(0, 256, (IO_BYTES,), dtype=torch.uint8)
     planned = [PlannedTensor("calibration", (IO_BYTES,), torch.uint8)]
-    started = time.perf_counter()
-    with ShardedWriter(folder, planned, IO_BYTES * 2) as writer:
-        writer.write("calibration", data)
-        writer.close()
-    write_rate = IO_BYTES / (time.perf_counter() - started)
+
+    def write(into: Path) -> None:
+        into.mkdir()
+        with ShardedWriter(into, planned, IO_BYTES * 2) as writer:
+            writer.write("calibration", data)
+            writer.close()
+
+    write_rate = IO_BYTES / statistics.median(_timed(lambda: write(folder / f"write-{i}")) for i in range(3))
     target = torch.empty(IO_BYTES, dtype=torch.uint8)
-    [written] = [path for path in folder.iterdir() if path.suffix == ".safetensors"]
-    with open(written, "rb") as handle:
+    with open(folder / "write-0" / SINGLE_FILE, "rb") as handle:
         read_at(handle, memoryview(target.numpy()), 0)  # once into the page cache, then timed
         read_rate = IO_BYTES / min(_timed(lambda: read_at(handle, memoryview(target.numpy()), 0)) for _ in range(3))
-    written.unlink()
     return read_rate, write_rate
 
 
-def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int]:
+def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]:
     """Seconds (best of three) and working memory (bytes above the resident set before it) of merging one
-    bf16 tensor of `size` elements with `method`'s default parameters."""
+    bf16 tensor of `size` elements with `method`'s default parameters, and the working memory of its whole-tensor
+    statistics alone (`engine.tensor_statistics`; 0 for the methods without)."""
     parameters, count, with_base = CALIBRATION_MERGES.get(method, ({}, 2, True))
     folder.mkdir()
     generator = torch.Generator().manual_seed(0)
@@ -262,14 +272,19 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int]:
     [step] = plan.steps
     tensors = [source.load(name) for source, name in plan.inputs_of(step)]
     out = torch.empty(step.shape, dtype=step.out_dtype)
-    seconds = []
-    for _ in range(3):
-        _release_freed_memory()
-        resident = _resident_bytes()
-        _reset_peak()
-        seconds.append(_timed(lambda: engine.merge_tensor(config, step, tensors, out)))
-        peak = _peak_bytes() - resident
-    return min(seconds), max(peak, 0)
+    runs = [_measured(lambda: engine.merge_tensor(config, step, tensors, out)) for _ in range(3)]
+    statistics_peak = _measured(lambda: engine.tensor_statistics(config, step, tensors))[1] \
+        if slabs.needs_statistics(method) else 0
+    return min(seconds for seconds, _ in runs), runs[-1][1], statistics_peak
+
+
+def _measured(action) -> tuple[float, int]:
+    """Wall seconds of `action` and the bytes its peak resident set rose above the resident set before it."""
+    _release_freed_memory()
+    resident = _resident_bytes()
+    _reset_peak()
+    seconds = _timed(action)
+    return seconds, max(_peak_bytes() - resident, 0)
 
 
 def _release_freed_memory() -> None:
