@@ -26,6 +26,7 @@ from mergekit_lite.merge.recipes import L1_RESCALED
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
 CHUNK = 1 << 20  # elements per chunk of the reductions (SLERP's angle, Gram matrices); it fixes their rounding
+ANGLE_BLOCK = 1 << 16  # SLERP's angle: entries per float32 Gram matrix (a divisor of CHUNK, where slabs start)
 # Elements per chunk of the elementwise passes, exact at any size: a TIES or DARE chunk's float32 temporaries (several
 # per model) then stay in the caches (benchmarks/RESULTS.md, chunk_math.py --elementwise-chunk 18 against 20)
 ELEMENTWISE_CHUNK = 1 << 18
@@ -91,28 +92,33 @@ def slerp_weights(start: torch.Tensor, end: torch.Tensor, t: float) -> tuple[flo
 
 
 class SlerpAngle:
-    """The inner products behind SLERP's angle, added up chunk by chunk of CHUNK entries: float32 dot products
-    accumulated in float64, in the order of the chunks. Fed a tensor's row slabs in order, slabs that start at
-    multiples of CHUNK (merge/slabs.py), it gives the sums, and so the weights, of the whole tensor."""
+    """The inner products behind SLERP's angle, added up block by block of ANGLE_BLOCK entries: each block's float32
+    Gram matrix of (start, end), one matrix product that reads both blocks once while they sit in a core's L2
+    cache, accumulated in float64 in block order. Fed a tensor's row slabs in order, slabs that start at multiples
+    of CHUNK (merge/slabs.py), it gives the sums, and so the weights, of the whole tensor."""
 
     def __init__(self):
-        self.dot = self.start_sq = self.end_sq = 0.0
+        self._gram: torch.Tensor | None = None  # float64 [[start·start, start·end], [end·start, end·end]]
 
     def add(self, start: torch.Tensor, end: torch.Tensor) -> None:
         start_flat, end_flat = start.reshape(-1), end.reshape(-1)
-        for begin in range(0, start_flat.numel(), CHUNK):
-            a = start_flat[begin:begin + CHUNK].to(torch.float32)
-            b = end_flat[begin:begin + CHUNK].to(torch.float32)
-            self.dot += torch.dot(a, b).item()
-            self.start_sq += torch.dot(a, a).item()
-            self.end_sq += torch.dot(b, b).item()
+        total = start_flat.numel()
+        if self._gram is None:
+            self._gram = torch.zeros((2, 2), dtype=torch.float64, device=start_flat.device)
+        pair = torch.empty((2, min(ANGLE_BLOCK, total)), dtype=torch.float32, device=start_flat.device)
+        for begin in range(0, total, ANGLE_BLOCK):
+            block = pair[:, :min(ANGLE_BLOCK, total - begin)]
+            block[0].copy_(start_flat[begin:begin + ANGLE_BLOCK])
+            block[1].copy_(end_flat[begin:begin + ANGLE_BLOCK])
+            self._gram += torch.mm(block, block.T)
 
     def weights(self, t: float) -> tuple[float, float]:
         """`slerp_weights` for what was added."""
-        start_norm, end_norm = math.sqrt(self.start_sq), math.sqrt(self.end_sq)
+        (start_sq, dot), (_, end_sq) = [[0.0, 0.0]] * 2 if self._gram is None else self._gram.tolist()
+        start_norm, end_norm = math.sqrt(start_sq), math.sqrt(end_sq)
         if start_norm < NORM_EPS or end_norm < NORM_EPS:
             return 1.0 - t, t
-        cosine = max(-1.0, min(1.0, self.dot / (start_norm * end_norm)))
+        cosine = max(-1.0, min(1.0, dot / (start_norm * end_norm)))
         if abs(cosine) > COLINEAR_DOT:
             return 1.0 - t, t
         return spherical_weights(cosine, t)
