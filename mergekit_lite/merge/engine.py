@@ -264,7 +264,6 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     units = slabs.parts(plan, in_slabs)
     ring = BufferRing(slabs.ring_capacity(plan, in_slabs), pin=device.type == "cuda")
     decided: dict[str, bool] = {}  # a slabbed step's copy decision, from its first slab
-    reduction_threads = torch.get_num_threads()  # what a whole tensor's reductions would run with, here
     statistics_bytes = slabs.statistics_block_bytes(plan, in_slabs)
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
@@ -272,10 +271,10 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
             ThreadPoolExecutor(max_workers=1) as statistician:
         # the statistics of the steps in slabs that need them, in step order, as far ahead as the statistician gets
         block = torch.empty(statistics_bytes, dtype=torch.uint8)
-        ahead = {part.step.name: statistician.submit(_decide_step, plan, part, block, reduction_threads)
+        ahead = {part.step.name: statistician.submit(_decide_step, plan, part, block)
                  for part in units if statistics_bytes and part.rows is not None and part.rows[0] == 0}
         # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
-        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, ahead, reduction_threads)
+        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, ahead)
                                      for part in units)
         writes: deque[Future] = deque()
         write_failed = threading.Event()
@@ -360,20 +359,19 @@ def input_bytes(plan: MergePlan, step: TensorStep) -> int:
     return sum(slabs.block_sizes(plan, slabs.Part(step)))
 
 
-def _decide_step(plan: MergePlan, part: slabs.Part, block: torch.Tensor, reduction_threads: int):
-    """The statistician thread's job: `slabs.decide` for the step of `part` (its first slab), on one thread (SLERP's
-    reductions on `reduction_threads`, as the math thread would compute them for a whole tensor)."""
+def _decide_step(plan: MergePlan, part: slabs.Part, block: torch.Tensor):
+    """The statistician thread's job: `slabs.decide` for the step of `part` (its first slab), on one thread."""
     with torch_threads(1):
-        return slabs.decide(plan, part, block, reduction_threads)
+        return slabs.decide(plan, part, block)
 
 
 def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, bool],
-               ahead: dict[str, Future], reduction_threads: int):
+               ahead: dict[str, Future]):
     """The reader thread's job: one ring block holding every input of `part` (waits while the ring is full),
     whether its step is a plain copy (identical inputs), the inputs' finite check where the method needs it, and
     the step's statistics (TIES's thresholds, SLERP's weights; None for other methods): a step in slabs has them
-    from the statistician's `ahead`, a whole step from its inputs just read (`tensor_statistics`, SLERP's
-    reductions on the `reduction_threads` the math thread would use), so the math thread only merges.
+    from the statistician's `ahead`, a whole step from its inputs just read (`tensor_statistics`), so the math
+    thread only merges.
 
     The checks run here, on one thread, beside the math: torch.equal stops at the first difference only when
     it runs on one thread, and fine-tuned inputs differ in their first entries. A step in slabs is a copy when
@@ -397,8 +395,7 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
             tensors, copied = slabs.load_part(plan, part, block, sizes), decided[step.name]
         if not (copied or plan.config.allow_nonfinite) and hides_nonfinite(plan.config.method):
             _FiniteChecks(plan, step).of_inputs(tensors)
-    if part.rows is None and not copied:
-        with torch_threads(reduction_threads):
+        if part.rows is None and not copied:
             statistics = tensor_statistics(plan.config, step, tensors)
     return block, tensors, copied, statistics
 

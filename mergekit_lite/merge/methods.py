@@ -22,6 +22,7 @@ import numpy
 import torch
 
 from mergekit_lite.merge.recipes import L1_RESCALED
+from mergekit_lite.threads import torch_threads
 
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
@@ -95,7 +96,11 @@ class SlerpAngle:
     """The inner products behind SLERP's angle, added up block by block of ANGLE_BLOCK entries: each block's float32
     Gram matrix of (start, end), one matrix product that reads both blocks once while they sit in a core's L2
     cache, accumulated in float64 in block order. Fed a tensor's row slabs in order, slabs that start at multiples
-    of CHUNK (merge/slabs.py), it gives the sums, and so the weights, of the whole tensor."""
+    of CHUNK (merge/slabs.py), it gives the sums, and so the weights, of the whole tensor.
+
+    The products run on one intra-op thread, so the sums are the same bytes on any machine (a BLAS may split a
+    product across threads and round it differently) and the angle, computed beside the math on the reader's or
+    the statistician's thread, never competes with it for cores (two threads there were several times slower)."""
 
     def __init__(self):
         self._gram: torch.Tensor | None = None  # float64 [[start·start, start·end], [end·start, end·end]]
@@ -106,11 +111,12 @@ class SlerpAngle:
         if self._gram is None:
             self._gram = torch.zeros((2, 2), dtype=torch.float64, device=start_flat.device)
         pair = torch.empty((2, min(ANGLE_BLOCK, total)), dtype=torch.float32, device=start_flat.device)
-        for begin in range(0, total, ANGLE_BLOCK):
-            block = pair[:, :min(ANGLE_BLOCK, total - begin)]
-            block[0].copy_(start_flat[begin:begin + ANGLE_BLOCK])
-            block[1].copy_(end_flat[begin:begin + ANGLE_BLOCK])
-            self._gram += torch.mm(block, block.T)
+        with torch_threads(1):
+            for begin in range(0, total, ANGLE_BLOCK):
+                block = pair[:, :min(ANGLE_BLOCK, total - begin)]
+                block[0].copy_(start_flat[begin:begin + ANGLE_BLOCK])
+                block[1].copy_(end_flat[begin:begin + ANGLE_BLOCK])
+                self._gram += torch.mm(block, block.T)
 
     def weights(self, t: float) -> tuple[float, float]:
         """`slerp_weights` for what was added."""

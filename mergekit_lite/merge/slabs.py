@@ -25,7 +25,7 @@ from mergekit_lite.io.buffers import aligned
 from mergekit_lite.io.safetensors import ModelSource
 from mergekit_lite.merge import methods, recipes
 from mergekit_lite.merge.plan import MergePlan, TensorStep
-from mergekit_lite.threads import start_on_other_cores, torch_threads
+from mergekit_lite.threads import start_on_other_cores
 
 SLAB_BYTES = 32 << 20  # the inputs' bytes one slab reads, all inputs together
 RING_SLABS = 3  # slabs in flight: one being read, one in the math, one being written
@@ -159,15 +159,12 @@ def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block
             for i, trim in enumerate(trims, start=1)]
 
 
-def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor,
-                           threads: int) -> tuple[float, float]:
-    """SLERP's two weights from the slabs read in order through `block`: `methods.SlerpAngle`'s sums over chunks
-    that are the whole tensor's, on the `threads` intra-op threads a whole tensor's reductions run with (float32
-    dot products round differently with another count)."""
+def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> tuple[float, float]:
+    """SLERP's two weights from the slabs read in order through `block`: `methods.SlerpAngle`'s sums over blocks
+    that are the whole tensor's."""
     angle = methods.SlerpAngle()
-    with torch_threads(threads):
-        for part in row_slabs(step, rows):
-            angle.add(*load_part(plan, part, block, block_sizes(plan, part)))
+    for part in row_slabs(step, rows):
+        angle.add(*load_part(plan, part, block, block_sizes(plan, part)))
     return angle.weights(step.parameters["t"])
 
 
@@ -197,11 +194,10 @@ def statistics_block_bytes(plan: MergePlan, in_slabs: bool = True) -> int:
                 if part.rows is not None and part.rows[0] == 0), default=0)
 
 
-def decide(plan: MergePlan, first: Part, block: torch.Tensor,
-           threads: int) -> tuple[bool, list[float] | tuple[float, float] | None]:
+def decide(plan: MergePlan, first: Part, block: torch.Tensor) -> tuple[bool, list[float] | tuple[float, float] | None]:
     """What a step in slabs, whose method needs statistics, has decided before its `first` slab is merged,
     reading its slabs through `block` (`statistics_block_bytes`): whether it is a copy (`first_slab`'s rule)
-    and else its statistics: TIES's trim thresholds, one per model, or SLERP's weights (on `threads` threads).
+    and else its statistics: TIES's trim thresholds, one per model, or SLERP's weights.
     The engine runs this on a thread of its own, tensors ahead of the reader, so the pass that reads every slab
     twice overlaps the merge of earlier tensors instead of holding the reader."""
     if all_identical(load_part(plan, first, block, block_sizes(plan, first))) and \
@@ -209,7 +205,7 @@ def decide(plan: MergePlan, first: Part, block: torch.Tensor,
         return True, None
     step, rows = first.step, first.rows[1]
     if plan.config.method == "slerp":
-        return False, slerp_weights_in_slabs(plan, step, rows, block, threads)
+        return False, slerp_weights_in_slabs(plan, step, rows, block)
     return False, trim_thresholds_in_slabs(plan, step, rows, block)
 
 
