@@ -125,6 +125,23 @@ def test_the_slerp_angle_from_slabs_is_the_whole_tensors():
     assert angle.weights(0.3) == methods.slerp_weights(start, end, 0.3) != (0.7, 0.3)
 
 
+def test_the_slerp_angle_is_the_same_on_any_thread_count():
+    """The angle's products run on one intra-op thread whatever the caller's setting, so the weights (and a merge's
+    bytes) do not depend on the machine's core count; the 2^16-entry blocks include partial ones."""
+    generator = torch.Generator().manual_seed(6)
+    start = torch.randn(5 * 65536 + 123, generator=generator).to(torch.bfloat16)
+    end = (start.float() + 0.1 * torch.randn(start.shape, generator=generator)).to(torch.bfloat16)
+    previous = torch.get_num_threads()
+    try:
+        weights = set()
+        for threads in (1, 2, 4, 8):
+            torch.set_num_threads(threads)
+            weights.add(methods.slerp_weights(start, end, 0.3))
+    finally:
+        torch.set_num_threads(previous)
+    assert len(weights) == 1 and weights != {(0.7, 0.3)}, weights
+
+
 def test_statistics_are_read_through_one_slab_of_their_own(models, monkeypatch):
     """TIES and SLERP decide each tensor in slabs on the statistician thread, through a block of the largest
     first slab (counted in the dry run's ring); the methods without statistics need none."""
