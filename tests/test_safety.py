@@ -778,8 +778,9 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
 
     Each run must end within 90 s of its signal (a deadlock is forever; this machine may be loaded):
     interrupted (exit 130/143, one line, no output, no temp folder) or finished (a complete output). A signal that lands while the interpreter itself starts, before
-    any of our code runs, gets Python's default action (death by SIGTERM, KeyboardInterrupt in start-up):
-    nothing was written then either.
+    any of our code runs, gets Python's default action (death by SIGTERM, KeyboardInterrupt in start-up, or a
+    KeyboardInterrupt Python reports as ignored in one of its import callbacks, after which the run completes):
+    nothing was written then, or the whole output.
     """
     rng = random.Random(20261203)
     plans = [(index, rng.choice([signal.SIGINT, signal.SIGTERM]), rng.uniform(0.0, 4.0)) for index in range(STRESS_TRIES)]
@@ -806,7 +807,12 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
         assert code != "hang", f"try {index}: still running 90 s after {signum.name} at {delay:.2f} s"
         assert not list(tmp_path.glob(f".out{index}.partial-*")), f"try {index}: temp folder left"
         if code == 0:
-            assert sum(len(load_file(shard)) for shard in out.glob("*.safetensors")) == 50 and stderr == ""
+            # a complete run; a signal that landed in Python's own start-up may have been swallowed by it
+            # ("Exception ignored in: <importlib callback>", KeyboardInterrupt) before our handlers existed
+            lines = stderr.strip().splitlines()
+            assert not lines or lines[0].startswith("Exception ignored in") and \
+                lines[-1].startswith("KeyboardInterrupt"), f"try {index}: {stderr}"
+            assert sum(len(load_file(shard)) for shard in out.glob("*.safetensors")) == 50
         elif code == -signum or "KeyboardInterrupt" in stderr and "Interrupted" not in stderr:
             # Python's own start-up (before our handlers) or its shutdown (after the final rename): nothing
             # written, or the whole output, never a part of it
