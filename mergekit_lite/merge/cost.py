@@ -231,7 +231,7 @@ def _timed(action) -> float:
 
 def _io_rates(folder: Path) -> tuple[float, float]:
     """Bytes per second written through the merge's ShardedWriter (synced, past the page cache where it can; the
-    median of three writes, which on these VMs vary by up to 2x from one to the next) and read back with the
+    median of three writes, which on these VMs vary from one to the next) and read back with the
     engine's positioned reads (the page cache, as a merge of files just written reads them; the fastest of three
     reads: one read of 128 MB once took five times the others on a busy machine)."""
     data = torch.randint(0, 256, (IO_BYTES,), dtype=torch.uint8)

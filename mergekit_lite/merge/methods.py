@@ -100,7 +100,8 @@ class SlerpAngle:
 
     The products run on one intra-op thread, so the sums are the same bytes on any machine (a BLAS may split a
     product across threads and round it differently) and the angle, computed beside the math on the reader's or
-    the statistician's thread, never competes with it for cores (two threads there were several times slower)."""
+    the statistician's thread, takes one core, not both (on two threads a 4 GB merge was slower:
+    benchmarks/RESULTS.md)."""
 
     def __init__(self):
         self._gram: torch.Tensor | None = None  # float64 [[start·start, start·end], [end·start, end·end]]
