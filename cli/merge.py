@@ -140,10 +140,10 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
     if dry_run:
         from mergekit_lite.merge import cost
 
-        plan = plan_merge(config)
-        click.echo(plan.describe())
-        rates, where = cost.load_rates(refresh=calibrate)
-        click.echo(cost.estimate(plan, rates).describe(where))
+        with plan_merge(config) as plan:
+            click.echo(plan.describe())
+            rates, where = cost.load_rates(refresh=calibrate)
+            click.echo(cost.estimate(plan, rates).describe(where))
         return
     if quiet:
         from cli.main import quiet_third_party

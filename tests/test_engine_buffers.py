@@ -4,10 +4,12 @@ The `--device cuda` path is this same code (rings, reader thread, non-blocking c
 only pinning and the per-step device wait differ, so running it on CPU tensors covers it here.
 """
 
+import os
 import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +20,11 @@ from tiny_models import save_tiny_llama
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
 from mergekit_lite.io.safetensors import read_at
+from mergekit_lite.io.sources import open_inputs
 from mergekit_lite.io.validation import open_regular
 from mergekit_lite.merge import methods
-from mergekit_lite.merge.engine import KeepsAhead, dare_key, execute, math_threads, merge_state_dict, merge_tensor
+from mergekit_lite.merge.engine import (KeepsAhead, dare_key, execute, math_threads, merge_state_dict, merge_tensor,
+                                        run_merge)
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.threads import torch_threads
@@ -149,6 +153,42 @@ def test_a_read_failure_in_the_reader_thread_surfaces_and_nothing_hangs(trio, tm
     last_shard.write_bytes(last_shard.read_bytes()[:-64])
     with pytest.raises(InputError, match="truncated"):
         execute(plan, lambda name, tensor: None)
+
+
+def files_open_under(*folders: Path) -> list[str]:
+    """This process's open files inside `folders`, as the kernel lists them."""
+    roots = [str(Path(folder).resolve()) for folder in folders]
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the fd of the listing itself, closed already
+            continue
+        found += [target for root in roots if target.startswith(root + os.sep)]
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+@pytest.mark.parametrize("method", ["linear", "ties"])
+def test_a_merge_closes_the_inputs_it_opened_and_leaves_a_callers_open(trio, tmp_path, method):
+    """run_merge and merge_state_dict close every shard they opened when they return, even while their result (which
+    holds the plan) lives on; sources a caller opened and passed in stay open for its next merge."""
+    config = config_from_dict({"method": method, "base": str(trio[0]), "models": [str(trio[1]), str(trio[2])],
+                               "parameters": {"density": 0.5} if method == "ties" else {}})
+    result = run_merge(config, tmp_path / "out")
+    assert result.plan.sources and files_open_under(*trio) == []
+    state = merge_state_dict(config)
+    assert files_open_under(*trio) == []
+    sources = open_inputs(config.inputs, config.base, allow_pickle=False)
+    assert merge_state_dict(config, sources).keys() == state.keys()
+    assert len(files_open_under(*trio)) >= 3  # the caller's, still open
+    name = sources[1].names[0]
+    before = sources[1].load(name).clone()
+    for source in sources:
+        source.close()
+    assert files_open_under(*trio) == []
+    assert torch.equal(sources[1].load(name), before)  # a closed source opens its shard again when read
+    sources[1].close()
 
 
 def test_a_slow_write_does_not_hold_the_reading_and_the_math(trio, monkeypatch):

@@ -200,6 +200,12 @@ class ModelSource:
         tensor = buffer.view(entry.dtype).reshape(shape)
         return tensor.float() if entry.dtype in FLOAT8 else tensor
 
+    def close(self) -> None:
+        """Close the shards opened so far; a later read opens its shard again."""
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle.close()
+
     def _handle(self, file: Path):
         if file not in self._handles:
             self._handles[file] = open_regular(file)

@@ -33,6 +33,8 @@ class TensorSource(Protocol):
     def dtype(self, name: str) -> torch.dtype: ...
     def load(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor; a source may read it into `into` (a uint8 block of at least its bytes) instead of new memory."""
+    def close(self) -> None:
+        """Close the files read so far (a wrapper closes the source it reads through)."""
 
 
 class RenamedSource:
@@ -54,6 +56,9 @@ class RenamedSource:
 
     def load(self, name, into=None):
         return self.source.load(self.name_map[name], into)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 def tied_head(config: dict | None) -> tuple[str, str] | None:
@@ -128,6 +133,10 @@ class AdapterSource:
         if adapter_name is not None:
             return self.base.load(name).to(torch.float32).add_(self.adapter.delta(adapter_name))
         return self.base.load(name, into)
+
+    def close(self) -> None:
+        """The adapter's own file is opened per read; the base is the one to close."""
+        self.base.close()
 
 
 def open_inputs(paths: list[str], base: str | None, allow_pickle: bool) -> list[TensorSource]:

@@ -268,9 +268,9 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]
     models = [str(path) for path in (paths[1:] if with_base else paths[:count])]
     config = config_from_dict({"method": method, "base": str(paths[0]) if with_base else None,
                                "models": models, "parameters": parameters})
-    plan = plan_merge(config)
-    [step] = plan.steps
-    tensors = [source.load(name) for source, name in plan.inputs_of(step)]
+    with plan_merge(config) as plan:
+        [step] = plan.steps
+        tensors = [source.load(name) for source, name in plan.inputs_of(step)]
     out = torch.empty(step.shape, dtype=step.out_dtype)
     runs = [_measured(lambda: engine.merge_tensor(config, step, tensors, out)) for _ in range(3)]
     statistics_peak = _measured(lambda: engine.tensor_statistics(config, step, tensors))[1] \

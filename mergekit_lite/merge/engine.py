@@ -519,7 +519,7 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     reports = _audit_adapters(config, gate)
     plan = plan_merge(config)
     plan.notes.extend(_audit_notes(reports))
-    with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
+    with plan, atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
         with ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                            config.out_shard_size) as writer:
             execute(plan, writer.write, progress=progress, in_slabs=True)
@@ -535,8 +535,8 @@ def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = N
     """The same merge, kept in memory: for models that fit, e.g. each point of a sweep."""
     state = {}
     _audit_adapters(config, gate)
-    plan = plan_merge(config, sources)
-    execute(plan, state.__setitem__, sink_keeps_tensors=True)
+    with plan_merge(config, sources) as plan:
+        execute(plan, state.__setitem__, sink_keeps_tensors=True)
     return state
 
 

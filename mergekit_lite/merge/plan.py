@@ -96,6 +96,19 @@ class MergePlan:
     recall_weights: object | None = None
     vocabulary: object | None = None  # vocab.Vocabulary when tokenizer_source is set
     layer_origins: list[tuple[int, int]] | None = None  # with slices: (source index, its layer) per output layer
+    owns_sources: bool = False  # opened by plan_merge (not given by the caller), so closed with the plan
+
+    def close(self) -> None:
+        """Close the inputs' files when the plan opened them; sources a caller gave stay open for its next plan."""
+        if self.owns_sources:
+            for source in self.sources:
+                source.close()
+
+    def __enter__(self) -> "MergePlan":
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
 
     def inputs_of(self, step: TensorStep) -> list[tuple[TensorSource, str]]:
         """Where each input of a step comes from: (source, tensor name) in the method's input order."""
@@ -138,6 +151,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
     config.resolve_references()
     if config.slices:
         return _plan_slices(config, sources)
+    owned = not sources
     sources = sources or open_inputs(config.inputs, config.base, config.allow_pickle)
     sources, vocabulary = align_vocabularies(sources, config.tokenizer_source, 0, config.pad_to_multiple_of)
     reference = sources[0]
@@ -162,7 +176,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
                                 recall_weights))
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
-    return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary)
+    return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary, owns_sources=owned)
 
 
 def layer_count(model_layout: Layout, names: list[str]) -> int:
@@ -210,6 +224,7 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
     for path in config.inputs:
         if LoraAdapter.is_adapter_dir(path):
             raise InputError(f"{path}: slices take model folders, not LoRA adapters")
+    owned = not sources
     sources = sources or [open_inputs([path], None, config.allow_pickle)[0] for path in config.inputs]
     check_architectures(sources)
     base_index = config.inputs.index(config.base) if config.base else 0
@@ -257,7 +272,8 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
         merge, indices, ranges = pieces[-1]
         add(merge, indices, [name] * len(indices), name, (None, "head"), ranges[0][1] - ranges[0][0])
     notes = [f"slices: {len(origins)} output layers from {len(pieces)} slices", *config.unused_settings()]
-    return MergePlan(config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins)
+    return MergePlan(config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins,
+                     owns_sources=owned)
 
 
 def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeConfig, list[tuple[str, tuple[int, int]]]]:

@@ -177,6 +177,9 @@ class AlignedSource:
         """Aligned vocabulary rows come from the aligner (new memory); other tensors read into `into` as usual."""
         return self.aligner.load(name, self.index) if name in self.aligner.names else self.source.load(name, into)
 
+    def close(self) -> None:
+        self.source.close()
+
 
 def align_vocabularies(sources: list[TensorSource], tokenizer_source: str | None, base_index: int = 0,
                        pad_to_multiple_of: int | None = None) -> tuple[list[TensorSource], Vocabulary | None]:
