@@ -4,14 +4,19 @@ one alike only in its first rows (merged, as whole: no slab of it is copied on i
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from mergekit_lite.audited import run_merge
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter
+from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter, open_model
 from mergekit_lite.merge import methods, slabs
+from mergekit_lite.merge.engine import execute
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
@@ -150,8 +155,8 @@ def test_statistics_are_read_through_one_slab_of_their_own(models, monkeypatch):
         plan = plan_merge(config_from_dict(CONFIGS[method](models)))
         firsts = [sum(slabs.block_sizes(plan, part)) for part in slabs.parts(plan) if part.rows and not part.rows[0]]
         expected = max(firsts) if method == "ties" else 0
-        assert len(firsts) == 3 and slabs.statistics_block_bytes(plan) == expected, method
-        assert slabs.statistics_block_bytes(plan, in_slabs=False) == 0
+        assert len(firsts) == 3 and slabs.statistics_slab_bytes(plan) == expected, method
+        assert slabs.statistics_slab_bytes(plan, in_slabs=False) == 0
         assert expected <= SMALL_SLABS and (expected > 0) == (method == "ties")
 
 
@@ -220,3 +225,60 @@ def test_the_writer_takes_slabs_only_in_order(tmp_path):
         writer.write("b", torch.zeros(3))
         writer.close()
     assert load_file(tmp_path / "model.safetensors")["a"].equal(rows)
+
+
+def mapped_files() -> set[str]:
+    """The files this process has mapped, as the kernel lists them."""
+    return {line.split(maxsplit=5)[5] for line in Path("/proc/self/maps").read_text().splitlines()
+            if len(line.split(maxsplit=5)) == 6}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_mapped_rows_are_the_rows_read_and_are_unmapped_with_their_view(tmp_path, dtype):
+    """`ModelSource.map_rows` (the statistics pass) gives the bytes `load_rows` reads, at offsets off the page
+    boundary (a 3-byte tensor first); the shard is mapped while the view lives and no longer once it is dropped.
+    float8 is upcast as a read is, into memory of its own: nothing stays mapped."""
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(300, 77, generator=generator).to(dtype) if dtype.is_floating_point \
+        else torch.randint(-100, 100, (300, 77), generator=generator, dtype=dtype)
+    file = tmp_path / "model.safetensors"
+    save_file({"a.odd": torch.ones(3, dtype=torch.uint8), "b.rows": rows}, file)
+    source = open_model(tmp_path)
+    for begin, end in ((0, 1), (5, 130), (17, 300), (299, 300)):
+        mapped = source.map_rows("b.rows", begin, end)
+        assert (str(file.resolve()) in mapped_files()) == (dtype != torch.float8_e4m3fn)
+        assert torch.equal(mapped, source.load_rows("b.rows", begin, end)), (begin, end)
+        del mapped
+        assert str(file.resolve()) not in mapped_files()
+    source.close()
+
+
+def test_a_shard_cut_short_before_its_rows_are_mapped_is_an_input_error(tmp_path):
+    file = tmp_path / "model.safetensors"
+    save_file({"rows": torch.randn(400, 256)}, file)
+    source = open_model(tmp_path)
+    os.truncate(file, file.stat().st_size - 4096)
+    assert source.map_rows("rows", 0, 10).shape == (10, 256)  # rows still in the file
+    with pytest.raises(InputError, match=r"model\.safetensors: truncated file \(tensor rows\)"):
+        source.map_rows("rows", 300, 400)
+    source.close()
+
+
+@pytest.mark.parametrize("method", ["ties", "slerp"])
+def test_a_shard_cut_short_after_planning_stops_a_merge_with_statistics(models, tmp_path, monkeypatch, method):
+    """The statistician maps the slabs of a shard cut short after the plan was made: an InputError reaches the
+    caller (not the bus error of a read past a mapped file's end)."""
+    copies = []
+    for index, folder in enumerate(models):
+        copies.append(tmp_path / f"m{index}")
+        shutil.copytree(folder, copies[-1])
+    configs = {**CONFIGS, "slerp": lambda m: {"method": "slerp", "base": m[0], "models": [m[1]], "parameters": {"t": 0.3}}}
+    config = config_from_dict(configs[method]([str(copy) for copy in copies]))
+    with plan_merge(config) as plan:
+        monkeypatch.setattr(slabs, "SLAB_BYTES", SMALL_SLABS * plan.steps[0].out_dtype.itemsize // 2)
+        assert slabs.statistics_slab_bytes(plan)
+        shard = sorted(copies[1].glob("*.safetensors"))[0]
+        os.truncate(shard, 4096 + 8)
+        with pytest.raises(InputError, match="truncated"):
+            execute(plan, lambda *args: None, in_slabs=True)

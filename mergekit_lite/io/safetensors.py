@@ -1,16 +1,19 @@
 """Streaming safetensors I/O: read one tensor at a time, write shards whose layout is planned up front.
 
 This layer knows files, shards and indices, and nothing about merge methods. Reading goes through positioned
-reads (`read_at`) at the offsets the header gives (no memory map), so a tensor costs its own bytes and nothing
-stays resident after it is dropped: peak memory is bounded by the tensors in flight, not by the model.
+reads (`read_at`) at the offsets the header gives, so a tensor costs its own bytes and nothing stays resident after
+it is dropped: peak memory is bounded by the tensors in flight, not by the model. A pass that only looks at a
+tensor before it is read for good maps its rows instead (`ModelSource.map_rows`): no copy, unmapped with the view.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +157,7 @@ class ModelSource:
         self.config = config
         self._entries = dict(sorted(entries.items(), key=lambda item: (str(item[1].file), item[1].offset)))
         self._handles: dict[Path, object] = {}
+        self._opening = threading.Lock()  # the engine's reader and statistician open shards at once
 
     @property
     def names(self) -> list[str]:
@@ -187,9 +191,24 @@ class ModelSource:
     def load_rows(self, name: str, begin: int, end: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [begin, end) of one tensor (its first dimension), read as `load` reads the whole."""
         entry = self.entry(name)
-        row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
-        shape = (end - begin, *entry.shape[1:])
-        return self._read(entry, entry.offset + begin * row_bytes, (end - begin) * row_bytes, shape, into)
+        return self._read(entry, *_rows(entry, begin, end), into)
+
+    def map_rows(self, name: str, begin: int, end: int) -> torch.Tensor:
+        """Rows [begin, end) of one tensor as a view of its shard's cached pages, mapped copy-on-write and never
+        written: no copy, for a pass that only reads a tensor the merge then reads again (a statistic of the whole
+        tensor). The mapping lives as long as the view, so its pages count as resident only meanwhile. A shard cut
+        short before its rows are mapped is an InputError; one cut short while they are mapped ends the process with
+        a bus error, as any mapped read does (safetensors' own), so the engine maps a slab at a time."""
+        entry = self.entry(name)
+        offset, nbytes, shape = _rows(entry, begin, end)
+        if not nbytes:
+            return self._read(entry, offset, nbytes, shape, None)
+        start, handle = offset - offset % mmap.ALLOCATIONGRANULARITY, self._handle(entry.file)
+        try:
+            mapped = mmap.mmap(handle.fileno(), offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+        except ValueError:  # the file is shorter now than its header says
+            raise InputError(f"{entry.file}: truncated file (tensor {entry.name})") from None
+        return _typed(torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset - start), entry, shape)
 
     def _read(self, entry: TensorEntry, offset: int, nbytes: int, shape: tuple[int, ...],
               into: torch.Tensor | None) -> torch.Tensor:
@@ -197,8 +216,7 @@ class ModelSource:
         if nbytes:
             if read_at(self._handle(entry.file), memoryview(buffer.numpy()), offset) != nbytes:
                 raise InputError(f"{entry.file}: truncated file (tensor {entry.name})")
-        tensor = buffer.view(entry.dtype).reshape(shape)
-        return tensor.float() if entry.dtype in FLOAT8 else tensor
+        return _typed(buffer, entry, shape)
 
     def close(self) -> None:
         """Close the shards opened so far; a later read opens its shard again."""
@@ -207,9 +225,24 @@ class ModelSource:
             handle.close()
 
     def _handle(self, file: Path):
-        if file not in self._handles:
-            self._handles[file] = open_regular(file)
-        return self._handles[file]
+        """The shard's one open handle: two threads opening it at once would each open one, and the handle that
+        lost the race would close under its reader."""
+        with self._opening:
+            if file not in self._handles:
+                self._handles[file] = open_regular(file)
+            return self._handles[file]
+
+
+def _rows(entry: TensorEntry, begin: int, end: int) -> tuple[int, int, tuple[int, ...]]:
+    """Where rows [begin, end) of a tensor lie: absolute offset, bytes and shape."""
+    row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+    return entry.offset + begin * row_bytes, (end - begin) * row_bytes, (end - begin, *entry.shape[1:])
+
+
+def _typed(buffer: torch.Tensor, entry: TensorEntry, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's bytes as its dtype and shape; float8 upcast to float32 (see `ModelSource.load`)."""
+    tensor = buffer.view(entry.dtype).reshape(shape)
+    return tensor.float() if entry.dtype in FLOAT8 else tensor
 
 
 class PickleSource(ModelSource):

@@ -2,12 +2,13 @@
 once (`calibrate`) and cached per machine in the user's cache folder (`--dry-run`, `--calibrate`).
 
 The model follows the engine's structure: a merge run as a process is start-up, then reading every input once
-(twice for the steps in slabs whose statistics need a pass of their own, TIES's and SLERP's) and the math, which
-add up (reads are memory copies from the page cache, on the cores the math needs), side by side with the writing
-(shards go to the device past the page cache, `io/direct.py`, while the next steps are read and merged), so
-whichever of the two is longer; `benchmarks/predict_vs_measured.py` checks the predictions against
+(reads are memory copies from the page cache, on the cores the math needs; the steps in slabs whose statistics
+need a pass of their own, TIES's and SLERP's, map their inputs for that pass, which copies nothing, so it costs
+the statistics' share of the math) and the math, which add up, side by side with the writing (shards go to the
+device past the page cache, `io/direct.py`, while the next steps are read and merged), so whichever of the two is
+longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
-from the plan, and one more slab for TIES's and SLERP's statistics, read on a thread of their own), the
+from the plan, and one more slab for TIES's and SLERP's statistics, mapped on a thread of their own), the
 writer's two direct-write stages, and the method's working memory: a few chunks' temporaries, or for the
 methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the step; for TIES and SLERP
 also their statistics' own, which the reader's and the statistician's threads compute while the math thread
@@ -154,13 +155,10 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     """Wall time and peak RSS of running `plan` as a process on the machine `rates` were measured on."""
     method = SAME_MATH.get(plan.config.method, plan.config.method)
     merged = [step for step in plan.steps if step.action != "copy"]
-    # a step in slabs whose statistics need a pass of their own reads its inputs twice
-    input_bytes = sum(engine.input_bytes(plan, step) * (2 if slabs.slab_rows(plan, step) and
-                                                        slabs.needs_statistics(plan.config.method) else 1)
-                      for step in plan.steps)
+    input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
                  for step in merged)
-    ring = slabs.ring_capacity(plan) + slabs.statistics_block_bytes(plan)  # the blocks inputs are read into
+    ring = slabs.ring_capacity(plan) + slabs.statistics_slab_bytes(plan)  # the blocks read into, the slab mapped
     working = max((_working_memory(rates, method, step) for step in merged), default=0)
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
     return Estimate(plan.config.method, rates.startup_s + max(read_s + math_s, write_s), rates.startup_s, read_s,

@@ -264,15 +264,14 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     units = slabs.parts(plan, in_slabs)
     ring = BufferRing(slabs.ring_capacity(plan, in_slabs), pin=device.type == "cuda")
     decided: dict[str, bool] = {}  # a slabbed step's copy decision, from its first slab
-    statistics_bytes = slabs.statistics_block_bytes(plan, in_slabs)
+    needs_statistics = slabs.statistics_slab_bytes(plan, in_slabs) > 0
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer, \
             ThreadPoolExecutor(max_workers=1) as statistician:
         # the statistics of the steps in slabs that need them, in step order, as far ahead as the statistician gets
-        block = torch.empty(statistics_bytes, dtype=torch.uint8)
-        ahead = {part.step.name: statistician.submit(_decide_step, plan, part, block)
-                 for part in units if statistics_bytes and part.rows is not None and part.rows[0] == 0}
+        ahead = {part.step.name: statistician.submit(_decide_step, plan, part)
+                 for part in units if needs_statistics and part.rows is not None and part.rows[0] == 0}
         # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
         reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, ahead)
                                      for part in units)
@@ -359,10 +358,10 @@ def input_bytes(plan: MergePlan, step: TensorStep) -> int:
     return sum(slabs.block_sizes(plan, slabs.Part(step)))
 
 
-def _decide_step(plan: MergePlan, part: slabs.Part, block: torch.Tensor):
+def _decide_step(plan: MergePlan, part: slabs.Part):
     """The statistician thread's job: `slabs.decide` for the step of `part` (its first slab), on one thread."""
     with torch_threads(1):
-        return slabs.decide(plan, part, block)
+        return slabs.decide(plan, part)
 
 
 def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, bool],

@@ -4,11 +4,11 @@ A method whose every output entry depends only on the same entry of each input (
 own draw: `methods.keep_indicator`) gives the same bytes whether a tensor is merged whole or a band of rows at a
 time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
 masks drawn per chunk, are exactly the whole tensor's. Two methods need a statistic of the whole tensor first,
-which a thread of the engine computes in a pass over the slabs, tensors ahead of the reader (`decide`): TIES's
-trim (and its mergekit form) each model's magnitude threshold, from a sample of rows and one counting pass
-(`methods.TrimThreshold`, the same value), and SLERP its angle, whose reductions run chunk by chunk of
-`methods.CHUNK` entries (`methods.SlerpAngle`): its slabs start at multiples of that chunk, so the sums, the
-weights and the bytes are the whole tensor's. This module also reads the parts into the engine's ring and
+which a thread of the engine computes in a pass over the slabs mapped from the shards (no copy), tensors ahead
+of the reader (`decide`): TIES's trim (and its mergekit form) each model's magnitude threshold, from a sample of
+rows and one counting pass (`methods.TrimThreshold`, the same value), and SLERP its angle, whose reductions run
+chunk by chunk of `methods.CHUNK` entries (`methods.SlerpAngle`): its slabs start at multiples of that chunk, so
+the sums, the weights and the bytes are the whole tensor's. This module also reads the parts into the engine's ring and
 decides, slab by slab, whether a tensor is the same in every input. Methods with other per-tensor statistics
 (the Gram matrices of the geometric methods, the L1 rescales, row-wise variants) read whole tensors as before;
 so do inputs that are not plain safetensors (adapters, pickles, untied heads).
@@ -48,7 +48,7 @@ def trims_by_magnitude(method: str) -> bool:
 
 def needs_statistics(method: str) -> bool:
     """Methods whose steps in slabs first read every slab for a statistic of the whole tensor (TIES's trim
-    thresholds, SLERP's angle), and so read their inputs twice."""
+    thresholds, SLERP's angle), and so go over their inputs twice (the first time mapped: `map_slab`)."""
     return trims_by_magnitude(method) or method == "slerp"
 
 
@@ -139,10 +139,16 @@ def load_part(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int]
     return tensors
 
 
-def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> list[float]:
+def map_slab(plan: MergePlan, part: Part) -> list[torch.Tensor]:
+    """A slab's inputs mapped from their shards (`ModelSource.map_rows`), for a pass that only reads them: the
+    statistics, and the check that a tensor is identical everywhere."""
+    return [source.map_rows(name, *part.rows) for source, name in plan.inputs_of(part.step)]
+
+
+def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int) -> list[float]:
     """Each model's TIES trim threshold (`methods.TrimThreshold`, the value `trim_threshold` gives on whole
     tensors): sampled from rows spread over the tensor (a few hundred small reads), then counted in one pass
-    over the slabs read through `block`, the models on other cores."""
+    over the mapped slabs, the models on other cores."""
     inputs = plan.inputs_of(step)
     trims = [methods.TrimThreshold(math.prod(step.shape), density, step.parameters.get("mergekit_rules", False))
              for density in step.parameters["densities"]]
@@ -152,61 +158,57 @@ def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block
         for trim, model in zip(trims, models):
             trim.sample(base, model)
     for part in row_slabs(step, rows):
-        base, *models = load_part(plan, part, block, block_sizes(plan, part))
+        base, *models = map_slab(plan, part)
         for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models)):
             job.result()
+        del base, models  # unmapped before the next slab is mapped
     return [trim.select(lambda i=i: (inputs[0][0].load(inputs[0][1]), inputs[i][0].load(inputs[i][1])))
             for i, trim in enumerate(trims, start=1)]
 
 
-def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int, block: torch.Tensor) -> tuple[float, float]:
-    """SLERP's two weights from the slabs read in order through `block`: `methods.SlerpAngle`'s sums over blocks
-    that are the whole tensor's."""
+def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int) -> tuple[float, float]:
+    """SLERP's two weights from the mapped slabs in order: `methods.SlerpAngle`'s sums over blocks that are the
+    whole tensor's."""
     angle = methods.SlerpAngle()
     for part in row_slabs(step, rows):
-        angle.add(*load_part(plan, part, block, block_sizes(plan, part)))
+        angle.add(*map_slab(plan, part))
     return angle.weights(step.parameters["t"])
 
 
 def first_slab(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
     """The first slab of a step in slabs read into `block`, and whether the step is a copy: every slab identical in
-    every input, as for a whole tensor. Later slabs are read only when the first is identical in every input
-    (fine-tuned inputs differ in their first slab); the first is then read again."""
+    every input, as for a whole tensor. Later slabs are looked at (mapped) only when the first is identical in
+    every input; fine-tuned inputs differ in their first slab."""
     tensors = load_part(plan, part, block, sizes)
-    if not all_identical(tensors):
-        return tensors, False
-    copied = later_slabs_identical(plan, part, block)
-    return load_part(plan, part, block, sizes), copied
+    return tensors, all_identical(tensors) and later_slabs_identical(plan, part)
 
 
-def later_slabs_identical(plan: MergePlan, first: Part, block: torch.Tensor) -> bool:
-    """Whether every slab after the `first` is identical in every input, each read through `block`."""
-    return all(all_identical(load_part(plan, later, block, block_sizes(plan, later)))
-               for later in row_slabs(first.step, first.rows[1])[1:])
+def later_slabs_identical(plan: MergePlan, first: Part) -> bool:
+    """Whether every slab after the `first` is identical in every input, each mapped in turn."""
+    return all(all_identical(map_slab(plan, later)) for later in row_slabs(first.step, first.rows[1])[1:])
 
 
-def statistics_block_bytes(plan: MergePlan, in_slabs: bool = True) -> int:
-    """The bytes of the block `decide` reads slabs through: the largest slab of a step whose statistics need a
-    pass of their own (0 where none does)."""
+def statistics_slab_bytes(plan: MergePlan, in_slabs: bool = True) -> int:
+    """The most bytes `decide` maps at once, resident while they are mapped: the largest slab of a step whose
+    statistics need a pass of their own (0 where none does)."""
     if not (in_slabs and needs_statistics(plan.config.method)):
         return 0
     return max((sum(block_sizes(plan, part)) for part in parts(plan, in_slabs)
                 if part.rows is not None and part.rows[0] == 0), default=0)
 
 
-def decide(plan: MergePlan, first: Part, block: torch.Tensor) -> tuple[bool, list[float] | tuple[float, float] | None]:
-    """What a step in slabs, whose method needs statistics, has decided before its `first` slab is merged,
-    reading its slabs through `block` (`statistics_block_bytes`): whether it is a copy (`first_slab`'s rule)
+def decide(plan: MergePlan, first: Part) -> tuple[bool, list[float] | tuple[float, float] | None]:
+    """What a step in slabs, whose method needs statistics, has decided before its `first` slab is merged, looking
+    at its slabs mapped one at a time (`statistics_slab_bytes`): whether it is a copy (`first_slab`'s rule)
     and else its statistics: TIES's trim thresholds, one per model, or SLERP's weights.
-    The engine runs this on a thread of its own, tensors ahead of the reader, so the pass that reads every slab
-    twice overlaps the merge of earlier tensors instead of holding the reader."""
-    if all_identical(load_part(plan, first, block, block_sizes(plan, first))) and \
-            later_slabs_identical(plan, first, block):
+    The engine runs this on a thread of its own, tensors ahead of the reader, so the pass over every slab overlaps
+    the merge of earlier tensors instead of holding the reader; mapped, it copies nothing the reader copies again."""
+    if all_identical(map_slab(plan, first)) and later_slabs_identical(plan, first):
         return True, None
     step, rows = first.step, first.rows[1]
     if plan.config.method == "slerp":
-        return False, slerp_weights_in_slabs(plan, step, rows, block)
-    return False, trim_thresholds_in_slabs(plan, step, rows, block)
+        return False, slerp_weights_in_slabs(plan, step, rows)
+    return False, trim_thresholds_in_slabs(plan, step, rows)
 
 
 def all_identical(tensors: list[torch.Tensor]) -> bool:
