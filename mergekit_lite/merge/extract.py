@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,58 +138,62 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
     if not (Path(tuned_dir) / "config.json").is_file():
         raise InputError(f"{tuned_dir}: no config.json (extraction needs the architecture to find linear layers)")
     base, tuned = open_inputs(inputs, base_dir, allow_pickle=False)
-    kinds = module_kinds(Path(tuned_dir), set(tuned.names), include, exclude)
-    changed_bias = [module for module in kinds.linear if _changed(base, tuned, f"{module}.bias")]
-    lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in kinds.linear)
-    whole = [] if lora_bias else changed_bias
-    factored = [module for module in kinds.linear if module not in whole]
-    if not factored:
-        raise InputError(f"{tuned_dir}: no linear layers to extract (check --include/--exclude)")
-    candidates = [module for module in kinds.full_rank
-                  if any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))] + whole
-    saved, dropped = ([], candidates) if linear_only else (candidates, [])
+    with closing(base), closing(tuned):  # the shards are closed when the adapter is written, or on an error
+        kinds = module_kinds(Path(tuned_dir), set(tuned.names), include, exclude)
+        changed_bias = [module for module in kinds.linear if _changed(base, tuned, f"{module}.bias")]
+        lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in kinds.linear)
+        whole = [] if lora_bias else changed_bias
+        factored = [module for module in kinds.linear if module not in whole]
+        if not factored:
+            raise InputError(f"{tuned_dir}: no linear layers to extract (check --include/--exclude)")
+        candidates = [module for module in kinds.full_rank
+                      if any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))] + whole
+        saved, dropped = ([], candidates) if linear_only else (candidates, [])
 
-    planned, ranks = [], {}
-    for module in factored:
-        out_features, in_features = tuned.shape(f"{module}.weight")
-        dtype = tuned.dtype(f"{module}.weight")
-        ranks[module] = min(rank, out_features, in_features)
-        planned.append(PlannedTensor(f"base_model.model.{module}.lora_A.weight", (ranks[module], in_features), dtype))
-        planned.append(PlannedTensor(f"base_model.model.{module}.lora_B.weight", (out_features, ranks[module]), dtype))
-        if lora_bias:
-            planned.append(PlannedTensor(f"base_model.model.{module}.lora_B.bias", tuned.shape(f"{module}.bias"),
-                                         tuned.dtype(f"{module}.bias")))
-    saved_tensors = [f"{module}.{part}" for module in saved for part in ("weight", "bias")
-                     if f"{module}.{part}" in tuned.names]
-    planned += [PlannedTensor(f"base_model.model.{name}", tuned.shape(name), tuned.dtype(name)) for name in saved_tensors]
+        planned, ranks = [], {}
+        for module in factored:
+            out_features, in_features = tuned.shape(f"{module}.weight")
+            dtype = tuned.dtype(f"{module}.weight")
+            ranks[module] = min(rank, out_features, in_features)
+            prefix = f"base_model.model.{module}"
+            planned.append(PlannedTensor(f"{prefix}.lora_A.weight", (ranks[module], in_features), dtype))
+            planned.append(PlannedTensor(f"{prefix}.lora_B.weight", (out_features, ranks[module]), dtype))
+            if lora_bias:
+                planned.append(PlannedTensor(f"base_model.model.{module}.lora_B.bias", tuned.shape(f"{module}.bias"),
+                                             tuned.dtype(f"{module}.bias")))
+        saved_tensors = [f"{module}.{part}" for module in saved for part in ("weight", "bias")
+                         if f"{module}.{part}" in tuned.names]
+        planned += [PlannedTensor(f"base_model.model.{name}", tuned.shape(name), tuned.dtype(name))
+                    for name in saved_tensors]
 
-    top_rank = max(ranks.values())
-    smaller = {module: r for module, r in ranks.items() if r != top_rank}
-    all_modules = {name.rsplit(".", 1)[0] for name in tuned.names}
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": top_rank, "lora_alpha": top_rank,
-              "rank_pattern": smaller, "alpha_pattern": smaller,
-              "target_modules": peft_target_names(factored, all_modules), "lora_dropout": 0.0, "bias": "none",
-              "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
-              "modules_to_save": saved or None, "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir)}
-    with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
-        with ShardedWriter(folder, planned, max_shard_bytes=2**63) as writer:
-            for module in factored:
-                weight = f"{module}.weight"
-                delta = _delta(base, tuned, weight)
-                lora_b, lora_a = low_rank_factors(delta, ranks[module])
-                writer.write(f"base_model.model.{module}.lora_A.weight", lora_a.to(tuned.dtype(weight)))
-                writer.write(f"base_model.model.{module}.lora_B.weight", lora_b.to(tuned.dtype(weight)))
-                if lora_bias:
-                    bias = f"{module}.bias"
-                    delta_bias = _delta(base, tuned, bias)
-                    writer.write(f"base_model.model.{module}.lora_B.bias", delta_bias.to(tuned.dtype(bias)))
-            for name in saved_tensors:
-                writer.write(f"base_model.model.{name}", tuned.load(name))
-            writer.close()
-        (Path(folder) / SINGLE_FILE).rename(Path(folder) / ADAPTER_FILE)
-        (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        write_card(folder, ModelCard(bases=[input_name(base_dir)], relation="adapter", method="extract (truncated SVD)",
-                                     parameters={"model": input_name(tuned_dir), "rank": rank, "include": list(include),
-                                                 "exclude": list(exclude), "linear_only": linear_only},
-                                     licenses=licenses_of([base_dir, tuned_dir])))
-    return Extraction(factored, saved, dropped)
+        top_rank = max(ranks.values())
+        smaller = {module: r for module, r in ranks.items() if r != top_rank}
+        all_modules = {name.rsplit(".", 1)[0] for name in tuned.names}
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": top_rank, "lora_alpha": top_rank,
+                  "rank_pattern": smaller, "alpha_pattern": smaller,
+                  "target_modules": peft_target_names(factored, all_modules), "lora_dropout": 0.0, "bias": "none",
+                  "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
+                  "modules_to_save": saved or None, "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir)}
+        with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
+            with ShardedWriter(folder, planned, max_shard_bytes=2**63) as writer:
+                for module in factored:
+                    weight = f"{module}.weight"
+                    delta = _delta(base, tuned, weight)
+                    lora_b, lora_a = low_rank_factors(delta, ranks[module])
+                    writer.write(f"base_model.model.{module}.lora_A.weight", lora_a.to(tuned.dtype(weight)))
+                    writer.write(f"base_model.model.{module}.lora_B.weight", lora_b.to(tuned.dtype(weight)))
+                    if lora_bias:
+                        bias = f"{module}.bias"
+                        delta_bias = _delta(base, tuned, bias)
+                        writer.write(f"base_model.model.{module}.lora_B.bias", delta_bias.to(tuned.dtype(bias)))
+                for name in saved_tensors:
+                    writer.write(f"base_model.model.{name}", tuned.load(name))
+                writer.close()
+            (Path(folder) / SINGLE_FILE).rename(Path(folder) / ADAPTER_FILE)
+            (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            parameters = {"model": input_name(tuned_dir), "rank": rank, "include": list(include),
+                          "exclude": list(exclude), "linear_only": linear_only}
+            write_card(folder, ModelCard(bases=[input_name(base_dir)], relation="adapter",
+                                         method="extract (truncated SVD)", parameters=parameters,
+                                         licenses=licenses_of([base_dir, tuned_dir])))
+        return Extraction(factored, saved, dropped)

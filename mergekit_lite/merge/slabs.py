@@ -158,12 +158,15 @@ def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int) -> li
         for trim, model in zip(trims, models):
             trim.sample(base, model)
     for part in row_slabs(step, rows):
-        base, *models = map_slab(plan, part)
-        for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models)):
-            job.result()
-        del base, models  # unmapped before the next slab is mapped
+        _count_slab(trims, *map_slab(plan, part))  # unmapped on return, before the next slab is mapped
     return [trim.select(lambda i=i: (inputs[0][0].load(inputs[0][1]), inputs[i][0].load(inputs[i][1])))
             for i, trim in enumerate(trims, start=1)]
+
+
+def _count_slab(trims: list[methods.TrimThreshold], base: torch.Tensor, *models: torch.Tensor) -> None:
+    """One slab's counts for every model's threshold, the models on other cores."""
+    for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models)):
+        job.result()
 
 
 def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int) -> tuple[float, float]:
