@@ -264,7 +264,7 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     units = slabs.parts(plan, in_slabs)
     ring = BufferRing(slabs.ring_capacity(plan, in_slabs), pin=device.type == "cuda")
     decided: dict[str, bool] = {}  # a slabbed step's copy decision, from its first slab
-    needs_statistics = slabs.statistics_slab_bytes(plan, in_slabs) > 0
+    needs_statistics = slabs.needs_statistics(config.method)  # of the steps in slabs (a first slab: rows)
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer, \

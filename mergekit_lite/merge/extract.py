@@ -159,7 +159,7 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
             planned.append(PlannedTensor(f"{prefix}.lora_A.weight", (ranks[module], in_features), dtype))
             planned.append(PlannedTensor(f"{prefix}.lora_B.weight", (out_features, ranks[module]), dtype))
             if lora_bias:
-                planned.append(PlannedTensor(f"base_model.model.{module}.lora_B.bias", tuned.shape(f"{module}.bias"),
+                planned.append(PlannedTensor(f"{prefix}.lora_B.bias", tuned.shape(f"{module}.bias"),
                                              tuned.dtype(f"{module}.bias")))
         saved_tensors = [f"{module}.{part}" for module in saved for part in ("weight", "bias")
                          if f"{module}.{part}" in tuned.names]
