@@ -35,6 +35,7 @@ import math
 import os
 import re
 import stat
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -369,35 +370,36 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
         raise InputError("the leakage check needs both training data and a holdout (--train-data and --holdout)")
     if behaviour:
         usable_device(device)
-    audit_base = base_dir if isinstance(base_dir, AuditBase) else AuditBase.open(base_dir, allow_pickle)
-    base = audit_base.source
-    fingerprint_data, fingerprint_source = _fingerprint_for(ref.path, fingerprint)
-    top_k = fingerprint_data["top_k"] if fingerprint_data else thresholds.top_k
-    pickle_only = ref.hub and _pickle_only(ref)
-    format_check, adapter = pickle_only or check_format(ref.path, allow_pickle and not ref.hub)
-    checks = [format_check]
-    if adapter is not None:
-        checks.append(check_declared_base(adapter, audit_base, base_id, card_base_model(ref.path)))
-        structure = check_structure(adapter, base)
-        checks.append(structure)
-        tokenizer = check_tokenizer(adapter, audit_base, fingerprint_data)
-        if tokenizer is not None:
-            checks.append(tokenizer)
-        if fingerprint_data and fingerprint_data.get("signature"):
-            checks.append(check_signature(fingerprint_data["signature"], audit_base, fingerprint_source))
-        if structure.status != FAIL:
-            entries = fingerprint_data["modules"] if fingerprint_data else {}
-            on_disk = base_names(adapter, base)
-            measures = [measure_module(adapter, audit_base, name, on_disk[name], top_k, entries.get(on_disk[name]))
-                        for name in adapter.targets()]
-            if measures:
-                checks.append(check_spectral(measures, fingerprint_source, thresholds))
-            checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds))
-            if behaviour:
-                checks.append(check_behaviour(adapter, audit_base, fingerprint_data, thresholds, device))
-    if train_data is not None:
-        checks.append(check_leakage(train_data, holdout, thresholds.ngram, thresholds.max_contaminated_share))
-    return make_report(ref.name, audit_base.reference, checks)
+    with nullcontext(base_dir) if isinstance(base_dir, AuditBase) else AuditBase.open(base_dir, allow_pickle) \
+            as audit_base:  # a base opened here is closed here; a batch's shared base stays open for the next
+        base = audit_base.source
+        fingerprint_data, fingerprint_source = _fingerprint_for(ref.path, fingerprint)
+        top_k = fingerprint_data["top_k"] if fingerprint_data else thresholds.top_k
+        pickle_only = ref.hub and _pickle_only(ref)
+        format_check, adapter = pickle_only or check_format(ref.path, allow_pickle and not ref.hub)
+        checks = [format_check]
+        if adapter is not None:
+            checks.append(check_declared_base(adapter, audit_base, base_id, card_base_model(ref.path)))
+            structure = check_structure(adapter, base)
+            checks.append(structure)
+            tokenizer = check_tokenizer(adapter, audit_base, fingerprint_data)
+            if tokenizer is not None:
+                checks.append(tokenizer)
+            if fingerprint_data and fingerprint_data.get("signature"):
+                checks.append(check_signature(fingerprint_data["signature"], audit_base, fingerprint_source))
+            if structure.status != FAIL:
+                entries = fingerprint_data["modules"] if fingerprint_data else {}
+                on_disk = base_names(adapter, base)
+                measures = [measure_module(adapter, audit_base, name, on_disk[name], top_k, entries.get(on_disk[name]))
+                            for name in adapter.targets()]
+                if measures:
+                    checks.append(check_spectral(measures, fingerprint_source, thresholds))
+                checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds))
+                if behaviour:
+                    checks.append(check_behaviour(adapter, audit_base, fingerprint_data, thresholds, device))
+        if train_data is not None:
+            checks.append(check_leakage(train_data, holdout, thresholds.ngram, thresholds.max_contaminated_share))
+        return make_report(ref.name, audit_base.reference, checks)
 
 
 def _pickle_only(ref: AdapterRef) -> tuple[CheckResult, None] | None:

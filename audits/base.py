@@ -45,6 +45,16 @@ class AuditBase:
         path = Path(resolve_model(reference))
         return cls(reference, path, open_model(path, allow_pickle=allow_pickle), hub_id or hub_id_of(path))
 
+    def close(self) -> None:
+        """Close the base's weight files (the measured matrices stay usable)."""
+        self.source.close()
+
+    def __enter__(self) -> "AuditBase":
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
     def matrix(self, name: str, top_k: int) -> BaseMatrix:
         key = (name, top_k)
         if key not in self.matrices:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import closing
 from pathlib import Path
 from typing import Optional
 
@@ -137,19 +138,19 @@ def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K, behaviour: bool = 
     if top_k < 1:
         raise InputError(f"--top-k must be at least 1 (got {top_k})")
     base_dir = Path(base_dir)
-    source = open_model(base_dir)
     modules, samples = {}, {}
-    for name in source.names:
-        weight = source.load(name)
-        if weight.is_floating_point():
-            samples[name] = _rounded(tensor_sample(weight, name))
-        if not is_weight_matrix(source, name):
-            continue
-        modules[name] = {
-            "shape": list(weight.shape),
-            "singular_values": _rounded(top_singular(weight, top_k)[1]),
-            "probe": _rounded(probe(weight)),
-        }
+    with closing(open_model(base_dir)) as source:
+        for name in source.names:
+            weight = source.load(name)
+            if weight.is_floating_point():
+                samples[name] = _rounded(tensor_sample(weight, name))
+            if not is_weight_matrix(source, name):
+                continue
+            modules[name] = {
+                "shape": list(weight.shape),
+                "singular_values": _rounded(top_singular(weight, top_k)[1]),
+                "probe": _rounded(probe(weight)),
+            }
     if not modules:
         raise InputError(f"{base_dir}: no 2-D weight matrices to fingerprint")
     folder = base_dir if base_dir.is_dir() else base_dir.parent

@@ -185,21 +185,21 @@ def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, 
     thresholds = AuditThresholds(min_fingerprint_similarity=min_similarity, min_delta=min_delta, ngram=ngram,
                                  max_contaminated_share=max_contaminated, min_total_norm=min_total_norm, max_kl=max_kl)
     found = find_adapters(names)
-    audit_base = AuditBase.open(base, allow_pickle)
     reports = []
     width = max(len("ADAPTER"), *(len(ref.name) for ref in found))
     streaming = not (as_json or as_csv)
-    if streaming:
-        click.echo(table_header(width))
-    bar = _progress(len(found), quiet)
-    for report in audit_batch(found, audit_base, fingerprint=fingerprint, train_data=train_data, holdout=holdout,
-                              thresholds=thresholds, allow_pickle=allow_pickle, base_id=base_id, behaviour=behaviour,
-                              device=device):
-        reports.append(report)
+    with AuditBase.open(base, allow_pickle) as audit_base:
         if streaming:
-            bar.write(table_row(report, width, verbose), file=sys.stdout)
-        bar.update()
-    bar.close()
+            click.echo(table_header(width))
+        bar = _progress(len(found), quiet)
+        for report in audit_batch(found, audit_base, fingerprint=fingerprint, train_data=train_data, holdout=holdout,
+                                  thresholds=thresholds, allow_pickle=allow_pickle, base_id=base_id,
+                                  behaviour=behaviour, device=device):
+            reports.append(report)
+            if streaming:
+                bar.write(table_row(report, width, verbose), file=sys.stdout)
+            bar.update()
+        bar.close()
     if as_json:
         click.echo(json.dumps({"thresholds": asdict(thresholds), "reports": [report.to_dict() for report in reports]},
                               indent=2))

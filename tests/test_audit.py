@@ -2,10 +2,12 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from open_files import closes_what_it_opens, files_open_under
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from tiny_models import VOCAB, tiny_llama, train_lora
@@ -20,6 +22,7 @@ from audits.fingerprint import (
     top_singular,
     write_fingerprint,
 )
+from audits.base import AuditBase
 from audits.leakage import check_leakage, find_contamination
 from audits.thresholds import AuditThresholds
 from cli.main import main
@@ -328,6 +331,25 @@ def test_cli_fingerprint_subcommand(zoo, tmp_path):
     assert fingerprint["top_k"] == 4 and len(fingerprint["modules"]) == 16
     assert run_cli(zoo["unshipped"], "--base", zoo["other_base"], "--fingerprint", out).exit_code == 0
     assert run_cli(zoo["unshipped"], "--base", zoo["base"], "--fingerprint", out).exit_code == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_audits_and_fingerprints_close_the_base_files_they_open(zoo, tmp_path):
+    """An audit reads the base's shards. One that opened its base (a folder or a hub id) closes it before it
+    returns, a batch's shared base stays open from one adapter to the next and is closed with the batch, and the
+    fingerprint closes its base too: none of them leaves a handle for the garbage collector."""
+    with closes_what_it_opens(zoo["base"]):
+        assert audit_adapter(zoo["good"], zoo["base"]).verdict == "VERIFIED"
+    with closes_what_it_opens(zoo["base"]):
+        compute_fingerprint(zoo["base"])
+    with closes_what_it_opens(zoo["base"]):
+        assert run_cli(zoo["adapters"], "--base", zoo["base"]).exit_code == 1  # the untrained one: REJECTED
+    with closes_what_it_opens(zoo["base"]):
+        assert run_cli("fingerprint", zoo["base"], "--out", tmp_path / "fp.json").exit_code == 0
+    with closes_what_it_opens(zoo["base"]), AuditBase.open(zoo["base"]) as shared:
+        for ref in find_adapters([zoo["adapters"]]):
+            audit_adapter(ref, shared)
+            assert files_open_under(zoo["base"]), "the shared base was closed between adapters"
 
 
 def test_a_folder_of_adapters_does_not_follow_links_out_of_it(zoo, tmp_path):

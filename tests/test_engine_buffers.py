@@ -4,7 +4,6 @@ The `--device cuda` path is this same code (rings, reader thread, non-blocking c
 only pinning and the per-step device wait differ, so running it on CPU tensors covers it here.
 """
 
-import os
 import shutil
 import threading
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from open_files import files_open_under
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_llama
@@ -153,19 +153,6 @@ def test_a_read_failure_in_the_reader_thread_surfaces_and_nothing_hangs(trio, tm
     last_shard.write_bytes(last_shard.read_bytes()[:-64])
     with pytest.raises(InputError, match="truncated"):
         execute(plan, lambda name, tensor: None)
-
-
-def files_open_under(*folders: Path) -> list[str]:
-    """This process's open files inside `folders`, as the kernel lists them."""
-    roots = [str(Path(folder).resolve()) for folder in folders]
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the fd of the listing itself, closed already
-            continue
-        found += [target for root in roots if target.startswith(root + os.sep)]
-    return found
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")

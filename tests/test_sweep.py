@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from open_files import closes_what_it_opens
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -197,6 +198,14 @@ def test_rerun_evaluates_only_the_missing_alpha_and_streaming_gives_the_same_sco
     after = next(p for p in result.points if p.alpha == 0.5)
     assert (after.old, after.new) == (before.old, before.new)
     assert [run.outcomes for run in after.tasks] == [run.outcomes for run in before.tasks]
+
+
+def test_a_sweep_closes_the_inputs_it_reads_when_it_ends(toy_pair, tmp_path):
+    """A TIES sweep builds its sparsified task vector from the shards of the inputs it opened once for all its
+    points; it closes them when it ends, not the garbage collector whenever it frees them."""
+    with closes_what_it_opens(toy_pair.pre_dir, toy_pair.post_dir):
+        result = run_sweep(settings_for(toy_pair, tmp_path / "run", method="ties", alphas=[0.5], limit=4))
+    assert result.evaluated == ["pre", "post", "alpha=0.5"]
 
 
 def test_a_held_lock_stops_a_second_sweep(toy_pair, linear_sweep, tmp_path):

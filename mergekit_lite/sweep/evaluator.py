@@ -46,6 +46,17 @@ class PointEvaluator:
             for group, tasks in (("old", settings.old_tasks), ("new", settings.new_tasks))
         }
 
+    def close(self) -> None:
+        """Close the inputs' files (a later merge would open them again)."""
+        for source in self.sources:
+            source.close()
+
+    def __enter__(self) -> "PointEvaluator":
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
     def endpoint(self, index: int) -> list[TaskRun]:
         """pre (0) or post (1) itself."""
         if self.settings.backend == "vllm":

@@ -5,6 +5,7 @@ folder (`run_comparison`), pre and post evaluated once for all of them."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         probe_mode = settings.probe is not None and settings.budget is None
         total = len(plan) + (len(rows) if probe_mode else 0)  # probe mode: every alpha, then each row's pick
         with tqdm(total=total * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
-                  desc="sweep", disable=not progress) as bar:
+                  desc="sweep", disable=not progress) as bar, ExitStack() as opened:
             if settings.ray is not None and todo:
                 from mergekit_lite.sweep.distributed import run_points_on_ray
 
@@ -115,7 +116,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                 def point_evaluator() -> PointEvaluator:
                     nonlocal evaluator
                     interrupts.check()
-                    evaluator = evaluator or PointEvaluator(rows[0], folder, bar)
+                    evaluator = evaluator or opened.enter_context(PointEvaluator(rows[0], folder, bar))
                     return evaluator
 
                 def evaluate(label: str, alpha: float | None) -> None:
@@ -203,8 +204,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
         elif todo:
             from tqdm import tqdm
 
-            with tqdm(disable=True) as bar:
-                evaluator = PointEvaluator(shared, folder, bar)
+            with tqdm(disable=True) as bar, PointEvaluator(shared, folder, bar) as evaluator:
                 for label in todo:
                     endpoints[label] = evaluate_point(evaluator, shared, label, None, None)
         sweeps = {}
