@@ -107,17 +107,24 @@ class SlerpAngle:
         self._gram: torch.Tensor | None = None  # float64 [[start·start, start·end], [end·start, end·end]]
 
     def add(self, start: torch.Tensor, end: torch.Tensor) -> None:
-        start_flat, end_flat = start.reshape(-1), end.reshape(-1)
-        total = start_flat.numel()
+        device = start.device
         if self._gram is None:
-            self._gram = torch.zeros((2, 2), dtype=torch.float64, device=start_flat.device)
-        pair = torch.empty((2, min(ANGLE_BLOCK, total)), dtype=torch.float32, device=start_flat.device)
+            self._gram = torch.zeros((2, 2), dtype=torch.float64, device=device)
+        starts, ends = start.reshape(-1).split(ANGLE_BLOCK), end.reshape(-1).split(ANGLE_BLOCK)
+        block = torch.empty((2, starts[0].numel()), dtype=torch.float32, device=device)
+        grams = torch.empty((len(starts), 2, 2), dtype=torch.float32, device=device)
+        # views made once, not per block: at 2^16 entries a block's few calls cost as much as its arithmetic
+        (top, bottom), transposed = block, block.T
         with torch_threads(1):
-            for begin in range(0, total, ANGLE_BLOCK):
-                block = pair[:, :min(ANGLE_BLOCK, total - begin)]
-                block[0].copy_(start_flat[begin:begin + ANGLE_BLOCK])
-                block[1].copy_(end_flat[begin:begin + ANGLE_BLOCK])
-                self._gram += torch.mm(block, block.T)
+            for gram, start_block, end_block in zip(grams, starts, ends):
+                if start_block.numel() != block.shape[1]:  # the last block, shorter
+                    block = block[:, :start_block.numel()]
+                    (top, bottom), transposed = block, block.T
+                top.copy_(start_block)
+                bottom.copy_(end_block)
+                torch.mm(block, transposed, out=gram)
+            for gram in grams.to(torch.float64):  # added in block order, after the slabs before
+                self._gram += gram
 
     def weights(self, t: float) -> tuple[float, float]:
         """`slerp_weights` for what was added."""
