@@ -35,7 +35,7 @@ import math
 import os
 import re
 import stat
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -370,8 +370,9 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
         raise InputError("the leakage check needs both training data and a holdout (--train-data and --holdout)")
     if behaviour:
         usable_device(device)
-    with nullcontext(base_dir) if isinstance(base_dir, AuditBase) else AuditBase.open(base_dir, allow_pickle) \
-            as audit_base:  # a base opened here is closed here; a batch's shared base stays open for the next
+    # a base opened here is closed here; a batch's shared base stays open for its next adapter
+    with nullcontext(base_dir) if isinstance(base_dir, AuditBase) else \
+            closing(AuditBase.open(base_dir, allow_pickle)) as audit_base:
         base = audit_base.source
         fingerprint_data, fingerprint_source = _fingerprint_for(ref.path, fingerprint)
         top_k = fingerprint_data["top_k"] if fingerprint_data else thresholds.top_k

@@ -49,12 +49,6 @@ class AuditBase:
         """Close the base's weight files (the measured matrices stay usable)."""
         self.source.close()
 
-    def __enter__(self) -> "AuditBase":
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.close()
-
     def matrix(self, name: str, top_k: int) -> BaseMatrix:
         key = (name, top_k)
         if key not in self.matrices:

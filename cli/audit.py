@@ -7,6 +7,7 @@ written `./fingerprint`.) Heavy modules load inside the commands, so `--help` st
 
 import json
 import sys
+from contextlib import closing
 from dataclasses import asdict
 
 import click
@@ -188,7 +189,7 @@ def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, 
     reports = []
     width = max(len("ADAPTER"), *(len(ref.name) for ref in found))
     streaming = not (as_json or as_csv)
-    with AuditBase.open(base, allow_pickle) as audit_base:
+    with closing(AuditBase.open(base, allow_pickle)) as audit_base:
         if streaming:
             click.echo(table_header(width))
         bar = _progress(len(found), quiet)

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -346,7 +347,7 @@ def test_audits_and_fingerprints_close_the_base_files_they_open(zoo, tmp_path):
         assert run_cli(zoo["adapters"], "--base", zoo["base"]).exit_code == 1  # the untrained one: REJECTED
     with closes_what_it_opens(zoo["base"]):
         assert run_cli("fingerprint", zoo["base"], "--out", tmp_path / "fp.json").exit_code == 0
-    with closes_what_it_opens(zoo["base"]), AuditBase.open(zoo["base"]) as shared:
+    with closes_what_it_opens(zoo["base"]), closing(AuditBase.open(zoo["base"])) as shared:
         for ref in find_adapters([zoo["adapters"]]):
             audit_adapter(ref, shared)
             assert files_open_under(zoo["base"]), "the shared base was closed between adapters"

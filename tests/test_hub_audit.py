@@ -10,6 +10,7 @@ import os
 import pickle
 import shutil
 import warnings
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -342,9 +343,9 @@ def test_behaviour_in_a_batch_loads_the_base_once_and_gives_it_back_unchanged(hu
 
     loads = Counter(behaviour_module.load_causal_lm)
     monkeypatch.setattr(behaviour_module, "load_causal_lm", loads)
-    base = audit_base_module.AuditBase.open(hub["base"])
     kl = lambda report: next(c for c in report.checks if c.name == "behaviour").measurements["mean_kl"]
-    batch = [kl(audit_adapter(hub[name], base, behaviour=True)) for name in ("good", "wrong", "good")]
+    with closing(audit_base_module.AuditBase.open(hub["base"])) as base:
+        batch = [kl(audit_adapter(hub[name], base, behaviour=True)) for name in ("good", "wrong", "good")]
     assert len(loads.calls) == 1
     fresh = kl(audit_adapter(hub["good"], hub["base"], behaviour=True))
     assert batch[0] == batch[2] == pytest.approx(fresh, rel=1e-6) and batch[0] > 0

@@ -51,12 +51,6 @@ class PointEvaluator:
         for source in self.sources:
             source.close()
 
-    def __enter__(self) -> "PointEvaluator":
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.close()
-
     def endpoint(self, index: int) -> list[TaskRun]:
         """pre (0) or post (1) itself."""
         if self.settings.backend == "vllm":

@@ -5,7 +5,7 @@ folder (`run_comparison`), pre and post evaluated once for all of them."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,7 +116,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                 def point_evaluator() -> PointEvaluator:
                     nonlocal evaluator
                     interrupts.check()
-                    evaluator = evaluator or opened.enter_context(PointEvaluator(rows[0], folder, bar))
+                    evaluator = evaluator or opened.enter_context(closing(PointEvaluator(rows[0], folder, bar)))
                     return evaluator
 
                 def evaluate(label: str, alpha: float | None) -> None:
@@ -204,7 +204,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
         elif todo:
             from tqdm import tqdm
 
-            with tqdm(disable=True) as bar, PointEvaluator(shared, folder, bar) as evaluator:
+            with tqdm(disable=True) as bar, closing(PointEvaluator(shared, folder, bar)) as evaluator:
                 for label in todo:
                     endpoints[label] = evaluate_point(evaluator, shared, label, None, None)
         sweeps = {}
