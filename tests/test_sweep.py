@@ -200,6 +200,7 @@ def test_rerun_evaluates_only_the_missing_alpha_and_streaming_gives_the_same_sco
     assert [run.outcomes for run in after.tasks] == [run.outcomes for run in before.tasks]
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 def test_a_sweep_closes_the_inputs_it_reads_when_it_ends(toy_pair, tmp_path):
     """A TIES sweep builds its sparsified task vector from the shards of the inputs it opened once for all its
     points; it closes them when it ends, not the garbage collector whenever it frees them."""

@@ -113,7 +113,8 @@ class SlerpAngle:
         starts, ends = start.reshape(-1).split(ANGLE_BLOCK), end.reshape(-1).split(ANGLE_BLOCK)
         block = torch.empty((2, starts[0].numel()), dtype=torch.float32, device=device)
         grams = torch.empty((len(starts), 2, 2), dtype=torch.float32, device=device)
-        # views made once, not per block: at 2^16 entries a block's few calls cost as much as its arithmetic
+        # views made once, not per block: at 2^16 entries the calls around a block's arithmetic are a cost of their
+        # own (benchmarks/RESULTS.md, "SLERP's angle without per-block calls")
         (top, bottom), transposed = block, block.T
         with torch_threads(1):
             for gram, start_block, end_block in zip(grams, starts, ends):
