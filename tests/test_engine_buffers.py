@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from open_files import files_open_under
+from open_files import closes_what_it_opens, files_open_under
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_llama
@@ -176,6 +176,23 @@ def test_a_merge_closes_the_inputs_it_opened_and_leaves_a_callers_open(trio, tmp
     assert files_open_under(*trio) == []
     assert torch.equal(sources[1].load(name), before)  # a closed source opens its shard again when read
     sources[1].close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_merge_stopped_by_a_bad_tensor_closes_every_shard_it_read(trio, tmp_path):
+    """A NaN in the last shard of one input stops a TIES merge after the earlier shards were read: the error reaches
+    the caller with every input file closed and no output left behind."""
+    poisoned = Path(shutil.copytree(trio[1], tmp_path / "poisoned"))
+    last = sorted(poisoned.glob("*.safetensors"))[-1]
+    tensors = load_file(last)
+    name = next(name for name, tensor in tensors.items() if tensor.dim() == 2)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, last, metadata={"format": "pt"})
+    config = config_from_dict({"method": "ties", "base": str(trio[0]), "models": [str(poisoned), str(trio[2])],
+                               "parameters": {"density": 0.5}})
+    with closes_what_it_opens(trio[0], poisoned, trio[2]), pytest.raises(InputError, match="NaN"):
+        run_merge(config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_slow_write_does_not_hold_the_reading_and_the_math(trio, monkeypatch):
