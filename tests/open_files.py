@@ -1,5 +1,5 @@
-"""What a test needs to see that code closes the files it opens: the process's open files as the kernel lists
-them, and a block that must neither leave new ones open nor leave them for the garbage collector to close."""
+"""What a test needs to see that code closes the files it opens: the process's open and mapped files as the kernel
+lists them, and a block that must neither leave new ones open nor leave them for the garbage collector to close."""
 
 import gc
 import os
@@ -19,6 +19,12 @@ def files_open_under(*folders: Path) -> list[str]:
             continue
         found += [target for root in roots if target.startswith(root + os.sep)]
     return found
+
+
+def mapped_files() -> set[str]:
+    """The files this process has mapped, as the kernel lists them."""
+    return {line.split(maxsplit=5)[5] for line in Path("/proc/self/maps").read_text().splitlines()
+            if len(line.split(maxsplit=5)) == 6}
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from open_files import mapped_files
 from safetensors.torch import load_file, save_file
 
 from mergekit_lite.audited import run_merge
@@ -225,12 +226,6 @@ def test_the_writer_takes_slabs_only_in_order(tmp_path):
         writer.write("b", torch.zeros(3))
         writer.close()
     assert load_file(tmp_path / "model.safetensors")["a"].equal(rows)
-
-
-def mapped_files() -> set[str]:
-    """The files this process has mapped, as the kernel lists them."""
-    return {line.split(maxsplit=5)[5] for line in Path("/proc/self/maps").read_text().splitlines()
-            if len(line.split(maxsplit=5)) == 6}
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc")
