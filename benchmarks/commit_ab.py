@@ -3,7 +3,8 @@
 
 Each commit is checked out into its own git worktree (benchmarks/work/commit-ab/, git-ignored) and run with this
 venv's interpreter, its own code first on the import path (the editable install's finder is set aside, and the
-run checks which files it imported). Rounds rotate which commit goes first. The merges are bench_vs_mergekit.py's,
+run checks which files it imported); a commit with compiled kernels (mergekit_lite/merge/kernels.c) has them built
+in its worktree first, and a failed build stops the run rather than time torch's slower code. Rounds rotate which commit goes first. The merges are bench_vs_mergekit.py's,
 on its checkpoints (made if absent); every commit's output must hash the same as the first commit's, which is what
 "the bytes did not change" means here. Outputs are deleted once hashed.
 
@@ -41,6 +42,11 @@ def worktree(commit: str, folder: Path) -> tuple[str, Path]:
     path = folder / sha
     if not path.exists():
         subprocess.check_call(["git", "worktree", "add", "--detach", "--quiet", str(path), sha], cwd=REPO)
+        if (path / "mergekit_lite" / "merge" / "kernels.c").is_file():
+            subprocess.check_call([sys.executable, "-c", "from setuptools import setup; setup()", "--quiet",
+                                   "build_ext", "--inplace"], cwd=path)
+            if not list((path / "mergekit_lite" / "merge").glob("_kernels*")):
+                raise SystemExit(f"error: the kernels of {sha} did not build")
     return sha, path
 
 

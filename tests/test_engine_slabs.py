@@ -132,8 +132,8 @@ def test_the_slerp_angle_from_slabs_is_the_whole_tensors():
 
 
 def test_the_slerp_angle_is_the_same_on_any_thread_count():
-    """The angle's products run on one intra-op thread whatever the caller's setting, so the weights (and a merge's
-    bytes) do not depend on the machine's core count; the 2^16-entry blocks include partial ones."""
+    """The angle's additions have a fixed order (compiled or in torch, tests/test_kernels.py), so the weights (and a
+    merge's bytes) do not depend on the thread count; the 2^16-entry blocks include partial ones."""
     generator = torch.Generator().manual_seed(6)
     start = torch.randn(5 * 65536 + 123, generator=generator).to(torch.bfloat16)
     end = (start.float() + 0.1 * torch.randn(start.shape, generator=generator)).to(torch.bfloat16)

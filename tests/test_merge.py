@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import STAGE_BYTES
-from mergekit_lite.merge import cost, slabs
+from mergekit_lite.merge import cost, methods, slabs
 from mergekit_lite.merge.config import METHODS, MergeConfig
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict, load_config
@@ -293,11 +293,14 @@ def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_pat
     """Rates are measured once per machine and cached; every registered method has them, and each plan gets a
     wall time of start-up and the longer of reads + math and writes (which overlap), and a peak memory of at least
     start-up plus the engine's ring and the writer's two direct-write stages (and for TIES and SLERP their
-    statistics' working memory, computed beside the math)."""
+    statistics' working memory, computed beside the math: next to none for SLERP's compiled angle, whose sums live
+    on the stack)."""
     rates, where = cost.load_rates()
     assert set(rates.math_ns_per_element) == set(METHODS) == set(rates.memory_bytes_per_element)
     assert set(rates.statistics_peak_bytes) == {method for method in METHODS if slabs.needs_statistics(method)}
-    assert all(peak > 0 for peak in rates.statistics_peak_bytes.values()), rates.statistics_peak_bytes
+    assert rates.statistics_peak_bytes["ties"] > 0, rates.statistics_peak_bytes
+    compiled_angle = torch.bfloat16 in methods.ANGLE_DTYPES
+    assert rates.statistics_peak_bytes["slerp"] < 1 << 20 if compiled_angle else rates.statistics_peak_bytes["slerp"] > 0
     assert f"measured {rates.measured_at} at load " in cost.load_rates()[1] and cost.cache_file().is_file()
     for method in METHODS:
         if method in cost.SAME_MATH:  # RECALL combines layers linearly; its forward passes are not estimated

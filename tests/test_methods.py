@@ -62,15 +62,18 @@ def test_lerp_into_its_output_rounds_the_float32_lerp_once_at_any_size_and_over_
 
 def test_linear_of_two_proportions_is_their_lerp_and_other_weights_a_weighted_sum():
     """Two normalized weights (or two summing to exactly 1) are a LERP and can go straight into an output; other
-    weights (SLERP's, a sum of three) are summed in float32 in model order."""
+    weights (SLERP's, a sum of three) are summed in float32 in model order, two of them straight into a bfloat16
+    output where the compiled kernel runs (the bytes of the float32 sum rounded once: tests/test_kernels.py)."""
     generator = torch.Generator().manual_seed(3)
     a, b, c = (torch.randn(257, generator=generator).to(torch.bfloat16) for _ in range(3))
     assert torch.equal(methods.linear([a, b], [1.0, 3.0]), methods.lerp(a, b, 0.75))
     assert torch.equal(methods.linear([a, b], [0.25, 0.75], normalize=False), methods.lerp(a, b, 0.75))
     out = torch.empty_like(a)
     assert methods.linear([a, b], [2.0, 2.0], out=out) is out and torch.equal(out, methods.lerp(a, b, 0.5).to(a.dtype))
-    summed = methods.linear([a, b], [0.8, 0.7], normalize=False, out=out)
+    summed = methods.linear([a, b], [0.8, 0.7], normalize=False)
     assert summed.dtype == torch.float32
+    into = methods.linear([a, b], [0.8, 0.7], normalize=False, out=out)  # `out` itself where the kernel runs
+    assert torch.equal(into.to(torch.bfloat16), summed.to(torch.bfloat16))
     assert torch.allclose(summed.double(), a.double() * 0.8 + b.double() * 0.7, rtol=1e-6, atol=1e-7)
     three = methods.linear([a, b, c], [1.0, 1.0, 2.0])
     assert torch.allclose(three.double(), (a.double() + b.double() + 2 * c.double()) / 4, rtol=1e-6, atol=1e-7)

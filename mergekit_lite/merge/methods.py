@@ -22,12 +22,21 @@ import numpy
 import torch
 
 from mergekit_lite.merge.recipes import L1_RESCALED
-from mergekit_lite.threads import torch_threads
+
+try:  # SLERP's passes fused in C (kernels.c), an optional extension: the same bytes as the torch code below
+    from mergekit_lite.merge import _kernels
+except ImportError:  # not built (no C compiler where the package was installed)
+    _kernels = None
+# the input dtypes of the compiled angle, by the kernel's code for each (float16 where the compiler had _Float16)
+ANGLE_DTYPES = {dtype: code for dtype, code in ((torch.bfloat16, "b"), (torch.float16, "h"), (torch.float32, "f"))
+                if _kernels is not None and code in _kernels.ANGLE_DTYPES}
 
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
 CHUNK = 1 << 20  # elements per chunk of the reductions (SLERP's angle, Gram matrices); it fixes their rounding
-ANGLE_BLOCK = 1 << 16  # SLERP's angle: entries per float32 Gram matrix (a divisor of CHUNK, where slabs start)
+ANGLE_BLOCK = 1 << 16  # SLERP's angle: entries per block of its sums (a divisor of CHUNK, where slabs start)
+ANGLE_LANES = 1 << 10  # SLERP's angle: a block is read as rows of this many entries (`SlerpAngle`)
+ANGLE_STEP = 1 << 20  # SLERP's angle in torch ops: entries per step (float64 temporaries of a few tens of MB)
 # Elements per chunk of the elementwise passes, exact at any size: a TIES or DARE chunk's float32 temporaries (several
 # per model) then stay in the caches (benchmarks/RESULTS.md, chunk_math.py --elementwise-chunk 18 against 20)
 ELEMENTWISE_CHUNK = 1 << 18
@@ -51,6 +60,9 @@ def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize:
         weights = [w / total for w in weights]
     if len(tensors) == 2 and (normalize or weights[0] + weights[1] == 1.0):
         return lerp(tensors[0], tensors[1], weights[1], out)
+    if len(tensors) == 2 and out is not None and fused(tensors[0], tensors[1], out, dtypes=(torch.bfloat16,)):
+        _kernels.weighted_pair(out.data_ptr(), tensors[0].data_ptr(), tensors[1].data_ptr(), out.numel(), *weights)
+        return out
     merged = tensors[0].to(torch.float32, copy=True).mul_(weights[0])
     for tensor, weight in zip(tensors[1:], weights[1:]):
         merged.add_(tensor.to(torch.float32), alpha=weight)  # converted first: a mixed-dtype add is slower
@@ -93,43 +105,29 @@ def slerp_weights(start: torch.Tensor, end: torch.Tensor, t: float) -> tuple[flo
 
 
 class SlerpAngle:
-    """The inner products behind SLERP's angle, added up block by block of ANGLE_BLOCK entries: each block's float32
-    Gram matrix of (start, end), one matrix product that reads both blocks once while they sit in a core's L2
-    cache, accumulated in float64 in block order. Fed a tensor's row slabs in order, slabs that start at multiples
-    of CHUNK (merge/slabs.py), it gives the sums, and so the weights, of the whole tensor.
+    """The inner products behind SLERP's angle, start·start, start·end and end·end, summed block by block of
+    ANGLE_BLOCK entries: a block is read as rows of ANGLE_LANES entries, each lane adds its products (exact in
+    float64) row after row, lanes j and j + h are then added for h = ANGLE_LANES/2 .. 1, and the block's sums are
+    added to the totals in block order. Fed a tensor's row slabs in order, slabs that start at multiples of CHUNK (merge/slabs.py), it gives the
+    sums, and so the weights, of the whole tensor.
 
-    The products run on one intra-op thread, so the sums are the same bytes on any machine (a BLAS may split a
-    product across threads and round it differently) and the angle, computed beside the math on the reader's or
-    the statistician's thread, takes one core, not both (on two threads a 4 GB merge was slower:
-    benchmarks/RESULTS.md)."""
+    Every addition has a fixed place, so the sums are the same bits on any CPU, whether the compiled kernel
+    (kernels.c, one pass over bfloat16, float16 or float32 inputs) or the torch code (`angle_sums`) computes them; on a GPU
+    the same additions run in another order only where the device's kernels reorder them."""
 
     def __init__(self):
-        self._gram: torch.Tensor | None = None  # float64 [[start·start, start·end], [end·start, end·end]]
+        self._totals = (0.0, 0.0, 0.0)
 
     def add(self, start: torch.Tensor, end: torch.Tensor) -> None:
-        device = start.device
-        if self._gram is None:
-            self._gram = torch.zeros((2, 2), dtype=torch.float64, device=device)
-        starts, ends = start.reshape(-1).split(ANGLE_BLOCK), end.reshape(-1).split(ANGLE_BLOCK)
-        block = torch.empty((2, starts[0].numel()), dtype=torch.float32, device=device)
-        grams = torch.empty((len(starts), 2, 2), dtype=torch.float32, device=device)
-        # views made once, not per block: at 2^16 entries the calls around a block's arithmetic are a cost of their
-        # own (benchmarks/RESULTS.md, "SLERP's angle without per-block calls")
-        (top, bottom), transposed = block, block.T
-        with torch_threads(1):
-            for gram, start_block, end_block in zip(grams, starts, ends):
-                if start_block.numel() != block.shape[1]:  # the last block, shorter
-                    block = block[:, :start_block.numel()]
-                    (top, bottom), transposed = block, block.T
-                top.copy_(start_block)
-                bottom.copy_(end_block)
-                torch.mm(block, transposed, out=gram)
-            for gram in grams.to(torch.float64):  # added in block order, after the slabs before
-                self._gram += gram
+        if fused(start, end, dtypes=ANGLE_DTYPES):
+            self._totals = _kernels.angle_sums(start.data_ptr(), end.data_ptr(), start.numel(),
+                                               ANGLE_DTYPES[start.dtype], ANGLE_BLOCK, self._totals)
+        else:
+            self._totals = angle_sums(start.reshape(-1), end.reshape(-1), self._totals)
 
     def weights(self, t: float) -> tuple[float, float]:
         """`slerp_weights` for what was added."""
-        (start_sq, dot), (_, end_sq) = [[0.0, 0.0]] * 2 if self._gram is None else self._gram.tolist()
+        start_sq, dot, end_sq = self._totals
         start_norm, end_norm = math.sqrt(start_sq), math.sqrt(end_sq)
         if start_norm < NORM_EPS or end_norm < NORM_EPS:
             return 1.0 - t, t
@@ -137,6 +135,44 @@ class SlerpAngle:
         if abs(cosine) > COLINEAR_DOT:
             return 1.0 - t, t
         return spherical_weights(cosine, t)
+
+
+def angle_sums(start: torch.Tensor, end: torch.Tensor,
+               totals: tuple[float, float, float]) -> tuple[float, float, float]:
+    """`SlerpAngle`'s sums of two flat tensors added to `totals`, in torch ops, addition for addition as kernels.c
+    adds them (a short last block padded with zeros), ANGLE_STEP entries at a time."""
+    running = torch.tensor(totals, dtype=torch.float64, device=start.device)
+    for begin in range(0, start.numel(), ANGLE_STEP):
+        pair = [tensor[begin:begin + ANGLE_STEP].to(torch.float64) for tensor in (start, end)]
+        blocks = -(-pair[0].numel() // ANGLE_BLOCK)
+        a, b = (torch.nn.functional.pad(x, (0, blocks * ANGLE_BLOCK - x.numel())).view(blocks, -1, ANGLE_LANES)
+                for x in pair)
+        lanes = torch.zeros((3, blocks, ANGLE_LANES), dtype=torch.float64, device=start.device)
+        for sums, x, y in zip(lanes, (a, a, b), (a, b, b)):
+            for row in range(x.shape[1]):
+                sums.addcmul_(x[:, row], y[:, row])  # the product is exact: added once, fused or not
+        half = ANGLE_LANES // 2
+        while half:
+            lanes = lanes[..., :half] + lanes[..., half:2 * half]
+            half //= 2
+        for block in lanes[..., 0].unbind(1):
+            running += block
+    return tuple(running.tolist())
+
+
+def fused(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether kernels.c can take these tensors: built, contiguous on the CPU, of one of its dtypes and one dtype,
+    and (the first being the output where there is one) overlapping another only where they are the same entries."""
+    if _kernels is None or tensors[0].dtype not in dtypes:
+        return False
+    spans = set()
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != tensors[0].dtype \
+                or tensor.numel() != tensors[0].numel():
+            return False
+        spans.add((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()))
+    spans = sorted(spans)
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 def spherical_weights(cosine: float, t: float) -> tuple[float, float]:
