@@ -1,10 +1,11 @@
-"""SLERP's compiled passes (mergekit_lite/merge/kernels.c) against torch's arithmetic: the same bytes.
+"""The compiled merge math (mergekit_lite/merge/kernels.c) against torch's arithmetic: the same bytes.
 
-The kernel is an optional extension; where it was not built, the merge runs `methods.angle_sums` and torch's
-float32 combination instead. Each test here checks that the two agree bit for bit, on random and hostile values
-(overflow, subnormals, signed zeros, short last blocks), and that a whole SLERP merge writes the same file
-either way."""
+The kernels are an optional extension; where it was not built, the merge runs the torch code in methods.py
+instead (`angle_sums`, `linear`'s float32 sum, `task_vector_merge`'s passes, `TrimThreshold`'s numpy count).
+Each test here checks that the two agree bit for bit, on random and hostile values (overflow, subnormals, signed
+zeros, ties, negative weights, short last blocks), and that whole merges write the same files either way."""
 
+import itertools
 import math
 
 import pytest
@@ -103,28 +104,100 @@ def test_inputs_the_kernel_cannot_take_go_to_torch():
     assert not methods.fused(a.half(), a.half(), dtypes=(torch.bfloat16,))
 
 
-def test_a_slerp_merge_writes_the_same_bytes_with_or_without_the_kernel(tmp_path, monkeypatch):
-    """The whole merge, tensors whole and in slabs (the statistics pass on its own thread), bfloat16 and float16
-    checkpoints: with the kernel and with torch's code alone, byte for byte."""
-    kernels = ((methods._kernels, methods.ANGLE_DTYPES), (None, {}))
-    for dtype in (torch.bfloat16, torch.float16):
-        folders = []
-        for seed in (0, 1):
-            folder = tmp_path / f"{dtype}-{seed}"
-            folder.mkdir()
-            tensors = {"model.layers.0.mlp.up_proj.weight": hostile(2048 * 520, dtype, seed).view(2048, 520),
-                       "model.layers.0.input_layernorm.weight": hostile(77, dtype, seed + 7),
-                       "model.layers.1.mlp.down_proj.weight": hostile(3 * 4099, dtype, seed + 9).view(3, 4099)}
-            save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-            folders.append(str(folder))
-        config = config_from_dict({"method": "slerp", "base": folders[0], "models": [folders[1]],
-                                   "parameters": {"t": [0.2, 0.7]}})
-        outputs = []
-        for kernel, table in kernels:
-            monkeypatch.setattr(methods, "_kernels", kernel)
-            monkeypatch.setattr(methods, "ANGLE_DTYPES", table)
-            monkeypatch.setattr(slabs, "SLAB_BYTES", methods.CHUNK * 2 * 2)
-            out = tmp_path / f"out-{dtype}-{kernel is None}"
-            run_merge(config, out)
-            outputs.append((out / "model.safetensors").read_bytes())
-        assert outputs[0] == outputs[1], dtype
+@compiled
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 5000])
+def test_the_compiled_task_vector_merge_is_torchs(n):
+    """Every mix the kernel takes, one to three models: no sparsifier, TIES's trim (thresholds of 0 too) or DARE's
+    drop (a model that drops nothing too); with or without the sign consensus (mergekit's zero-sum rule too) and
+    the disjoint mean; positive, mixed and negative weights; a scale; the output over the base itself."""
+    base = hostile(n, torch.bfloat16, 0)
+    models = [(base.float() + 0.1 * hostile(n, torch.bfloat16, seed).float()).to(torch.bfloat16) for seed in (1, 2, 3)]
+    models[2][: n // 3] = base[: n // 3]  # zero deltas
+    keeps = [methods.keep_indicator(7 + i, 0, n, drop) for i, drop in enumerate((0.3, 0.0, 0.9))]
+    for count, sparsifier, consensus, normalize, scale, weights, rules in itertools.product(
+            (1, 2, 3), (None, "magnitude", "random"), (False, True), (False, True), (1.0, 0.7),
+            ((1.0, 1.0, 1.0), (0.3, 1.2, 0.5), (0.5, -0.4, 1.0), (-1.0, -0.5, -2.0)), (False, True)):
+        options = dict(scale=scale, sparsifier=sparsifier, consensus=consensus, normalize=normalize,
+                       mergekit_rules=rules, thresholds=[0.05, 0.0, 0.11][:count] if sparsifier == "magnitude" else None,
+                       drops=[0.3, 0.0, 0.9][:count], keeps=keeps[:count] if sparsifier == "random" else None)
+        expected = methods.task_vector_merge(base, models[:count], list(weights[:count]), **options)
+        assert expected.dtype == torch.float32
+        out = torch.empty_like(base)
+        assert methods.task_vector_merge(base, models[:count], list(weights[:count]), out=out, **options) is out
+        case = (count, sparsifier, consensus, normalize, scale, weights, rules)
+        assert torch.equal(bits(out), bits(expected.to(torch.bfloat16))), case
+        over_base = base.clone()
+        methods.task_vector_merge(over_base, models[:count], list(weights[:count]), out=over_base, **options)
+        assert torch.equal(bits(over_base), bits(out)), case
+
+
+@compiled
+@pytest.mark.parametrize("compress", [False, True])
+def test_the_compiled_threshold_count_is_numpys(monkeypatch, compress):
+    """TIES's threshold from the compiled count (with AVX-512's compressing store, where the CPU has one, and
+    without) and from numpy's: the same count above the bracket, the same band in the same order, the same value;
+    bf16 deltas repeat magnitudes, so the band holds ties."""
+    if compress and not methods._kernels.HAS_COMPRESS:
+        pytest.skip("this CPU has no AVX-512")
+    count = methods._kernels.magnitude_band
+    monkeypatch.setattr(methods, "_kernels", type("Kernels", (), {"magnitude_band": staticmethod(
+        lambda *args: count(*args[:-1], compress))})())
+    for n, density in ((methods.ELEMENTWISE_CHUNK + 1, 0.3), (3 * methods.ELEMENTWISE_CHUNK + 77, 0.05), (1 << 21, 0.9)):
+        base = hostile(n, torch.bfloat16, n)
+        model = (base.float() + 0.01 * hostile(n, torch.bfloat16, n + 1).float()).to(torch.bfloat16)
+        model[:1000] = base[:1000]
+        results = []
+        for kernels in (methods._kernels, None):
+            monkeypatch.setattr(methods, "_kernels", kernels)
+            trim = methods.TrimThreshold(n, density)
+            stride = max(n // methods.THRESHOLD_SAMPLE, 1)
+            trim.sample(base[::stride], model[::stride])
+            for begin in range(0, n, 2 * methods.ELEMENTWISE_CHUNK):  # in slabs, as merge/slabs.py feeds it
+                trim.count(base[begin:begin + 2 * methods.ELEMENTWISE_CHUNK],
+                           model[begin:begin + 2 * methods.ELEMENTWISE_CHUNK])
+            band = torch.cat([torch.from_numpy(part) for part in trim._band])
+            results.append((trim._above, bits(band), trim.select(lambda: (base, model))))
+        (above, band, value), (torch_above, torch_band, torch_value) = results
+        assert above == torch_above and torch.equal(band, torch_band) and band.numel() and value == torch_value, \
+            (n, density)
+        assert value == methods.trim_threshold(base, model, density)
+
+
+def checkpoint(folder, dtype: torch.dtype, seed: int, finite_deltas: bool) -> str:
+    """A model of three tensors (one in two row slabs, one of 77 entries): hostile values, or a shared base plus
+    `seed` times a hostile delta, small enough that task vectors and their sums stay finite."""
+    def values(n: int, offset: int) -> torch.Tensor:
+        drawn = hostile(n, dtype, seed + offset)
+        if not finite_deltas:
+            return drawn
+        return (hostile(n, dtype, offset).float().clamp(-1e30, 1e30) + seed * drawn.float().clamp(-1e28, 1e28)).to(dtype)
+    folder.mkdir()
+    save_file({"model.layers.0.mlp.up_proj.weight": values(2048 * 520, 0).view(2048, 520),
+               "model.layers.0.input_layernorm.weight": values(77, 7),
+               "model.layers.1.mlp.down_proj.weight": values(3 * 4099, 9).view(3, 4099)},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("method, dtype, parameters", [
+    ("slerp", torch.bfloat16, {"t": [0.2, 0.7]}), ("slerp", torch.float16, {"t": [0.2, 0.7]}),
+    ("ties", torch.bfloat16, {"density": 0.4, "normalize": True}),
+    ("dare_ties", torch.bfloat16, {"drop": 0.3, "normalize": True}),
+    ("task_arithmetic", torch.bfloat16, {"lambda": 0.8})])
+def test_merges_write_the_same_bytes_with_or_without_the_kernels(tmp_path, monkeypatch, method, dtype, parameters):
+    """Whole merges, tensors whole and in slabs (the statistics pass on its own thread): with the kernels and with
+    torch's code alone, byte for byte."""
+    folders = [checkpoint(tmp_path / str(seed), dtype, seed, method != "slerp") for seed in (0, 1, 2)]
+    models = folders[1:2] if method == "slerp" else folders[1:]
+    config = config_from_dict({"method": method, "base": folders[0], "models": models, "parameters": parameters})
+    outputs = []
+    for kernels, angle_dtypes, most_models in ((methods._kernels, methods.ANGLE_DTYPES, methods.MAX_FUSED_MODELS),
+                                               (None, {}, 0)):
+        monkeypatch.setattr(methods, "_kernels", kernels)
+        monkeypatch.setattr(methods, "ANGLE_DTYPES", angle_dtypes)
+        monkeypatch.setattr(methods, "MAX_FUSED_MODELS", most_models)
+        monkeypatch.setattr(slabs, "SLAB_BYTES", methods.CHUNK * 2 * 2)
+        out = tmp_path / f"out-{kernels is None}"
+        run_merge(config, out)
+        outputs.append((out / "model.safetensors").read_bytes())
+    assert outputs[0] == outputs[1]

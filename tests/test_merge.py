@@ -466,3 +466,10 @@ def test_slices_report_bad_layer_ranges_and_method_inputs_in_one_line(tmp_path):
             Slice([SliceSource(a, (0, 1))]), Slice([SliceSource(a, (0, 1)), SliceSource(a, (1, 2))])]))
     with pytest.raises(InputError, match="same number of layers"):
         plan_merge(MergeConfig(method="linear", models=[], slices=[Slice([SliceSource(a, (0, 1)), SliceSource(a, (0, 2))])]))
+
+
+def test_rates_are_kept_apart_with_and_without_the_compiled_kernels(monkeypatch):
+    """SLERP's math runs several times faster compiled: rates measured one way are not reused the other way."""
+    with_kernels = cost.machine_key()
+    monkeypatch.setattr(methods, "_kernels", None)
+    assert cost.machine_key() != with_kernels and cost.machine_key().endswith("|kernels torch")

@@ -37,12 +37,12 @@ import mergekit_lite
 from mergekit_lite.io.direct import STAGE_BYTES
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter, read_at
-from mergekit_lite.merge import engine, slabs
+from mergekit_lite.merge import engine, methods, slabs
 from mergekit_lite.merge.config import METHODS
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
-RATES_FORMAT = 6  # bump when what calibrate measures changes: older entries are measured again
+RATES_FORMAT = 7  # bump when what calibrate measures changes: older entries are measured again
 # Elements of the calibration tensors: two sizes split fixed from per-element costs (both at least a reduction
 # chunk, methods.CHUNK, whose float64 stacks are a fixed cost). The larger is a mid-sized layer's: at 2 M entries
 # the per-tensor start-up (threads, DARE's first draws) still showed in the per-entry rates, and the 4 GB walls
@@ -110,7 +110,8 @@ def cache_file() -> Path:
 
 
 def machine_key() -> str:
-    """Rates hold for one machine, its usable cores and torch threads, one torch and one mergekit-lite."""
+    """Rates hold for one machine, its usable cores and torch threads, one torch and one mergekit-lite, with or
+    without its compiled kernels (SLERP's math is several times faster with them)."""
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -118,7 +119,8 @@ def machine_key() -> str:
                  if line.startswith("model name")]
         cpu = names[0] if names else cpu
     return (f"{platform.node()}|{cpu}|{len(os.sched_getaffinity(0))} cores|{torch.get_num_threads()} threads|"
-            f"torch {torch.__version__}|mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}")
+            f"torch {torch.__version__}|mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}|"
+            f"kernels {'compiled' if methods._kernels is not None else 'torch'}")
 
 
 def load_rates(refresh: bool = False) -> tuple[Rates, str]:

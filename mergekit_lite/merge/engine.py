@@ -169,7 +169,7 @@ def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.T
         chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
         thresholds=thresholds, drops=parameters.get("drops"), keeps=None if keeps is None else keeps.take(),
         consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
-        mergekit_rules=parameters.get("mergekit_rules", False))
+        mergekit_rules=parameters.get("mergekit_rules", False), out=out)
 
 
 def tensor_statistics(config: MergeConfig, step: TensorStep,

@@ -28,6 +28,7 @@ try:  # SLERP's passes fused in C (kernels.c), an optional extension: the same b
 except ImportError:  # not built (no C compiler where the package was installed)
     _kernels = None
 # the input dtypes of the compiled angle, by the kernel's code for each (float16 where the compiler had _Float16)
+MAX_FUSED_MODELS = 0 if _kernels is None else _kernels.MAX_MODELS  # models per compiled task-vector merge
 ANGLE_DTYPES = {dtype: code for dtype, code in ((torch.bfloat16, "b"), (torch.float16, "h"), (torch.float32, "f"))
                 if _kernels is not None and code in _kernels.ANGLE_DTYPES}
 
@@ -271,6 +272,13 @@ class TrimThreshold:
                      min(int(quantile * sample.size + margin), sample.size - 1))
             self._bracket = numpy.partition(sample, ranks)[list(ranks)]  # two order statistics, not a full sort
         low, high = self._bracket
+        if fused(base, model, dtypes=(torch.bfloat16,)):  # kernels.c: the same counts and band in one pass
+            band = numpy.empty(base.numel(), dtype=numpy.float32)
+            above, inside = _kernels.magnitude_band(base.data_ptr(), model.data_ptr(), base.numel(), low, high,
+                                                    band.ctypes.data, True)
+            self._band.append(band[:inside].copy())
+            self._above += above
+            return
         for begin in range(0, base.numel(), ELEMENTWISE_CHUNK):
             chunk = self._magnitudes(base, model, slice(begin, begin + ELEMENTWISE_CHUNK)).cpu().numpy()
             reach_low = chunk >= low
@@ -528,8 +536,10 @@ def task_vector_merge(
     normalize: bool = False,
     rescale: bool = True,
     mergekit_rules: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """base + scale * combine(weight_i * sparsify(model_i - base)).
+    """base + scale * combine(weight_i * sparsify(model_i - base)), in float32, or rounded once into `out` where
+    the compiled kernel takes the inputs (`fused_task_vectors`; the same bytes).
 
     combine is a plain sum, or with `consensus` the sum of the entries agreeing with the elected sign.
     `normalize` divides by the sum of the weights that contributed to each entry (TIES's disjoint mean).
@@ -543,16 +553,21 @@ def task_vector_merge(
     tensors only). `mergekit_rules` selects mergekit's trim count and sign vote (see `trim_threshold`,
     `sign_consensus`).
     """
-    base32 = base.to(torch.float32)
     if sparsifier == "magnitude" and thresholds is None:
-        thresholds = [trim_threshold(base32, model, density, mergekit_rules) for model, density in zip(models, densities)]
+        thresholds = [trim_threshold(base, model, density, mergekit_rules) for model, density in zip(models, densities)]
+    if sparsifier == "random" and keeps is None:
+        keeps = [keep_indicator(key, 0, base.numel(), drop) for key, drop in zip(keys, drops)]
+    if out is not None and sparsifier in (None, "magnitude", "random") and len(models) <= MAX_FUSED_MODELS \
+            and fused(out, base, *models, dtypes=(torch.bfloat16,)) \
+            and all(keep is None or fused(keep, dtypes=(torch.float32,)) for keep in keeps or ()):
+        return fused_task_vectors(out, base, models, weights, scale, thresholds if sparsifier == "magnitude" else None,
+                                  keeps, drops, consensus, normalize, rescale, mergekit_rules)
+    base32 = base.to(torch.float32)
     if sparsifier == "outliers" and thresholds is None:
         thresholds = [outlier_band(base32, model, density, gamma)
                       for model, density, gamma in zip(models, densities, gammas)]
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
-    if sparsifier == "random" and keeps is None:
-        keeps = [keep_indicator(key, 0, base32.numel(), drop) for key, drop in zip(keys, drops)]
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
         slot = stacked[index] if consensus else None
@@ -596,6 +611,30 @@ def task_vector_merge(
     if scale != 1.0:
         merged.mul_(scale)
     return merged.add_(base32)
+
+
+def fused_task_vectors(out: torch.Tensor, base: torch.Tensor, models: Sequence[torch.Tensor], weights: Sequence[float],
+                       scale: float, thresholds: Sequence[float] | None, keeps: Sequence[torch.Tensor | None] | None,
+                       drops: Sequence[float] | None, consensus: bool, normalize: bool, rescale: bool,
+                       mergekit_rules: bool) -> torch.Tensor:
+    """`task_vector_merge` for bfloat16 inputs and output on the CPU, in kernels.c's one pass: the same operations
+    in the same order (trim's hardshrink at `below` the threshold, DARE's addcmul, the weights, the sum or the
+    consensus of `positive_agreement` or `sign_consensus`, the divisor of `row_sum`, the scale and the base), so
+    the same bytes as the float32 result rounded."""
+    count = len(models)
+    lambdas = [-1.0] * count if thresholds is None else \
+        [below(threshold) if threshold > 0.0 else 0.0 for threshold in thresholds]
+    keeps = [None] * count if keeps is None else keeps
+    keep_scales = [DRAW_LEVELS / (DRAW_LEVELS - drop_threshold(drop)) if rescale and keep is not None else 1.0
+                   for keep, drop in zip(keeps, drops or [0.0] * count)]
+    agreement = 0 if not consensus else 1 if all(weight >= NORM_EPS for weight in weights) else 2
+    total = math.fsum(weights)
+    _kernels.task_vectors(out.data_ptr(), base.data_ptr(), [model.data_ptr() for model in models], out.numel(),
+                          list(weights), lambdas, [0 if keep is None else keep.data_ptr() for keep in keeps],
+                          keep_scales, agreement, mergekit_rules, normalize,
+                          not consensus and normalize and abs(total) >= NORM_EPS, scale != 1.0, total, scale, count,
+                          NORM_EPS)
+    return out
 
 
 def lines_factor(alpha: float, beta: float, layer: int | None, n_layers: int) -> float:
