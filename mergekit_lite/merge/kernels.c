@@ -1,5 +1,6 @@
-/* Merge math fused into one loop per pass, for bfloat16 tensors on the CPU: SLERP's angle and weighted sum, and the
- * task-vector family's chunk (task arithmetic, TIES, DARE, in any mix of trim, drop and sign consensus).
+/* Merge math fused into one loop per pass, on the CPU: SLERP's angle (bfloat16, float16, float32 inputs) and its
+ * weighted sum, the task-vector family's chunk (task arithmetic, TIES, DARE, in any mix of trim, drop and sign
+ * consensus) and TIES's threshold count, for bfloat16 checkpoints.
  *
  * In eager torch each pass is several: the angle converts both inputs to float32 before its products; the weighted
  * sum converts, scales, adds and rounds; a TIES chunk takes some fifteen passes per model (benchmarks/RESULTS.md,
@@ -61,8 +62,8 @@ static void weighted_pair(uint16_t *out, const uint16_t *start, const uint16_t *
 }
 
 /* One block's sums of start*start, start*end and end*end (n <= ANGLE_ROWS * ANGLE_LANES entries; the missing
- * entries of a short last block add nothing). Products of bfloat16 or float32 values are exact in float64, so
- * fused or not they add the same. */
+ * entries of a short last block add nothing). Products of bfloat16, float16 or float32 values are exact in
+ * float64, so fused or not they add the same. */
 #define BLOCK_SUMS(name, type, load)                                                      \
     PER_TARGET                                                                            \
     static void name(const type *start, const type *end, int64_t n, double sums[3]) {    \
@@ -241,8 +242,6 @@ static PyObject *py_angle_sums(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ddd)", totals[0], totals[1], totals[2]);
 }
 
-/* TIES's threshold count (methods.TrimThreshold.count): of the magnitudes |model - base| in float32, how many reach
- * `high`'s side of the bracket (above it), and those inside [low, high], in order, into `band`. */
 /* The band's entries of one block, in order: with AVX-512's compressing store where the CPU has it (HAS_COMPRESS,
  * checked at import; the caller chooses), else a group of BAND_GROUP at a time, most of which hold none. */
 static int has_compress = 0;
@@ -288,6 +287,8 @@ static int gather_band(const float *magnitudes, int width, float low, float high
     return inside;
 }
 
+/* TIES's threshold count (methods.TrimThreshold.count): of the magnitudes |model - base| in float32, how many lie
+ * above the bracket [low, high], and those inside it, in order, into `band` (room for n entries). */
 PER_TARGET
 static int64_t magnitude_band(const uint16_t *base, const uint16_t *model, int64_t n, float low, float high,
                               float *band, int compress, int64_t *above) {

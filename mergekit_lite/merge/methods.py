@@ -23,12 +23,12 @@ import torch
 
 from mergekit_lite.merge.recipes import L1_RESCALED
 
-try:  # SLERP's passes fused in C (kernels.c), an optional extension: the same bytes as the torch code below
+try:  # the merge math fused in C (kernels.c), an optional extension: the same bytes as the torch code below
     from mergekit_lite.merge import _kernels
 except ImportError:  # not built (no C compiler where the package was installed)
     _kernels = None
-# the input dtypes of the compiled angle, by the kernel's code for each (float16 where the compiler had _Float16)
 MAX_FUSED_MODELS = 0 if _kernels is None else _kernels.MAX_MODELS  # models per compiled task-vector merge
+# the input dtypes of the compiled angle, by the kernel's code for each (float16 where the compiler had _Float16)
 ANGLE_DTYPES = {dtype: code for dtype, code in ((torch.bfloat16, "b"), (torch.float16, "h"), (torch.float32, "f"))
                 if _kernels is not None and code in _kernels.ANGLE_DTYPES}
 
@@ -109,12 +109,12 @@ class SlerpAngle:
     """The inner products behind SLERP's angle, start·start, start·end and end·end, summed block by block of
     ANGLE_BLOCK entries: a block is read as rows of ANGLE_LANES entries, each lane adds its products (exact in
     float64) row after row, lanes j and j + h are then added for h = ANGLE_LANES/2 .. 1, and the block's sums are
-    added to the totals in block order. Fed a tensor's row slabs in order, slabs that start at multiples of CHUNK (merge/slabs.py), it gives the
-    sums, and so the weights, of the whole tensor.
+    added to the totals in block order. Fed a tensor's row slabs in order, slabs that start at multiples of CHUNK
+    (merge/slabs.py), it gives the sums, and so the weights, of the whole tensor.
 
-    Every addition has a fixed place, so the sums are the same bits on any CPU, whether the compiled kernel
-    (kernels.c, one pass over bfloat16, float16 or float32 inputs) or the torch code (`angle_sums`) computes them; on a GPU
-    the same additions run in another order only where the device's kernels reorder them."""
+    Every addition has a fixed place, so the sums are the same bits whether the compiled kernel (kernels.c, one
+    pass over bfloat16, float16 or float32 inputs on the CPU) or the torch code (`angle_sums`: elementwise
+    operations only, so on any device) computes them."""
 
     def __init__(self):
         self._totals = (0.0, 0.0, 0.0)
