@@ -4,9 +4,10 @@
 Each commit is checked out into its own git worktree (benchmarks/work/commit-ab/, git-ignored) and run with this
 venv's interpreter, its own code first on the import path (the editable install's finder is set aside, and the
 run checks which files it imported); a commit with compiled kernels (mergekit_lite/merge/kernels.c) has them built
-in its worktree first, and a failed build stops the run rather than time torch's slower code. Rounds rotate which commit goes first. The merges are bench_vs_mergekit.py's,
-on its checkpoints (made if absent); every commit's output must hash the same as the first commit's, which is what
-"the bytes did not change" means here. Outputs are deleted once hashed.
+in its worktree first, and a failed build stops the run rather than time torch's slower code. Rounds rotate which
+commit goes first. The merges are bench_vs_mergekit.py's, on its checkpoints (made if absent); every commit's
+output must hash the same as the first commit's, which is what "the bytes did not change" means here. Outputs
+are deleted once hashed.
 
     PYTHONPATH=$PWD python benchmarks/commit_ab.py --commits 2f74885,HEAD --size 4gb --methods linear,ties --rounds 2
 """

@@ -350,10 +350,14 @@ static PyObject *py_task_vectors(PyObject *self, PyObject *args) {
     PyObject *model_list, *keep_list, *weight_list, *lambda_list, *keep_scale_list;
     TaskVectors r;
     memset(&r, 0, sizeof r);
-    if (!PyArg_ParseTuple(args, "KKOLOOOOiiiiiddid", &out, &base, &model_list, &n, &weight_list, &lambda_list,
+    if (!PyArg_ParseTuple(args, "KKOLOOOOiiiiiddd", &out, &base, &model_list, &n, &weight_list, &lambda_list,
                           &keep_list, &keep_scale_list, &r.consensus, &r.zero_sum_positive, &r.normalize,
-                          &r.divide_by_total, &r.scale_after, &total, &scale, &r.count, &eps))
+                          &r.divide_by_total, &r.scale_after, &total, &scale, &eps))
         return NULL;
+    Py_ssize_t count = PySequence_Size(model_list);
+    if (count < 0)
+        return NULL;
+    r.count = count > MAX_MODELS ? MAX_MODELS + 1 : (int)count; /* the models' sequence says how many */
     if (r.count < 1 || r.count > MAX_MODELS || r.consensus < PLAIN_SUM || r.consensus > AGREE_SIGNED) {
         PyErr_SetString(PyExc_ValueError, "1 to MAX_MODELS models, consensus 0, 1 or 2");
         return NULL;
@@ -384,7 +388,7 @@ static PyMethodDef methods[] = {
      "start*end, end*end, in order (dtype 'b' bfloat16, 'h' float16, 'f' float32)"},
     {"task_vectors", py_task_vectors, METH_VARARGS,
      "task_vectors(out, base, models, n, weights, lambdas, keeps, keep_scales, consensus, zero_sum_positive, "
-     "normalize, divide_by_total, scale_after, total, scale, count, eps): methods.task_vector_merge's chunk of n "
+     "normalize, divide_by_total, scale_after, total, scale, eps): methods.task_vector_merge's chunk of n "
      "bfloat16 entries into `out` (data addresses; a negative lambda trims nothing, a keep address 0 drops "
      "nothing)"},
     {"magnitude_band", py_magnitude_band, METH_VARARGS,

@@ -328,7 +328,12 @@ def trim(delta: torch.Tensor, threshold: float) -> torch.Tensor:
     reaches it and writes +0.0 elsewhere, the bytes of a masked_fill. A threshold of 0 keeps everything and
     turns -0.0 into +0.0, as masking nothing and adding +0.0 would.
     """
-    return torch.hardshrink(delta, below(threshold) if threshold > 0.0 else 0.0, out=delta)
+    return torch.hardshrink(delta, trim_lambda(threshold), out=delta)
+
+
+def trim_lambda(threshold: float) -> float:
+    """The hardshrink bound of `trim` (also kernels.c's): the float just below a positive threshold, else 0."""
+    return below(threshold) if threshold > 0.0 else 0.0
 
 
 def outlier_band(base: torch.Tensor, model: torch.Tensor, density: float, gamma: float) -> tuple[float, float]:
@@ -398,8 +403,13 @@ def random_drop(delta: torch.Tensor, drop: float, keep: torch.Tensor | None, res
     """
     if keep is None:
         return delta
-    scale = DRAW_LEVELS / (DRAW_LEVELS - drop_threshold(drop)) if rescale else 1.0
-    return torch.addcmul(delta.new_zeros(()), delta, keep.to(delta.device), value=scale, out=delta)
+    return torch.addcmul(delta.new_zeros(()), delta, keep.to(delta.device), value=drop_rescale(drop, rescale),
+                         out=delta)
+
+
+def drop_rescale(drop: float, rescale: bool = True) -> float:
+    """The factor on DARE's survivors (`random_drop`, also kernels.c's): 1/(1 - applied drop), or 1."""
+    return DRAW_LEVELS / (DRAW_LEVELS - drop_threshold(drop)) if rescale else 1.0
 
 
 def magprune_keep_probabilities(delta: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -591,7 +601,7 @@ def task_vector_merge(
         if not consensus:  # with consensus, delta is its row of the stack already: the sparsifiers work in place
             merged = delta if merged is None else merged.add_(delta)
     if consensus:
-        positive = all(weight >= NORM_EPS for weight in weights)
+        positive = weighted_at_least_eps(weights)
         agree = positive_agreement(stacked, mergekit_rules) if positive else \
             sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)  # converted once
         merged = sum_of_products(stacked, agree)
@@ -613,6 +623,11 @@ def task_vector_merge(
     return merged.add_(base32)
 
 
+def weighted_at_least_eps(weights: Sequence[float]) -> bool:
+    """Every weight at least NORM_EPS: the consensus of `positive_agreement` applies, else of `sign_consensus`."""
+    return all(weight >= NORM_EPS for weight in weights)
+
+
 def fused_task_vectors(out: torch.Tensor, base: torch.Tensor, models: Sequence[torch.Tensor], weights: Sequence[float],
                        scale: float, thresholds: Sequence[float] | None, keeps: Sequence[torch.Tensor | None] | None,
                        drops: Sequence[float] | None, consensus: bool, normalize: bool, rescale: bool,
@@ -622,17 +637,16 @@ def fused_task_vectors(out: torch.Tensor, base: torch.Tensor, models: Sequence[t
     consensus of `positive_agreement` or `sign_consensus`, the divisor of `row_sum`, the scale and the base), so
     the same bytes as the float32 result rounded."""
     count = len(models)
-    lambdas = [-1.0] * count if thresholds is None else \
-        [below(threshold) if threshold > 0.0 else 0.0 for threshold in thresholds]
+    lambdas = [-1.0] * count if thresholds is None else [trim_lambda(threshold) for threshold in thresholds]
     keeps = [None] * count if keeps is None else keeps
-    keep_scales = [DRAW_LEVELS / (DRAW_LEVELS - drop_threshold(drop)) if rescale and keep is not None else 1.0
+    keep_scales = [drop_rescale(drop, rescale) if keep is not None else 1.0
                    for keep, drop in zip(keeps, drops or [0.0] * count)]
-    agreement = 0 if not consensus else 1 if all(weight >= NORM_EPS for weight in weights) else 2
+    agreement = 0 if not consensus else 1 if weighted_at_least_eps(weights) else 2
     total = math.fsum(weights)
     _kernels.task_vectors(out.data_ptr(), base.data_ptr(), [model.data_ptr() for model in models], out.numel(),
                           list(weights), lambdas, [0 if keep is None else keep.data_ptr() for keep in keeps],
                           keep_scales, agreement, mergekit_rules, normalize,
-                          not consensus and normalize and abs(total) >= NORM_EPS, scale != 1.0, total, scale, count,
+                          not consensus and normalize and abs(total) >= NORM_EPS, scale != 1.0, total, scale,
                           NORM_EPS)
     return out
 
