@@ -97,8 +97,8 @@ def test_the_ring_holds_three_slabs_instead_of_the_largest_tensors_inputs(models
     itemsize = plan.steps[0].out_dtype.itemsize
     monkeypatch.setattr(slabs, "SLAB_BYTES", 3 * (1 << 18) * itemsize)  # one chunk of each of the three inputs
     whole = 3 * ROWS * WIDTH * itemsize
-    assert slabs.ring_capacity(plan, slabs=False) == whole
-    assert slabs.ring_capacity(plan) == slabs.RING_SLABS * slabs.SLAB_BYTES < whole
+    assert slabs.ring_capacity(plan, slabs.parts(plan, slabs=False)) == whole
+    assert slabs.ring_capacity(plan, slabs.parts(plan)) == slabs.RING_SLABS * slabs.SLAB_BYTES < whole
 
 
 def test_slerp_in_slabs_of_whole_reduction_chunks_gives_the_bytes_of_whole_tensors(models, tmp_path, monkeypatch):
@@ -156,8 +156,8 @@ def test_statistics_are_read_through_one_slab_of_their_own(models, monkeypatch):
         plan = plan_merge(config_from_dict(CONFIGS[method](models)))
         firsts = [sum(slabs.block_sizes(plan, part)) for part in slabs.parts(plan) if part.rows and not part.rows[0]]
         expected = max(firsts) if method == "ties" else 0
-        assert len(firsts) == 3 and slabs.statistics_slab_bytes(plan) == expected, method
-        assert slabs.statistics_slab_bytes(plan, in_slabs=False) == 0
+        assert len(firsts) == 3 and slabs.statistics_slab_bytes(plan, slabs.parts(plan)) == expected, method
+        assert slabs.statistics_slab_bytes(plan, slabs.parts(plan, slabs=False)) == 0
         assert expected <= SMALL_SLABS and (expected > 0) == (method == "ties")
 
 
@@ -272,7 +272,7 @@ def test_a_shard_cut_short_after_planning_stops_a_merge_with_statistics(models, 
     config = config_from_dict(configs[method]([str(copy) for copy in copies]))
     with plan_merge(config) as plan:
         monkeypatch.setattr(slabs, "SLAB_BYTES", SMALL_SLABS * plan.steps[0].out_dtype.itemsize // 2)
-        assert slabs.statistics_slab_bytes(plan)
+        assert slabs.statistics_slab_bytes(plan, slabs.parts(plan))
         shard = sorted(copies[1].glob("*.safetensors"))[0]
         os.truncate(shard, 4096 + 8)
         with pytest.raises(InputError, match="truncated"):

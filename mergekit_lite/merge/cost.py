@@ -160,7 +160,8 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
                  for step in merged)
-    ring = slabs.ring_capacity(plan) + slabs.statistics_slab_bytes(plan)  # the blocks read into, the slab mapped
+    units = slabs.parts(plan)
+    ring = slabs.ring_capacity(plan, units) + slabs.statistics_slab_bytes(plan, units)  # blocks read into, slab mapped
     working = max((_working_memory(rates, method, step) for step in merged), default=0)
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
     return Estimate(plan.config.method, rates.startup_s + max(read_s + math_s, write_s), rates.startup_s, read_s,

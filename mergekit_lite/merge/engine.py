@@ -260,7 +260,7 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     device = usable_device(config.device)
     reuse_freed_memory()
     units = slabs.parts(plan, in_slabs)
-    ring = BufferRing(slabs.ring_capacity(plan, in_slabs), pin=device.type == "cuda")
+    ring = BufferRing(slabs.ring_capacity(plan, units), pin=device.type == "cuda")
     decided: dict[str, bool] = {}  # a slabbed step's copy decision, from its first slab
     needs_statistics = slabs.needs_statistics(config.method)  # of the steps in slabs (a first slab: rows)
     with interrupts.deferred(), \

@@ -10,8 +10,10 @@ back the fine-tune. Streams: one weight pair in memory at a time, factors writte
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +117,32 @@ def _delta(base, tuned, name: str) -> torch.Tensor:
     return delta
 
 
+def _adapter_tensors(base: TensorSource, tuned: TensorSource, ranks: dict[str, int], lora_bias: bool,
+                     saved: list[str]) -> list[tuple[PlannedTensor, Callable[[], torch.Tensor]]]:
+    """The adapter's tensors in file order, each planned (PEFT's name, shape, the fine-tune's dtype) beside the
+    function that computes it: a factored module's lora_A, lora_B (one SVD for both) and, with `lora_bias`, its
+    bias delta as lora_B.bias; then the `saved` modules' weights and biases whole."""
+    factors = functools.lru_cache(maxsize=1)(
+        lambda module: low_rank_factors(_delta(base, tuned, f"{module}.weight"), ranks[module]))
+    tensors = []
+    for module, module_rank in ranks.items():
+        out_features, in_features = tuned.shape(f"{module}.weight")
+        dtype, prefix = tuned.dtype(f"{module}.weight"), f"base_model.model.{module}"
+        tensors.append((PlannedTensor(f"{prefix}.lora_A.weight", (module_rank, in_features), dtype),
+                        lambda module=module, dtype=dtype: factors(module)[1].to(dtype)))
+        tensors.append((PlannedTensor(f"{prefix}.lora_B.weight", (out_features, module_rank), dtype),
+                        lambda module=module, dtype=dtype: factors(module)[0].to(dtype)))
+        if lora_bias:
+            bias = f"{module}.bias"
+            tensors.append((PlannedTensor(f"{prefix}.lora_B.bias", tuned.shape(bias), tuned.dtype(bias)),
+                            lambda bias=bias: _delta(base, tuned, bias).to(tuned.dtype(bias))))
+    for name in (f"{module}.{part}" for module in saved for part in ("weight", "bias")):
+        if name in tuned.names:
+            tensors.append((PlannedTensor(f"base_model.model.{name}", tuned.shape(name), tuned.dtype(name)),
+                            lambda name=name: tuned.load(name)))
+    return tensors
+
+
 def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, include: tuple[str, ...] = (),
                  exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False) -> Extraction:
     """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base.
@@ -150,21 +178,8 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
                       if any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))] + whole
         saved, dropped = ([], candidates) if linear_only else (candidates, [])
 
-        planned, ranks = [], {}
-        for module in factored:
-            out_features, in_features = tuned.shape(f"{module}.weight")
-            dtype = tuned.dtype(f"{module}.weight")
-            ranks[module] = min(rank, out_features, in_features)
-            prefix = f"base_model.model.{module}"
-            planned.append(PlannedTensor(f"{prefix}.lora_A.weight", (ranks[module], in_features), dtype))
-            planned.append(PlannedTensor(f"{prefix}.lora_B.weight", (out_features, ranks[module]), dtype))
-            if lora_bias:
-                planned.append(PlannedTensor(f"{prefix}.lora_B.bias", tuned.shape(f"{module}.bias"),
-                                             tuned.dtype(f"{module}.bias")))
-        saved_tensors = [f"{module}.{part}" for module in saved for part in ("weight", "bias")
-                         if f"{module}.{part}" in tuned.names]
-        planned += [PlannedTensor(f"base_model.model.{name}", tuned.shape(name), tuned.dtype(name))
-                    for name in saved_tensors]
+        ranks = {module: min(rank, *tuned.shape(f"{module}.weight")) for module in factored}
+        tensors = _adapter_tensors(base, tuned, ranks, lora_bias, saved)
 
         top_rank = max(ranks.values())
         smaller = {module: r for module, r in ranks.items() if r != top_rank}
@@ -175,19 +190,9 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
                   "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
                   "modules_to_save": saved or None, "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir)}
         with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
-            with ShardedWriter(folder, planned, max_shard_bytes=2**63) as writer:
-                for module in factored:
-                    weight = f"{module}.weight"
-                    delta = _delta(base, tuned, weight)
-                    lora_b, lora_a = low_rank_factors(delta, ranks[module])
-                    writer.write(f"base_model.model.{module}.lora_A.weight", lora_a.to(tuned.dtype(weight)))
-                    writer.write(f"base_model.model.{module}.lora_B.weight", lora_b.to(tuned.dtype(weight)))
-                    if lora_bias:
-                        bias = f"{module}.bias"
-                        delta_bias = _delta(base, tuned, bias)
-                        writer.write(f"base_model.model.{module}.lora_B.bias", delta_bias.to(tuned.dtype(bias)))
-                for name in saved_tensors:
-                    writer.write(f"base_model.model.{name}", tuned.load(name))
+            with ShardedWriter(folder, [planned for planned, _ in tensors], max_shard_bytes=2**63) as writer:
+                for planned, make in tensors:
+                    writer.write(planned.name, make())
                 writer.close()
             (Path(folder) / SINGLE_FILE).rename(Path(folder) / ADAPTER_FILE)
             (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

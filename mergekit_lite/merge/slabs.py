@@ -119,10 +119,9 @@ def block_sizes(plan: MergePlan, part: Part) -> list[int]:
     return [aligned(math.prod(part.shape) * source.dtype(name).itemsize) for source, name in inputs]
 
 
-def ring_capacity(plan: MergePlan, slabs: bool = True) -> int:
-    """The engine's ring: the largest part's inputs, with room for RING_SLABS slabs where the plan has slabs, and
-    never more than the largest whole step's inputs."""
-    found = parts(plan, slabs)
+def ring_capacity(plan: MergePlan, found: list[Part]) -> int:
+    """The engine's ring for the plan cut into `found` (`parts`): the largest part's inputs, with room for
+    RING_SLABS slabs where the plan has slabs, and never more than the largest whole step's inputs."""
     largest = max((sum(block_sizes(plan, part)) for part in found), default=0)
     slab = max((sum(block_sizes(plan, part)) for part in found if part.rows is not None), default=0)
     whole = max((sum(block_sizes(plan, Part(step))) for step in plan.steps), default=0)
@@ -191,13 +190,13 @@ def later_slabs_identical(plan: MergePlan, first: Part) -> bool:
     return all(all_identical(map_slab(plan, later)) for later in row_slabs(first.step, first.rows[1])[1:])
 
 
-def statistics_slab_bytes(plan: MergePlan, in_slabs: bool = True) -> int:
-    """The most bytes `decide` maps at once, resident while they are mapped: the largest slab of a step whose
-    statistics need a pass of their own (0 where none does)."""
-    if not (in_slabs and needs_statistics(plan.config.method)):
+def statistics_slab_bytes(plan: MergePlan, found: list[Part]) -> int:
+    """The most bytes `decide` maps at once for the plan cut into `found` (`parts`), resident while they are
+    mapped: the largest first slab of a step whose statistics need a pass of their own (0 where none does)."""
+    if not needs_statistics(plan.config.method):
         return 0
-    return max((sum(block_sizes(plan, part)) for part in parts(plan, in_slabs)
-                if part.rows is not None and part.rows[0] == 0), default=0)
+    return max((sum(block_sizes(plan, part)) for part in found if part.rows is not None and part.rows[0] == 0),
+               default=0)
 
 
 def decide(plan: MergePlan, first: Part) -> tuple[bool, list[float] | tuple[float, float] | None]:
