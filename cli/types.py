@@ -13,6 +13,10 @@ class Number(click.FloatRange):
 
     name = "number"
 
+    def _describe_range(self) -> str:
+        """The bounds for --help, or nothing where there are none (click would print `x<=None`)."""
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)
         if math.isnan(number):
