@@ -55,6 +55,28 @@ class LazyGroup(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click's own errors (an unknown option, a value its types refuse) as one line too, with the command's
+        --help named where its usage would have been printed."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as error:  # a bare command: its help, as click shows it
+            error.show()
+            sys.exit(error.exit_code)
+        except click.exceptions.UsageError as error:
+            hint = f" (see '{error.ctx.command_path} --help')" if error.ctx is not None else ""
+            click.echo(one_line(f"error: {error.format_message()}{hint}"), err=True)
+            sys.exit(error.exit_code)
+        except click.exceptions.ClickException as error:
+            click.echo(one_line(f"error: {error.format_message()}"), err=True)
+            sys.exit(error.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)  # an int is click's Exit code (--help, --version: 0)
+
     def invoke(self, ctx):
         """The last line of defence: every failure ends in one line on stderr and a fixed exit code."""
         if {"-q", "--quiet"} & set(sys.argv[1:]):

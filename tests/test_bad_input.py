@@ -411,13 +411,19 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(error_runs, request, bu
     assert_clean_error(result, out, patterns)
 
 
-def test_unknown_method_flag_is_a_usage_error(models, tmp_path):
-    """click validates --method itself: its usage error (exit 2) names the value and the choices."""
+@pytest.mark.parametrize("args, pattern", [
+    (["--method", "frankenmerge"], r"^error: Invalid value for '--method'.*'frankenmerge' is not one of 'linear'.*"
+                                   r"\(see 'mergekit-lite merge --help'\)$"),
+    (["--method", "linear", "--alpha", "abc"], r"^error: Invalid value for '--alpha': 'abc' is not a valid number"),
+    (["--method", "linear", "--bogus"], r"^error: No such option '--bogus'.*\(see 'mergekit-lite merge --help'\)$"),
+    (["--method", "linear", "--model"], r"^error: Option '--model' requires an argument\.$"),  # click names no usage
+], ids=["method", "alpha", "option", "argument"])
+def test_click_usage_errors_are_one_line_naming_the_help(models, tmp_path, args, pattern):
+    """What click refuses itself (a choice, a type, an unknown option, a missing value): one line, exit 2, and
+    the command's --help named where click would print its usage (where click knows the command)."""
     out = tmp_path / "merged"
-    result = run_cli("--method", "frankenmerge", "--base", models["base"], "--model", models["other"], "--out", out)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert re.search(r"Error: Invalid value for '--method'.*'frankenmerge' is not one of 'linear'", result.stderr)
-    assert not out.exists() and partials(out) == []
+    result = run_cli(*args[:2], "--base", models["base"], "--model", models["other"], "--out", out, *args[2:])
+    assert_clean_error(result, out, [pattern])
 
 
 # ------------------------------------------------------------------------------ accepted with an opt-in
