@@ -131,6 +131,36 @@ def test_the_compiled_task_vector_merge_is_torchs(n):
         assert torch.equal(bits(over_base), bits(out)), case
 
 
+def nonfinite(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """`tensor` with NaN, +Inf and -Inf at a few random entries (what --allow-nonfinite lets through)."""
+    spoiled = tensor.clone()
+    where = torch.randperm(tensor.numel(), generator=torch.Generator().manual_seed(seed))[:30]
+    spoiled[where[:10]], spoiled[where[10:20]], spoiled[where[20:]] = math.nan, math.inf, -math.inf
+    return spoiled
+
+
+@compiled
+def test_nonfinite_entries_are_written_as_torch_writes_them():
+    """With --allow-nonfinite, NaN and infinities flow through both compiled merges as through torch's code: the
+    same bits, a NaN written as the pattern torch's float32 -> bfloat16 conversion writes."""
+    n = 4099
+    base, start, end = (nonfinite(hostile(n, torch.bfloat16, seed), seed) for seed in (0, 1, 2))
+    out = torch.empty_like(start)
+    methods.linear([start, end], [0.6, 0.4], normalize=False, out=out)
+    expected = methods.linear([start, end], [0.6, 0.4], normalize=False).to(torch.bfloat16)
+    assert torch.equal(bits(out), bits(expected)) and torch.isnan(out).any()
+    models = [nonfinite((base.float() + hostile(n, torch.bfloat16, seed).float()).to(torch.bfloat16), seed)
+              for seed in (3, 4)]
+    keeps = [methods.keep_indicator(seed, 0, n, 0.3) for seed in (5, 6)]
+    for sparsifier, consensus in itertools.product((None, "magnitude", "random"), (False, True)):
+        options = dict(scale=0.9, sparsifier=sparsifier, consensus=consensus, normalize=consensus, drops=[0.3, 0.3],
+                       thresholds=[0.05, 0.1] if sparsifier == "magnitude" else None,
+                       keeps=keeps if sparsifier == "random" else None)
+        methods.task_vector_merge(base, models, [1.0, -0.5], out=out, **options)
+        expected = methods.task_vector_merge(base, models, [1.0, -0.5], **options).to(torch.bfloat16)
+        assert torch.equal(bits(out), bits(expected)) and torch.isnan(out).any(), (sparsifier, consensus)
+
+
 @compiled
 @pytest.mark.parametrize("compress", [False, True])
 def test_the_compiled_threshold_count_is_numpys(monkeypatch, compress):

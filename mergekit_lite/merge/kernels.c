@@ -41,12 +41,12 @@ static inline float from_bf16(uint16_t bits) {
     return value;
 }
 
-/* Round to nearest even, as torch rounds float32 to bfloat16; NaN becomes the canonical quiet NaN. */
+/* Round to nearest even, as torch rounds float32 to bfloat16; every NaN becomes 0xffff, the NaN torch writes. */
 static inline uint16_t to_bf16(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
     uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)rounded;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0xffffu : (uint16_t)rounded;
 }
 
 /* out = start * w0 + end * w1: the product on start rounded to float32, then one fused multiply-add (torch's
