@@ -27,15 +27,13 @@ from mergekit_lite.merge.config import (
     is_embedding,
     resolve,
 )
-from mergekit_lite.merge.vocab import align_vocabularies
+from mergekit_lite.merge.recipes import BASE_IGNORED
+from mergekit_lite.merge.vocab import align_vocabularies, limit_vocabulary_inputs
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\.")
 RECALL_WEIGHTS_FILE = "recall_weights.json"
 PROVENANCE_FILE = "mergekit_lite_config.yaml"
 PLAIN = Layout(None)
-
-
-BASE_IGNORED = {"linear", "karcher", "passthrough"}  # in slices, as in mergekit: the base is just another source
 
 
 def layer_index(tensor_name: str, model_layout: Layout = PLAIN) -> int | None:
@@ -271,6 +269,7 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
     for name in (n for n in outside if not is_embedding(n)):
         merge, indices, ranges = pieces[-1]
         add(merge, indices, [name] * len(indices), name, (None, "head"), ranges[0][1] - ranges[0][0])
+    limit_vocabulary_inputs(sources, {step.name: [index for index, _ in step.inputs] for step in steps})
     notes = [f"slices: {len(origins)} output layers from {len(pieces)} slices", *config.unused_settings()]
     return MergePlan(config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins,
                      owns_sources=owned)

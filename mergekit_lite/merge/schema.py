@@ -36,7 +36,7 @@ from mergekit_lite.merge.config import (
     SliceSource,
     did_you_mean,
 )
-from mergekit_lite.merge.recipes import DARE_MASK_VERSION
+from mergekit_lite.merge.recipes import BASE_IGNORED, DARE_MASK_VERSION
 
 
 class _Schema(BaseModel):
@@ -190,9 +190,10 @@ class _MergekitConfig(_Options):
             raise InputError(f"every entry under models: is the base ({base}): nothing to merge into it "
                              "(mergekit writes the base unchanged)")
         slices = []
-        for part in self.slices or []:
+        for number, part in enumerate(self.slices or []):
             if part.residual_weight is not None:
                 raise InputError("slices: residual_weight is not supported")
+            _check_slice_base(number, self.merge_method, part.base_model or self.base_model, part.sources)
             sources = [replace(source.to_source(), parameters=_as_mergekit_reads(source.parameters))
                        for source in part.sources]
             slices.append(Slice(sources, _reference(part.base_model) if part.base_model else None,
@@ -203,6 +204,14 @@ class _MergekitConfig(_Options):
                 "base": base, "models": models, "slices": slices, "dtype": self.out_dtype or self.dtype,
                 "base_parameters": base_parameters,
                 "mergekit_compat": True if self.mergekit_compat is None else self.mergekit_compat}
+
+
+def _check_slice_base(number: int, method: str, base: str | None, sources: list[_SliceSource]) -> None:
+    """mergekit merges each slice against its base (the slice's, else the config's), which must be one of the
+    slice's sources: it refuses a slice without it, where the slice's first source would otherwise stand in."""
+    if base and method not in BASE_IGNORED and base not in [source.model for source in sources]:
+        raise InputError(f"slices[{number}]: the base model {base} is not among this slice's sources; {method} merges "
+                         "each slice against its base, so list it there with a layer_range (mergekit refuses this too)")
 
 
 def _default_module(data: dict) -> dict:

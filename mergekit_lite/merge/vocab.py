@@ -3,10 +3,11 @@
 The output vocabulary is the base's tokenizer (`base`), one model's (`<model>`), or the base's plus every
 token the others add (`union`). Each input's vocabulary tensors are re-indexed onto it by token string; a
 token an input lacks takes, as in mergekit (tokenizer/embed.py), the row of the only model that has it,
-else the base's row, else the mean of the rows of the models that have it (zeros when none has it). So a
-token only a fine-tune has keeps the fine-tune's row whatever the method. Rows past the vocabulary (with
-`pad_to_multiple_of`) are the mean row. The chosen tokenizer is written with the output and the config's
-`vocab_size` updated. Without a tokenizer setting, vocabularies of different sizes are an error naming it.
+else the base's row, else the mean of the rows of the models that have it (zeros when none has it), counting
+only the inputs of that tensor (a slice merge takes the embeddings from the first slice's sources and the head
+from the last's). So a token only a fine-tune has keeps the fine-tune's row whatever the method. Rows past the
+vocabulary (with `pad_to_multiple_of`) are the mean row. The chosen tokenizer is written with the output and the
+config's `vocab_size` updated. Without a tokenizer setting, vocabularies of different sizes are an error naming it.
 """
 
 from __future__ import annotations
@@ -54,29 +55,33 @@ class Vocabulary:
     rows: list[torch.Tensor]
     base_index: int
 
-    def align(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every input's tensor re-indexed onto the output vocabulary, missing rows filled as mergekit does."""
-        present = torch.stack([rows >= 0 for rows in self.rows])  # (inputs, tokens)
+    def align(self, tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The inputs of one tensor (input index -> tensor) re-indexed onto the output vocabulary, missing rows
+        filled as mergekit does, from these inputs alone (the base's row only when the base is one of them)."""
+        indices = list(tensors)
+        present = torch.stack([self.rows[index] >= 0 for index in indices])  # (inputs, tokens)
         n_tokens = present.shape[1]
-        shape = (self.size, *tensors[0].shape[1:])
+        first = tensors[indices[0]]
+        shape = (self.size, *first.shape[1:])
         fallback = torch.zeros((n_tokens, *shape[1:]), dtype=torch.float32)
         partial = (~present.all(dim=0)).nonzero().flatten().tolist()
         for token in partial:
-            holders = present[:, token].nonzero().flatten().tolist()
+            holders = [indices[k] for k in present[:, token].nonzero().flatten().tolist()]
             if len(holders) == 1 or self.base_index in holders:
                 donor = holders[0] if len(holders) == 1 else self.base_index
                 fallback[token] = tensors[donor][self.rows[donor][token]]
             elif holders:
                 fallback[token] = torch.stack([tensors[i][self.rows[i][token]].float() for i in holders]).mean(0)
-        aligned = []
-        for tensor, rows in zip(tensors, self.rows):
+        aligned = {}
+        for index, tensor in tensors.items():
+            rows = self.rows[index]
             out = torch.empty(shape, dtype=tensor.dtype)
             have = rows >= 0
             out[:n_tokens][have] = tensor[rows[have]]
             out[:n_tokens][~have] = fallback[~have].to(tensor.dtype)
             if self.size > n_tokens:
                 out[n_tokens:] = out[:n_tokens].float().mean(0).to(tensor.dtype)
-            aligned.append(out)
+            aligned[index] = out
         return aligned
 
     def write(self, folder: Path, chat_template: str | None = None) -> None:
@@ -143,15 +148,18 @@ def _union(base, others):
 
 
 class VocabularyAligner:
-    """Loads one vocabulary tensor from every input at once and keeps the aligned set for the next reads."""
+    """Loads one vocabulary tensor from each of its inputs at once and keeps the aligned set for the next reads.
+    `inputs_of` names the inputs of each vocabulary tensor where they are not every input (slices)."""
 
     def __init__(self, sources: list[TensorSource], vocabulary: Vocabulary, names: set[str]):
         self.sources, self.vocabulary, self.names = sources, vocabulary, names
-        self._cached: tuple[str, list[torch.Tensor]] | None = None
+        self.inputs_of: dict[str, list[int]] = {}
+        self._cached: tuple[str, dict[int, torch.Tensor]] | None = None
 
     def load(self, name: str, index: int) -> torch.Tensor:
         if self._cached is None or self._cached[0] != name:
-            self._cached = (name, self.vocabulary.align([source.load(name) for source in self.sources]))
+            indices = self.inputs_of.get(name, range(len(self.sources)))
+            self._cached = (name, self.vocabulary.align({i: self.sources[i].load(name) for i in indices}))
         return self._cached[1][index]
 
 
@@ -204,6 +212,15 @@ def align_vocabularies(sources: list[TensorSource], tokenizer_source: str | None
                                  f"vocab_size {_vocab_size(source)}")
     aligner = VocabularyAligner(sources, vocabulary, names)
     return [AlignedSource(source, index, aligner) for index, source in enumerate(sources)], vocabulary
+
+
+def limit_vocabulary_inputs(sources: list[TensorSource], inputs_of: dict[str, list[int]]) -> None:
+    """The plan's hook once its steps are known (tensor name -> the inputs it merges): each vocabulary tensor's
+    missing rows are then filled from its own inputs, as mergekit fills them, never from a model that does not
+    make that tensor (a slice merge's embeddings come from the first slice's sources, its head from the last's)."""
+    aligner = getattr(sources[0], "aligner", None) if sources else None
+    if aligner is not None:
+        aligner.inputs_of.update({name: list(indices) for name, indices in inputs_of.items() if name in aligner.names})
 
 
 def chat_template_text(chat_template: str, sources: list[TensorSource]) -> str | None:
