@@ -48,7 +48,7 @@ from audits.leakage import check_leakage
 from audits.report import FAIL, PASS, REJECTED, WARN, AuditReport, CheckResult, make_report, shown_names
 from audits.structure import base_names, check_structure, module_of
 from audits.thresholds import AuditThresholds
-from audits.update import check_delta, check_spectral, measure_module, replacement_changes
+from audits.update import bias_changes, check_delta, check_spectral, measure_module, replacement_changes
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import ADAPTER_PATTERNS, is_hub_id, repo_files, resolve_model
@@ -73,7 +73,10 @@ def find_adapters(paths) -> list[AdapterRef]:
     for reference in map(str, paths):
         path = Path(reference)
         if is_hub_id(reference):
-            found.append(AdapterRef(reference, Path(resolve_model(reference, ADAPTER_PATTERNS)), hub=True))
+            snapshot = Path(resolve_model(reference, ADAPTER_PATTERNS))
+            if not LoraAdapter.is_adapter_dir(snapshot):
+                raise InputError(no_adapter_in_repo(reference, snapshot))
+            found.append(AdapterRef(reference, snapshot, hub=True))
             continue
         if not path.exists():
             raise InputError(f"{path}: no such adapter folder")
@@ -89,6 +92,16 @@ def find_adapters(paths) -> list[AdapterRef]:
                 raise InputError(f"{child}: links out of {path}; name the adapter itself to audit it")
         found.extend(AdapterRef(str(child), child) for child in children)
     return found
+
+
+def no_adapter_in_repo(reference: str, snapshot: Path) -> str:
+    """Why a hub id names no adapter, with the subfolders of the repository that hold one (PEFT saves an adapter
+    named other than "default" in a subfolder of that name) when its file listing shows any."""
+    folders = sorted(name.removesuffix("/adapter_config.json") for name in repo_files(reference, snapshot)
+                     if name.endswith("/adapter_config.json"))
+    hint = (f"; its adapters are in {', '.join(folders[:5])}: name one as {reference.split('@')[0]}/{folders[0]}"
+            if folders else "; an adapter in a subfolder is named org/name/SUBFOLDER")
+    return f"{reference}: no adapter_config.json at its top (not a PEFT adapter){hint}"
 
 
 MAX_LIST_BYTES = 1 << 20
@@ -165,7 +178,9 @@ def describe_format(adapter: LoraAdapter) -> str:
     text = f"{kind}; r={config['r']}, lora_alpha={config.get('lora_alpha', PEFT_DEFAULT_ALPHA)}"
     if scalings:
         text += f", scaling {scaling} ({rule})"
-    return f"{text}; {len(adapter.targets())} LoRA modules, {len(adapter.replaced())} replaced tensors"
+    biases = len(adapter.targets()) - len(adapter.weight_targets())
+    with_bias = f" ({biases} with lora_bias)" if biases else ""
+    return f"{text}; {len(adapter.weight_targets())} LoRA modules{with_bias}, {len(adapter.replaced())} replaced tensors"
 
 
 def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, LoraAdapter | None]:
@@ -187,7 +202,7 @@ def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, Lo
     warnings = []
     if adapter.weights_file.suffix == ".bin":
         warnings.append("pickle weights loaded because --allow-pickle was given (weights_only=True)")
-    mismatch = target_mismatch(adapter.config, [module_of(name) for name in adapter.targets()])
+    mismatch = target_mismatch(adapter.config, [module_of(name) for name in adapter.weight_targets()])
     if mismatch:
         warnings.append(mismatch)
     negative = sorted(name for name, scale in adapter.scaling.items() if scale < 0)
@@ -392,10 +407,11 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
                 entries = fingerprint_data["modules"] if fingerprint_data else {}
                 on_disk = base_names(adapter, base)
                 measures = [measure_module(adapter, audit_base, name, on_disk[name], top_k, entries.get(on_disk[name]))
-                            for name in adapter.targets()]
+                            for name in adapter.weight_targets()]
                 if measures:
                     checks.append(check_spectral(measures, fingerprint_source, thresholds))
-                checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds))
+                checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds,
+                                          bias_changes(adapter, base)))
                 if behaviour:
                     checks.append(check_behaviour(adapter, audit_base, fingerprint_data, thresholds, device))
         if train_data is not None:

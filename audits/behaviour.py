@@ -141,11 +141,13 @@ def apply_adapter_(model, adapter) -> list[str]:
                 parameters[name].add_(adapter.delta(name).to(parameters[name].device))
             else:
                 skipped.append(name)
+        head = model.get_output_embeddings()
         for name in adapter.replaced():
-            if name == "lm_head.weight" and model.get_output_embeddings() is not None:
-                head = model.get_output_embeddings()
+            if name == "lm_head.weight" and head is not None:
                 head.weight = torch.nn.Parameter(adapter.replacement(name).to(torch.float32).to(head.weight.device))
             elif name in parameters:
+                if head is not None and head.weight is parameters[name] and not adapter.config.get("ensure_weight_tying"):
+                    head.weight = torch.nn.Parameter(head.weight.detach().clone())  # PEFT trains a copy; the head stays
                 parameters[name].copy_(adapter.replacement(name))
             else:
                 skipped.append(name)

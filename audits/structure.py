@@ -11,7 +11,7 @@ from audits.fingerprint import is_weight_matrix
 from audits.report import FAIL, PASS, SHOWN_NAMES, CheckResult
 from mergekit_lite.io.architecture import checkpoint_names
 from mergekit_lite.io.lora import LoraAdapter
-from mergekit_lite.io.sources import tied_head
+from mergekit_lite.io.sources import replaces_tied_head, tied_head
 from mergekit_lite.merge.plan import layer_index
 
 BASE_COPY_TOLERANCE = 1e-2  # relative; a bf16 copy of the same tensor differs by ~4e-3, another base by ~1
@@ -50,14 +50,21 @@ def base_names(adapter: LoraAdapter, base) -> dict[str, str]:
     return {name: on_disk.get(name, name) for name in names}
 
 
-def why_absent(name: str, base, replaced: bool) -> str | None:
-    """The real reason a base name the adapter adapts is not in the base (None: it is fine, a tied head replaced)."""
+def why_absent(name: str, base, adapter: LoraAdapter, adapter_name: str) -> str | None:
+    """The real reason a base name the adapter adapts (as `adapter_name`) is not in the base (None: it is fine, a tied
+    head replaced)."""
     tied = stored_tied_head(base)
     if tied and name == tied[0]:
-        if replaced:
+        if adapter_name in adapter.replaced():
             return None
+        if adapter.config.get("ensure_weight_tying") and tied[1] in adapter.targets():
+            return (f"{name}: its LoRA is tied to the LoRA on {tied[1]} (ensure_weight_tying), and PEFT's merge_and_unload "
+                    "adds that update twice to the tied weight, unlike the PEFT model it ran; not merged")
         return (f"{name}: the base ties {module_of(name)} to {tied[1]} (tie_word_embeddings) and stores no {name}; "
                 "a LoRA on a tied head would change the input embeddings too")
+    if adapter_name in adapter.targets() and adapter_name not in adapter.weight_targets():
+        return (f"{name}: the adapter has a lora_B bias (lora_bias) for {name.removesuffix('.bias')}, whose base layer "
+                "has no bias (PEFT cannot merge it either)")
     bare = _text_model_name(name)
     if any(_text_model_name(other) == bare for other in base.names):
         return (f"{name}: the adapter and the base use different vision-language layouts (language_model. inside or "
@@ -68,6 +75,23 @@ def why_absent(name: str, base, replaced: bool) -> str | None:
         return (f"{name}: this base has no module named {leaf} (its layer modules: {', '.join(base_leaves[:8])}): "
                 "module names of another architecture or of an older revision of this model's code")
     return f"{name} is not in the base"
+
+
+def replaced_tied_embeddings(adapter: LoraAdapter, base) -> str | None:
+    """What to say when modules_to_save replaces the embeddings of a base that ties its head to them and stores no
+    head, without ensure_weight_tying: PEFT trains a copy of the embeddings and leaves the head on the base's (its
+    merge_and_unload keeps them apart). A note when the merge writes that untied head, a problem when it would tie the
+    head to the trained copy (a model PEFT never ran); None when this is not the case."""
+    tied = stored_tied_head(base)
+    replaced = adapter.replaced()
+    if not tied or tied[1] not in replaced or tied[0] in replaced or adapter.config.get("ensure_weight_tying"):
+        return None
+    if replaces_tied_head(adapter, base):
+        return (f"{tied[1]} (modules_to_save) replaces the embeddings the base ties {tied[0]} to; PEFT keeps the base's "
+                f"head: the merge writes an untied {tied[0]} (tie_word_embeddings false)")
+    return (f"{tied[1]} (modules_to_save) replaces the embeddings the base ties {tied[0]} to, without ensure_weight_tying: "
+            f"PEFT runs it with the base's head (merge_and_unload unties them), but this merge would tie {tied[0]} to "
+            "the trained embeddings, a different model")
 
 
 def why_shapes_differ(name: str, adapter_shape, base_shape, base) -> str:
@@ -85,7 +109,7 @@ def check_structure(adapter: LoraAdapter, base) -> CheckResult:
     on_disk = base_names(adapter, base)
     for name, base_name in on_disk.items():
         if base_name not in base:
-            problem = why_absent(base_name, base, replaced=name in adapter.replaced())
+            problem = why_absent(base_name, base, adapter, name)
             if problem:
                 problems.append(problem)
                 continue
@@ -94,6 +118,9 @@ def check_structure(adapter: LoraAdapter, base) -> CheckResult:
                          f"the merge writes an untied {head} (tie_word_embeddings false)")
         if tuple(base.shape(base_name)) != tuple(adapter.shape(name)):
             problems.append(why_shapes_differ(base_name, adapter.shape(name), base.shape(base_name), base))
+    embeddings = replaced_tied_embeddings(adapter, base)
+    if embeddings:
+        (notes if replaces_tied_head(adapter, base) else problems).append(embeddings)
     for name in adapter.copied_base():
         base_name = on_disk[name]
         if base_name in base and tuple(base.shape(base_name)) == tuple(adapter.shape(name)):
@@ -108,6 +135,7 @@ def check_structure(adapter: LoraAdapter, base) -> CheckResult:
     if problems:
         return CheckResult("structure", FAIL, coverage, None, f"does not fit the base ({len(problems)} problems): {'; '.join(problems[:SHOWN_NAMES])}",
                            measurements)
-    detail = (f"all {len(adapter.targets())} LoRA modules and {len(adapter.replaced())} replaced tensors match the base; "
-              f"{len(adapter.targets())} of {len(matrices)} base weight matrices targeted ({coverage:.0%})")
+    modules = len(adapter.weight_targets())
+    detail = (f"all {modules} LoRA modules and {len(adapter.replaced())} replaced tensors match the base; "
+              f"{modules} of {len(matrices)} base weight matrices targeted ({coverage:.0%})")
     return CheckResult("structure", PASS, coverage, None, "; ".join(notes + [detail]), measurements)

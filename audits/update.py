@@ -96,6 +96,17 @@ def replacement_changes(adapter: LoraAdapter, base) -> dict[str, float]:
     return changes
 
 
+def bias_changes(adapter: LoraAdapter, base) -> dict[str, float]:
+    """||scaling * lora_B.bias|| / ||bias|| per bias a lora_bias adapter updates (not a matrix: no spectral measure)."""
+    on_disk, weights = base_names(adapter, base), set(adapter.weight_targets())
+    changes = {}
+    for name in adapter.targets():
+        if name not in weights:
+            bias = base.load(on_disk[name]).to(torch.float32)
+            changes[name] = float(adapter.delta(name).norm() / bias.norm().clamp_min(1e-12))
+    return changes
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -144,10 +155,13 @@ def paper_norms(measures: list[ModuleMeasure]) -> tuple[float, float]:
     return total, total / len(measures) if measures else 0.0
 
 
-def check_delta(measures: list[ModuleMeasure], replaced: dict[str, float], thresholds: AuditThresholds) -> CheckResult:
+def check_delta(measures: list[ModuleMeasure], replaced: dict[str, float], thresholds: AuditThresholds,
+                biases: dict[str, float] | None = None) -> CheckResult:
     """The adapter must change something: the paper's total norm (>= min_total_norm) and, ours, the largest
-    relative update (>= min_delta: one live module is enough for it, none is enough for the paper's rule)."""
-    sizes = [m.relative_norm for m in measures] + list(replaced.values())
+    relative update (>= min_delta: one live module is enough for it, none is enough for the paper's rule).
+    `replaced` and `biases` (lora_bias updates) are relative changes that count for the latter only."""
+    biases = biases or {}
+    sizes = [m.relative_norm for m in measures] + list(replaced.values()) + list(biases.values())
     largest = max(sizes)
     total, per_module = paper_norms(measures)
     measurements = {
@@ -156,6 +170,7 @@ def check_delta(measures: list[ModuleMeasure], replaced: dict[str, float], thres
         "modules": {m.name: {"delta_norm": m.delta_norm, "relative_norm": m.relative_norm,
                              "effective_rank": m.effective_rank, "rank": m.rank} for m in measures},
         "replaced": {name: {"relative_change": change} for name, change in replaced.items()},
+        "lora_bias": {name: {"relative_change": change} for name, change in biases.items()},
     }
     paper = (f"total norm {total:.4g} (paper: >= {thresholds.min_total_norm:g}), per-module mean {per_module:.3g} "
              f"over {len(measures)} modules")

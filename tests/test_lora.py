@@ -207,7 +207,6 @@ def test_wrong_types_are_one_line_naming_key_and_type(saved_adapter, tmp_path, e
 
 @pytest.mark.parametrize("edit, message", [
     ({"use_dora": True}, "DoRA"),
-    ({"lora_bias": True}, "lora_bias adds a trained bias"),
     ({"target_parameters": ["experts.gate_up_proj"]}, "target_parameters adapts raw parameters"),
     ({"trainable_token_indices": [1, 2]}, "sparse token rows"),
     ({"layer_replication": [[0, 2], [1, 2]]}, "duplicates base layers"),

@@ -1,4 +1,5 @@
-"""Model references that name a Hugging Face Hub repository (`org/name`, `org/name@revision`), as in mergekit.
+"""Model references that name a Hugging Face Hub repository (`org/name`, `org/name@revision`), as in mergekit, or a
+folder inside one (`org/name/sub/folder[@revision]`: PEFT's `subfolder`, where a repository keeps several adapters).
 
 A reference that exists on disk is always the local file or folder. Anything else of the form `org/name`
 is fetched into huggingface_hub's own cache (only the files the command reads) and replaced by the
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from mergekit_lite.errors import InputError
 
-HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?P<subfolder>(?:/[\w.-]+)*)(?:@(?P<revision>[\w./-]+))?$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")  # what huggingface_hub writes into refs/ and names snapshots by
 # What a merge reads from a model repository: weights, their index, config and tokenizer files.
 TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
@@ -34,7 +35,7 @@ ADAPTER_PATTERNS = ["adapter_config.json", "adapter_model.safetensors", "base_fi
 
 
 def is_hub_id(reference: str) -> bool:
-    """True for `org/name[@revision]` that is not a path on disk (a local folder always wins)."""
+    """True for `org/name[/subfolder][@revision]` that is not a path on disk (a local folder always wins)."""
     return bool(HUB_ID.match(str(reference))) and not Path(reference).exists()
 
 
@@ -48,6 +49,15 @@ def split_hub_id(reference: str) -> tuple[str, str | None]:
         raise InputError(f"{reference}: revision {revision!r} is not a branch, tag or commit (it holds '..' or "
                          "starts with '/'); refused")
     return match["repo"], revision
+
+
+def hub_subfolder(reference: str) -> str:
+    """The folder inside the repository a hub id names ('' for its top); `.` or `..` segments are refused."""
+    match = HUB_ID.match(reference)
+    subfolder = match["subfolder"].strip("/") if match else ""
+    if any(part in (".", "..") for part in subfolder.split("/")):
+        raise InputError(f"{reference}: subfolder {subfolder!r} holds '.' or '..'; refused")
+    return subfolder
 
 
 def repo_cache_folder(repo: str) -> Path:
@@ -100,12 +110,13 @@ def checked_snapshot(reference: str, repo: str, snapshot: str) -> Path:
 
 
 def hub_id_of(path) -> str | None:
-    """`org/name` of a snapshot folder of huggingface_hub's cache (.../models--org--name/snapshots/<commit>)."""
-    path = Path(path)
-    entry = path.parent.parent.name
-    if path.parent.name != "snapshots" or not entry.startswith("models--"):
-        return None
-    return entry.removeprefix("models--").replace("--", "/", 1)
+    """`org/name` of a snapshot folder of huggingface_hub's cache (.../models--org--name/snapshots/<commit>), or of a
+    folder inside one."""
+    for folder in (Path(path), *Path(path).parents):
+        entry = folder.parent.parent.name
+        if folder.parent.name == "snapshots" and entry.startswith("models--"):
+            return entry.removeprefix("models--").replace("--", "/", 1)
+    return None
 
 
 def resolve_model(reference: str, allow_patterns: list[str] = ALLOW_PATTERNS) -> str:
@@ -113,25 +124,40 @@ def resolve_model(reference: str, allow_patterns: list[str] = ALLOW_PATTERNS) ->
     if not is_hub_id(reference):
         return reference
     repo, revision = split_hub_id(reference)
+    subfolder = hub_subfolder(reference)
     from huggingface_hub import constants, snapshot_download
 
     check_ref(reference, repo, revision)
+    patterns = [f"{subfolder}/{pattern}" for pattern in allow_patterns] if subfolder else allow_patterns
     with hub_errors(reference, revision):
-        snapshot = snapshot_download(repo, revision=revision, allow_patterns=allow_patterns,
+        snapshot = snapshot_download(repo, revision=revision, allow_patterns=patterns,
                                      local_files_only=constants.HF_HUB_OFFLINE)
-    return str(checked_snapshot(reference, repo, snapshot))
+    folder = checked_snapshot(reference, repo, snapshot) / subfolder
+    if not folder.is_dir():
+        raise InputError(f"{reference}: {repo} has no folder {subfolder!r}" + (f" at {revision}" if revision else "")
+                         + " (or none of the files read from it)")
+    return str(folder)
 
 
 def repo_files(reference: str, snapshot: Path) -> list[str]:
-    """The files of the repository at that revision: the Hub's listing online, the cached snapshot's offline (names
-    only: nothing is opened), so a pickle the audit refuses is known without being downloaded."""
+    """The files of the repository at that revision, under the hub id's subfolder and relative to it (`snapshot` is
+    the folder resolve_model gave): the Hub's listing online, the cached snapshot's offline (names only: nothing is
+    opened), so a pickle the audit refuses is known without being downloaded."""
     from huggingface_hub import HfApi, constants
 
     if constants.HF_HUB_OFFLINE:
         return sorted(str(path.relative_to(snapshot)) for path in Path(snapshot).rglob("*"))
     repo, revision = split_hub_id(reference)
+    prefix = f"{hub_subfolder(reference)}/".lstrip("/")
     with hub_errors(reference, revision):
-        return sorted(HfApi().list_repo_files(repo, revision=revision))
+        files = HfApi().list_repo_files(repo, revision=revision)
+    return sorted(name.removeprefix(prefix) for name in files if name.startswith(prefix))
+
+
+def cached_refs(repo: str) -> list[str]:
+    """The branches and tags the cache holds for a repository (the names of its refs/ files; none is read)."""
+    refs = repo_cache_folder(repo) / "refs"
+    return sorted(str(path.relative_to(refs)) for path in refs.rglob("*") if path.is_file()) if refs.is_dir() else []
 
 
 class hub_errors:
@@ -164,6 +190,10 @@ class hub_errors:
         if isinstance(error, RepositoryNotFoundError):
             raise InputError(f"{reference}: no such folder, and no such model on the Hugging Face Hub") from None
         if isinstance(error, LocalEntryNotFoundError):
+            cached = cached_refs(split_hub_id(reference)[0])
+            if constants.HF_HUB_OFFLINE and self.revision and cached:
+                raise InputError(f"{reference}: revision {self.revision!r} is not in the Hugging Face cache (which holds "
+                                 f"{', '.join(cached)}) and HF_HUB_OFFLINE=1; download it once online") from None
             if constants.HF_HUB_OFFLINE:
                 raise InputError(f"{reference}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
                                  "HF_HUB_OFFLINE=1; download it once online") from None

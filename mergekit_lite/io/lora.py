@@ -1,8 +1,9 @@
 """Read a PEFT LoRA adapter folder as dense weight updates in the base model's own layout.
 
-A merge needs, per base weight, what the adapter does to it: `scaling * B @ A` added to the weight
-(`targets()` / `delta()`), or a full tensor that takes its place (`modules_to_save`, trained biases:
-`replaced()` / `replacement()`). The two sets never overlap.
+A merge needs, per base tensor, what the adapter does to it: an update added to it (`targets()` / `delta()`:
+`scaling * B @ A` on a weight, and with `lora_bias` `scaling * lora_B.bias` on that layer's bias), or a full
+tensor that takes its place (`modules_to_save`, trained biases: `replaced()` / `replacement()`). The two sets
+never overlap.
 
 When PEFT targets an embedding it also saves an untouched copy of the base embedding
 (`<module>.base_layer.weight`). That copy is not an update: it is kept apart (`copied_base()` /
@@ -32,6 +33,7 @@ PEFT_PREFIX = "base_model.model."
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's default, which PEFT applies when a config omits lora_alpha
 
 LINEAR_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
+LORA_BIAS = re.compile(r"^(?P<module>.+)\.lora_B(?:\.[^.]+)?\.bias$")  # lora_bias: B's own bias, merged into the layer's
 EMBEDDING_FACTOR = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<side>[AB])(?:\.[^.]+)?$")
 SAVED_MODULE_INFIX = re.compile(r"\.modules_to_save(?:\.[^.]+)?\.")
 BASE_LAYER_INFIX = ".base_layer."
@@ -45,7 +47,7 @@ RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # Options with a default under which the weights are `scaling * B @ A`; any other value is refused, with why.
 REFUSED_OPTIONS = {
     "use_dora": "DoRA (use_dora) rescales each column by a trained magnitude vector, so the update is not scaling*B@A",
-    "lora_bias": "lora_bias adds a trained bias to B",
+    "enable_lora": "enable_lora (PEFT 0.1-0.2's MergedLinear) stores grouped factors for parts of a fused layer",
     "target_parameters": "target_parameters adapts raw parameters (e.g. fused MoE experts), not module weights",
     "trainable_token_indices": "trainable_token_indices stores sparse token rows, not LoRA factors",
     "layer_replication": "layer_replication duplicates base layers, so the merged model has more layers than the base",
@@ -64,7 +66,8 @@ REFUSED_OPTIONS = {
 class AdapterConfigSchema(BaseModel):
     """adapter_config.json as PEFT's LoraConfig writes it, typed strictly (field names and defaults from PEFT 0.21).
 
-    Options without a field here are kept (`extra="allow"`) and judged by `refusal_reason`.
+    Options without a field here are kept (`extra="allow"`) and judged by `refusal_reason`. `merge_weights` and
+    `enable_lora` are PEFT 0.1-0.2's (git history of peft/tuners/lora.py): the first only merged in eval mode.
     """
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -111,6 +114,8 @@ class AdapterConfigSchema(BaseModel):
     kasa_config: dict | None = None
     monteclora_config: dict | None = None
     velora_config: dict | None = None
+    merge_weights: bool = False
+    enable_lora: list[bool] | None = None
 
 
 def _is_default_like(value) -> bool:
@@ -161,6 +166,7 @@ class _Factors:
     a_key: str
     b_key: str
     embedding: bool
+    bias_key: str | None = None  # lora_B's bias (lora_bias), added to the layer's bias
 
 
 class _TensorFile:
@@ -268,18 +274,20 @@ def _strip_prefix(key: str) -> str:
 
 
 def _classify_keys(weights: _TensorFile) -> tuple[dict[str, dict[str, str]], set[str], dict[str, str]]:
-    """Stored keys as: A/B keys per module, the modules whose factors are embedding-style, full tensors by name."""
+    """Stored keys as: A/B keys per module (and "bias": lora_B's bias), the modules whose factors are
+    embedding-style, full tensors by name."""
     sides: dict[str, dict[str, str]] = {}
     embeddings: set[str] = set()
     full_tensors: dict[str, str] = {}
     for key in weights.keys():
         name = _strip_prefix(key)
-        match = LINEAR_FACTOR.match(name) or EMBEDDING_FACTOR.match(name)
+        match = LINEAR_FACTOR.match(name) or EMBEDDING_FACTOR.match(name) or LORA_BIAS.match(name)
         if match:
+            side = "bias" if match.re is LORA_BIAS else match["side"]
             module_sides = sides.setdefault(match["module"], {})
-            if match["side"] in module_sides:
-                raise InputError(f"{weights.path}: two lora_{match['side']} tensors for {match['module']} (several adapters in one file?)")
-            module_sides[match["side"]] = key
+            if side in module_sides:
+                raise InputError(f"{weights.path}: two lora_{side} tensors for {match['module']} (several adapters in one file?)")
+            module_sides[side] = key
             if match.re is EMBEDDING_FACTOR:
                 embeddings.add(match["module"])
         elif ".lora_" in name:
@@ -291,17 +299,25 @@ def _classify_keys(weights: _TensorFile) -> tuple[dict[str, dict[str, str]], set
 
 def _module_factors(weights: _TensorFile, config: dict, sides: dict[str, dict[str, str]],
                     embeddings: set[str]) -> tuple[dict[str, _Factors], dict[str, float]]:
-    """Factors and scaling per base weight name; every module needs both A and B at the config's rank."""
+    """Factors and scaling per base weight name; every module needs both A and B at the config's rank, and a
+    lora_B bias only where the config says lora_bias (PEFT's lora_B has no bias otherwise: it would drop it)."""
     factors, scaling = {}, {}
     for module, module_sides in sides.items():
         missing = {"A", "B"} - set(module_sides)
         if missing:
             raise InputError(f"{weights.path}: {module} has no lora_{missing.pop()} tensor")
-        factor = _Factors(module_sides["A"], module_sides["B"], module in embeddings)
+        if "bias" in module_sides and not config.get("lora_bias"):
+            raise InputError(f"{weights.path}: {module} has a lora_B bias but the config does not set lora_bias "
+                             "(PEFT would leave it out of the model)")
+        factor = _Factors(module_sides["A"], module_sides["B"], module in embeddings, module_sides.get("bias"))
         rank, scaling[f"{module}.weight"] = _scaling(config, module)
         _check_factor_shapes(weights, module, factor, rank)
         factors[f"{module}.weight"] = factor
     return factors, scaling
+
+
+def _bias_name(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight") + ".bias"
 
 
 def _full_tensor_roles(weights: _TensorFile, full_tensors: dict[str, str],
@@ -350,6 +366,7 @@ class LoraAdapter:
     _factors: dict[str, _Factors] = field(repr=False)
     _replacements: dict[str, str] = field(repr=False)
     _base_copies: dict[str, str] = field(repr=False)
+    _biases: dict[str, str] = field(repr=False)  # bias updated by lora_B's bias -> the weight its factors update
 
     @staticmethod
     def is_adapter_dir(path) -> bool:
@@ -370,10 +387,16 @@ class LoraAdapter:
         factors = {name: factor for name, factor in factors.items() if peft_transforms(config, name)}
         scaling = {name: scale for name, scale in scaling.items() if name in factors}
         replacements, base_copies = _full_tensor_roles(weights, full_tensors, factors)
-        return cls(folder, config, scaling, weights.path, weights, factors, replacements, base_copies)
+        biases = {_bias_name(name): name for name, factor in factors.items() if factor.bias_key}
+        return cls(folder, config, scaling, weights.path, weights, factors, replacements, base_copies, biases)
 
     def targets(self) -> list[str]:
-        """Base weight names that get `scaling * B @ A` added."""
+        """Base tensor names that get an update added: weights `scaling * B @ A` and, with lora_bias, the biases
+        `scaling * lora_B.bias` of the same layers (a bias the adapter also saves whole is a replacement instead)."""
+        return sorted([*self._factors, *(name for name in self._biases if name not in self._replacements)])
+
+    def weight_targets(self) -> list[str]:
+        """The targets that are weights, updated by `scaling * B @ A` (what rank and spectral measures read)."""
         return sorted(self._factors)
 
     def replaced(self) -> list[str]:
@@ -385,11 +408,14 @@ class LoraAdapter:
         return sorted(self._base_copies)
 
     def rank(self, base_name: str) -> int:
+        """The LoRA rank of a weight target."""
         return self._file.shape(self._factors[base_name].a_key)[0]
 
     def shape(self, base_name: str) -> tuple[int, ...]:
         """Shape of what the adapter holds for a base tensor (delta, replacement or copy), without reading it."""
         factor = self._factors.get(base_name)
+        if factor is None and base_name in self._biases and base_name not in self._replacements:
+            return self._file.shape(self._factors[self._biases[base_name]].bias_key)
         if factor is None:
             return self._file.shape(self._replacements.get(base_name) or self._base_copies[base_name])
         a_columns = self._file.shape(factor.a_key)[1]
@@ -397,7 +423,10 @@ class LoraAdapter:
         return (a_columns, b_rows) if self._transposed(factor) else (b_rows, a_columns)
 
     def factors(self, base_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(left, right), float32, with left @ right == delta(base_name): rank-r work stays cheap."""
+        """(left, right), float32, with left @ right == delta(base_name): rank-r work stays cheap. A bias target's
+        are its update as one column and [1]."""
+        if base_name in self._biases:
+            return self._bias_update(base_name)[:, None], torch.ones(1)
         factor = self._factors[base_name]
         a = self._file.load(factor.a_key).to(torch.float32)
         b = self._file.load(factor.b_key).to(torch.float32)
@@ -410,13 +439,21 @@ class LoraAdapter:
         """Embeddings store (num_embeddings, dim) and Conv1D (fan_in_fan_out) stores (in, out): B@A is flipped."""
         return factor.embedding or bool(self.config.get("fan_in_fan_out"))
 
+    def _bias_update(self, base_name: str) -> torch.Tensor:
+        """`scaling * lora_B.bias`, what PEFT's merge adds to the layer's bias (peft/tuners/lora/layer.py merge)."""
+        weight = self._biases[base_name]
+        return self._file.load(self._factors[weight].bias_key).to(torch.float32) * self.scaling[weight]
+
     def delta(self, base_name: str) -> torch.Tensor:
-        """The dense update for one base weight, float32, in the base weight's shape."""
+        """The dense update for one base tensor, float32, in its shape."""
         left, right = self.factors(base_name)
         return left @ right
 
     def replacement(self, base_name: str) -> torch.Tensor:
-        return self._file.load(self._replacements[base_name])
+        """The tensor that takes the base's place; a trained bias (bias="all") with a lora_B bias gets its update too,
+        as PEFT loads the saved bias and then merges."""
+        saved = self._file.load(self._replacements[base_name])
+        return saved.to(torch.float32) + self._bias_update(base_name) if base_name in self._biases else saved
 
     def base_copy(self, base_name: str) -> torch.Tensor:
         return self._file.load(self._base_copies[base_name])
@@ -431,6 +468,9 @@ def _check_factor_shapes(weights: _TensorFile, module: str, factor: _Factors, ra
                          "gathered state dict, e.g. stage3_gather_16bit_weights_on_model_save)")
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
         raise InputError(f"{weights.path}: {module} has mismatched LoRA factors A{list(a_shape)} and B{list(b_shape)}")
+    if factor.bias_key and weights.shape(factor.bias_key) != (b_shape[0],):
+        raise InputError(f"{weights.path}: {module} has a lora_B bias of shape {list(weights.shape(factor.bias_key))} "
+                         f"for B{list(b_shape)}")
     if a_shape[0] != rank:
         raise InputError(f"{weights.path}: {module} has rank {a_shape[0]} but the config says r={rank} "
                          "(rank_pattern missing?)")

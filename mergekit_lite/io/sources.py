@@ -67,9 +67,12 @@ def tied_head(config: dict | None) -> tuple[str, str] | None:
 
 
 def replaces_tied_head(adapter, base: TensorSource) -> bool:
-    """modules_to_save on the head of a base that ties it to the embeddings and stores none."""
-    pair, names = tied_head(base.config), set(base.names)
-    return pair is not None and pair[0] in adapter.replaced() and pair[0] not in names and pair[1] in names
+    """modules_to_save on the head of a base that ties it to the embeddings and stores none, or on those embeddings
+    without ensure_weight_tying (PEFT trains a copy of the embeddings and keeps the base's head): the merge unties."""
+    pair, names, replaced = tied_head(base.config), set(base.names), set(adapter.replaced())
+    if pair is None or pair[0] in names or pair[1] not in names:
+        return False
+    return pair[0] in replaced or (pair[1] in replaced and not adapter.config.get("ensure_weight_tying"))
 
 
 class UntiedHeadSource(RenamedSource):
@@ -120,19 +123,26 @@ class AdapterSource:
     def names(self) -> list[str]:
         return self.base.names + ([self._head[0]] if self._head else [])
 
+    def _stored(self, name) -> str:
+        """The base's name for a tensor this source shows: an untied head the adapter does not bring is the base's
+        embeddings."""
+        return self._head[1] if self._head and name == self._head[0] else name
+
     def shape(self, name):
-        return tuple(self.adapter.shape(name)) if self._head and name == self._head[0] else self.base.shape(name)
+        if self._head and name == self._head[0] and name in self._adapter_name:
+            return tuple(self.adapter.shape(name))
+        return self.base.shape(self._stored(name))
 
     def dtype(self, name):
-        return torch.float32 if name in self._adapter_name else self.base.dtype(name)
+        return torch.float32 if name in self._adapter_name else self.base.dtype(self._stored(name))
 
     def load(self, name, into=None):
-        adapter_name = self._adapter_name.get(name)
+        if name not in self._adapter_name:
+            return self.base.load(self._stored(name), into)
+        adapter_name = self._adapter_name[name]
         if adapter_name in self.adapter.replaced():
             return self.adapter.replacement(adapter_name).to(torch.float32)
-        if adapter_name is not None:
-            return self.base.load(name).to(torch.float32).add_(self.adapter.delta(adapter_name))
-        return self.base.load(name, into)
+        return self.base.load(name).to(torch.float32).add_(self.adapter.delta(adapter_name))
 
     def close(self) -> None:
         """The adapter's own file is opened per read; the base is the one to close."""

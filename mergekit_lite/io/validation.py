@@ -27,13 +27,15 @@ MAX_DEPTH = 64
 MAX_TEXT_BYTES = 64 * 1024 * 1024
 MAX_YAML_NODES = 100_000
 Model = TypeVar("Model", bound=BaseModel)
+HUB_CACHE_REPO_PREFIXES = ("models--", "datasets--", "spaces--")  # huggingface_hub's cache folder of a repository
 
 
 def is_regular_inside(path: Path, folder: Path) -> bool:
     """A regular file (after links) whose real path stays inside `folder`.
 
-    Links inside a Hugging Face cache snapshot (`.../snapshots/REV/x -> ../../blobs/HASH`) point into the
-    repository's own `blobs/` folder, which counts as inside: that is how every hub download is laid out.
+    Links inside a Hugging Face cache snapshot (`models--ORG--NAME/snapshots/REV/x -> ../../blobs/HASH`, or from a
+    folder inside it, `.../snapshots/REV/sub/x -> ../../../blobs/HASH`) point into the repository's own `blobs/`
+    folder, which counts as inside: that is how every hub download is laid out.
     """
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
@@ -42,8 +44,10 @@ def is_regular_inside(path: Path, folder: Path) -> bool:
         return False
     real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
     roots = [root]
-    if root.parent.name == "snapshots":
-        roots.append(root.parent.parent / "blobs")
+    snapshot = next((folder for folder in (root, *root.parents) if folder.parent.name == "snapshots"
+                     and folder.parent.parent.name.startswith(HUB_CACHE_REPO_PREFIXES)), None)
+    if snapshot is not None:
+        roots.append(snapshot.parent.parent / "blobs")
     return any(real == allowed or allowed in real.parents for allowed in roots)
 
 
