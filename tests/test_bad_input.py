@@ -182,6 +182,13 @@ def empty_folder(models, tmp):
     return lerp_args(models["base"], tmp / "bad")
 
 
+def adapter_in_a_subfolder(models, tmp):
+    """PEFT saves an adapter not named "default" in a subfolder of the folder given to save_pretrained."""
+    (tmp / "bad" / "math").mkdir(parents=True)
+    (tmp / "bad" / "math" / "adapter_config.json").write_text("{}")
+    return lerp_args(models["base"], tmp / "bad")
+
+
 def no_such_folder(models, tmp):
     return lerp_args(models["base"], tmp / "nowhere")
 
@@ -314,7 +321,9 @@ ERROR_CASES = [
                                              r"\.safetensors, which is missing"], id="index-missing-shard"),
     pytest.param(index_wrong_shard, [r"index\.json: places tensor " + re.escape(TARGET) + r" in model-\d+-of-\d+"
                                      r"\.safetensors, which does not hold it"], id="index-wrong-shard"),
-    pytest.param(empty_folder, [r"/bad: no weights found"], id="empty-folder"),
+    pytest.param(empty_folder, [r"/bad: no weights found \(expected [^)]*\)$"], id="empty-folder"),
+    pytest.param(adapter_in_a_subfolder, [r"/bad: no weights found .*; its subfolders hold \S+/bad/math: name one"],
+                 id="adapter-in-a-subfolder"),
     pytest.param(no_such_folder, [r"/nowhere: no such file or folder"], id="no-such-folder"),
     pytest.param(only_pickle, [r"/pickled: only pickle weights \(pytorch_model\.bin\)", "--allow-pickle"],
                  id="pickle-refused"),
