@@ -44,3 +44,15 @@ def content_identity(path: str | Path) -> str:
                 digest.update(os.pread(handle.fileno(), CONTENT_BLOCK,
                                        start + (size - start) * index // CONTENT_SAMPLES))
     return digest.hexdigest()
+
+
+def inner_models_hint(folder: Path) -> str:
+    """Where a folder holds no weights but its subfolders do (PEFT saves an adapter named other than "default" in
+    `NAME/`; a repository may keep several models): which ones to name instead, read by file names alone."""
+    marks = (SINGLE_FILE, INDEX_FILE, "adapter_config.json")
+    inner = [child.name for child in sorted(folder.iterdir())
+             if child.is_dir() and any((child / mark).is_file() for mark in marks)]
+    if not inner:
+        return ""
+    shown = ", ".join(str(folder / name) for name in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+    return f"; its subfolders hold {shown}: name one of them"

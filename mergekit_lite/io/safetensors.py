@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import DirectFile
-from mergekit_lite.io.layout import INDEX_FILE, MAX_READ_BYTES, SINGLE_FILE
+from mergekit_lite.io.layout import INDEX_FILE, MAX_READ_BYTES, SINGLE_FILE, inner_models_hint
 from mergekit_lite.io.validation import open_regular, parse_json, read_json, require_regular_inside, validate
 
 SAFETENSORS_DTYPES = {
@@ -361,19 +361,8 @@ def open_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelSour
             raise InputError(f"{path}: only pickle weights ({pickles[0].name}); refusing to unpickle untrusted files "
                              "(convert to safetensors, or pass --allow-pickle)")
         return _nonempty(PickleSource(path, [_weight_file(path, p.name, path) for p in pickles], config))
-    raise InputError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE}){_inner_models_hint(path)}")
+    raise InputError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE}){inner_models_hint(path)}")
 
-
-def _inner_models_hint(folder: Path) -> str:
-    """Where a folder holds no weights but its subfolders do (PEFT saves an adapter named other than "default" in
-    `NAME/`; a repository may keep several models): which ones to name instead, read by file names alone."""
-    marks = (SINGLE_FILE, INDEX_FILE, "adapter_config.json")
-    inner = [child.name for child in sorted(folder.iterdir())
-             if child.is_dir() and any((child / mark).is_file() for mark in marks)]
-    if not inner:
-        return ""
-    shown = ", ".join(str(folder / name) for name in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
-    return f"; its subfolders hold {shown}: name one of them"
 
 
 def _nonempty(source: ModelSource) -> ModelSource:

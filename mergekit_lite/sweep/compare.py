@@ -22,15 +22,18 @@ from pathlib import Path
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.merge.config import METHOD_PARAMETERS
 from mergekit_lite.sweep.result import SweepResult
 from mergekit_lite.sweep.scoring import PointResult, paired_bootstrap
-from mergekit_lite.sweep.settings import SweepSettings, settings_from_dict
+from mergekit_lite.sweep.settings import SECOND_AXES, SweepSettings, settings_from_dict
 
 COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT = "comparison.json", "comparison.md", "pareto.png"
 # what pre and post do not depend on ("grid": a 2-D method's second coefficient)
 METHOD_FIELDS = ("method", "density", "drop", "recall_texts", "recall_samples", "beta", "grid")
 # what each entry of `methods:` may set for its own sweep (a 2-D grid and its budget included)
 PER_METHOD = ("alphas", "density", "drop", "beta", "betas", "densities", "drops", "budget")
+# shared settings that only some methods take (setting -> merge parameter): given for all, each method that takes it
+METHOD_OPTIONS = {"density": "density", "drop": "drop", "beta": "beta", **SECOND_AXES}
 
 
 @dataclass
@@ -69,9 +72,14 @@ def method_settings(data: dict, methods: list) -> list[SweepSettings]:
         if not isinstance(name, str) or unknown:
             raise InputError(f"methods: each entry is a method name or {{method: NAME, "
                              f"{', '.join(PER_METHOD)}}}, got {entry if name else 'no method'}")
-        own = {**data, **entry, "method": name}
+        shared = {key: value for key, value in data.items()  # --density 0.5 beside linear,ties is ties' density
+                  if key not in METHOD_OPTIONS or METHOD_OPTIONS[key] in METHOD_PARAMETERS.get(name, ())}
+        own = {**shared, **entry, "method": name}
         settings.append(settings_from_dict({**own, "out": str(Path(own["out"]) / name) if own.get("out") else None}))
     names = [s.method for s in settings]
+    for key in (key for key in METHOD_OPTIONS if data.get(key) is not None):
+        if not any(METHOD_OPTIONS[key] in METHOD_PARAMETERS[name] for name in names):
+            raise InputError(f"{key}: none of the methods ({', '.join(names)}) takes {METHOD_OPTIONS[key]}")
     if len(set(names)) != len(names):
         raise InputError(f"methods: {', '.join(sorted({n for n in names if names.count(n) > 1}))} given twice")
     return settings

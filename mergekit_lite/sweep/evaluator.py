@@ -11,7 +11,7 @@ from pathlib import Path
 from mergekit_lite.evaluate.records import logged_names
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.sweep.models import ModelLoader, ResidentPair, fits_in_memory, post_model
-from mergekit_lite.sweep.scoring import TaskRun, score_task
+from mergekit_lite.sweep.scoring import TaskRun, check_groups_disjoint, doc_splits, score_task, summarise
 from mergekit_lite.sweep.settings import SweepSettings
 from mergekit_lite.sweep.store import point_file, save_point
 
@@ -98,6 +98,7 @@ class PointEvaluator:
                 metrics, filters = metrics | logged[0], filters | logged[1]
             self.bar.update(len(evaluator.tasks))
         scoring.check_logged(metrics, filters, "the evaluated tasks")  # a typo, before any point is saved with it
+        check_groups_disjoint(runs)
         return runs
 
 
@@ -109,5 +110,7 @@ def evaluate_point(evaluator: PointEvaluator, settings: SweepSettings, label: st
         runs = evaluator.endpoint(0 if label == "pre" else 1)
     else:
         runs = evaluator.merged(config)
+    if label == "pre":  # too few docs to split, no task scorable: said now, not after the whole grid has run
+        summarise(label, alpha, runs, runs, doc_splits(settings, runs), settings.aggregation)
     save_point(point_file(Path(settings.out), label), settings.cell_identity(), label, alpha, runs)
     return runs

@@ -121,6 +121,10 @@ class ResidentPair:
     lambda 1 (it does not depend on lambda), and mapped to the parameters through transformers'
     conversion; each point is then pre + lambda * vector, the engine's own formula. A 2-D grid over density
     or drop changes the vector: it is computed again when a point's other parameters differ from the held one's.
+
+    Each merged tensor is rounded to the dtype the engine stores it in (pre's, e.g. bf16) before it is cast to the
+    evaluation dtype, as a merge streamed to disk and loaded back is: the model scored is the one `--save-best`
+    writes, not a float32 merge of it.
     """
 
     def __init__(self, loader: ModelLoader, settings: SweepSettings, sources, config: MergeConfig):
@@ -147,6 +151,7 @@ class ResidentPair:
                           if not self.sparsified and torch.equal(self.pre[name], self.held[name])}
         self.layout = layout(sources[0].config)
         self.n_layers = layer_count(self.layout, sources[0].names)
+        self.stored = stored_dtypes(self.parameters, sources[0])
 
     @property
     def exact(self) -> bool:
@@ -187,10 +192,10 @@ class ResidentPair:
             pre, held = self.pre[name], self.held[name]
             parameters = tensor_parameters(config, name, self.layout, self.n_layers, weights)
             if self.sparsified:
-                return held.to(torch.float32, copy=True).mul_(parameters["lambda"]).add_(pre)
+                return held.to(torch.float32, copy=True).mul_(parameters["lambda"]).add_(pre).to(self.stored[name])
             if name in self.identical:
                 return pre
-            step = TensorStep(name, tuple(pre.shape), pre.dtype, "merge", parameters)
+            step = TensorStep(name, tuple(pre.shape), self.stored[name], "merge", parameters)
             return merge_tensor(config, step, [pre, held])
 
         self._write(merged)
@@ -201,6 +206,40 @@ class ResidentPair:
         with torch.no_grad():
             for name, parameter in self.parameters.items():
                 parameter.copy_(tensor_for(name))
+
+
+def stored_dtypes(parameters: dict, source) -> dict:
+    """Each parameter's on-disk dtype in pre, the dtype a merge stores it in: by its name, or, for a parameter
+    transformers assembles from several tensors (fused experts), pre's floating dtype when it has one; else the
+    parameter's own (nothing rounded)."""
+    floating = {source.dtype(name) for name in source.names if source.dtype(name).is_floating_point}
+    common = floating.pop() if len(floating) == 1 else None
+    return {name: source.dtype(name) if name in source.names else common or parameter.dtype
+            for name, parameter in parameters.items()}
+
+
+def check_pair(settings: SweepSettings) -> None:
+    """Headers only, before the run folder is made or any model read: pre and post hold the same tensors in the
+    same shapes (a sweep merges them as they are, it aligns no vocabularies) and a merge of them plans."""
+    from mergekit_lite.io.sources import open_inputs
+    from mergekit_lite.merge.plan import plan_merge
+    from mergekit_lite.merge.schema import config_from_dict
+
+    sources = open_inputs([settings.pre, settings.post], settings.pre, allow_pickle=False)
+    try:
+        pre, post = sources
+        for name in pre.names:
+            if name in post.names and post.shape(name) != pre.shape(name):
+                raise InputError(
+                    f"tensor {name}: shape {list(post.shape(name))} in post ({settings.post}) but "
+                    f"{list(pre.shape(name))} in pre ({settings.pre}); a sweep merges them tensor by tensor as they "
+                    "are (for another vocabulary, re-index post onto pre's tokens first: mergekit-lite merge "
+                    "--method linear --alpha 1 --base PRE --model POST --tokenizer-source base --out POST_ALIGNED)")
+        plan_merge(config_from_dict({"method": "linear", "base": settings.pre, "models": [settings.post],
+                                     "parameters": {"alpha": 0.5}}, where="sweep"), sources)
+    finally:
+        for source in sources:
+            source.close()
 
 
 def _sparsifier_key(config: MergeConfig) -> str:

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mergekit_lite.evaluate.forgetting import format_table
+from mergekit_lite.io.hub import hub_id_of
 from mergekit_lite.io.model_card import selection_section
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.sweep.budget import budget_lines
@@ -205,6 +206,21 @@ def split_lines(results: dict) -> list[str]:
     return lines
 
 
+def model_text(path: str) -> str:
+    """A model folder as the report names it: its path, after its hub id when it is a snapshot of the HF cache."""
+    hub_id = hub_id_of(path)
+    return f"{hub_id} (`{path}`)" if hub_id else f"`{path}`"
+
+
+def limit_text(limit: int | None, splits: dict[str, tuple[list[str], list[str]]]) -> str:
+    """--limit as the docs scored: a task with fewer docs than the limit is named with its count."""
+    if limit is None:
+        return "all"
+    counts = {task: len(set(selection) | set(report)) for task, (selection, report) in splits.items()}
+    short = [f"{task} has {count}" for task, count in counts.items() if count < limit]
+    return f"{limit}" + (f" (fewer docs: {', '.join(short)})" if short else "")
+
+
 def forgetting_section(title: str, point: PointResult) -> str:
     groups = [point.groups[group] for group in ("old", "new")]
     return f"## {title}\n\n{format_table(point.forgetting)}\n\n{format_table(groups)}\n"
@@ -219,11 +235,11 @@ def report_markdown(result: SweepResult, results: dict) -> str:
     lines = [
         f"# Sweep: {settings.method} between pre and post",
         "",
-        f"- pre: `{settings.pre}`",
-        f"- post: `{settings.post}`",
+        f"- pre: {model_text(settings.pre)}",
+        f"- post: {model_text(settings.post)}",
         f"- alpha = {results['alpha_means']}",
         f"- old tasks: {', '.join(settings.old_tasks)}; new tasks: {', '.join(settings.new_tasks)}; "
-        f"samples per task: {settings.limit or 'all'}; group scores: {settings.aggregation}",
+        f"samples per task: {limit_text(settings.limit, result.splits)}; group scores: {settings.aggregation}",
         *split_lines(results),
         "",
         *[f"- **{name}**: {text}" for name, text in DEFINITIONS.items()],

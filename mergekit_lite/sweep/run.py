@@ -5,6 +5,7 @@ folder (`run_comparison`), pre and post evaluated once for all of them."""
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack, closing
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +13,13 @@ from pathlib import Path
 from mergekit_lite import interrupts
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.outputs import OUTPUT_MARKER, check_output_folder, check_run_folder, prepare_run_folder
+from mergekit_lite.io.outputs import (
+    OUTPUT_MARKER,
+    check_output_folder,
+    check_output_path,
+    check_run_folder,
+    prepare_run_folder,
+)
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep import grid
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
@@ -27,6 +34,7 @@ from mergekit_lite.sweep.compare import (
     write_comparison,
 )
 from mergekit_lite.sweep.evaluator import MERGE_TEMP, PointEvaluator, evaluate_point
+from mergekit_lite.sweep.models import check_pair
 from mergekit_lite.sweep.result import SweepResult, build_result
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
@@ -35,9 +43,11 @@ from mergekit_lite.sweep.store import (
     POINTS_DIR,
     PROBES_DIR,
     RECALL_DIR,
+    folder_state,
     load_points,
     point_file,
     point_label,
+    removed_if_unused,
     run_lock,
     save_point,
 )
@@ -77,12 +87,13 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
 
     from mergekit_lite.sweep.report import card_section, write_report
 
-    inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
-    if settings.save_best:
-        check_output_folder(settings.save_best, inputs)
     settings.check_inputs()
+    inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
+    check_save_best(settings, inputs)
     check_run_folder(settings.out, inputs, own=run_file)
     usable_device(settings.device)  # torch loads here: what needs no torch was checked first
+    check_pair(settings)
+    state = folder_state(settings.out)
     folder = prepare_run_folder(settings.out, inputs, own=run_file)
     (folder / POINTS_DIR).mkdir(exist_ok=True)
     identity = settings.identity()
@@ -92,7 +103,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
     search = probed = budget = None
     traces = []  # each row's golden search or probe mode
-    with run_lock(folder):
+    with run_lock(folder), removed_if_unused(folder, state):
         runs = load_points(folder, identity)
         todo = [(label, alpha) for label, alpha in plan if label not in runs]
         evaluated = []
@@ -173,18 +184,36 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     return result
 
 
+def check_save_best(settings: SweepSettings, inputs: list) -> None:
+    """--save-best names a new model folder outside the run folder: a sweep replaces no folder (it has no
+    --overwrite), and a model inside the run folder would stop the run from resuming (it holds only its own files)."""
+    if not settings.save_best:
+        return
+    check_output_path(settings.save_best, inputs)
+    best, run = (Path(os.path.realpath(path)) for path in (settings.save_best, settings.out))
+    if best == run or run in best.parents or best in run.parents:
+        raise InputError(f"{settings.save_best}: --save-best must lie outside the run folder {settings.out} (and not "
+                         "hold it); choose a folder beside it")
+    if os.path.lexists(settings.save_best):
+        raise InputError(f"{settings.save_best}: already exists; --save-best writes a new model folder and replaces "
+                         "none, choose a new one")
+
+
 def run_comparison(settings: list[SweepSettings], baseline: str = "linear", progress: bool = False) -> Comparison:
     """Evaluate pre and post once into the run folder's points/, write them into each method's sweep folder
     (OUT/<method>) under that sweep's identity, so each method's ordinary sweep resumes them; then compare."""
     if baseline not in [s.method for s in settings]:
         raise InputError(f"baseline {baseline!r} is not among the methods ({', '.join(s.method for s in settings)})")
+    for own in settings:
+        own.check_inputs()
     first = settings[0]
     inputs = [first.pre, first.post, first.include_path, first.recall_texts]
     methods = tuple(Path(own.out).name for own in settings)
     top = Path(first.out).parent
     check_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
-    first.check_inputs()
     usable_device(first.device)
+    check_pair(first)
+    state = folder_state(top)
     folder = prepare_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
     (folder / POINTS_DIR).mkdir(exist_ok=True)
     shared = replace(first, out=str(folder), stream=True, save_best=None)  # endpoints only: no resident pair
@@ -193,7 +222,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     def saved_endpoints() -> dict[str, list[TaskRun]]:
         return {label: runs for label, runs in load_points(folder, pair).items() if label in ENDPOINTS}
 
-    with run_lock(folder):
+    with run_lock(folder), removed_if_unused(folder, state):
         endpoints = saved_endpoints()
         todo = [label for label in ENDPOINTS if label not in endpoints]
         if todo and shared.ray is not None:

@@ -72,6 +72,15 @@ def score_task(task: str, group: str, score, scoring: Scoring) -> TaskRun:
         return TaskRun(task, group, None, str(reason))
 
 
+def check_groups_disjoint(runs: list[TaskRun]) -> None:
+    """No task scored as both old and new: an lm-eval group named in one list may hold a task of the other."""
+    groups = {}
+    for run in runs:
+        if groups.setdefault(run.task, run.group) != run.group:
+            raise InputError(f"task {run.task!r} is both an old and a new task (an lm-eval group or tag in "
+                             "--old-tasks or --new-tasks holds it); list each task in one of them")
+
+
 @dataclass(frozen=True)
 class Scores:
     """old, new (group scores) and their harmonic mean on one split."""

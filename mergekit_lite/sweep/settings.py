@@ -15,9 +15,18 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS
 from mergekit_lite.evaluate.outcomes import Scoring
+from mergekit_lite.io.hub import resolve_model
 from mergekit_lite.io.layout import content_identity
 from mergekit_lite.io.validation import read_yaml, require_regular, validate
-from mergekit_lite.merge.config import DTYPES, MAIN_COEFFICIENT, METHOD_PARAMETERS, METHODS, RECALL_METHODS, MergeConfig
+from mergekit_lite.merge.config import (
+    DTYPES,
+    MAIN_COEFFICIENT,
+    METHOD_PARAMETERS,
+    METHODS,
+    RECALL_METHODS,
+    MergeConfig,
+    did_you_mean,
+)
 from mergekit_lite.merge.schema import config_from_dict
 
 IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
@@ -77,7 +86,14 @@ def _alpha_range(spec: str, name: str = "alphas") -> list[float]:
     if not steps < MAX_ALPHA_POINTS:
         raise InputError(f"{name}: {spec!r} is a grid of {steps + 1:,.0f} points; at most {MAX_ALPHA_POINTS} "
                          "(each point is a merge and an evaluation), use a larger STEP")
-    return [round(start + index * step, 12) for index in range(math.floor(steps) + 1)]
+    values = [round(start + index * step, 12) for index in range(math.floor(steps) + 1)]
+    if not math.isclose(values[-1], stop, rel_tol=1e-9, abs_tol=1e-9):
+        # STOP is documented as included: a grid that silently ends short of it (0:1:0.3 -> 0.9) drops the
+        # endpoint the user asked for
+        raise InputError(f"{name}: {spec!r} does not reach STOP {stop:g} (its last value is {values[-1]:g}; STOP is "
+                         "included, so STOP - START must be a whole number of STEPs): use another STEP or list "
+                         "the values")
+    return values
 
 
 def parse_tasks(spec) -> list[str]:
@@ -266,8 +282,10 @@ class SweepSettings:
         return identity
 
     def check_inputs(self) -> None:
-        """Before torch loads and any model is read: pre and post are model folders, and every file of the task
-        folder lm-eval will read is a regular file (a FIFO there would block lm-eval for ever)."""
+        """Before torch loads and any model is read: pre and post are model folders (a hub id, org/name[@revision],
+        becomes its cached snapshot folder here, as `merge` reads it; a path on disk wins), and every file of the
+        task folder lm-eval will read is a regular file (a FIFO there would block lm-eval for ever)."""
+        self.pre, self.post = resolve_model(self.pre), resolve_model(self.post)
         for flag, path in (("--pre", self.pre), ("--post", self.post)):
             if not (Path(path) / "config.json").is_file():
                 raise InputError(f"{path}: {flag} must be a model folder with a config.json")
@@ -352,7 +370,8 @@ def load_sweep_file(path: str | Path) -> dict:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in SETTINGS_KEYS and name != "methods":
-            raise InputError(f"{path}: unknown key {key!r} (known: {', '.join(SETTINGS_KEYS)}, methods)")
+            raise InputError(f"{path}: unknown key {key!r}{did_you_mean(name, (*SETTINGS_KEYS, 'methods'))} "
+                             f"(known: {', '.join(SETTINGS_KEYS)}, methods)")
         settings[name] = value
     validate(SweepFile, settings, path)
     return {name: value for name, value in settings.items() if value is not None}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -14,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.io.outputs import OUTPUT_MARKER, write_atomic
 from mergekit_lite.io.validation import parse_json, read_text, require_regular_inside, validate
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
@@ -106,6 +107,41 @@ def save_point(path: Path, identity: dict, label: str, alpha: float | None, runs
     data = {"identity": identity, "label": label, "alpha": alpha,
             "tasks": [run.to_json(prompts=label == "pre") for run in runs]}
     write_atomic(path, json.dumps(data) + "\n")
+
+
+def folder_state(out: str | Path) -> str:
+    """"absent", "empty" or "used": what `removed_if_unused` may take back from a run folder."""
+    out = Path(out)
+    if not os.path.lexists(out):
+        return "absent"
+    return "empty" if out.is_dir() and not out.is_symlink() and not any(out.iterdir()) else "used"
+
+
+@contextmanager
+def removed_if_unused(folder: Path, state: str):
+    """A run that fails (a refusal, Ctrl-C) before saving any point leaves nothing behind in a run folder that was
+    absent or empty before it (`state`): its marker, lock and empty folders are taken back, and the folder itself
+    when the run made it; a folder holding anything else (a saved point, RECALL's similarities) stays, to resume."""
+    try:
+        yield
+    except BaseException:
+        if state != "used":
+            _remove_unused(folder, remove_folder=state == "absent")
+        raise
+
+
+def _remove_unused(folder: Path, remove_folder: bool) -> None:
+    entries = sorted(folder.rglob("*"), key=lambda path: len(path.parts), reverse=True)  # deepest first
+    files = [path for path in entries if path.is_symlink() or not path.is_dir()]
+    if any(path.name not in (OUTPUT_MARKER, LOCK_FILE) or path.is_symlink() for path in files):
+        return
+    for path in files:
+        path.unlink()
+    for path in entries:
+        if path not in files:
+            path.rmdir()
+    if remove_folder:
+        folder.rmdir()
 
 
 @contextmanager
