@@ -34,16 +34,32 @@ def parse_group(spec: str) -> tuple[str, list[str]]:
     return name.strip(), patterns
 
 
-def group_tasks(name: str, patterns: list[str], compared: Sequence[str], known_tasks: set[str]) -> list[str]:
-    """The compared tasks a group names; a pattern naming no task on either side is a typo, so it errors."""
+def group_tasks(name: str, patterns: list[str], compared: Sequence[str], known_tasks: set[str],
+                lm_eval_groups: dict[str, list[str]]) -> list[str]:
+    """The compared tasks a group names: task names, shell patterns, or lm-eval groups (e.g. mmlu: the tasks
+    under it in the results files' group_subtasks); a pattern naming no task on either side is a typo, so it
+    errors."""
     members = []
     for pattern in patterns:
-        if not fnmatch.filter(known_tasks, pattern):
+        named = (leaf_tasks(pattern, lm_eval_groups) if pattern in lm_eval_groups
+                 else fnmatch.filter(known_tasks, pattern))
+        if not set(named) & known_tasks:
             raise InputError(f"--group {name}: {pattern!r} matches no task in either samples input")
-        members += [task for task in fnmatch.filter(compared, pattern) if task not in members]
+        members += [task for task in compared if task in named and task not in members]
     if not members:
         raise InputError(f"--group {name}: none of its tasks could be compared")
     return sorted(members)
+
+
+def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset = frozenset()) -> list[str]:
+    """The tasks under an lm-eval group, its subgroups expanded (a group listed inside itself is not followed)."""
+    tasks = []
+    for member in lm_eval_groups.get(group, []):
+        if member in lm_eval_groups and member not in seen | {group}:
+            tasks += leaf_tasks(member, lm_eval_groups, seen | {group})
+        elif member not in lm_eval_groups:
+            tasks.append(member)
+    return tasks
 
 
 @click.command("forgetting")
@@ -53,7 +69,7 @@ def group_tasks(name: str, patterns: list[str], compared: Sequence[str], known_t
     "groups",
     multiple=True,
     metavar="NAME=TASK,...",
-    help="A group of tasks, e.g. old=arc_easy,hellaswag or new=mmlu_*. Repeatable.",
+    help="A group of tasks, e.g. old=arc_easy,hellaswag, new=mmlu_* or an lm-eval group (old=mmlu). Repeatable.",
 )
 @click.option("--metric", "metrics", multiple=True, metavar="[TASK=]METRIC",
               help="0/1 metric to score by, global (used where logged) or per task (default: the task's first).")
@@ -115,18 +131,21 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
     series = trajectory(runs, inputs)
     two_models = len(inputs) == 2
     group_rows = []
+    for position, result in enumerate(series.maps, start=1):  # an error is one line, before any warning
+        if not result.rows:
+            raise InputError(f"no task could be compared between {inputs[0]} and {inputs[position]}: " +
+                             "; ".join(f"{task} ({reason})" for task, reason in result.skipped.items()))
+        known_tasks = set(runs[0].outcomes) | set(runs[position].outcomes) | set(result.skipped)
+        lm_eval_groups = {**runs[0].groups, **runs[position].groups}
+        members = [(name, group_tasks(name, patterns, list(result.rows), known_tasks, lm_eval_groups))
+                   for name, patterns in parsed_groups]
+        group_rows.append([result.group(name, tasks, aggregation) for name, tasks in members] +
+                          ([result.overall(members, aggregation)] if overall else []))
     for position, result in enumerate(series.maps, start=1):
         where = "" if two_models else f"checkpoint {position} ({inputs[position]}): "
         for task, reason in result.skipped.items():
             what = "has seeds skipped" if task in result.rows else "skipped"  # its other seeds still make its row
             click.echo(f"warning: {where}task {task!r} {what}: {reason}", err=True)
-        if not result.rows:
-            raise InputError(f"no task could be compared between {inputs[0]} and {inputs[position]}")
-        known_tasks = set(runs[0].outcomes) | set(runs[position].outcomes) | set(result.skipped)
-        members = [(name, group_tasks(name, patterns, list(result.rows), known_tasks))
-                   for name, patterns in parsed_groups]
-        group_rows.append([result.group(name, tasks, aggregation) for name, tasks in members] +
-                          ([result.overall(members, aggregation)] if overall else []))
     crossed = crossings(parsed_alerts, group_rows, inputs)
     if two_models:
         render_two_models(series, group_rows[0], as_json)

@@ -52,6 +52,20 @@ def write_tasks(toy_task_dir: Path, folder: Path) -> Path:
     return folder
 
 
+def lm_eval_arguments(model_dir: Path, tasks: str, include_path: Path, output: Path, *options: str) -> list[str]:
+    """`lm_eval run` on a local model and local tasks with --log_samples, and `options` (--limit, --samples, ...)."""
+    return ["run", "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32", "--tasks", tasks,
+            "--include_path", str(include_path), "--device", "cpu", "--batch_size", "32", "--log_samples",
+            "--output_path", str(output), *options]
+
+
+def samples_folder(output: Path) -> Path:
+    """The one model folder lm-eval wrote into under `output` (its escaped model name)."""
+    folders = {path.parent for path in output.rglob("samples_*.jsonl")}
+    assert len(folders) == 1, folders
+    return folders.pop()
+
+
 def run_lm_eval(model_dir: Path, tasks: list[str], include_path: Path, output: Path, seed: int | None = None,
                 limit: int | None = None) -> Path:
     """lm-eval's own CLI entry point (`lm_eval run ... --log_samples`), called in-process to spare the
@@ -59,17 +73,11 @@ def run_lm_eval(model_dir: Path, tasks: list[str], include_path: Path, output: P
     model folder lm-eval wrote into."""
     from lm_eval.__main__ import cli_evaluate
 
-    argv = ["lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32",
-            "--tasks", ",".join(tasks), "--include_path", str(include_path), "--device", "cpu",
-            "--batch_size", "32", "--log_samples", "--output_path", str(output)]
-    argv += ["--seed", str(seed)] if seed is not None else []
-    argv += ["--limit", str(limit)] if limit is not None else []
+    options = (["--seed", str(seed)] if seed is not None else []) + (["--limit", str(limit)] if limit is not None else [])
     saved_argv = sys.argv
-    sys.argv = argv
+    sys.argv = ["lm_eval", *lm_eval_arguments(model_dir, ",".join(tasks), include_path, output, *options)]
     try:
         cli_evaluate()
     finally:
         sys.argv = saved_argv
-    folders = {path.parent for path in output.rglob("samples_*.jsonl")}
-    assert len(folders) == 1, folders
-    return folders.pop()
+    return samples_folder(output)

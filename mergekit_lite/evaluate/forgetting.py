@@ -47,9 +47,10 @@ seeds lm-eval records in the `results_<timestamp>.json` beside each samples file
 are compared seed by seed.
 
 Misaligned tasks (official code: a sample-count mismatch skips that (task, seed) and is listed): a seed of
-a task whose samples, or k, differ between pre and post is skipped with a warning and listed in the
-output; the task's row and the groups use its other seeds, as the official per-seed means do. [ours: the
-official code checks only the count, then pairs the samples sorted by prompt, different docs included]
+a task whose samples, k, metric, filter or number of few-shot examples differ between pre and post is
+skipped with a warning and listed in the output; the task's row and the groups use its other seeds, as the
+official per-seed means do. [ours: the official code checks only the count, then pairs the samples sorted by
+prompt, different docs included]
 
 Where the outcomes come from: evaluate/outcomes.py reads lm-eval's per-sample records (evaluate/records.py
 reads one record); this module compares two models' outcomes and aggregates the comparisons.
@@ -62,7 +63,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.outcomes import LoadedRun, SampleOutcomes, TaskSkipped, check_k
+from mergekit_lite.evaluate.outcomes import NO_SEED, LoadedRun, SampleOutcomes, TaskSkipped, check_k
 
 AGGREGATIONS = ("paper", "pooled")
 OVERALL = "OVERALL"  # the official tables' name for the mean over categories
@@ -176,10 +177,15 @@ def compare(pre: SampleOutcomes, post: SampleOutcomes) -> TaskForgetting:
     if only_pre or only_post:
         raise TaskSkipped(
             f"samples differ (pre {len(pre.correct)}, post {len(post.correct)}; "
-            f"{len(only_pre)} only in pre, {len(only_post)} only in post); run both with the same --limit"
+            f"{len(only_pre)} only in pre, {len(only_post)} only in post); run both on the same docs "
+            "(--limit, --samples)"
         )
     if pre.n_choices != post.n_choices:
         raise TaskSkipped(f"number of choices differs (pre k={pre.n_choices}, post k={post.n_choices})")
+    for what, before, after in (("metric", pre.metric, post.metric), ("filter", pre.filter, post.filter),
+                                ("num_fewshot", pre.num_fewshot, post.num_fewshot)):
+        if before not in (None, "") and after not in (None, "") and before != after:  # "" / None: not logged
+            raise TaskSkipped(f"scored otherwise ({what} {before} in pre, {after} in post): not the same evaluation")
     keys = sorted(pre.correct)
     metric = "/".join(part for part in (pre.metric, pre.filter) if part and part != "none")
     return forgetting_metrics([pre.correct[key] for key in keys], [post.correct[key] for key in keys],
@@ -274,8 +280,11 @@ def forgetting_map(pre: LoadedRun, post: LoadedRun) -> ForgettingMap:
     for task in sorted(pre.outcomes.keys() & post.outcomes.keys()):
         seeds = sorted(pre.outcomes[task].keys() & post.outcomes[task].keys())
         if not seeds:
+            unknown = NO_SEED in pre.outcomes[task].keys() | post.outcomes[task].keys()
             skipped[task] = (f"no seed in common (pre {', '.join(sorted(pre.outcomes[task]))}; "
-                             f"post {', '.join(sorted(post.outcomes[task]))})")
+                             f"post {', '.join(sorted(post.outcomes[task]))})" +
+                             (f"; {NO_SEED}: no seed recorded (no results_<timestamp>.json beside the samples, or "
+                              "lm-eval before 0.4.3)" if unknown else ""))
             continue
         per_seed, reasons = {}, {}
         for seed in seeds:  # official code: a mismatch skips that (task, seed) only, not the task's other seeds

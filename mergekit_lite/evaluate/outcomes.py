@@ -36,6 +36,7 @@ from mergekit_lite.evaluate.records import (
     default_metric,
     logged_metrics,
     logged_names,
+    record_filters,
     sample_choices,
     sample_text,
 )
@@ -148,6 +149,7 @@ class SampleOutcomes:
     # key -> what the log says as text (prompt, gold, answer): for the sample list and the replay set, not scoring
     texts: dict[str, SampleText] = field(default_factory=dict, compare=False, repr=False)
     answer_rule: str = field(default="", compare=False)  # how `texts[key].answer` was read (which metric decides)
+    num_fewshot: int | None = field(default=None, compare=False)  # the task config's, where lm-eval reports it
 
     @property
     def accuracy(self) -> float:
@@ -176,15 +178,19 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
     for sample, label in zip(samples, labels):
         if not isinstance(sample, dict):
             raise InputError(f"{label}: expected a JSON object, got {type(sample).__name__}")
-    filters = list(dict.fromkeys(sample.get("filter") for sample in samples))
+    record_filter = record_filters(samples, config, labels[0])
+    filters = list(dict.fromkeys(record_filter))
     chosen_filter = filters[0]
     if rule.filter is not None and rule.filter in filters:
         chosen_filter = rule.filter
     elif rule.filter is not None and rule.required:
         raise InputError(f"task {task!r}: no filter {rule.filter!r} (lm-eval logged {', '.join(map(str, filters))})")
-    records = sorted(((s, label) for s, label in zip(samples, labels) if s.get("filter") == chosen_filter),
+    records = sorted(((s, label) for s, label, name in zip(samples, labels, record_filter) if name == chosen_filter),
                      key=lambda record: record[0].get("doc_id") if isinstance(record[0].get("doc_id"), int) else 0)
-    logged = logged_metrics(records[0][0])
+    logged = logged_metrics(records[0][0], config)
+    if records[0][0].get("metrics") == [] or logged == ["bypass"]:
+        raise InputError(f"{records[0][1]}: no scores: lm-eval ran with --predict_only, which logs the model's "
+                         "outputs and no metric; run it without --predict_only")
     metric = rule.metric if rule.metric in logged else None
     if metric is None and rule.metric is not None and rule.required:
         raise InputError(f"task {task!r}: no metric {rule.metric!r} (lm-eval logged {', '.join(logged) or 'none'})")
@@ -200,10 +206,8 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
             raise InputError(f"{label}: no {metric!r} field")
         outcome = binary_outcome(sample[metric])
         if outcome is None:
-            if not isinstance(sample[metric], (int, float)):
-                raise InputError(f"{label}: {metric!r} must be a number, got {sample[metric]!r}")
-            raise TaskSkipped(f"metric {metric!r} is not 0/1 (e.g. {sample[metric]!r} at {label}); "
-                              "choose a 0/1 metric with --metric")
+            raise _not_binary(task, metric, sample[metric], label, [name for name in logged if name != metric],
+                              [record for record, _ in records])
         k = rule.choices if rule.choices is not None else sample_choices(sample, config, label)
         key = _unique_key(_sample_key(sample, label), correct)
         correct[key] = outcome
@@ -211,9 +215,27 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
         if isinstance(sample.get("doc_id"), int):
             doc_ids[key] = sample["doc_id"]
         chance_accuracies.append(1 / k)
+    shots = (config or {}).get("num_fewshot")
     return SampleOutcomes(task, correct, effective_choices(math.fsum(chance_accuracies) / len(chance_accuracies)),
                           metric, str(chosen_filter) if chosen_filter is not None else "", doc_ids, texts,
-                          answer_rule(records[0][0], metric, chosen_filter))
+                          answer_rule(records[0][0], metric, chosen_filter),
+                          shots if isinstance(shots, int) and not isinstance(shots, bool) else None)
+
+
+def _not_binary(task: str, metric: str, value, label: str, others: list[str], records: list[dict]) -> Exception:
+    """Why a metric value cannot be a 0/1 outcome: TaskSkipped for what lm-eval logs for a metric that is not
+    0/1 (a probability, a loglikelihood, or the (reference, prediction) pair or [loglikelihood, length] it
+    keeps for a corpus-level score such as bleu, f1 or word_perplexity), naming the task's 0/1 metrics;
+    InputError for anything else (a string: not lm-eval's)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
+        return InputError(f"{label}: {metric!r} must be a number, got {value!r}")
+    what = ("a per-sample pair lm-eval aggregates over the corpus" if isinstance(value, (list, tuple))
+            else "not 0/1")
+    binary = [name for name in others if all(binary_outcome(record.get(name)) is not None for record in records)]
+    hint = (f"; it also logs the 0/1 metric {binary[0]!r}: --metric {task}={binary[0]}" if binary
+            else "; choose a 0/1 metric with --metric")
+    shown = repr(value if not isinstance(value, (list, tuple)) else list(value)[:2])
+    return TaskSkipped(f"metric {metric!r} is {what} (e.g. {shown[:80]} at {label}){hint}")
 
 
 def _sample_key(sample: dict, label: str) -> str:
@@ -248,15 +270,18 @@ class SamplesFile:
     seed: str
     model: str
     config: dict | None
+    groups: dict = field(default_factory=dict, compare=False)  # lm-eval's group_subtasks: group -> its tasks
 
 
 @dataclass
 class LoadedRun:
-    """One model's lm-eval outputs: outcomes per task and seed, and the tasks that could not be scored."""
+    """One model's lm-eval outputs: outcomes per task and seed, the tasks that could not be scored, and lm-eval's
+    groups (group_subtasks of its results files: a group's tasks and subgroups)."""
 
     model: str
     outcomes: dict[str, dict[str, SampleOutcomes]]
     skipped: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, list[str]] = field(default_factory=dict)
 
 
 def task_from_filename(path: Path) -> tuple[str, str]:
@@ -268,49 +293,86 @@ def task_from_filename(path: Path) -> tuple[str, str]:
 
 
 class ResultsFile(BaseModel):
-    """The keys of lm-eval's results_<stamp>.json that are read (model name, seeds, task configs), typed so a
-    malformed file is one line naming it and the key; the rest is lm-eval's and passes through."""
+    """The keys of lm-eval's results_<stamp>.json that are read (model name, seeds, task configs, groups), typed
+    so a malformed file is one line naming it and the key; the rest is lm-eval's and passes through."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     model_name: str | None = None
     config: dict[str, Any] | None = None
     configs: dict[str, dict[str, Any]] | None = None
+    group_subtasks: dict[str, list[str]] | None = None
 
 
-def _run_info(samples_path: Path, stamp: str, cache: dict, root: Path) -> tuple[str, str, dict]:
-    """(seed label, model name, task configs) from results_<stamp>.json; without it one unseeded run of
-    the model named by the folder. A results file that links out of `root` is refused, not read."""
-    results_path = samples_path.with_name(f"results_{stamp}.json")
+def _results(results_path: Path, root: Path, cache: dict) -> ResultsFile:
+    """A results file read once; one that links out of `root` is refused, not read."""
     if results_path not in cache:
-        found = stamp and os.path.lexists(results_path) and require_regular_inside(results_path, root)
-        cache[results_path] = validate(ResultsFile, read_json(results_path), results_path) if found else ResultsFile()
-    results = cache[results_path]
+        require_regular_inside(results_path, root)
+        cache[results_path] = validate(ResultsFile, read_json(results_path), results_path)
+    return cache[results_path]
+
+
+def _run_info(results: ResultsFile, fallback_model: str) -> tuple[str, str]:
+    """(seed label, model name) of one lm-eval run: its four seeds (one label when they agree; NO_SEED where
+    the file records none, as lm-eval before 0.4.3 did) and its model_name, else model_args."""
     config = results.config or {}
     seeds = [config.get(name) for name in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")]
     seed = NO_SEED if all(value is None for value in seeds) else (
         str(seeds[0]) if len(set(seeds)) == 1 else "/".join(map(str, seeds)))
-    model = results.model_name or config.get("model_args") or str(samples_path.parent)
-    return seed, str(model), results.configs or {}
+    return seed, str(results.model_name or config.get("model_args") or fallback_model)
+
+
+def _samples_file(file: Path, root: Path, cache: dict) -> SamplesFile:
+    """A samples file with its run's results_<stamp>.json; without one, one unseeded run of the model named by
+    the folder."""
+    task, stamp = task_from_filename(file)
+    results_path = file.with_name(f"results_{stamp}.json")
+    results = _results(results_path, root, cache) if stamp and os.path.lexists(results_path) else ResultsFile()
+    seed, model = _run_info(results, str(file.parent))
+    return SamplesFile(file, task, stamp, seed, model, (results.configs or {}).get(task), results.group_subtasks or {})
+
+
+def _legacy_files(root: Path, cache: dict) -> list[SamplesFile]:
+    """lm-eval before 0.4.3 (`--output_path DIR --log_samples`, lm_eval/__main__.py of v0.4.0 to v0.4.2) wrote
+    DIR/results.json and, for each task of its configs, DIR/<model_args, '/' and '=' as '__'>_<task>.jsonl
+    holding one JSON array of records."""
+    entries = []
+    for results_path in sorted(root.rglob("results.json")):
+        results = _results(results_path, root, cache)
+        model_args = (results.config or {}).get("model_args")
+        if not isinstance(model_args, str):
+            continue
+        seed, model = _run_info(results, model_args)
+        for task, config in sorted((results.configs or {}).items()):
+            name = f"{re.sub('/|=', '__', model_args)}_{task}.jsonl"
+            file = results_path.parent / name
+            if "/" not in name and "\0" not in name and os.path.lexists(file):
+                entries.append(SamplesFile(require_regular_inside(file, root), task, "", seed, model, config,
+                                           results.group_subtasks or {}))
+    return entries
+
+
+def _no_samples(path: Path) -> InputError:
+    """No per-sample log under `path`: lm-eval ran without --log_samples where its results files are there."""
+    if any(path.rglob("results*.json")):
+        return InputError(f"{path}: lm-eval results without per-sample logs (samples_<task>_<timestamp>.jsonl): "
+                          "rerun lm-eval with --log_samples")
+    return InputError(f"{path}: no samples_<task>_<timestamp>.jsonl files (run lm-eval with --log_samples)")
 
 
 def find_samples_files(path) -> list[SamplesFile]:
-    """Every samples file under `path` (newest per task and seed); a path holding several models is an error."""
+    """Every samples file under `path` (newest per task and seed), or lm-eval < 0.4.3's files beside its
+    results.json; a path holding several models is an error."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or folder")
     folder = path.is_dir()
-    paths = sorted(path.rglob("samples_*.jsonl")) if folder else [path]
-    if not paths:
-        raise InputError(f"{path}: no samples_<task>_<timestamp>.jsonl files (run lm-eval with --log_samples)")
     root = path if folder else path.parent  # reads stay inside what the user named: no link out of it
     cache: dict = {}
-    entries = []
-    for file in paths:
-        task, stamp = task_from_filename(file)
-        if folder:
-            require_regular_inside(file, root)
-        seed, model, configs = _run_info(file, stamp, cache, root)
-        entries.append(SamplesFile(file, task, stamp, seed, model, configs.get(task)))
+    paths = sorted(path.rglob("samples_*.jsonl")) if folder else [path]
+    entries = [_samples_file(require_regular_inside(file, root) if folder else file, root, cache) for file in paths]
+    entries = entries or (_legacy_files(path, cache) if folder else [])
+    if not entries:
+        raise _no_samples(path)
     models = sorted({entry.model for entry in entries})
     if len(models) > 1:
         folders = sorted({str(entry.path.parent) for entry in entries})
@@ -324,15 +386,25 @@ def find_samples_files(path) -> list[SamplesFile]:
 
 
 def read_samples_file(path: Path) -> tuple[list[dict], list[str]]:
-    """Records of one jsonl file and a label naming file and line for each."""
+    """Records of one jsonl file and a label naming file and line for each; lm-eval < 0.4.3's file is one JSON
+    array, labelled by record."""
     samples, labels = [], []
     # bytes, so a binary file is reported by line like any other bad JSON; a FIFO or device is refused, not waited on
     with io.BufferedReader(open_regular(path)) as handle:
+        if handle.peek(1)[:1] == b"[":
+            records = _parse_line(handle.read(), str(path))
+            if not isinstance(records, list):
+                raise InputError(f"{path}: not JSON lines nor a JSON array of records")
+            return _records_or_error(records, [f"{path} record {i}" for i in range(len(records))], path)
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             labels.append(f"{path} line {line_number}")
             samples.append(_parse_line(line, labels[-1]))
+    return _records_or_error(samples, labels, path)
+
+
+def _records_or_error(samples: list, labels: list[str], path: Path) -> tuple[list, list[str]]:
     if not samples:
         raise InputError(f"{path}: no samples in file")
     return samples, labels
@@ -355,11 +427,12 @@ def _parse_line(line: bytes, label: str):
 def load_lm_eval_run(path, scoring: Scoring = Scoring()) -> LoadedRun:
     """One model's outcomes per task and seed from a samples file or a folder searched recursively."""
     files = find_samples_files(path)
-    run = LoadedRun(files[0].model, {})
+    groups = {group: tasks for entry in files for group, tasks in entry.groups.items()}
+    run = LoadedRun(files[0].model, {}, groups=groups)
     metrics, filters = set(), set()
     for entry in files:
         samples, labels = read_samples_file(entry.path)
-        logged = logged_names(samples)
+        logged = logged_names(samples, entry.config, labels[0])
         metrics, filters = metrics | logged[0], filters | logged[1]
         try:
             outcomes = outcomes_from_lm_eval(entry.task, samples, scoring.rule(entry.task), entry.config, labels)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,28 +84,73 @@ def sample_choices(sample: dict, config: dict | None, label: str) -> float:
     return math.inf if choices < 2 else float(choices)
 
 
-def logged_metrics(sample: dict) -> list[str]:
-    """The metric names lm-eval logged for one record (its `metrics` list; older logs: known score keys)."""
+# The keys of an lm-eval per-sample record that are not a metric's value (lm_eval/evaluator.py, `example`, v0.4.0
+# to v0.4.13): logs before v0.4.7 list no `metrics` and no `filter`, so there every other key is a metric.
+RECORD_FIELDS = frozenset({"doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics",
+                           "doc_hash", "prompt_hash", "target_hash"})
+
+
+def _listed_metrics(config: dict | None) -> list:
+    """The metric names of the task's metric_list, in its order."""
+    return [entry.get("metric") for entry in (config or {}).get("metric_list") or [] if isinstance(entry, dict)]
+
+
+def logged_metrics(sample: dict, config: dict | None = None) -> list[str]:
+    """The metric names lm-eval logged for one record: its `metrics` list (lm-eval >= 0.4.7); older logs name
+    none, so the task's metric_list entries the record holds, else every key that is not a record field."""
     if isinstance(sample.get("metrics"), list):
         return [str(name) for name in sample["metrics"]]
-    return [name for name in ("acc", "acc_norm", "exact_match") if name in sample]
+    listed = [name for name in _listed_metrics(config) if isinstance(name, str) and name in sample]
+    return listed or [name for name in sample if name not in RECORD_FIELDS]
 
 
-def logged_names(samples: Iterable) -> tuple[set[str], set[str]]:
+def record_filters(samples: Sequence[dict], config: dict | None, label: str) -> list[str | None]:
+    """The filter each record was scored under. lm-eval >= 0.4.7 names it in the record. Before, it wrote one
+    record per doc and filter, filter after filter in the order of the task's filter_list ("none" without one;
+    `evaluate`: for each filter key, every doc), so a doc's i-th record is the i-th filter of the task config
+    in results_*.json; None where one record per doc and no config names it."""
+    if any("filter" in sample for sample in samples):
+        return [sample.get("filter") for sample in samples]
+    seen: dict = {}
+    positions = []
+    for sample in samples:
+        doc = str(sample.get("doc_id", sample.get("doc_hash")))
+        positions.append(seen.get(doc, 0))
+        seen[doc] = positions[-1] + 1
+    names = _filter_names(config)
+    per_doc = max(seen.values())
+    if names is None and per_doc == 1:
+        return [None] * len(samples)
+    if names is None or len(names) != per_doc:
+        told = "names no filters" if names is None else f"names {len(names)} filter(s)"
+        raise InputError(f"{label}: records name no filter and each doc has up to {per_doc} (lm-eval before 0.4.7 "
+                         f"logs one per filter), but the task config in results_*.json {told}")
+    return [names[position] for position in positions]
+
+
+def _filter_names(config: dict | None) -> list[str] | None:
+    """The task's filter names in lm-eval's order; ["none"] without a filter_list; None without a config."""
+    if config is None:
+        return None
+    filters = config.get("filter_list")
+    if not isinstance(filters, list):
+        return ["none"]
+    return [str(entry.get("name")) if isinstance(entry, dict) else str(entry) for entry in filters]
+
+
+def logged_names(samples: Sequence, config: dict | None = None,
+                 label: str = "lm-eval records") -> tuple[set[str], set[str]]:
     """The metrics and the filters lm-eval logged across a task's records: what a global --metric or --filter
     may name (`Scoring.check_logged`)."""
-    metrics, filters = set(), set()
-    for sample in samples:
-        if isinstance(sample, dict):
-            metrics.update(logged_metrics(sample))
-            filters.add(str(sample.get("filter")))
-    return metrics, filters
+    records = [sample for sample in samples if isinstance(sample, dict)]
+    filters = record_filters(records, config, label) if records else []
+    metrics = {name for sample in records for name in logged_metrics(sample, config)}
+    return metrics, {str(name) for name in filters}
 
 
 def default_metric(logged: list[str], config: dict | None) -> str | None:
     """The first metric of the task's metric_list that was logged, else the first logged one."""
-    listed = [entry.get("metric") for entry in (config or {}).get("metric_list") or [] if isinstance(entry, dict)]
-    return next((name for name in listed if name in logged), logged[0] if logged else None)
+    return next((name for name in _listed_metrics(config) if name in logged), logged[0] if logged else None)
 
 
 def binary_outcome(value) -> bool | None:
