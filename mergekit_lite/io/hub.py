@@ -119,8 +119,39 @@ def hub_id_of(path) -> str | None:
     return None
 
 
+def split_lora_reference(reference: str) -> tuple[str, str] | None:
+    """(model, adapter) for mergekit's `model+lora` reference (the model with that LoRA adapter merged in), each a
+    path or hub id; None for a plain reference. A path on disk stays a path, '+' in its name or not; where folders
+    with a '+' make several splits, the one whose both parts exist on disk is taken."""
+    text = str(reference)
+    if "+" not in text or os.path.lexists(text):
+        return None
+    splits = [(text[:at], text[at + 1:]) for at, char in enumerate(text) if char == "+"]
+    if len(splits) > 1:
+        splits = [split for split in splits if all(os.path.lexists(part) for part in split)]
+    if len(splits) != 1 or not all(splits[0]):
+        raise InputError(f"{text}: no such file or folder, nor a model+lora reference (mergekit's form: one "
+                         "model and one LoRA adapter joined by '+')")
+    return splits[0]
+
+
+def reference_paths(reference: str) -> list[str]:
+    """The files or folders a reference reads: both parts of a model+lora reference, else the reference itself."""
+    return list(split_lora_reference(reference) or [reference])
+
+
+def lora_host(reference: str) -> str:
+    """The model a reference's config and tokenizer files come from: the model of a model+lora (an adapter brings
+    none, and mergekit copies its merged model's), else the reference itself."""
+    return reference_paths(reference)[0]
+
+
 def resolve_model(reference: str, allow_patterns: list[str] = ALLOW_PATTERNS) -> str:
-    """The local path for a model reference: itself when on disk or not hub-shaped, else the hub snapshot."""
+    """The local path for a model reference: itself when on disk or not hub-shaped, else the hub snapshot; both
+    parts of a model+lora reference, the adapter with the files an audit reads."""
+    lora = split_lora_reference(reference)
+    if lora:
+        return f"{resolve_model(lora[0], allow_patterns)}+{resolve_model(lora[1], ADAPTER_PATTERNS)}"
     if not is_hub_id(reference):
         return reference
     repo, revision = split_hub_id(reference)

@@ -46,9 +46,13 @@ def read_card_metadata(folder) -> dict:
 
 
 def input_name(path) -> str:
-    """How a card names an input: its hub id when it is a snapshot of the Hugging Face cache, else its folder name."""
-    from mergekit_lite.io.hub import hub_id_of
+    """How a card names an input: its hub id when it is a snapshot of the Hugging Face cache, else its folder name;
+    a model+lora reference as the names of its two parts."""
+    from mergekit_lite.io.hub import hub_id_of, reference_paths
 
+    parts = reference_paths(str(path))
+    if len(parts) > 1:
+        return "+".join(input_name(part) for part in parts)
     return hub_id_of(path) or Path(os.path.abspath(path)).name
 
 

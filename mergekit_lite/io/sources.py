@@ -17,6 +17,7 @@ import torch
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.architecture import checkpoint_names, tied_tensors
+from mergekit_lite.io.hub import split_lora_reference
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.safetensors import open_model
 
@@ -149,18 +150,39 @@ class AdapterSource:
         self.base.close()
 
 
+def adapter_of(reference: str) -> str | None:
+    """The LoRA adapter folder a reference applies: the adapter of mergekit's model+lora, or the reference itself
+    when it is an adapter folder (applied to the merge's base); None for a model."""
+    lora = split_lora_reference(reference)
+    adapter = lora[1] if lora else reference
+    return adapter if LoraAdapter.is_adapter_dir(adapter) else None
+
+
+def open_model_reference(reference: str, allow_pickle: bool) -> TensorSource:
+    """A model, or mergekit's model+lora: the adapter applied to its own host model (not the merge's base)."""
+    lora = split_lora_reference(reference)
+    if not lora:
+        return open_model(reference, allow_pickle=allow_pickle)
+    if not LoraAdapter.is_adapter_dir(lora[1]):
+        raise InputError(f"{reference}: {lora[1]} is not a LoRA adapter folder (no adapter_config.json), so it "
+                         f"cannot be applied to {lora[0]}")
+    host = open_model(lora[0], allow_pickle=allow_pickle)
+    return AdapterSource(LoraAdapter.open(lora[1], allow_pickle=allow_pickle), host)
+
+
 def open_inputs(paths: list[str], base: str | None, allow_pickle: bool) -> list[TensorSource]:
-    """Open every input (adapters on top of the base) and map all names onto the first input's names."""
+    """Open every input (adapter folders on top of the base, model+lora references on their own model) and map all
+    names onto the first input's names."""
     opened: list[TensorSource] = []
     base_source = None
     for path in paths:
         if LoraAdapter.is_adapter_dir(path):
             if base is None:
                 raise InputError(f"{path}: a LoRA adapter needs the base model it was trained on (--base)")
-            base_source = base_source or open_model(base, allow_pickle=allow_pickle)
+            base_source = base_source or open_model_reference(base, allow_pickle)
             opened.append(AdapterSource(LoraAdapter.open(path, allow_pickle=allow_pickle), base_source))
         else:
-            source = open_model(path, allow_pickle=allow_pickle)
+            source = open_model_reference(path, allow_pickle)
             if path == base:
                 base_source = source
             opened.append(source)

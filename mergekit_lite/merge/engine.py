@@ -22,6 +22,7 @@ from mergekit_lite import interrupts
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import BufferRing, reuse_freed_memory
+from mergekit_lite.io.hub import lora_host, reference_paths
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.outputs import (
     atomic_output_dir,
@@ -31,7 +32,7 @@ from mergekit_lite.io.outputs import (
 )
 from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, write_card
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
-from mergekit_lite.io.sources import TensorSource, UntiedHeadSource
+from mergekit_lite.io.sources import TensorSource, UntiedHeadSource, adapter_of
 from mergekit_lite.merge import methods, recipes, slabs
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.plan import (
@@ -538,12 +539,13 @@ def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = N
 
 
 def _audit_adapters(config: MergeConfig, gate: AdapterGate | None) -> list:
-    """Adapters pass the gate (their audit against the base) before anything else reads them, so a refusal names
-    the real cause; without a gate none is merged. Without a base, planning says an adapter needs one. Hub ids
-    are resolved first, so an adapter named by hub id is audited like a folder."""
+    """Adapters pass the gate (their audit against the model they apply to: the base, or the model of a model+lora
+    reference) before anything else reads them, so a refusal names the real cause; without a gate none is merged.
+    An adapter folder without a base is left to planning, which says it needs one. Hub ids are resolved first, so
+    an adapter named by hub id is audited like a folder."""
     config.resolve_references()
-    adapters = [path for path in config.inputs if LoraAdapter.is_adapter_dir(path)]
-    if not (adapters and config.base):
+    adapters = [reference for reference in config.inputs if adapter_of(reference)]
+    if not adapters or (not config.base and any(LoraAdapter.is_adapter_dir(path) for path in adapters)):
         return []
     if gate is None:
         raise InputError(f"adapter {adapters[0]} is merged only after its audit: use mergekit_lite.audited.run_merge "
@@ -559,7 +561,7 @@ def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
     shown = _renamed(config.to_dict(), names)
     return ModelCard(bases=list(names.values()), relation="merge", method=config.method,
                      parameters=dict(config.parameters), config_yaml=yaml.safe_dump(shown, sort_keys=False),
-                     licenses=licenses_of(inputs),
+                     licenses=licenses_of(path for reference in inputs for path in reference_paths(reference)),
                      audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons}
                              for r in reports],
                      sections=list(sections))
@@ -599,9 +601,10 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
         donor = config.base or config.inputs[0]
     if LoraAdapter.is_adapter_dir(donor):
         donor = config.base
+    donor = lora_host(donor)
     copy_side_files(Path(donor), folder)
     if not config.copy_files_from:
-        others = [Path(path) for path in config.inputs if path != donor]
+        others = [Path(lora_host(path)) for path in config.inputs if lora_host(path) != donor]
         plan.notes.extend(keep_post_trained_files(Path(donor), others, folder))
     config_file = folder / "config.json"
     own_head = any(isinstance(source, UntiedHeadSource) for source in plan.sources)

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.hub import split_lora_reference
 from mergekit_lite.merge.config import (
     BOOLEAN_PARAMETERS,
     MergeConfig,
@@ -254,9 +255,8 @@ def _typed(name: str, value: Any) -> Any:
 
 
 def _reference(model: str) -> str:
-    if "+" in model and not Path(model).exists():
-        raise InputError(f"{model}: mergekit's model+lora references are not supported; give the adapter folder "
-                         "as its own model (it is applied to the base)")
+    """A model reference as mergekit writes it; a model+lora one (not a path on disk) must have its two parts."""
+    split_lora_reference(model)
     return model
 
 
