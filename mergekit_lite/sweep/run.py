@@ -43,11 +43,10 @@ from mergekit_lite.sweep.store import (
     POINTS_DIR,
     PROBES_DIR,
     RECALL_DIR,
-    folder_state,
     load_points,
     point_file,
     point_label,
-    removed_if_unused,
+    taken_back_if_unused,
     run_lock,
     save_point,
 )
@@ -93,17 +92,15 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     check_run_folder(settings.out, inputs, own=run_file)
     usable_device(settings.device)  # torch loads here: what needs no torch was checked first
     check_pair(settings)
-    state = folder_state(settings.out)
-    folder = prepare_run_folder(settings.out, inputs, own=run_file)
-    (folder / POINTS_DIR).mkdir(exist_ok=True)
     identity = settings.identity()
     rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
-    found = grid.cells(rows, folder)  # label -> cell (a 1-D sweep's labels: alpha=A)
-    plan = [("pre", None), ("post", None)] + [(label, cell.alpha) for label, cell in found.items()]
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
     search = probed = budget = None
     traces = []  # each row's golden search or probe mode
-    with run_lock(folder), removed_if_unused(folder, state):
+    with taken_back_if_unused(settings.out, lambda: prepared(settings.out, inputs, run_file)) as folder, \
+            run_lock(folder):
+        found = grid.cells(rows, folder)  # label -> cell (a 1-D sweep's labels: alpha=A)
+        plan = [("pre", None), ("post", None)] + [(label, cell.alpha) for label, cell in found.items()]
         runs = load_points(folder, identity)
         todo = [(label, alpha) for label, alpha in plan if label not in runs]
         evaluated = []
@@ -184,6 +181,13 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     return result
 
 
+def prepared(out, inputs: list, own) -> Path:
+    """The run folder made (or reused) with its points/ folder."""
+    folder = prepare_run_folder(out, inputs, own=own)
+    (folder / POINTS_DIR).mkdir(exist_ok=True)
+    return folder
+
+
 def check_save_best(settings: SweepSettings, inputs: list) -> None:
     """--save-best names a new model folder outside the run folder: a sweep replaces no folder (it has no
     --overwrite), and a model inside the run folder would stop the run from resuming (it holds only its own files)."""
@@ -213,16 +217,14 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     check_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
     usable_device(first.device)
     check_pair(first)
-    state = folder_state(top)
-    folder = prepare_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
-    (folder / POINTS_DIR).mkdir(exist_ok=True)
-    shared = replace(first, out=str(folder), stream=True, save_best=None)  # endpoints only: no resident pair
+    shared = replace(first, out=str(top), stream=True, save_best=None)  # endpoints only: no resident pair
     pair = {key: value for key, value in shared.identity().items() if key not in METHOD_FIELDS}
 
     def saved_endpoints() -> dict[str, list[TaskRun]]:
         return {label: runs for label, runs in load_points(folder, pair).items() if label in ENDPOINTS}
 
-    with run_lock(folder), removed_if_unused(folder, state):
+    with taken_back_if_unused(top, lambda: prepared(top, inputs, lambda name: comparison_file(name, methods))) \
+            as folder, run_lock(folder):
         endpoints = saved_endpoints()
         todo = [label for label in ENDPOINTS if label not in endpoints]
         if todo and shared.ray is not None:

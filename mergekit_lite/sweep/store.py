@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -109,28 +110,32 @@ def save_point(path: Path, identity: dict, label: str, alpha: float | None, runs
     write_atomic(path, json.dumps(data) + "\n")
 
 
-def folder_state(out: str | Path) -> str:
-    """"absent", "empty" or "used": what `removed_if_unused` may take back from a run folder."""
-    out = Path(out)
+def _folder_state(out: Path) -> str:
+    """"absent", "empty" or "used": what `taken_back_if_unused` may take back from a run folder."""
     if not os.path.lexists(out):
         return "absent"
     return "empty" if out.is_dir() and not out.is_symlink() and not any(out.iterdir()) else "used"
 
 
 @contextmanager
-def removed_if_unused(folder: Path, state: str):
-    """A run that fails (a refusal, Ctrl-C) before saving any point leaves nothing behind in a run folder that was
-    absent or empty before it (`state`): its marker, lock and empty folders are taken back, and the folder itself
-    when the run made it; a folder holding anything else (a saved point, RECALL's similarities) stays, to resume."""
+def taken_back_if_unused(out: str | Path, prepare: Callable[[], Path]):
+    """The run folder `prepare` makes or reuses at `out`, yielded; a run that fails (a refusal, Ctrl-C, even while
+    the folder is being prepared) before saving any point leaves nothing behind in a folder that was absent or empty
+    before it: its marker, lock and empty folders are taken back, and the folder itself when the run made it. A
+    folder holding anything else (a saved point, RECALL's similarities) stays, to resume."""
+    out = Path(out)
+    state = _folder_state(out)
     try:
-        yield
+        yield prepare()
     except BaseException:
         if state != "used":
-            _remove_unused(folder, remove_folder=state == "absent")
+            _remove_unused(out, remove_folder=state == "absent")
         raise
 
 
 def _remove_unused(folder: Path, remove_folder: bool) -> None:
+    if not folder.is_dir() or folder.is_symlink():
+        return
     entries = sorted(folder.rglob("*"), key=lambda path: len(path.parts), reverse=True)  # deepest first
     files = [path for path in entries if path.is_symlink() or not path.is_dir()]
     if any(path.name not in (OUTPUT_MARKER, LOCK_FILE) or path.is_symlink() for path in files):
