@@ -450,14 +450,16 @@ def audit_batch(adapters: list[AdapterRef], base: AuditBase, **options):
 UNMERGEABLE = ("format", "structure")  # an adapter that cannot be read, or does not fit the base, cannot be merged
 
 
-def require_verified(adapter_dir, base_dir, force: bool = False, *, allow_pickle: bool = False) -> AuditReport:
+def require_verified(adapter_dir, base_dir, force: bool = False, *, allow_pickle: bool = False,
+                     forcible: bool = True) -> AuditReport:
     """The gate before a merge: a REJECTED adapter stops it unless forced; WARN passes. Failed format or
-    structure checks stop it even when forced, and the error does not offer --force: there is nothing to merge."""
+    structure checks stop it even when forced, and the error does not offer --force: there is nothing to merge
+    (nor where the command has no --force: `forcible` False)."""
     report = audit_adapter(adapter_dir, base_dir, allow_pickle=allow_pickle)
     failed = [check for check in report.checks if check.status == FAIL]
     unmergeable = any(check.name in UNMERGEABLE for check in failed)
     if report.verdict == REJECTED and (unmergeable or not force):
         failures = "; ".join(f"{check.name}: {check.detail}" for check in failed)
-        advice = "" if unmergeable else "; use --force to merge anyway"
+        advice = "" if unmergeable or not forcible else "; use --force to merge anyway"
         raise InputError(f"adapter {adapter_dir} is REJECTED: {failures}{advice}")
     return report

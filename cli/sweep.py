@@ -58,7 +58,8 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.command(epilog=EXAMPLES)
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--pre", help="Base (pre-trained) model folder: the reference for every forgetting comparison.")
-@click.option("--post", help="Post-trained model folder (same architecture as --pre).")
+@click.option("--post", help="Post-trained model folder (same architecture as --pre), or a LoRA adapter trained on pre "
+              "(audited first).")
 @click.option("--method", "-m", help=f"Merge method (default linear; one of {', '.join(MAIN_COEFFICIENT)}), see alpha "
               "below; several, comma-separated, compare them in one run (pre and post evaluated once).")
 @click.option("--baseline", help="With several methods: the one each is compared with (default linear).")

@@ -1,7 +1,7 @@
 """The sweep as practitioners run it, off the happy path: grids whose STOP is off the step, a save-best folder in the
 wrong place, tasks that reach both groups through an lm-eval group, too few docs, a post with another vocabulary,
-bf16 checkpoints, hub ids from an offline cache, shared options in a comparison and a mistyped YAML key. Every
-refusal is one line, before the grid runs, and leaves no run folder behind."""
+bf16 checkpoints, hub ids from an offline cache, a LoRA adapter as post, shared options in a comparison and a
+mistyped YAML key. Every refusal is one line, before the grid runs, and leaves no run folder behind."""
 
 import json
 import os
@@ -201,3 +201,27 @@ def test_a_mistyped_yaml_key_names_the_one_meant(tmp_path):
     config.write_text("pre: a\nold-task: [x]\n")
     with pytest.raises(InputError, match=r"unknown key 'old-task' \(did you mean 'old_tasks'\?\)"):
         load_sweep_file(config)
+
+
+def test_a_lora_adapter_as_post_is_audited_then_swept_as_the_fine_tune(toy_pair, linear_sweep, tmp_path):
+    """`--post ADAPTER`: the fine-tune extracted at full rank (a PEFT adapter) is audited against pre, then swept,
+    each point scoring doc for doc as the fine-tune's own sweep; a no-op adapter is REJECTED before anything is
+    evaluated, in one line with no --force offered (sweep has none), and leaves no run folder."""
+    from mergekit_lite.merge.extract import extract_lora
+
+    adapter, out = tmp_path / "adapter", tmp_path / "run"
+    extract_lora(toy_pair.pre_dir, toy_pair.post_dir, str(adapter), rank=4096)
+    run_sweep(SweepSettings(toy_pair.pre_dir, str(adapter), "linear", [0.5], toy_pair.old_tasks, toy_pair.new_tasks,
+                            str(toy_pair.task_dir), str(out), limit=16, bootstrap=0))
+    for label in ("pre", "post", "alpha=0.5"):
+        ours = json.loads(point_file(out, label).read_text())["tasks"]
+        folders = {task["task"]: task["correct"] for task in json.loads(point_file(linear_sweep.out, label).read_text())["tasks"]}
+        for task in ours:
+            assert task["correct"] == {key: folders[task["task"]][key] for key in task["correct"]}, (label, task["task"])
+    no_op = tmp_path / "no-op"
+    extract_lora(toy_pair.pre_dir, toy_pair.pre_dir, str(no_op), rank=4)
+    args = pair_args(toy_pair, tmp_path / "refused", "--alphas", "0.5")
+    args[args.index("--post") + 1] = no_op
+    done = cli(*args)
+    assert "--force" not in one_error_line(done, 2, r"adapter \S+no-op is REJECTED: ")
+    assert not (tmp_path / "refused").exists()

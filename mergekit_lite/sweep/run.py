@@ -92,6 +92,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     check_run_folder(settings.out, inputs, own=run_file)
     usable_device(settings.device)  # torch loads here: what needs no torch was checked first
     check_pair(settings)
+    audit_adapter_post(settings)
     identity = settings.identity()
     rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
@@ -181,6 +182,15 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     return result
 
 
+def audit_adapter_post(settings: SweepSettings) -> None:
+    """A LoRA adapter as post is audited against pre before anything is evaluated, as `merge` audits an adapter
+    (a point streamed to disk merges through that gate, one held in memory would not): REJECTED stops the sweep."""
+    if (Path(settings.post) / "adapter_config.json").is_file():
+        from audits.adapter import require_verified
+
+        require_verified(settings.post, settings.pre, forcible=False)
+
+
 def prepared(out, inputs: list, own) -> Path:
     """The run folder made (or reused) with its points/ folder."""
     folder = prepare_run_folder(out, inputs, own=own)
@@ -217,6 +227,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     check_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
     usable_device(first.device)
     check_pair(first)
+    audit_adapter_post(first)
     shared = replace(first, out=str(top), stream=True, save_best=None)  # endpoints only: no resident pair
     pair = {key: value for key, value in shared.identity().items() if key not in METHOD_FIELDS}
 

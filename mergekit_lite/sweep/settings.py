@@ -286,9 +286,11 @@ class SweepSettings:
         becomes its cached snapshot folder here, as `merge` reads it; a path on disk wins), and every file of the
         task folder lm-eval will read is a regular file (a FIFO there would block lm-eval for ever)."""
         self.pre, self.post = resolve_model(self.pre), resolve_model(self.post)
-        for flag, path in (("--pre", self.pre), ("--post", self.post)):
-            if not (Path(path) / "config.json").is_file():
-                raise InputError(f"{path}: {flag} must be a model folder with a config.json")
+        if not (Path(self.pre) / "config.json").is_file():
+            raise InputError(f"{self.pre}: --pre must be a model folder with a config.json")
+        if not any((Path(self.post) / name).is_file() for name in ("config.json", "adapter_config.json")):
+            raise InputError(f"{self.post}: --post must be a model folder with a config.json, or a LoRA adapter "
+                             "folder (adapter_config.json) trained on pre")
         for root, _, files in os.walk(self.include_path) if self.include_path else ():
             for name in files:
                 require_regular(Path(root) / name, "task file")
