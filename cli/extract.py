@@ -27,7 +27,8 @@ Examples:
 @click.option("--linear-only", is_flag=True,
               help="Only low-rank factors: do not store changed embeddings, head or norms at full rank.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-def extract(base, model, out, rank, include, exclude, linear_only, overwrite):
+@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+def extract(base, model, out, rank, include, exclude, linear_only, overwrite, quiet):
     """Extract a LoRA adapter: the truncated SVD of (fine-tune - base) for every linear layer.
 
     PEFT loads the result (PeftModel.from_pretrained); at a rank as large as the layers, merging it gives

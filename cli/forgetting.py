@@ -92,8 +92,9 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
 @click.option("--alert", "alerts", multiple=True, metavar="GROUP:METRIC>VALUE",
               help="Exit 3 when a checkpoint's group value crosses VALUE (> or <), e.g. old:F_true>0.1. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
+@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
 def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, samples_out, replay_out,
-               replay_format, heatmap_out, alerts, as_json):
+               replay_format, heatmap_out, alerts, as_json, quiet):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected
     as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2), or along a training run.
 
