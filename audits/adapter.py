@@ -178,7 +178,7 @@ def describe_format(adapter: LoraAdapter) -> str:
     text = f"{kind}; r={config['r']}, lora_alpha={config.get('lora_alpha', PEFT_DEFAULT_ALPHA)}"
     if scalings:
         text += f", scaling {scaling} ({rule})"
-    biases = len(adapter.targets()) - len(adapter.weight_targets())
+    biases = len(adapter.bias_targets())
     with_bias = f" ({biases} with lora_bias)" if biases else ""
     return f"{text}; {len(adapter.weight_targets())} LoRA modules{with_bias}, {len(adapter.replaced())} replaced tensors"
 

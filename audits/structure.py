@@ -62,7 +62,7 @@ def why_absent(name: str, base, adapter: LoraAdapter, adapter_name: str) -> str 
                     "adds that update twice to the tied weight, unlike the PEFT model it ran; not merged")
         return (f"{name}: the base ties {module_of(name)} to {tied[1]} (tie_word_embeddings) and stores no {name}; "
                 "a LoRA on a tied head would change the input embeddings too")
-    if adapter_name in adapter.targets() and adapter_name not in adapter.weight_targets():
+    if adapter_name in adapter.bias_targets():
         return (f"{name}: the adapter has a lora_B bias (lora_bias) for {name.removesuffix('.bias')}, whose base layer "
                 "has no bias (PEFT cannot merge it either)")
     bare = _text_model_name(name)

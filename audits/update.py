@@ -98,12 +98,10 @@ def replacement_changes(adapter: LoraAdapter, base) -> dict[str, float]:
 
 def bias_changes(adapter: LoraAdapter, base) -> dict[str, float]:
     """||scaling * lora_B.bias|| / ||bias|| per bias a lora_bias adapter updates (not a matrix: no spectral measure)."""
-    on_disk, weights = base_names(adapter, base), set(adapter.weight_targets())
-    changes = {}
-    for name in adapter.targets():
-        if name not in weights:
-            bias = base.load(on_disk[name]).to(torch.float32)
-            changes[name] = float(adapter.delta(name).norm() / bias.norm().clamp_min(1e-12))
+    changes, on_disk = {}, base_names(adapter, base)
+    for name in adapter.bias_targets():
+        bias = base.load(on_disk[name]).to(torch.float32)
+        changes[name] = float(adapter.delta(name).norm() / bias.norm().clamp_min(1e-12))
     return changes
 
 
@@ -156,11 +154,10 @@ def paper_norms(measures: list[ModuleMeasure]) -> tuple[float, float]:
 
 
 def check_delta(measures: list[ModuleMeasure], replaced: dict[str, float], thresholds: AuditThresholds,
-                biases: dict[str, float] | None = None) -> CheckResult:
+                biases: dict[str, float]) -> CheckResult:
     """The adapter must change something: the paper's total norm (>= min_total_norm) and, ours, the largest
     relative update (>= min_delta: one live module is enough for it, none is enough for the paper's rule).
     `replaced` and `biases` (lora_bias updates) are relative changes that count for the latter only."""
-    biases = biases or {}
     sizes = [m.relative_norm for m in measures] + list(replaced.values()) + list(biases.values())
     largest = max(sizes)
     total, per_module = paper_norms(measures)

@@ -135,9 +135,9 @@ def split_lora_reference(reference: str) -> tuple[str, str] | None:
     return splits[0]
 
 
-def reference_paths(reference: str) -> list[str]:
-    """The files or folders a reference reads: both parts of a model+lora reference, else the reference itself."""
-    return list(split_lora_reference(reference) or [reference])
+def reference_paths(*references: str) -> list[str]:
+    """The files or folders references read: both parts of a model+lora reference, else the reference itself."""
+    return [path for reference in references for path in split_lora_reference(reference) or [reference]]
 
 
 def lora_host(reference: str) -> str:

@@ -393,11 +393,15 @@ class LoraAdapter:
     def targets(self) -> list[str]:
         """Base tensor names that get an update added: weights `scaling * B @ A` and, with lora_bias, the biases
         `scaling * lora_B.bias` of the same layers (a bias the adapter also saves whole is a replacement instead)."""
-        return sorted([*self._factors, *(name for name in self._biases if name not in self._replacements)])
+        return sorted([*self.weight_targets(), *self.bias_targets()])
 
     def weight_targets(self) -> list[str]:
         """The targets that are weights, updated by `scaling * B @ A` (what rank and spectral measures read)."""
         return sorted(self._factors)
+
+    def bias_targets(self) -> list[str]:
+        """The targets that are biases, updated by `scaling * lora_B.bias` (lora_bias)."""
+        return sorted(name for name in self._biases if name not in self._replacements)
 
     def replaced(self) -> list[str]:
         """Base tensor names the adapter replaces outright (modules_to_save, trained biases)."""

@@ -364,7 +364,6 @@ def open_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelSour
     raise InputError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE}){inner_models_hint(path)}")
 
 
-
 def _nonempty(source: ModelSource) -> ModelSource:
     if not source.names:
         raise InputError(f"{source.path}: holds no tensors (an empty safetensors header)")

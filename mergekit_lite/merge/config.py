@@ -175,16 +175,16 @@ class MergeConfig:
         """Every input model once, in merge order: the base first (when given), then the models (or the
         slices' sources in order of appearance)."""
         references = ([self.base] if self.base else []) + [spec.path for spec in self.models]
-        for reference in (reference for part in self.slices for reference in [part.base, *(s.model for s in part.sources)]):
-            if reference and reference not in references:
-                references.append(reference)
+        for part in self.slices:
+            for reference in [part.base] + [source.model for source in part.sources]:
+                if reference and reference not in references:
+                    references.append(reference)
         return references
 
     @property
     def read_paths(self) -> list[str | None]:
         """Everything the merge reads (both parts of a model+lora): an output may not be, hold or sit inside one."""
-        return [*(path for reference in self.inputs for path in reference_paths(reference)), self.copy_files_from,
-                self.recall.texts, self.recall.weights_file]
+        return [*reference_paths(*self.inputs), self.copy_files_from, self.recall.texts, self.recall.weights_file]
 
     def parameter(self, name: str, model_index: int | None = None) -> Any:
         """A parameter's raw value spec: the model's own, else the global one, else the default; a filter list
@@ -265,7 +265,7 @@ class MergeConfig:
                                  "tokenizer files are copied), not a file")
         if self.tokenizer_source and self.tokenizer_source not in TOKENIZER_SOURCES:
             self.tokenizer_source = resolve_model(self.tokenizer_source)
-        for path in (path for reference in self.inputs for path in reference_paths(reference)):
+        for path in reference_paths(*self.inputs):
             if not os.path.lexists(path):
                 raise InputError(f"{path}: no such file or folder")
         for path, what in ((self.recall.texts, "text file"), (self.recall.weights_file, "weights file")):
@@ -362,8 +362,9 @@ class MergeConfig:
         data = asdict(self)
         # under parameters:, where the own schema takes any per-model parameter (epsilon, gamma, scale too)
         data["models"] = [{"model": spec.path, "parameters": dict(spec.parameters)} for spec in self.models]
-        for source in (source for part in data["slices"] for source in part["sources"]):
-            source["layer_range"] = list(source["layer_range"])
+        for part in data["slices"]:
+            for source in part["sources"]:
+                source["layer_range"] = list(source["layer_range"])
         source, pad = data.pop("tokenizer_source"), data.pop("pad_to_multiple_of")
         data["tokenizer"] = {"source": source, "pad_to_multiple_of": pad} if source else None
         if uses_dare_masks(self.method):  # which masks this seed gives (README, "DARE's masks")
@@ -378,7 +379,9 @@ def uses_dare_masks(method: str) -> bool:
 
 def check_bandwidth(bandwidth) -> None:
     """`median` or a positive number (a fixed sigma for every layer)."""
-    if bandwidth != MEDIAN_BANDWIDTH and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0):
+    if bandwidth == MEDIAN_BANDWIDTH:
+        return
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
         raise InputError(f"recall bandwidth must be {MEDIAN_BANDWIDTH!r} or a number > 0 (a fixed sigma), got {bandwidth!r}")
 
 

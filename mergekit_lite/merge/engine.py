@@ -561,7 +561,7 @@ def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
     shown = _renamed(config.to_dict(), names)
     return ModelCard(bases=list(names.values()), relation="merge", method=config.method,
                      parameters=dict(config.parameters), config_yaml=yaml.safe_dump(shown, sort_keys=False),
-                     licenses=licenses_of(path for reference in inputs for path in reference_paths(reference)),
+                     licenses=licenses_of(reference_paths(*inputs)),
                      audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons}
                              for r in reports],
                      sections=list(sections))
