@@ -80,6 +80,8 @@ def _model_option(value: str) -> dict:
 @click.option("--allow-pickle", is_flag=True, default=None, help="Accept pickle .bin weights (unsafe for untrusted files).")
 @click.option("--allow-nonfinite", is_flag=True, default=None, help="Merge inputs that contain NaN/Inf instead of stopping.")
 @click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them.")
+@click.option("--require-verified", is_flag=True, help="Merge LoRA adapters only when their audit VERIFIES them: a WARN "
+              "stops the merge too (exit 1). Each adapter's verdict is printed on stderr either way.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and its estimated wall "
               "time and peak memory on this machine, and write no output (the first one measures this machine's "
@@ -89,7 +91,7 @@ def _model_option(value: str) -> dict:
 def merge(config_file, out, method, base, models, alpha, beta, t, scale, density, drop, select_topk, decay, order,
           temperature, normalize, recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size,
           copy_files_from, tokenizer_source, mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force,
-          overwrite, dry_run, calibrate, quiet):
+          require_verified, overwrite, dry_run, calibrate, quiet):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints in training
@@ -149,7 +151,7 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
         from cli.main import quiet_third_party
 
         quiet_third_party()
-    result = run_merge(config, out, overwrite=overwrite, progress=not quiet)
+    result = run_merge(config, out, overwrite=overwrite, progress=not quiet, require_verified=require_verified)
     if not quiet:
         click.echo(f"wrote {result.out} ({result.plan.total_bytes / 1e6:.1f} MB, {len(result.plan.steps)} tensors, "
                    f"{result.seconds:.1f} s)")

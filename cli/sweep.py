@@ -127,12 +127,15 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--replay-format", type=click.Choice(REPLAY_FORMATS), default="prompt-completion", show_default=True,
               help="--replay records: prompt/completion, or chat messages (user, assistant).")
 @click.option("--replay-all", is_flag=True, help="--replay every doc post forgot, the ones the pick won back too.")
+@click.option("--require-verified", is_flag=True, help="Sweep a LoRA adapter (--post, or a model+lora reference) only "
+              "when its audit VERIFIES it: a WARN stops the sweep too (exit 1). Its verdict is printed on stderr "
+              "either way.")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
 def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
           selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
           backend, vllm_args, probe, quiet, beta, betas, densities, drops, budget, replay_out, replay_format,
-          replay_all):
+          replay_all, require_verified):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -159,6 +162,10 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
     if (replay_format != "prompt-completion" or replay_all) and not replay_out:
         raise InputError("--replay-format and --replay-all shape --replay's file: give --replay FILE.jsonl")
+    if require_verified:
+        from mergekit_lite.audited import require_verified_inputs
+
+        require_verified_inputs(data.get("pre"), [data.get("pre"), data.get("post")])
     if len(methods) > 1 or baseline:
         from mergekit_lite.sweep import method_settings, run_comparison
 
