@@ -141,6 +141,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
     same keys (flags win); see examples/sweep.yaml.
     """
+    from mergekit_lite.audited import each_verdict_once
     from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
     from mergekit_lite.sweep.samples import check_replay, write_replay
 
@@ -148,6 +149,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
         from cli.main import quiet_third_party
 
         quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
+    click.get_current_context().with_resource(each_verdict_once())  # the adapter's verdict once, not once per point
     data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
     data = _flag_values(data, pre=pre, post=post, method=method, alphas=alphas, old_tasks=old_tasks,
                         new_tasks=new_tasks, include_path=include_path, limit=limit, batch_size=batch_size,

@@ -10,6 +10,8 @@ merge through here."""
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import partial
 from pathlib import Path
 
@@ -19,8 +21,9 @@ from audits.report import VERIFIED, AuditReport
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import split_lora_reference
 from mergekit_lite.io.sources import TensorSource
-from mergekit_lite.merge import engine
+from mergekit_lite.merge import engine, extract
 from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.extract import Extraction
 
 
 class UnverifiedAdapter(InputError):
@@ -30,7 +33,7 @@ class UnverifiedAdapter(InputError):
     exit_code = 1
 
 
-_announced: set[tuple] = set()  # verdict lines already printed by this process (a sweep audits at every point)
+_said: ContextVar[set | None] = ContextVar("verdicts_said", default=None)  # lines printed within each_verdict_once
 
 
 def verdict_line(report: AuditReport) -> str:
@@ -39,12 +42,24 @@ def verdict_line(report: AuditReport) -> str:
     return f"audit: {report.adapter}: {report.verdict}" + (f" ({reasons})" if reasons else "")
 
 
+@contextmanager
+def each_verdict_once():
+    """Within it, each verdict line is printed once: a sweep audits its adapter again at every point it merges."""
+    token = _said.set(set())
+    try:
+        yield
+    finally:
+        _said.reset(token)
+
+
 def announce(report: AuditReport) -> None:
-    """Print the verdict line on stderr once per process, whatever -q says: a WARN is never silent."""
-    key = (report.adapter, report.base, report.verdict, tuple(report.reasons))
-    if key not in _announced:
-        _announced.add(key)
-        print(verdict_line(report), file=sys.stderr, flush=True)
+    """Print the verdict line on stderr, whatever -q says: a WARN is never silent."""
+    said, key = _said.get(), (report.adapter, report.base, report.verdict, tuple(report.reasons))
+    if said is not None:
+        if key in said:
+            return
+        said.add(key)
+    print(verdict_line(report), file=sys.stderr, flush=True)
 
 
 def gate_adapter(adapter: str, host: str, *, force: bool = False, allow_pickle: bool = False, forcible: bool = True,
@@ -92,6 +107,18 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     VERIFIED ones merge); `card_sections` are added to its model card."""
     return engine.run_merge(config, out, overwrite=overwrite, progress=progress,
                             gate=partial(audit_gate, require_verified=require_verified), card_sections=card_sections)
+
+
+def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, **options) -> Extraction:
+    """merge.extract.extract_lora, with the base's fingerprint shipped in the adapter folder (base_fingerprint.json,
+    written before the folder appears): whoever audits the adapter later can check their base is the one it was
+    factored against, wherever the adapter has moved. The weights are fingerprinted without running the model."""
+    from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
+
+    def ship_fingerprint(folder: Path, base: str) -> None:
+        write_fingerprint(compute_fingerprint(base, behaviour=False), folder / FINGERPRINT_FILE, base_dir=base)
+
+    return extract.extract_lora(base_dir, tuned_dir, out_dir, side_files=ship_fingerprint, **options)
 
 
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:

@@ -144,7 +144,8 @@ def _adapter_tensors(base: TensorSource, tuned: TensorSource, ranks: dict[str, i
 
 
 def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, include: tuple[str, ...] = (),
-                 exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False) -> Extraction:
+                 exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False,
+                 side_files: Callable[[Path, str], None] | None = None) -> Extraction:
     """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base.
 
     Factors are stored in the fine-tune's dtype (math in float32). Ranks are min(rank, out, in) per
@@ -155,6 +156,8 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
     low-rank adapter (mergekit's --skip-undecomposable with embeddings excluded); what it leaves out
     is reported in `dropped`. The output rules are those of merge (`check_output_folder` before any work,
     and again by `atomic_output_dir`): never an input, a folder holding one, or the working folder.
+    `side_files(folder, base_dir)` writes more files into the adapter folder before it appears (the audited API
+    ships the base's fingerprint this way: mergekit_lite.audited.extract_lora).
     """
     if rank < 1:
         raise InputError(f"rank must be at least 1, got {rank}")
@@ -201,4 +204,6 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
             write_card(folder, ModelCard(bases=[input_name(base_dir)], relation="adapter",
                                          method="extract (truncated SVD)", parameters=parameters,
                                          licenses=licenses_of([base_dir, tuned_dir])))
+            if side_files is not None:
+                side_files(Path(folder), base_dir)
         return Extraction(factored, saved, dropped)
