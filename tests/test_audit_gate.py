@@ -4,6 +4,9 @@ refuses a WARN, and our own extracted adapters pass our own audit."""
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +197,24 @@ def test_extracted_adapters_ship_their_base_fingerprint_and_pass(architecture, t
     assert {check_of(alone, "signature").status, check_of(alone, "spectral").status} == {"pass"}
     other = audit_adapter(moved, tmp_path / "post", thresholds=thresholds)
     assert other.verdict == "REJECTED" and check_of(other, "signature").status == "fail"
+
+
+@pytest.mark.slow
+def test_the_example_script_lists_only_verified_adapters_from_a_fresh_shell(gate_zoo, tmp_path):
+    """examples/audit_adapters.sh as the docs show it, in a bare environment (PATH with the console script, no
+    activated virtualenv): WARN is not mergeable unless --allow-warn; REJECTED makes it exit 1."""
+    script = Path(__file__).resolve().parent.parent / "examples" / "audit_adapters.sh"
+    environment = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+                   "PYTHONPATH": str(script.parent.parent), "HF_HUB_OFFLINE": "1"}
+    adapters = [gate_zoo["on_copy"], gate_zoo["anonymous"]]
+
+    def run(*args):
+        return subprocess.run(["bash", str(script), *map(str, args)], env=environment, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+
+    strict = run(gate_zoo["base"], *adapters)
+    assert strict.returncode == 0, strict.stderr
+    assert strict.stdout.splitlines() == [str(gate_zoo["on_copy"])]
+    assert "WARN" in strict.stderr and list(tmp_path.iterdir()) == []
+    lenient = run("--allow-warn", gate_zoo["base"], *adapters, gate_zoo["on_other"])
+    assert lenient.returncode == 1 and lenient.stdout.splitlines() == list(map(str, adapters))
