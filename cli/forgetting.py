@@ -188,8 +188,8 @@ def render_two_models(series: Trajectory, groups, as_json: bool, split=None) -> 
     result, (pre, post) = series.maps[0], series.runs
     if as_json:
         payload = {
-            "tasks": [with_split(row.to_dict(), split, row.task) for row in result.rows.values()],
-            "groups": [with_split(row.to_dict(), split, row.group) for row in groups],
+            "tasks": [with_split(row.to_dict(), split and split.rows.get(row.task)) for row in result.rows.values()],
+            "groups": [with_split(row.to_dict(), split and split.groups.get(row.group)) for row in groups],
             "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()],
             "seeds": sorted(result.rows_by_seed),
             "models": {"pre": pre.model, "post": post.model},
@@ -291,9 +291,8 @@ def realigned_split(series: Trajectory, realigned: str, scoring: Scoring, groups
     return RealignedSplit(split, split.tasks, {row.group: split.group(row.group, row.tasks) for row in groups})
 
 
-def with_split(row: dict, split: RealignedSplit | None, name: str) -> dict:
+def with_split(row: dict, found: SpuriousSplit | None) -> dict:
     """A JSON row with its split: spurious and genuine as doc counts, the shares under their own names."""
-    found = split and (split.rows.get(name) or split.groups.get(name))
     if not found:
         return row
     return {**row, **{key: value for key, value in found.to_dict().items() if key not in ("name", "forgotten")}}
