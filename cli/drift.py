@@ -40,6 +40,8 @@ def drift(pre, post, texts, max_length, heatmap_out, as_json, quiet):
         if Path(heatmap_out).suffix.lower() != ".png":
             raise InputError(f"--heatmap {heatmap_out}: expected a .png file name")
         check_output_file(heatmap_out, inputs)
+        if not Path(heatmap_out).absolute().parent.is_dir():
+            raise InputError(f"--heatmap {heatmap_out}: its folder does not exist")
     text_list = read_texts(texts) if texts else None
     report = model_drift(pre, post, text_list, max_length)
     if as_json:

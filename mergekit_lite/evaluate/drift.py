@@ -175,9 +175,6 @@ def open_pair(pre: str, post: str) -> tuple[TensorSource, TensorSource]:
         if tuple(reference.shape(name)) != tuple(other.shape(name)):
             raise InputError(f"{post}: a model of another shape: tensor {name} is {list(other.shape(name))}, "
                              f"{list(reference.shape(name))} in {pre}")
-        for source in (reference, other):
-            if not (source.dtype(name).is_floating_point or source.dtype(name).itemsize == 1):
-                raise InputError(f"{source.path}: tensor {name} is {source.dtype(name)}, not a float tensor")
     return reference, other
 
 
