@@ -1,4 +1,4 @@
-"""The classes of hostile input of issue 29, each with several variants, through the real CLI (in a subprocess
+"""Classes of hostile input, each with several variants, through the real CLI (in a subprocess
 where an input could block, else through its click group in-process).
 
 Every refusal is one line `error: ...` on stderr with exit code 2 (an audit's REJECTED verdict: exit 1), and the
