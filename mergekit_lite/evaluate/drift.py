@@ -357,24 +357,28 @@ def plot_drift_heatmap(report: DriftReport, path) -> None:
     rows += [(OUTSIDE, report.outside)] if report.outside else []
     values = [[float("nan") if (v := cells.get(c)) is None else v for c in columns] for _, cells in rows]
     with_cka = any(row.cka is not None for row in report.layers)
-    figure = Figure(figsize=(2.5 + 0.6 * len(columns) + 1.4 * with_cka, 1.8 + 0.3 * len(rows)))
+    figure = Figure(figsize=(2.5 + 0.6 * len(columns) + 1.2 * with_cka, 1.8 + 0.3 * len(rows)))
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1 + with_cka, 1)
-    image = axes.imshow(values, cmap="Reds", aspect="auto", vmin=0)
+    grid = figure.add_gridspec(1, 2 if with_cka else 1, width_ratios=[len(columns) + 2, 2] if with_cka else None)
+    axes = figure.add_subplot(grid[0, 0])
+    top = max((v for line in values for v in line if v == v), default=0.0) or 1.0
+    image = axes.imshow(values, cmap="Reds", aspect="auto", vmin=0, vmax=top)
     for r, line in enumerate(values):
         for c, value in enumerate(line):
-            axes.text(c, r, "" if value != value else f"{value:.3f}", ha="center", va="center", fontsize=6)
+            axes.text(c, r, "" if value != value else f"{value:.3f}", ha="center", va="center", fontsize=6,
+                      color="white" if value > 0.6 * top else "black")
     axes.set_xticks(range(len(columns)), columns, fontsize=7, rotation=45, ha="right")
     axes.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=7)
     axes.set_ylabel("decoder layer")
     axes.set_title("relative drift ||post - pre|| / ||pre||", fontsize=8)
     figure.colorbar(image, ax=axes, shrink=0.8)
     if with_cka:
-        cka_axes = figure.add_subplot(1, 2, 2)
+        cka_axes = figure.add_subplot(grid[0, 1])
         dissimilarity = [[float("nan") if row.cka is None else 1 - row.cka] for row in report.layers]
-        cka_axes.imshow(dissimilarity, cmap="Blues", aspect="auto", vmin=0)
+        cka_axes.imshow(dissimilarity, cmap="Blues", aspect="auto", vmin=0, vmax=1)
         for r, (value,) in enumerate(dissimilarity):
-            cka_axes.text(0, r, "" if value != value else f"{value:.3f}", ha="center", va="center", fontsize=6)
+            cka_axes.text(0, r, "" if value != value else f"{value:.3f}", ha="center", va="center", fontsize=6,
+                          color="white" if value > 0.6 else "black")
         cka_axes.set_xticks([0], ["1 - CKA"], fontsize=7)
         cka_axes.set_yticks(range(len(report.layers)), [str(row.layer) for row in report.layers], fontsize=7)
         cka_axes.set_title("representations", fontsize=8)
