@@ -138,6 +138,7 @@ def token_states(folder: Path, tokenizer, texts: list[str]) -> list[torch.Tensor
     return [torch.cat(rows) for rows in per_layer]
 
 
+@pytest.mark.slow
 def test_cli_drift_of_the_toy_pair_with_cka_and_heatmap(toy_pair, tmp_path):
     heatmap, texts_file = tmp_path / "drift.png", tmp_path / "texts.txt"
     texts_file.write_text("\n".join(read_texts(toy_pair.typical_texts)[:8]) + "\n")
