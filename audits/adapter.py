@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from audits.base import AuditBase
+from audits.base_weights import base_confirmed, check_declared_weights
 from audits.declared_base import compare, given_base_id, names_local_folder, quantised_reason, same_folder
 from audits.fingerprint import FINGERPRINT_FILE, load_fingerprint, sha256_file, tokenizer_info
 from audits.leakage import check_leakage
@@ -247,55 +248,6 @@ def check_declared_base(adapter: LoraAdapter, audit_base: AuditBase, base_id: st
         return CheckResult("base-id", FAIL, None, None, f"{'; '.join(reasons)} (declared {declared}, given {given} "
                            f"from {given_from})", measurements)
     return CheckResult("base-id", PASS, None, None, f"declared {declared} is the given {given} ({given_from})", measurements)
-
-
-def check_declared_weights(declared: str, audit_base: AuditBase, measurements: dict) -> CheckResult | None:
-    """The declared base's weights against the given base's, where they are here (a local folder, or a hub id's
-    cached snapshot; nothing else is read): the same weights pass, other weights fail, naming how many tensors
-    differ; a declared local folder that does not exist warns. None: no weights to compare (a hub id not cached)."""
-    from audits.base_weights import MISSING, UNCACHED, compare_weights, locate_declared
-
-    try:
-        location = locate_declared(declared)
-    except InputError as error:
-        return CheckResult("base-id", WARN, None, None, f"the declared base {declared} cannot be read: {error}",
-                           measurements)
-    measurements["declared_location"] = location.kind
-    if location.kind == UNCACHED:
-        return None
-    if location.kind == MISSING:
-        return CheckResult("base-id", WARN, None, None, f"declares the local folder {declared}, which does not exist "
-                           "here: its weights cannot be compared with the given base's", measurements)
-    where = "cached snapshot of " if location.kind == "cached" else "folder "
-    if same_folder(str(location.path), audit_base.path):
-        measurements["same_folder"] = True
-        return CheckResult("base-id", PASS, None, None, f"the declared {where}{declared} is the given base",
-                           measurements)
-    key = ("declared-weights", os.path.realpath(location.path))
-    try:
-        comparison = audit_base.once(key, lambda: compare_weights(location.path, audit_base.source))
-    except InputError as error:
-        return CheckResult("base-id", WARN, None, None, f"the declared base {declared} cannot be read as a model, so "
-                           f"its weights cannot be compared with the given base's: {error}", measurements)
-    total = comparison.compared + len(comparison.only_declared) + len(comparison.only_given)
-    measurements.update(weights_compared=total, weights_differing=len(comparison.different),
-                        weights_same=comparison.same)
-    if comparison.same:
-        return CheckResult("base-id", PASS, 0, 0, f"the declared {where}{declared} holds the given base's weights "
-                           f"(all {total} tensors equal)", measurements)
-    parts = [f"{count} {what}" for count, what in (
-        (len(comparison.differing), "hold other values"), (len(comparison.reshaped), "have other shapes"),
-        (len(comparison.only_declared), "only in the declared base"), (len(comparison.only_given), "only in the given base"))
-        if count]
-    return CheckResult("base-id", FAIL, len(comparison.different), 0, f"made on another base: the declared "
-                       f"{where}{declared} holds other weights than the given base ({len(comparison.different)} of "
-                       f"{total} tensors differ: {', '.join(parts)}; e.g. {shown_names(comparison.different)})",
-                       measurements)
-
-
-def base_confirmed(check: CheckResult) -> bool:
-    """The base-id check found the declared base to be the given one by its weights or its folder, not by name."""
-    return check.status == PASS and bool(check.measurements.get("weights_same") or check.measurements.get("same_folder"))
 
 
 def _tokenizer_vocab(folder: Path) -> int | None:

@@ -77,6 +77,8 @@ def fit(model, batches, learning_rate: float) -> None:
 def build_bases(architecture: str, folder: Path, pretrain_steps: int) -> dict[str, Path]:
     """base and other (same text, other init seed), variant (base + a short fine-tune on another chain)."""
     class_name, make_config, _ = ARCHITECTURES[architecture]
+    if all((folder / name / "config.json").is_file() for name in ("base", "other", "variant")):  # --resume
+        return {name: folder / name for name in ("base", "other", "variant")}
     paths = {}
     for name, seed in (("base", 0), ("other", 1)):
         torch.manual_seed(seed)
@@ -93,6 +95,8 @@ def build_bases(architecture: str, folder: Path, pretrain_steps: int) -> dict[st
 
 def train_adapter(architecture: str, made_on: Path, out: Path, rank: int, steps: int, task: int) -> Path:
     class_name, _, targets = ARCHITECTURES[architecture]
+    if (out / "adapter_config.json").is_file():  # trained by an earlier, interrupted run of the same settings
+        return out
     torch.manual_seed(task)
     model = get_peft_model(getattr(transformers, class_name).from_pretrained(made_on),
                            LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
@@ -221,6 +225,7 @@ def main() -> None:
                                                 rank, steps, task)
                         rows.append({"architecture": architecture, "made_on": made_on, "rank": rank, "steps": steps,
                                      "task": task, **measure(architecture, bases["base"], adapter, task)})
+                        print(json.dumps(rows[-1]), flush=True)
         print(f"{architecture}: done at {time.perf_counter() - started:.0f} s", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows,
