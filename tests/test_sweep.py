@@ -170,7 +170,7 @@ def test_report_md_and_results_json_agree(linear_sweep):
     assert results["pick"]["alpha"] == linear_sweep.best.alpha
     assert f"Pareto front (selection split): {', '.join(map(repr, results['pareto']))}." in report
     assert (folder / "forgetting_map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"Forgetting recovered: {results['recovered']:.1%}" in report
+    assert f"Forgetting recovered {results['recovered']:.1%}, new skill kept {results['kept']:.1%}." in report
     post_old = results["post"]["forgetting"]["groups"]["old"]
     assert post_old["F"] > 0 and post_old["F_true"] > 0
 
