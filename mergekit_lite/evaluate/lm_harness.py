@@ -174,16 +174,24 @@ class Evaluator:
 
 @contextlib.contextmanager
 def _empty_encoding_named():
-    """lm-eval asserts that every prompt and answer encodes to at least one token (an AssertionError with no text):
-    that is the tokenizer's doing, said in one line."""
+    """lm-eval asserts that every prompt and answer encodes to at least one token (a bare AssertionError on
+    `len(context_enc) > 0` or `len(continuation_enc) > 0`): the tokenizer's doing, said in one line; and a chat
+    template that fails to render, named as the template's fault."""
+    import traceback
+
+    from jinja2.exceptions import TemplateError
+
     try:
         yield
     except AssertionError as error:
-        if str(error):
+        frames = traceback.extract_tb(error.__traceback__)
+        if not frames or "_enc) > 0" not in (frames[-1].line or ""):
             raise
         raise InputError("the tokenizer encodes a prompt or an answer to no tokens (lm-eval scores at least one "
                          "token of each): check the tokenizer (its vocabulary, unknown-token handling) and the "
-                         "task's doc_to_text/doc_to_target") from None
+                         "task's doc_to_text, doc_to_choice and target_delimiter") from None
+    except TemplateError as error:
+        raise InputError(f"the tokenizer's chat template fails to render a prompt: {error}") from None
 
 
 @contextlib.contextmanager

@@ -97,10 +97,11 @@ def load_points(folder: Path, identity: dict, directory: str = POINTS_DIR) -> di
             raise InputError(f"{error} (not a sweep point file; delete it to evaluate that point again)") from None
         label, saved = point.label, point.identity
         runs = [TaskRun.from_json(entry.model_dump(exclude_unset=True)) for entry in point.tasks]
-        changed = next((key for key in identity if saved.get(key) != identity[key]), None)
+        keys = [*identity, *(["lm_eval"] if "lm_eval" in saved and "lm_eval" not in identity else [])]
+        changed = next((key for key in keys if saved.get(key) != identity.get(key)), None)
         if changed:
             raise InputError(f"{folder} holds a sweep with other settings ({changed}: {saved.get(changed)!r} "
-                             f"there, {identity[changed]!r} now); use another --out")
+                             f"there, {identity.get(changed)!r} now); use another --out")
         points[label] = runs
     return points
 
