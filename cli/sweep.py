@@ -26,20 +26,27 @@ scores (per group: the unweighted mean of its tasks' scores, as the forgetting p
 tasks; --aggregation pooled weighs samples), measured on a selection split of every task's docs
 (seeded doc_hash partition, --selection-fraction); every alpha is reported on the disjoint report
 split with paired-bootstrap intervals, and the alphas that cannot be told from the pick are named
-(--selection none: pick and report on the same docs). Ties go to the smallest alpha. "forgetting
-recovered" is (old_best - old_post) / (old_pre - old_post): the share of post's old-task loss the
-pick wins back (N/A when post lost nothing).
+(--selection none: pick and report on the same docs); an alpha that beats the pick there with an
+interval above 0 is named in a warning. Ties go to the smallest alpha. "forgetting recovered" is
+(old_best - old_post) / (old_pre - old_post), the share of post's old-task loss the pick wins back;
+"new skill kept" is (new_best - new_pre) / (new_post - new_pre); when the pick is pre or post
+itself, the summary says so instead.
 \b
 Tasks are scored as `mergekit-lite forgetting` scores lm-eval files: --metric, --filter and
 --choices take a global value or TASK=VALUE (e.g. --filter gsm8k=flexible-extract).
 \b
-The --out folder gets points/ (one JSON per finished model: rerunning the same command
-resumes), results.json, report.md, sweep.png, forgetting_map.png and samples.jsonl (each doc's
-outcome for pre, post and the pick; --replay writes the docs the pick still loses as training data).
+The --out folder gets points/ (one JSON per finished model: rerunning the same command resumes,
+and writes its --replay file and --save-best folder again), results.json, report.md, sweep.png,
+forgetting_map.png and samples.jsonl (each doc's outcome for pre, post and the pick; --replay
+writes the docs the pick still loses as training data).
 \b
 Examples:
   mergekit-lite sweep --pre base/ --post instruct/ --alphas 0:1:0.1 \\
       --old-tasks arc_easy,hellaswag --new-tasks gsm8k --limit 200 --out runs/lerp
+\b
+  # an instruct model scored as lm-eval scores it: 5-shot, chat template, demonstrations as turns
+  mergekit-lite sweep --pre base/ --post instruct/ --alphas 0:1:0.1 --old-tasks arc_easy \\
+      --new-tasks gsm8k --num-fewshot 5 --apply-chat-template --fewshot-as-multiturn --out runs/chat
 \b
   mergekit-lite sweep examples/sweep.yaml --method ties --density 0.5 --alphas 0:1.5:0.25 --out runs/ties
 \b

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from mergekit_lite.io.outputs import prepare_run_folder
 from mergekit_lite.merge.extract import extract_lora
 from mergekit_lite.sweep import SweepResult, SweepSettings, run_sweep
+from mergekit_lite.sweep.result import pick_fields
 from mergekit_lite.toy import ToyPair, build_toy_pair
 
 # method -> (grid of its main coefficient, extra settings)
@@ -103,9 +104,7 @@ def summary_data(sweeps: dict[str, SweepResult], audits: list) -> dict:
         "best": {method: {"alpha": r.best.alpha, "old": r.best.old, "new": r.best.new,
                           "harmonic_mean": r.best.harmonic_mean, "intervals": r.best.intervals,
                           "selection_harmonic_mean": r.best.selection.harmonic_mean,
-                          "indistinguishable": r.indistinguishable,
-                          "recovered": None if r.pick_is else r.recovered, "kept": None if r.pick_is else r.kept,
-                          "pick_is": r.pick_is, "better": [point.label for point in r.better]}
+                          "indistinguishable": r.indistinguishable, **pick_fields(r)}
                  for method, r in sweeps.items()},
         "audits": {Path(a.adapter).name: {"verdict": a.verdict, "reasons": a.reasons} for a in audits},
     }

@@ -15,6 +15,7 @@ import yaml
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.lm_eval_settings import LmEvalSettings
 from mergekit_lite.sweep import SweepSettings, load_sweep_file, run_sweep, settings_from_dict
+from mergekit_lite.sweep.compare import compare, comparison_json, comparison_markdown, comparison_summary
 from mergekit_lite.sweep.scoring import split_docs
 from mergekit_lite.sweep.store import point_file
 
@@ -167,9 +168,8 @@ def test_a_rerun_resumes_and_other_settings_are_refused(chat_sweep):
         changed = [*arguments[:-len(CHAT_FLAGS)], *CHAT_FLAGS, *other]
         done = cli(*changed, cwd=root)
         assert done.returncode == 2 and "holds a sweep with other settings (lm_eval:" in done.stderr, done.stderr
-    without = [argument for argument in arguments if argument not in CHAT_FLAGS[:4] and argument != SYSTEM]
-    assert without[-1] != SYSTEM and "--num-fewshot" not in without
-    done = cli(*without, cwd=root)
+    assert arguments[-len(CHAT_FLAGS):] == CHAT_FLAGS
+    done = cli(*arguments[:-len(CHAT_FLAGS)], cwd=root)  # lm-eval's defaults now
     assert done.returncode == 2 and "other settings (lm_eval:" in done.stderr, done.stderr
     assert {path: path.stat().st_mtime_ns for path in (root / "run" / "points").iterdir()} == points
 
@@ -222,6 +222,12 @@ def test_the_pick_says_when_another_alpha_beats_it_and_what_it_keeps(toy_pair, l
 
     assert any(f"linear warning: {warning}" in line for line in summary_lines({"linear": result}))
     assert f"| {recovered:.1%} | {kept:.1%} |" in summary_markdown({"linear": result}, [])
+    comparison = compare({"linear": result}, "linear", tmp_path, 0)
+    markdown = comparison_markdown(comparison, comparison_json(comparison))
+    assert f"- linear: forgetting recovered {recovered:.1%}, new skill kept {kept:.1%}." in markdown
+    assert f"- **linear: warning: {warning}" in markdown
+    assert f"linear warning: {warning}" in comparison_summary(comparison)
+    assert comparison_json(comparison)["methods"][0]["better"] == ["alpha=0.5"]
 
 
 def test_a_pick_that_is_pre_itself_says_so_instead_of_a_recovery(toy_pair, linear_sweep, tmp_path):
@@ -284,3 +290,14 @@ def test_a_tokenizer_that_encodes_a_prompt_to_nothing_is_one_line(toy_pair, tmp_
     with pytest.raises(InputError, match="the tokenizer encodes a prompt or an answer to no tokens"):
         run_sweep(settings)
     assert not (tmp_path / "run").exists()
+
+
+def test_settings_pass_through_asdict_as_ray_actors_rebuild_them(toy_pair, tmp_path):
+    from dataclasses import asdict
+
+    settings = settings_from_dict(dict(pre=str(toy_pair.pre_dir), post=str(toy_pair.post_dir), method="linear",
+                                       alphas=[0.5], old_tasks=["a"], new_tasks=["b"], out=str(tmp_path / "run"),
+                                       num_fewshot=3, apply_chat_template="tool_use"))
+    assert SweepSettings(**asdict(settings)) == settings
+    assert settings.identity()["lm_eval"] == {"num_fewshot": 3, "apply_chat_template": "tool_use"}
+    assert "lm_eval" not in settings_from_dict({**asdict(settings), "lm_eval": None}).identity()

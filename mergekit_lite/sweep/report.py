@@ -19,7 +19,7 @@ from mergekit_lite.io.model_card import selection_section
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.sweep.budget import budget_lines
 from mergekit_lite.sweep.grid import cell_key, cell_text, grid_json, grid_lines, plot_heatmap
-from mergekit_lite.sweep.result import SweepResult
+from mergekit_lite.sweep.result import SweepResult, pick_fields
 from mergekit_lite.sweep.samples import samples_json, samples_lines, write_samples
 from mergekit_lite.sweep.scoring import PointResult, task_accuracy
 from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
@@ -108,10 +108,7 @@ def results_json(result: SweepResult) -> dict:
                  "selection_harmonic_mean": best.selection.harmonic_mean, "ties": result.ties,
                  "indistinguishable": result.indistinguishable},
         "pareto": result.pareto,
-        "recovered": None if result.pick_is else result.recovered,
-        "kept": None if result.pick_is else result.kept,
-        "pick_is": result.pick_is,
-        "better": [point.label for point in result.better],
+        **pick_fields(result),
         "lm_eval": settings.lm_eval.describe(),
         "search": {"method": settings.search,
                    "evaluated": ([settings.alphas[index] for index in result.search.evaluated] if result.search

@@ -121,6 +121,13 @@ class SweepResult:
                 f"{self.better[0].label}, or score more docs (--limit)")
 
 
+def pick_fields(result: SweepResult) -> dict:
+    """results.json's account of the pick: what it gives back (null where it is pre or post itself), which endpoint it
+    is, and the alphas that beat it on the report split."""
+    return {"recovered": None if result.pick_is else result.recovered, "kept": None if result.pick_is else result.kept,
+            "pick_is": result.pick_is, "better": [point.label for point in result.better]}
+
+
 def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
     """The highest harmonic mean on the selection split, and every point within TIE_TOLERANCE of it;
     ties go to the first point (the smallest alpha; in a 2-D grid, the smallest second value, then alpha)."""

@@ -194,8 +194,8 @@ class SweepSettings:
         if shared:
             raise InputError(f"task {shared[0]!r} is both an old and a new task")
         self.limit = parse_limit(self.limit)
-        if not isinstance(self.lm_eval, LmEvalSettings):
-            raise InputError(f"lm_eval settings must be LmEvalSettings, got {self.lm_eval!r}")
+        if isinstance(self.lm_eval, dict):  # as asdict() gives it (a Ray actor's settings)
+            self.lm_eval = LmEvalSettings(**self.lm_eval)
         if self.lm_eval.model_args and self.backend != "hf":
             raise InputError("--model-args applies to --backend hf; give vLLM's through --vllm-args")
         for name in ("batch_size", "recall_samples"):
