@@ -160,5 +160,6 @@ def summary_markdown(sweeps: dict[str, SweepResult], audits: list) -> str:
     return ("# mergekit-lite demo\n\nOld skill = `toy_old`, new skill = `toy_new` (4-way multiple choice, chance 0.25). "
             "Forgetting recovered = (old_best - old_post) / (old_pre - old_post); new skill kept = "
             "(new_best - new_pre) / (new_post - new_pre).\n\n" + split + "\n\n" +
-            "\n".join(rows) + "\n\n" + "".join(warnings) + "## Adapter audits\n\n" + "\n".join(audit_rows) + "\n\n## Sweeps\n\n" +
+            "\n".join(rows) + "\n\n" + "".join(warnings) + "## Adapter audits\n\n" + "\n".join(audit_rows) +
+            "\n\n## Sweeps\n\n" +
             links + "\n")

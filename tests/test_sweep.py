@@ -312,8 +312,9 @@ def test_cli_sweeps_from_a_config_file_with_flag_overrides_and_saves_the_best(to
 
 
 def test_ctrl_c_ends_a_sweep_at_once_leaving_only_whole_points(toy_pair, tmp_path):
-    """SIGINT midway through a sweep (lm-eval or a merge running): exit 130 within seconds, saying how to resume, the lock
-    released, no scratch merge left, every point file whole (resuming from them: test_rerun_evaluates_only_...)."""
+    """SIGINT midway through a sweep (lm-eval or a merge running): exit 130 within seconds, saying how to resume,
+    the lock released, no scratch merge left, every point file whole (resuming from them:
+    test_rerun_evaluates_only_...)."""
     folder = tmp_path / "run"
     arguments = ["--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--old-tasks", ",".join(toy_pair.old_tasks),
                  "--new-tasks", ",".join(toy_pair.new_tasks), "--include-path", toy_pair.task_dir, "--out", folder,

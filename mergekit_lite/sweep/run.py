@@ -198,7 +198,8 @@ def check_evaluation(settings: SweepSettings) -> None:
     task_index(settings.old_tasks + settings.new_tasks, settings.include_path)
     if settings.lm_eval.apply_chat_template:
         folder = find_tokenizer_dir([settings.pre, settings.post], 0)
-        check_chat_template(evaluation_tokenizer(settings, folder), settings.lm_eval, f"{settings.pre} or {settings.post}")
+        where = f"{settings.pre} or {settings.post}"
+        check_chat_template(evaluation_tokenizer(settings, folder), settings.lm_eval, where)
 
 
 def audit_adapter_post(settings: SweepSettings) -> None:
