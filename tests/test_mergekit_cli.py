@@ -69,7 +69,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def workspace(models, tmp_path: Path, config: str = CONFIG) -> Path:
     """A user's folder holding config.yaml (absolute model paths: mergekit reads a bare name as a hub id)."""
     folder = tmp_path / "work"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(config.format(base=models["base"], a=models["a"]))
     return folder
 
@@ -319,3 +319,84 @@ def test_the_dry_run_compares_free_space_with_the_output(models, tmp_path, monke
     tight = cli("merge", "config.yaml", "merge", "--dry-run", cwd=folder)
     assert "free 0.0 MB where it goes" in tight.stdout and "does NOT fit: a merge is refused" in tight.stdout
     assert not (folder / "merge").exists()
+
+
+# ------------------------------------------------------------------------------- extract, side by side
+
+# mergekit's README ("LoRA Extraction", Usage), its optional parts written out and its placeholders filled in.
+EXTRACT_LINES = {
+    "readme": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path --no-lazy-unpickle "
+              "--max-rank=8 --sv-epsilon=0.001",
+    "embed_lora": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path --max-rank=4 "
+                  "--embed-lora",
+    "no_distribute_scale": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path "
+                           "--max-rank=4 --no-distribute-scale -e k_proj",
+    "skip_undecomposable": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path "
+                           "--max-rank=4 --skip-undecomposable --save-module o_proj",
+}
+# mergekit-extract-lora's entry point once per line in one interpreter (importing torch and mergekit costs more
+# than a tiny extraction)
+EXTRACT_BATCH = """
+import os, shlex, sys
+from mergekit.scripts.extract_lora import main
+for folder, line in zip(sys.argv[1::2], sys.argv[2::2]):
+    os.chdir(folder)
+    try:
+        main(shlex.split(line)[1:], standalone_mode=False)
+    except Exception as error:  # its model card looks the base up on the Hub after the adapter is written
+        if not os.path.isfile("output_path/adapter_model.safetensors"):
+            raise
+"""
+
+
+def factors_and_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """An adapter's tensors with each LoRA pair replaced by its product B @ A (the factors of an SVD are unique
+    only up to signs): the update it applies, by module."""
+    with safe_open(folder / "adapter_model.safetensors", "pt") as handle:
+        state = {key: handle.get_tensor(key).float() for key in handle.keys()}
+    result = {}
+    for key, tensor in state.items():
+        for a_part, b_part in ((".lora_A.weight", ".lora_B.weight"), (".lora_embedding_A", ".lora_embedding_B")):
+            if key.endswith(a_part):
+                result[key.removesuffix(a_part) + " (B@A)"] = state[key.removesuffix(a_part) + b_part] @ tensor
+        if ".lora_" not in key:
+            result[key] = tensor
+    return result
+
+
+@pytest.fixture(scope="module")
+def extractions(models) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess]]:
+    """Each line through mergekit-extract-lora (one batch) and through `mergekit-lite extract`."""
+    root = models["root"] / "extract"
+    lines = {name: line.format(tuned=models["a"], base=models["base"]) for name, line in EXTRACT_LINES.items()}
+    for name in lines:
+        for tool in ("mergekit", "lite"):
+            (root / tool / name).mkdir(parents=True)
+    python = mergekit_cli().parent / "python"
+    arguments = [str(part) for name, line in lines.items() for part in (root / "mergekit" / name, line)]
+    batch = subprocess.run([str(python), "-c", EXTRACT_BATCH, *arguments], capture_output=True, text=True,
+                           env=_environment(), timeout=1200)
+    assert batch.returncode == 0, batch.stderr[-3000:]
+    ours = {name: cli("extract", *shlex.split(line)[1:], cwd=root / "lite" / name) for name, line in lines.items()}
+    return {name: (root / "mergekit" / name / "output_path", root / "lite" / name / "output_path", ours[name])
+            for name in lines}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXTRACT_LINES))
+def test_extract_lora_command_lines_give_mergekits_adapter(extractions, name):
+    theirs, ours, run = extractions[name]
+    assert run.returncode == 0, run.stderr
+    expected, extracted = factors_and_tensors(theirs), factors_and_tensors(ours)
+    assert sorted(extracted) == sorted(expected)
+    for key, tensor in expected.items():
+        torch.testing.assert_close(extracted[key], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    with safe_open(ours / "adapter_model.safetensors", "pt") as mine, \
+            safe_open(theirs / "adapter_model.safetensors", "pt") as reference:
+        for key in reference.keys():  # the ranks, and --no-distribute-scale's factors themselves (up to sign)
+            assert mine.get_slice(key).get_shape() == reference.get_slice(key).get_shape(), key
+            if name == "no_distribute_scale":
+                torch.testing.assert_close(mine.get_tensor(key).abs(), reference.get_tensor(key).abs(), rtol=1e-3,
+                                           atol=1e-5, msg=lambda m: f"{key}: {m}")
+    if name == "readme":
+        assert "note: --lazy-unpickle" not in run.stderr  # --no-lazy-unpickle asks for nothing
