@@ -92,15 +92,17 @@ def run_lite_line(line: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def shards(folder: Path) -> list[list[tuple[str, int]]]:
-    """Each shard's tensors in file order with their bytes (numel * element size)."""
+    """Each shard's tensors in file order with their bytes (numel * element size), from its header."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"] \
         if (folder / "model.safetensors.index.json").is_file() else None
     files = sorted(set(index.values())) if index else ["model.safetensors"]
     layout = []
     for name in files:
-        with safe_open(folder / name, "pt") as handle:
-            tensors = [(key, handle.get_tensor(key)) for key in handle.keys()]
-        layout.append([(key, tensor.numel() * tensor.element_size()) for key, tensor in tensors])
+        with open(folder / name, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        header.pop("__metadata__", None)
+        ranges = sorted((entry["data_offsets"], key) for key, entry in header.items())  # file order
+        layout.append([(key, end - start) for (start, end), key in ranges])
     return layout
 
 
@@ -332,7 +334,10 @@ EXTRACT_LINES = {
     "no_distribute_scale": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path "
                            "--max-rank=4 --no-distribute-scale -e k_proj",
     "skip_undecomposable": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path "
-                           "--max-rank=4 --skip-undecomposable --save-module o_proj",
+                           "--max-rank=4 --skip-undecomposable",
+    # mergekit 0.1.5 takes --save-module only beside these two (else it appends to its tuple of modules and fails)
+    "save_module": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path --max-rank=4 "
+                   "--embed-lora --skip-undecomposable --save-module o_proj",
 }
 # mergekit-extract-lora's entry point once per line in one interpreter (importing torch and mergekit costs more
 # than a tiny extraction)

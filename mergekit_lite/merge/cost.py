@@ -193,11 +193,15 @@ def read_cache(path: Path) -> tuple[dict[str, Rates], str | None]:
         return {}, None
     except OSError as error:  # a symbolic link (ELOOP), unreadable, ...
         return {}, "not a file of ours" if error.errno == errno.ELOOP else f"unreadable ({error.strerror})"
-    with os.fdopen(descriptor, "rb") as handle:
-        status = os.fstat(handle.fileno())
+    try:
+        status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid():
             return {}, "not a file of ours"
-        data = handle.read(CACHE_BYTES + 1)
+        data = b""
+        while len(data) <= CACHE_BYTES and (chunk := os.read(descriptor, CACHE_BYTES + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(descriptor)
     if len(data) > CACHE_BYTES:
         return {}, f"larger than {CACHE_BYTES // 1024} KiB"
     try:
