@@ -405,3 +405,18 @@ def test_extract_lora_command_lines_give_mergekits_adapter(extractions, name):
                                            atol=1e-5, msg=lambda m: f"{key}: {m}")
     if name == "readme":
         assert "note: --lazy-unpickle" not in run.stderr  # --no-lazy-unpickle asks for nothing
+
+
+def test_extract_save_module_alone_and_shared_flags_with_nothing_to_do(models, tmp_path):
+    """--save-module without --embed-lora --skip-undecomposable (mergekit 0.1.5 fails there) stores the module
+    whole; a shared flag with no part in an extraction says so."""
+    result = cli("extract", "--model", models["a"], "--base-model", models["base"], "--out-path", tmp_path / "lora",
+                 "--max-rank", "4", "--save-module", "o_proj", "--out-shard-size", "1B", "--random-seed", "1")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert {f"model.layers.{i}.self_attn.o_proj" for i in range(3)} <= set(config["modules_to_save"])
+    assert "o_proj" not in config["target_modules"]
+    assert "note: --out-shard-size: the adapter is one file" in result.stderr
+    assert "note: --random-seed: an SVD draws nothing at random" in result.stderr
+    one_error_line(cli("extract", "--model", models["a"], "--base-model", models["base"], "--out-path",
+                       tmp_path / "never", "--save-module", "no_such_module"), 2, "--save-module no_such_module")

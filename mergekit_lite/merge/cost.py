@@ -189,7 +189,7 @@ def read_cache(path: Path) -> tuple[dict[str, Rates], str | None]:
     zero, negative, NaN, inf, huge, a string, null) is not read further and is measured again and replaced."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none yet (or no folder for one): measured, nothing to say
         return {}, None
     except OSError as error:  # a symbolic link (ELOOP), unreadable, ...
         return {}, "not a file of ours" if error.errno == errno.ELOOP else f"unreadable ({error.strerror})"
