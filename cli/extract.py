@@ -2,7 +2,7 @@
 
 import click
 
-from cli.mergekit_flags import mergekit_options, split_flags
+from cli.mergekit_flags import MergekitFlags, mergekit_options
 from cli.types import Number, SafeSuggestions
 
 # mergekit's shared flags that have no part in an extraction: a note when given (mergekit reads them and does nothing)
@@ -66,7 +66,7 @@ def extract(ctx, base, model, out, rank, include, exclude, linear_only, distribu
     from mergekit_lite.devices import usable_device
     from mergekit_lite.merge.extract import extract_lora
 
-    flags, _ = split_flags(mergekit)
+    flags = MergekitFlags(**mergekit)
     flags.refusals()
     device = usable_device(flags.device(device) or "cpu")
     given = [name for name in NOT_EXTRACTION if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]

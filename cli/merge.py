@@ -2,7 +2,7 @@
 
 import click
 
-from cli.mergekit_flags import mergekit_options, split_flags
+from cli.mergekit_flags import MergekitFlags, mergekit_options
 from cli.types import Number, SafeSuggestions
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.checkpoints import in_training_order
@@ -127,7 +127,7 @@ def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scal
     from mergekit_lite.io.outputs import check_free_space, check_output_folder
     from mergekit_lite.merge.schema import config_from_dict, load_config
 
-    flags, _ = split_flags(mergekit)
+    flags = MergekitFlags(**mergekit)
     flags.refusals()
     out = _output_folder(out_path, out)
     seed = _seed(seed, flags.random_seed)

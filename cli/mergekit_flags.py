@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import click
 
@@ -75,7 +75,7 @@ OPTIONS = (
 
 
 def mergekit_options(command):
-    """Add mergekit's shared flags to a click command; they arrive as keyword arguments for MergekitFlags."""
+    """Add mergekit's shared flags to a click command; they arrive as the keyword arguments of MergekitFlags."""
     for option in reversed(OPTIONS):
         command = option(command)
     return command
@@ -107,10 +107,6 @@ class MergekitFlags:
     low_cpu_memory: bool
     multi_gpu: bool
     gpu_rich: bool
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(field.name for field in fields(cls))
 
     def refusals(self) -> None:
         """The flags that cannot apply, refused in one line before any work."""
@@ -181,9 +177,3 @@ class MergekitFlags:
 
             constants.HF_HUB_CACHE = os.path.abspath(self.transformers_cache)
 
-
-def split_flags(arguments: dict) -> tuple[MergekitFlags, dict]:
-    """mergekit's flags out of a command's keyword arguments, and the rest."""
-    names = MergekitFlags.names()
-    return (MergekitFlags(**{name: arguments[name] for name in names}),
-            {name: value for name, value in arguments.items() if name not in names})
