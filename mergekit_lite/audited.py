@@ -102,11 +102,14 @@ def require_verified_inputs(pre: str, references: list[str]) -> None:
 
 
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
-              card_sections: list[tuple[str, str]] = (), require_verified: bool = False) -> engine.MergeResult:
+              card_sections: list[tuple[str, str]] = (), require_verified: bool = False,
+              **files) -> engine.MergeResult:
     """Plan and stream a merge into `out` (engine.run_merge), adapters audited first (with `require_verified`, only
-    VERIFIED ones merge); `card_sections` are added to its model card."""
+    VERIFIED ones merge); `card_sections` are added to its model card; `files`: engine.run_merge's copy_tokenizer
+    and model_card."""
     return engine.run_merge(config, out, overwrite=overwrite, progress=progress,
-                            gate=partial(audit_gate, require_verified=require_verified), card_sections=card_sections)
+                            gate=partial(audit_gate, require_verified=require_verified), card_sections=card_sections,
+                            **files)
 
 
 def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, **options) -> Extraction:
