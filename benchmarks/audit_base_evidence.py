@@ -18,7 +18,8 @@ chains), then each is applied to `base`, the base the audit is given, and measur
 Separation: ROC AUC of "made on base" (positive) against "made on other" and against "made on variant", with the
 statistic oriented so that larger means "this base" (1.0: a threshold separates them; 0.5: chance), and the share of
 real adapters a threshold rejects when it is set to reject every adapter made on another base. Writes
-benchmarks/work/audit-evidence/results.json (git-ignored) and prints the Markdown table for RESULTS.md.
+benchmarks/work/audit-evidence/ (git-ignored; bases and adapters already there are reused: delete it after changing
+--pretrain-steps) and prints the Markdown table for RESULTS.md.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def fit(model, batches, learning_rate: float) -> None:
 def build_bases(architecture: str, folder: Path, pretrain_steps: int) -> dict[str, Path]:
     """base and other (same text, other init seed), variant (base + a short fine-tune on another chain)."""
     class_name, make_config, _ = ARCHITECTURES[architecture]
-    if all((folder / name / "config.json").is_file() for name in ("base", "other", "variant")):  # --resume
+    if all((folder / name / "config.json").is_file() for name in ("base", "other", "variant")):  # an earlier run's bases
         return {name: folder / name for name in ("base", "other", "variant")}
     paths = {}
     for name, seed in (("base", 0), ("other", 1)):
