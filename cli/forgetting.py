@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import click
 
+from cli.forgetting_matrix import NAMES as MATRIX_OPTIONS
+from cli.forgetting_matrix import matrix_options, run_matrix_form
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, format_table
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
@@ -93,8 +95,9 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
               help="Exit 3 when a checkpoint's group value crosses VALUE (> or <), e.g. old:F_true>0.1. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+@matrix_options
 def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, samples_out, replay_out,
-               replay_format, heatmap_out, alerts, as_json, quiet):
+               replay_format, heatmap_out, alerts, as_json, quiet, **matrix):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected
     as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2), or along a training run.
 
@@ -114,7 +117,16 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
           --samples forgotten.jsonl --replay replay.jsonl
       mergekit-lite forgetting runs/step-0 runs/step-1000 runs/step-2000 --group old=arc_easy \\
           --heatmap forgetting.png --alert 'old:F_true>0.1'
+      mergekit-lite forgetting runs/pre runs/ft-1 runs/ft-2 runs/ft-3 runs/ft-4 --matrix history/
+      mergekit-lite forgetting runs/pre runs/ft-new-probe --history history/ \\
+          --replay replay.jsonl --replay-budget 200
     """
+    trajectory_options = [name for name, given in (("--group", groups), ("--overall", overall),
+                                                    ("--heatmap", heatmap_out), ("--alert", alerts)) if given]
+    if run_matrix_form(inputs, {name: matrix[name] for name in MATRIX_OPTIONS},
+                       Scoring.from_specs(metrics, filters, choices), samples_out, replay_out, replay_format, as_json,
+                       trajectory_options):
+        return
     if len(inputs) < 2:
         raise InputError("forgetting needs at least two lm-eval outputs: PRE POST, or the checkpoints of a run in order")
     parsed_groups = [parse_group(spec) for spec in groups]

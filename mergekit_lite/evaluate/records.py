@@ -28,6 +28,7 @@ class SampleText:
     answer: str | None
     completion: str | None
     doc_hash: str | None = None
+    gold_loglikelihood: float | None = None  # multiple choice: the log-likelihood lm-eval logged for the gold option
 
 
 def is_generative(sample: dict) -> bool:
@@ -302,7 +303,8 @@ def sample_text(sample: dict, metric: str, config: dict | None) -> SampleText:
     if lls is not None and count > 1:
         answer = options[_chosen_option(lls[:count], options, lls[count:] if len(lls) > count else None,
                                         metric, delimiter)]
-    return SampleText(contexts[0], gold, answer, gold, doc_hash)
+    gold_ll = lls[index] if lls is not None and index is not None else None
+    return SampleText(contexts[0], gold, answer, gold, doc_hash, gold_ll)
 
 
 def answer_rule(sample: dict, metric: str, filter_: str | None) -> str:
