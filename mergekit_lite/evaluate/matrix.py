@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.outcomes import LoadedRun, SampleOutcomes
@@ -170,30 +171,64 @@ def r2_by_rank(z: np.ndarray) -> list[float]:
 
 @dataclass(frozen=True)
 class History:
-    """What the rows of a history say about a doc: column means and the top right singular vectors of the
-    column-centred matrix, scaled so a row's loadings have unit variance (for MF), and the noise left."""
+    """What some rows of Z (`rows`) say about each doc: the column means, and the top right singular vectors of
+    the column-centred rows scaled so a row's loadings have unit variance (for MF), and the noise left."""
 
     z: np.ndarray
+    rows: np.ndarray
     means: np.ndarray
     factors: np.ndarray  # rank x N
     noise: float
 
 
+@dataclass(frozen=True)
+class Gram:
+    """Z Z^T and the column sums in float64, computed once: every leave-one-out history comes from them at
+    O(M^2 + rank M N), not O(M^2 N) per held-out row."""
+
+    z: np.ndarray
+    gram: np.ndarray
+    column_sums: np.ndarray
+
+    @classmethod
+    def of(cls, z: np.ndarray) -> Gram:
+        return cls(z, _gram(z), z.sum(axis=0, dtype=np.float64))
+
+    def history(self, rows: np.ndarray, rank: int = MF_RANK) -> History:
+        """The history of `rows`: the Gram matrix of the centred rows is G - G1/m 1^T - 1 1^TG/m + 1^TG1/m^2,
+        its eigenvectors give the left singular vectors, one product with Z the doc factors."""
+        m = len(rows)
+        sub = self.gram[np.ix_(rows, rows)]
+        row_sums = sub.sum(axis=1) / m
+        centred = sub - row_sums[:, None] - row_sums[None, :] + sub.sum() / m**2
+        eigenvalues, vectors = np.linalg.eigh((centred + centred.T) / 2)
+        order = np.argsort(eigenvalues)[::-1]
+        eigenvalues, vectors = np.clip(eigenvalues[order], 0, None), vectors[:, order]
+        left_out = np.setdiff1d(np.arange(len(self.z)), rows)
+        means = (self.column_sums - self.z[left_out].sum(axis=0, dtype=np.float64)) / m
+        rank = max(0, min(rank, int((eigenvalues > 1e-9 * max(eigenvalues.sum(), 1e-300)).sum())))
+        weights = np.zeros((rank, len(self.z)), dtype=self.z.dtype)
+        weights[:, rows] = vectors[:, :rank].T
+        projected = (weights @ self.z).astype(np.float64) - vectors[:, :rank].sum(axis=0)[:, None] * means
+        factors = projected / np.sqrt(m)  # (u^T C) / sqrt(m) = s v^T / sqrt(m): loadings u sqrt(m) of unit variance
+        cells = m * self.z.shape[1]
+        noise = float(eigenvalues[rank:].sum() / cells) if cells else 0.0
+        total = float(eigenvalues.sum() / cells) if cells else 0.0
+        return History(self.z, rows, means, factors, max(noise, 1e-6 * total, 1e-12))
+
+
+def _gram(z: np.ndarray) -> np.ndarray:
+    """Z Z^T in float64, a block of docs at a time (no float64 copy of the whole of Z)."""
+    gram = np.zeros((len(z), len(z)))
+    for start in range(0, z.shape[1], 16384):
+        block = z[:, start:start + 16384].astype(np.float64)
+        gram += block @ block.T
+    return gram
+
+
 def history_of(z: np.ndarray, rank: int = MF_RANK) -> History:
-    """The column means and rank-`rank` doc factors of the rows `z` (via the M x M Gram matrix)."""
-    z64 = z.astype(np.float64)
-    means = z64.mean(axis=0)
-    centred = z64 - means
-    eigenvalues, vectors = np.linalg.eigh(centred @ centred.T)
-    order = np.argsort(eigenvalues)[::-1]
-    eigenvalues, vectors = np.clip(eigenvalues[order], 0, None), vectors[:, order]
-    rank = max(0, min(rank, int((eigenvalues > 1e-9 * max(eigenvalues.sum(), 1e-300)).sum())))
-    singular = np.sqrt(eigenvalues[:rank])
-    directions = (vectors[:, :rank].T @ centred) / singular[:, None] if rank else np.zeros((0, z.shape[1]))
-    factors = directions * singular[:, None] / np.sqrt(len(z))
-    noise = float(eigenvalues[rank:].sum() / z.size) if z.size else 0.0
-    total = float(eigenvalues.sum() / z.size) if z.size else 0.0
-    return History(z64, means, factors, max(noise, 1e-6 * total, 1e-12))
+    """The history of all rows of `z`."""
+    return Gram.of(z).history(np.arange(len(z)), rank)
 
 
 def predict_additive(history: History, observed: np.ndarray, values: np.ndarray, binary: bool) -> np.ndarray:
@@ -207,11 +242,11 @@ def predict_additive(history: History, observed: np.ndarray, values: np.ndarray,
 def predict_knn(history: History, observed: np.ndarray, values: np.ndarray, binary: bool) -> np.ndarray:
     """Row-based KNN: the ceil(sqrt(M)) rows closest to the new row on its observed docs (mean squared
     difference), averaged with weights 1 / (1 + msd) as surprise's KNNBasic weighs MSD similarity."""
-    msd = ((history.z[:, observed] - values) ** 2).mean(axis=1)
-    k = int(np.ceil(np.sqrt(len(history.z))))
+    msd = ((history.z[np.ix_(history.rows, observed)] - values) ** 2).mean(axis=1)
+    k = int(np.ceil(np.sqrt(len(history.rows))))
     nearest = np.argsort(msd, kind="stable")[:k]
     weights = 1 / (1 + msd[nearest])
-    return weights @ history.z[nearest] / weights.sum()
+    return weights @ history.z[history.rows[nearest]].astype(np.float64) / weights.sum()
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
@@ -231,7 +266,7 @@ def predict_mf(history: History, observed: np.ndarray, values: np.ndarray, binar
         residual = values - history.means[observed]
         loadings = np.linalg.solve(h @ h.T / history.noise + np.eye(rank), h @ residual / history.noise)
         return history.means + loadings @ history.factors
-    m = len(history.z)
+    m = len(history.rows)
     offsets = _logit((history.means * m + 0.5) / (m + 1))
     h_logit, prior = history.factors * 4, 1.0  # sigmoid's slope at 1/2 is 1/4: logit factors are 4x the 0/1 ones
     loadings = np.zeros(rank)
@@ -250,13 +285,16 @@ PREDICTORS = {"additive": predict_additive, "knn": predict_knn, "mf": predict_mf
 
 
 def auc(truth: np.ndarray, scores: np.ndarray) -> float | None:
-    """ROC AUC by the Mann-Whitney rank sum, ties averaged; None when one class is absent."""
+    """ROC AUC by the Mann-Whitney rank sum, ties given their average rank; None when one class is absent."""
     positives, negatives = int(truth.sum()), int((~truth).sum())
     if not positives or not negatives:
         return None
-    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    average_rank = (np.cumsum(counts) - (counts - 1) / 2)[inverse]
-    return float((average_rank[truth].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+    order = np.argsort(scores)  # equal scores are grouped below: the sort need not be stable
+    ordered = scores[order]
+    starts = np.concatenate(([0], np.flatnonzero(ordered[1:] != ordered[:-1]) + 1))
+    ends = np.append(starts[1:], len(ordered))
+    ranks = np.repeat((starts + ends + 1) / 2, ends - starts)
+    return float((ranks[truth[order]].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
 def binary_metrics(truth: np.ndarray, scores: np.ndarray, predicted: np.ndarray) -> dict:
@@ -298,6 +336,26 @@ def choose_known(candidates: np.ndarray, known: int, rng: np.random.Generator) -
     return np.sort(rng.choice(candidates, size=known, replace=False))
 
 
+def _complete_row(matrix: ForgettingMatrix, gram: Gram, held_out: int, known: int, seed: int,
+                  candidates: np.ndarray, truths: list, scores: dict) -> None:
+    """One held-out row of `completion_table`: its truths and every method's scores on its unobserved docs."""
+    rng = np.random.default_rng([seed, held_out])
+    observed = choose_known(candidates, known, rng)
+    unobserved = np.ones(len(matrix.docs), dtype=bool)
+    unobserved[observed] = False
+    targets = candidates[unobserved[candidates]]
+    row = matrix.z[held_out].astype(np.float64)
+    history = gram.history(np.delete(np.arange(len(matrix.rows)), held_out))
+    for name in METHODS:
+        scores[name].append(PREDICTORS[name](history, observed, row[observed], matrix.binary)[targets])
+    if matrix.binary:  # random scores, as many above 1/2 as the observed share of forgotten docs
+        scores["random"].append(rng.random(len(targets)) + row[observed].mean() - 0.5)
+    else:
+        scores["random"].append(rng.choice(row[observed], len(targets)))
+    scores["per-doc mean"].append(history.means[targets])
+    truths.append(row[targets])
+
+
 def completion_table(matrix: ForgettingMatrix, known: int = 30, seed: int = 0) -> CompletionTable:
     """Leave each row out in turn, observe `known` of its forgettable docs (seeded per row), predict the rest
     from the other rows with every method; pooled metrics over all held-out entries, beside a random predictor
@@ -310,20 +368,10 @@ def completion_table(matrix: ForgettingMatrix, known: int = 30, seed: int = 0) -
     candidates = np.flatnonzero(matrix.forgettable)
     names = METHODS + BASELINES
     truths, scores = [], {name: [] for name in names}
-    for held_out in range(len(matrix.rows)):
-        rng = np.random.default_rng([seed, held_out])
-        observed = choose_known(candidates, known, rng)
-        targets = np.setdiff1d(candidates, observed, assume_unique=True)
-        row = matrix.z[held_out].astype(np.float64)
-        history = history_of(np.delete(matrix.z, held_out, axis=0))
-        for name in METHODS:
-            scores[name].append(PREDICTORS[name](history, observed, row[observed], matrix.binary)[targets])
-        random_draw = rng.random(len(targets)) if matrix.binary else rng.choice(row[observed], len(targets))
-        scores["random"].append(random_draw)
-        scores["per-doc mean"].append(history.means[targets])
-        truths.append(row[targets])
-        if matrix.binary:  # the random predictor flags as many as the observed share: threshold 1 - share
-            scores["random"][-1] = scores["random"][-1] + (row[observed].mean() - 0.5)
+    gram = Gram.of(matrix.z)
+    with threadpool_limits(1, user_api="blas"):
+        for held_out in range(len(matrix.rows)):
+            _complete_row(matrix, gram, held_out, known, seed, candidates, truths, scores)
     truth = np.concatenate(truths)
     table = CompletionTable(known, seed, matrix.binary, len(matrix.rows))
     for name in names:
