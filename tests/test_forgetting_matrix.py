@@ -88,6 +88,17 @@ def test_r2_by_rank_equals_numpy_svd_on_a_rank_three_logprob_matrix(tmp_path):
     assert payload["value"] == "logprob" and payload["rows"] == [str(post) for post in posts]
     rmse = {name: row["rmse"] for name, row in payload["completion"][0]["methods"].items()}
     assert rmse["mf"] < 0.5 * rmse["per-doc mean"] and rmse["mf"] < 0.5 * rmse["random"]
+    truth = rng.normal(size=3) @ drops[:3]  # a new fine-tune: a mix of the history's rows
+    new = write_run(tmp_path / "new", pre_correct(), pre_ll - truth, docs=range(0, DOCS, 3))
+    samples = tmp_path / "samples.jsonl"
+    result = run_cli(pre, new, "--history", tmp_path / "out", "--samples", samples, "--predictor", "mf")
+    assert result.exit_code == 0, result.output
+    assert f"predicted by mf: {DOCS // 3} docs observed, {DOCS - DOCS // 3} predicted" in result.stdout
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert all("p_forgotten" not in row and row["predicted"] is (row["doc_id"] % 3 != 0) for row in rows)
+    predicted = np.array([row["logprob_drop"] for row in rows])
+    hidden = np.arange(DOCS) % 3 != 0
+    assert np.sqrt(np.mean((predicted - truth)[hidden] ** 2)) < 0.2 * truth[hidden].std()
 
 
 def test_the_block_matrix_is_written_whole(blocks):
