@@ -144,9 +144,9 @@ def build_matrix(pre: LoadedRun, load_post: Callable[[str], LoadedRun], posts: S
         for task, outcomes in chosen.items():
             for key in outcomes.correct:
                 _gold_ll(outcomes, key, "pre")
-    z = np.empty((len(posts), len(docs)), dtype=np.float32)
+    z, seeds = np.empty((len(posts), len(docs)), dtype=np.float32), pre_seeds(pre)
     for index, post in enumerate(posts):
-        z[index], _ = forgetting_row(chosen, load_post(post), post, value, pre_seeds=pre_seeds(pre))
+        z[index], _ = forgetting_row(chosen, load_post(post), post, value, pre_seeds=seeds)
     return ForgettingMatrix(z, docs, list(posts), value)
 
 
