@@ -136,9 +136,10 @@ def main() -> None:
     config = ToyConfig(seed=args.seed)
     runs = out / "runs"
     with torch_threads(1):
-        pre = build_model(len(tokenizer), config)
-        train_on(pre, tokenizer, [table.sentence(e) for table in old for e in entities], args.pre_steps, 3e-3)
-        save_model(pre, tokenizer, out / "models" / "pre", config)
+        if not (out / "models" / "pre" / "config.json").exists():
+            pre = build_model(len(tokenizer), config)
+            train_on(pre, tokenizer, [table.sentence(e) for table in old for e in entities], args.pre_steps, 3e-3)
+            save_model(pre, tokenizer, out / "models" / "pre", config)
         pre_log = lm_eval(out / "models" / "pre", tasks, task_dir, runs / "pre")
         logs, new_skills = [], []
         for index, relation in enumerate(NEW):
