@@ -10,7 +10,7 @@ import ast
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mergekit_lite.errors import InputError
@@ -28,7 +28,8 @@ class SampleText:
     answer: str | None
     completion: str | None
     doc_hash: str | None = None
-    gold_loglikelihood: float | None = None  # multiple choice: the log-likelihood lm-eval logged for the gold option
+    # multiple choice: the log-likelihood lm-eval logged for the gold option (a score, not text: not compared)
+    gold_loglikelihood: float | None = field(default=None, compare=False)
 
 
 def is_generative(sample: dict) -> bool:
