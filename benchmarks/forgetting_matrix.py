@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/work/forgetting-matrix"))
     parser.add_argument("--entities", type=int, default=48)
     parser.add_argument("--pre-steps", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--lr", type=float, default=3e-4, help="the fine-tunes' learning rate (PRE: 3e-3)")
     parser.add_argument("--budget", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -170,7 +171,7 @@ def fine_tune(out, tokenizer, config, table: Skill, replay_sentences: list[str],
     if not (folder / "config.json").exists():
         model = LlamaForCausalLM.from_pretrained(out / "models" / "pre")
         train_on(model, tokenizer, [table.sentence(e) for e in sorted(table.answers)] + replay_sentences,
-                 args.steps, 3e-3)
+                 args.steps, args.lr)
         save_model(model, tokenizer, folder, config)
     return lm_eval(folder, tasks, task_dir, runs / name)
 
