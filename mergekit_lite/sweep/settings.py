@@ -36,6 +36,7 @@ SEARCHES = ("grid", "golden")
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 # a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
+DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
 OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget")  # settings written out only when given
 
@@ -200,11 +201,23 @@ class SweepSettings:
         if dtype not in DTYPES:
             raise InputError(f"unknown eval dtype {self.eval_dtype!r} (use bf16, fp16 or fp32)")
         self.eval_dtype = DTYPES[dtype]
+        self._check_representable()
         if self.method in RECALL_METHODS and not self.recall_texts:
             raise InputError(f"a {self.method} sweep needs typical samples: --recall-texts (one text per line)")
         for value in self.second_values() or [None]:
             for alpha in self.alphas:
                 self.merge_config(alpha, cell=value)  # every point's merge is valid before any model is read
+
+    def _check_representable(self) -> None:
+        """Coefficients beyond the largest number of the evaluation dtype make every weight they scale infinite:
+        such a model can only produce non-finite logits, so it is refused before any work."""
+        largest = DTYPE_MAX[self.eval_dtype]
+        values = [("alphas", value) for value in self.alphas] + [("beta", self.beta)]
+        values += [(self.second + "s", value) for value in self.second_values() or []]
+        for name, value in values:
+            if isinstance(value, (int, float)) and not abs(value) <= largest:
+                raise InputError(f"{name}: {value!r} overflows {self.eval_dtype} (largest {largest:.4g}); every weight "
+                                 "it scales would be infinite")
 
     def _check_grid(self) -> None:
         """At most one second coefficient, one the method takes; the budget a whole number, only where it decides."""
@@ -212,6 +225,9 @@ class SweepSettings:
         if len(given) > 1:
             raise InputError(f"sweep one second coefficient at a time (got {' and '.join(given)})")
         for name in given:
+            if getattr(self, SECOND_AXES[name]) is not None:  # the grid's values would silently replace it
+                raise InputError(f"--{SECOND_AXES[name]} and --{name} both set {SECOND_AXES[name]}: give a fixed value "
+                                 f"or a grid of values, not both")
             setattr(self, name, parse_alphas(getattr(self, name), name))
             if SECOND_AXES[name] not in METHOD_PARAMETERS.get(self.method, ()):
                 raise InputError(f"{name}: method {self.method!r} has no {SECOND_AXES[name]} to sweep")
