@@ -225,9 +225,6 @@ class SweepSettings:
         if len(given) > 1:
             raise InputError(f"sweep one second coefficient at a time (got {' and '.join(given)})")
         for name in given:
-            if getattr(self, SECOND_AXES[name]) is not None:  # the grid's values would silently replace it
-                raise InputError(f"--{SECOND_AXES[name]} and --{name} both set {SECOND_AXES[name]}: give a fixed value "
-                                 f"or a grid of values, not both")
             setattr(self, name, parse_alphas(getattr(self, name), name))
             if SECOND_AXES[name] not in METHOD_PARAMETERS.get(self.method, ()):
                 raise InputError(f"{name}: method {self.method!r} has no {SECOND_AXES[name]} to sweep")
@@ -403,6 +400,10 @@ def settings_from_dict(data: dict) -> SweepSettings:
     if missing:
         flag = "--" + missing[0].replace("_", "-")
         raise InputError(f"missing setting {missing[0]!r} (give {flag} or put it in the config file)")
+    for grid, fixed in SECOND_AXES.items():  # a grid's values replace the fixed value in every row: never both
+        if data.get(grid) is not None and data.get(fixed) is not None:
+            raise InputError(f"{fixed} and {grid} both set {fixed} (--{fixed}, --{grid} or the config file): give "
+                             "a fixed value or a grid of values, not both")
     try:
         return SweepSettings(**{"include_path": None, **data})
     except TypeError as error:
