@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ import torch
 import yaml
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from test_safety import cli, lm_eval_output, one_error_line, run, tree_hash
+from test_safety import CLI, ENV, cli, lm_eval_output, one_error_line, run, tree_hash
 from tiny_models import save_tiny_llama, tiny_llama
 
 from mergekit_lite.errors import InputError
@@ -629,3 +632,132 @@ def test_a_sweep_where_every_merge_gives_non_finite_logits_has_no_pick():
         pick(broken)
     assert pick([*broken, point(0.5, 0.1)])[0].alpha == 0.5
     assert pareto_front([*broken, point(0.5, 0.1)]) == [0.5]
+
+
+# --------------------------------------------------------------------------------- all-or-nothing outputs
+
+
+@pytest.fixture
+def maps(tmp_path) -> Path:
+    """lm-eval sample logs of three checkpoints of one run (pre, mid, post) and a user's notes beside them."""
+    for name, accuracies in (("pre", [1, 1, 0, 0]), ("mid", [1, 0, 1, 0]), ("post", [0, 0, 1, 1])):
+        lm_eval_output(tmp_path / name, accuracies)
+    (tmp_path / "notes.txt").write_text("a file of the user's")
+    return tmp_path
+
+
+def forgetting(*extra) -> list:
+    return ["forgetting", "pre", "mid", "post", "--group", "old=arc", *extra]
+
+
+ALL_OUTPUTS = ["--samples", "s.jsonl", "--replay", "r.jsonl", "--heatmap", "h.png"]
+
+
+def test_sweep_replay_into_a_missing_folder_is_refused_before_any_work(fresh):
+    refused(fresh, *sweep("--replay", "nodir/r.jsonl"), patterns=[r"nodir/r\.jsonl: nodir is not an existing folder"])
+    assert not (fresh / "runs").exists()
+
+
+@pytest.mark.parametrize("outputs, pattern", [
+    (["--samples", "s.jsonl", "--replay", "r.jsonl", "--heatmap", "nodir/h.png"], r"nodir/h\.png: nodir is not an"),
+    (["--samples", "nodir/s.jsonl", "--heatmap", "h.png"], r"nodir/s\.jsonl: nodir is not an existing folder"),
+    (["--samples", "s.jsonl", "--replay", "notes.txt/r.jsonl"], r"notes\.txt is not an existing folder"),
+    (["--samples", "s.jsonl", "--replay", "r.jsonl", "--heatmap", "h.xyz"], r"h\.xyz: cannot tell the format from "
+                                                                             r"\.xyz; end the name with one of .*\.png"),
+    (["--samples", "s.jsonl", "--heatmap", "h"], r"h: cannot tell the format from a name without a suffix"),
+    (["--samples", "s.jsonl", "--heatmap", "h.pgf"], r"h\.pgf: cannot tell the format"),
+    (["--samples", "s.jsonl", "--replay", "notes.txt"], r"notes\.txt: already exists and is not a file mergekit-lite"),
+    (["--samples", "s.jsonl", "--replay", "s.jsonl"], r"--samples, --replay must name different files"),
+], ids=["heatmap-nodir", "samples-nodir", "under-a-file", "heatmap-xyz", "heatmap-no-suffix", "heatmap-pgf",
+        "existing", "same-file"])
+def test_forgetting_outputs_are_checked_before_anything_is_written(maps, outputs, pattern):
+    refused(maps, *forgetting(*outputs), patterns=[pattern])
+
+
+def test_forgetting_outputs_appear_together_or_not_at_all_on_ctrl_c(maps):
+    """SIGINT once the first output is written (to its temporary file) and the heat map is being drawn: exit 130,
+    and no output, whole or partial, is left."""
+    before = tree_hash(maps)
+    process = subprocess.Popen([str(CLI), *forgetting(*ALL_OUTPUTS)], cwd=maps, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        while process.poll() is None and not any(maps.glob(".s.jsonl.tmp-*")):
+            time.sleep(0.001)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert tree_hash(maps) == before
+
+
+def test_forgetting_overwrite_replaces_only_its_own_unchanged_files(maps):
+    assert cli(*forgetting(*ALL_OUTPUTS), cwd=maps).returncode == 0
+    written = tree_hash(maps)
+    refused(maps, *forgetting(*ALL_OUTPUTS), patterns=[r"s\.jsonl: already exists \(mergekit-lite wrote it; pass "
+                                                       r"--overwrite to replace it\)"])
+    again = cli(*forgetting(*ALL_OUTPUTS, "--overwrite"), cwd=maps)
+    assert again.returncode == 0, again.stderr
+    assert tree_hash(maps) == written, "the same command writes the same files"
+    with open(maps / "r.jsonl", "a") as replay:
+        replay.write('{"prompt": "mine", "completion": "kept"}\n')
+    refused(maps, *forgetting(*ALL_OUTPUTS, "--overwrite"),
+            patterns=[r"r\.jsonl: already exists and is not a file mergekit-lite wrote \(or it was changed since\)"])
+
+
+@pytest.mark.parametrize("plant", [
+    lambda root: (root / "s.jsonl").write_text("mine\n"),
+    lambda root: (root / "s.jsonl").symlink_to(root / "notes.txt"),
+    lambda root: (root / "s.jsonl").mkdir(),
+    lambda root: os.mkfifo(root / "s.jsonl"),
+    lambda root: ((root / "s.jsonl").write_text("mine\n"),
+                  (root / ".s.jsonl.mergekit-lite-output").write_text('{"sha256": "0"}')),
+    lambda root: ((root / "s.jsonl").write_text("mine\n"),
+                  (root / ".s.jsonl.mergekit-lite-output").symlink_to(root / "notes.txt")),
+], ids=["file", "link", "folder", "fifo", "forged-record", "linked-record"])
+def test_forgetting_overwrite_never_replaces_what_it_did_not_write(maps, plant):
+    plant(maps)
+    refused(maps, *forgetting("--samples", "s.jsonl", "--overwrite"), timeout=60,
+            patterns=[r"s\.jsonl: already exists and is not a file mergekit-lite wrote|File 's\.jsonl' is a directory"])
+
+
+# ------------------------------------------------------------------------------ values that can never act
+
+
+@pytest.mark.parametrize("alert, pattern", [
+    ("old:F_true>inf", r"'inf' is not a number \(write a decimal"),
+    ("old:F_true<-inf", r"'-inf' is not a number \(write a decimal"),
+    ("old:F_true>nan", r"'nan' is not a number \(write a decimal"),
+    ("old:F_true>0_1", r"'0_1' is not a number \(write a decimal"),
+    ("old:F_true>1e999", r"F_true is a share in \[0, 1\], so >1e999 can never be crossed"),
+    ("old:F_true>2", r"so >2 can never be crossed; give a threshold in \[0, 1\)"),
+    ("old:BT_max>1", r"so >1 can never be crossed"),
+    ("old:F_true<0", r"so <0 can never be crossed; give a threshold in \(0, 1\]"),
+    ("old:F_true<-0.5", r"so <-0\.5 can never be crossed"),
+    ("old:F_true>-0.5", r"so >-0\.5 is crossed by every value"),
+    ("old:F_true<1.5", r"so <1\.5 is crossed by every value"),
+])
+def test_an_alert_that_can_never_act_is_refused(maps, alert, pattern):
+    refused(maps, *forgetting("--alert", alert), patterns=[rf"--alert '{re.escape(alert)}': ", pattern])
+
+
+def test_a_real_threshold_still_alerts(maps):
+    result = cli(*forgetting("--alert", "old:F>0.2", "--alert", "old:acc_post<1"), cwd=maps)
+    assert result.returncode == 3 and "alert: checkpoint 2" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    (["--method", "lines", "--beta", "0.5", "--betas", "0,1"], r"beta and betas both set beta"),
+    (["--method", "ties", "--density", "0.5", "--densities", "0.2,0.8"], r"density and densities both set density"),
+    (["--method", "dare_linear", "--drop", "0.5", "--drops", "0.2,0.8"], r"drop and drops both set drop"),
+], ids=["beta", "density", "drop"])
+def test_a_fixed_value_beside_its_grid_is_refused(fresh, extra, pattern):
+    refused(fresh, *sweep(*extra), patterns=[pattern])
+    (fresh / "grid.yaml").write_text(f"{extra[4].lstrip('-')}: {extra[5]!r}\n")
+    refused(fresh, *sweep("grid.yaml", *extra[:4]), patterns=[pattern])
+
+
+def test_forgetting_replay_format_without_replay_is_refused(maps):
+    refused(maps, *forgetting("--replay-format", "messages"), patterns=[r"--replay-format shapes --replay's file"])
+    refused(maps, *forgetting("--replay-format", "prompt-completion", "--samples", "s.jsonl"),
+            patterns=[r"give --replay FILE\.jsonl"])

@@ -146,7 +146,7 @@ def parse_alert(spec: str, groups: Sequence[str]) -> Alert:
     if group not in groups:
         raise InputError(f"--alert {spec!r}: no group {group!r} (groups: {', '.join(groups) or 'none; add --group'})")
     if not DECIMAL.match(match["value"]):  # float() also reads 'inf', 'nan' and '0_1'
-        raise InputError(f"--alert {spec!r}: {match['value']!r} is not a decimal number")
+        raise InputError(f"--alert {spec!r}: {match['value']!r} is not a number (write a decimal, e.g. 0.1)")
     value, op = float(match["value"]), match["op"]
     if not (0 <= value < 1 if op == ">" else 0 < value <= 1):  # every metric is a share in [0, 1]
         acts = "can never be crossed" if (value >= 1) == (op == ">") else "is crossed by every value"
