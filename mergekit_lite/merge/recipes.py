@@ -28,5 +28,5 @@ TASK_VECTOR_METHODS = {
 # methods that take no base in mergekit (its BasePolicy.IGNORED): in a slice the base is just another source
 BASE_IGNORED = {"linear", "karcher", "passthrough"}
 L1_RESCALED = {"magprune", "outliers"}  # sparsifiers whose `rescale` restores the L1 norm (DARE's divides by 1-drop)
-DARE_MASK_VERSION = 2  # 1: torch's Mersenne Twister, float uniforms, one sequential stream per tensor (before
-# issue 28); 2: Philox4x64-10, 16 bits per entry at the entry's own counter (`keep_indicator`)
+DARE_MASK_VERSION = 2  # 1: torch's Mersenne Twister, float uniforms, one sequential stream per tensor;
+# 2: Philox4x64-10, 16 bits per entry at the entry's own counter (`keep_indicator`)
