@@ -171,7 +171,8 @@ def check_outputs(outputs: dict, inputs: Sequence[str], overwrite: bool = False)
     apart from the inputs and from each other, the heat map in a format matplotlib writes."""
     given = {option: path for option, path in outputs.items() if path}
     for option, path in given.items():
-        check_output_file(path, inputs, overwrite=overwrite, suffixes=heatmap_formats() if option == "--heatmap" else None)
+        formats = heatmap_formats() if option == "--heatmap" else None
+        check_output_file(path, inputs, overwrite=overwrite, suffixes=formats)
     if len({os.path.realpath(path) for path in given.values()}) != len(given):
         raise InputError(f"{', '.join(given)} must name different files")
     return given

@@ -135,9 +135,9 @@ def _code(text) -> str:
 
 
 def _text(text) -> str:
-    """A user string as plain text: every ASCII punctuation mark that markdown could read backslash-escaped
-    (CommonMark 2.4), so it renders as written and adds no link, image, emphasis or HTML."""
-    return re.sub(r"([!-/:-@\[-`{-~])", r"\\\1", _one_line(text))
+    """A user string as plain text inside a line: each mark markdown acts on there backslash-escaped (CommonMark
+    2.4; `$` for the Hub's math), so it renders as written and adds no link, image, emphasis, code or HTML."""
+    return re.sub(r"([\\`*_\[\]<>!|~&$])", r"\\\1", _one_line(text))
 
 
 def _cell(text: str) -> str:

@@ -325,6 +325,7 @@ def write_files(files: dict[Path, str | Callable[[Path], None]], overwrite: bool
     over a file `written_file` recognises), each with the record that lets a later --overwrite replace it.
     An error or a signal before the renames leaves no file, temporary or not."""
     temps: dict[Path, Path] = {}
+    placed: list[Path] = []  # new files already renamed into place: taken back if a later one cannot be
     try:
         for path, content in files.items():
             path = Path(path)
@@ -336,12 +337,17 @@ def write_files(files: dict[Path, str | Callable[[Path], None]], overwrite: bool
                     os.replace(temp, path)
                 else:
                     rename_no_clobber(temp, path)
+                    placed.append(path)
                 record = {"written_by": "mergekit-lite; --overwrite may replace this file while it is unchanged",
                           "sha256": _digest(path)}
                 write_atomic(_file_record(path), json.dumps(record) + "\n")
+            placed.clear()
     finally:
         for temp in temps.values():
             temp.unlink(missing_ok=True)
+        for path in placed:
+            _file_record(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
 
 
 def _write_new(temp: Path, content: str | Callable[[Path], None], path: Path) -> None:
