@@ -390,6 +390,9 @@ except SystemExit as exit:
      "--out", "theirs"],
     ["forgetting", "missing", "pre"],
     ["forgetting", "special.yaml", "special.yaml"],
+    ["forgetting", "pre", "post", "--samples", "s.jsonl", "--heatmap", "h.xyz"],
+    ["sweep", "--pre", "pre", "--post", "post", "--method", "task_arithmetic", "--alphas", "0,1e39", "--old-tasks", "a",
+     "--new-tasks", "b", "--out", "runs"],
 ], ids=lambda args: " ".join(args[:3]))
 def test_help_and_refusals_never_import_torch(fresh, args):
     """merge, sweep and forgetting check arguments, configs and paths before torch is imported: `--help` and a
