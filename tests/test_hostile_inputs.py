@@ -544,6 +544,7 @@ def test_a_card_names_models_without_local_paths(fresh, flag, value):
     assert f"{flag.lstrip('-').replace('-', '_')}: {value}" in card or f"- {value}" in card, card
 
 
+@pytest.mark.slow
 def test_a_card_names_the_recall_texts_by_file_name(toy_pair, tmp_path):
     texts = tmp_path / "secret place" / "typical.txt"
     texts.parent.mkdir()
