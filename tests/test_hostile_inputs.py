@@ -620,6 +620,7 @@ def test_a_point_with_non_finite_logits_is_marked_and_never_the_pick(toy_pair, t
     assert [point.get("beta", point["alpha"]) for point in broken] == [1e38]
     assert not results["pre"]["nonfinite_logits"] and not results["post"]["nonfinite_logits"]
     assert result.best.alpha == 0.5 and not result.best.nonfinite and 1e38 not in results["pareto"]
+    assert not any(point.nonfinite for point in result.better), "a broken model is never named as beating the pick"
     report = (tmp_path / "run" / "report.md").read_text()
     assert "Non-finite logits (NaN or infinite while scoring" in report and "never picked" in report
     saved = json.loads(next((tmp_path / "run" / "points").glob("*1e+38*")).read_text())

@@ -162,9 +162,10 @@ def add_intervals(result: SweepResult) -> None:
             model.intervals[name] = np.percentile(draws[:, index, position], [tail, 100 - tail]).tolist()
         difference = draws[:, index, 2] - draws[:, pick_index, 2]
         model.intervals["diff_to_pick"] = np.percentile(difference, [tail, 100 - tail]).tolist()
-    result.indistinguishable = [point.key for point in result.points if point is not result.best and not point.nonfinite
+    candidates = [point for point in result.points if not point.nonfinite]  # a broken model is never a rival
+    result.indistinguishable = [point.key for point in candidates if point is not result.best
                                 and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]]
-    result.better = sorted((point for point in result.points if point.intervals["diff_to_pick"][0] > 0),
+    result.better = sorted((point for point in candidates if point.intervals["diff_to_pick"][0] > 0),
                            key=lambda point: -point.intervals["diff_to_pick"][0])
 
 
