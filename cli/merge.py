@@ -5,7 +5,8 @@ import click
 from cli.types import Number
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.checkpoints import in_training_order
-from mergekit_lite.merge.config import DTYPES, METHODS
+from mergekit_lite.merge import methods
+from mergekit_lite.merge.config import DTYPES
 
 EXAMPLES = """
 \b
@@ -44,7 +45,7 @@ def _model_option(value: str) -> dict:
 @click.command(epilog=EXAMPLES)
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output model folder (written atomically).")
-@click.option("--method", "-m", type=click.Choice(METHODS), help="Merge method.")
+@click.option("--method", "-m", type=click.Choice(methods.NAMES), help="Merge method.")
 @click.option("--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors.")
 @click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
               help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.")
@@ -124,7 +125,7 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
         raise click.UsageError("give --method or a CONFIG_FILE")
     if calibrate and not dry_run:
         raise click.UsageError("--calibrate goes with --dry-run")
-    if data["method"] == "ema":
+    if methods.method(data["method"]).orders_checkpoints:
         paths = in_training_order([entry["model"] for entry in data.get("models") or []], order)
         data["models"] = [{"model": path} for path in paths]
     elif order:

@@ -6,7 +6,7 @@ import click
 from cli.types import Number
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.trajectory import REPLAY_FORMATS
-from mergekit_lite.merge.config import MAIN_COEFFICIENT
+from mergekit_lite.merge.methods import SWEEPABLE
 
 EXAMPLES = """
 \b
@@ -60,7 +60,7 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--pre", help="Base (pre-trained) model folder: the reference for every forgetting comparison.")
 @click.option("--post", help="Post-trained model folder (same architecture as --pre), or a LoRA adapter trained on pre "
               "(audited first).")
-@click.option("--method", "-m", help=f"Merge method (default linear; one of {', '.join(MAIN_COEFFICIENT)}), see alpha "
+@click.option("--method", "-m", help=f"Merge method (default linear; one of {', '.join(SWEEPABLE)}), see alpha "
               "below; several, comma-separated, compare them in one run (pre and post evaluated once).")
 @click.option("--baseline", help="With several methods: the one each is compared with (default linear).")
 @click.option("--alphas", help="Grid: START:STOP:STEP (STOP included) or a comma list, e.g. 0:1:0.1 or 0,0.3,0.5.")

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from mergekit_lite.audited import run_merge
-from mergekit_lite.merge import methods, slabs
+from mergekit_lite.merge import slabs
+from mergekit_lite.merge.methods import tensor_math as methods
 from mergekit_lite.merge.schema import config_from_dict
 
 compiled = pytest.mark.skipif(methods._kernels is None, reason="the optional extension was not built here")

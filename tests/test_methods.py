@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from mergekit_lite.merge import methods
-from mergekit_lite.merge.engine import dare_key
-from mergekit_lite.merge.recipes import TASK_VECTOR_METHODS
+from mergekit_lite.merge.methods import REGISTRY
+from mergekit_lite.merge.methods import tensor_math as methods
+from mergekit_lite.merge.methods.task_vectors import TaskVectorMethod, dare_key
 
 
 def t(*values):
@@ -351,7 +351,7 @@ def test_task_arithmetic_allows_negative_weights():
 
 
 def test_family_recipes_name_the_documented_combinations():
-    recipes = TASK_VECTOR_METHODS
+    recipes = {name: method for name, method in REGISTRY.items() if isinstance(method, TaskVectorMethod)}
     assert (recipes["ties"].sparsifier, recipes["ties"].consensus) == ("magnitude", True)
     assert (recipes["dare_ties"].sparsifier, recipes["dare_ties"].consensus) == ("random", True)
     assert (recipes["dare_linear"].sparsifier, recipes["dare_linear"].consensus) == ("random", False)
@@ -474,7 +474,7 @@ def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, sca
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dare_and_dense_merges_carry_every_nonfinite_input_entry_into_the_result(
         weights, scale, sparsifier, consensus, normalize, mergekit_rules, rescale, dtype):
-    """Why the engine checks only the result of these methods (engine.hides_nonfinite): NaN, +Inf and -Inf in the
+    """Why the engine checks only the result of these methods (Method.hides_nonfinite): NaN, +Inf and -Inf in the
     base or in any model, alone or together, dropped by DARE's mask or kept, stay non-finite in that entry."""
     generator = torch.Generator().manual_seed(5)
     size = 64

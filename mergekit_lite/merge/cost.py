@@ -10,7 +10,7 @@ longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
 from the plan, and one more slab for TIES's and SLERP's statistics, mapped on a thread of their own), the
 writer's two direct-write stages, and the method's working memory: a few chunks' temporaries, or for the
-methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the step; for TIES and SLERP
+methods that hold whole tensors (`Method.holds_whole_tensors`) bytes per element of the step; for TIES and SLERP
 also their statistics' own, which the reader's and the statistician's threads compute while the math thread
 merges.
 """
@@ -38,7 +38,7 @@ from mergekit_lite.io.direct import STAGE_BYTES
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter, read_at
 from mergekit_lite.merge import engine, methods, slabs
-from mergekit_lite.merge.config import METHODS
+from mergekit_lite.merge.methods import tensor_math
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
@@ -51,17 +51,6 @@ CALIBRATION_SIZES = (1 << 20, 1 << 23)
 IO_BYTES = 128 << 20  # enough that a shard's final sync is not most of the write
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 WRITER_BYTES = 2 * STAGE_BYTES  # the writer's two direct-write stages (none where a filesystem refuses O_DIRECT)
-# Calibration merges: the parameters a method needs beyond the defaults, and how many models (besides a base).
-CALIBRATION_MERGES = {
-    "linear": ({}, 2, False), "slerp": ({"t": 0.5}, 1, True), "nearswap": ({"t": 0.5}, 1, True),
-    "passthrough": ({"scale": 0.5}, 1, False), "nuslerp": ({}, 2, True), "multislerp": ({}, 2, True), "karcher": ({}, 2, False),
-    "model_stock": ({}, 2, True), "recall_lerp": ({"alpha": 0.5}, 1, True), "sce": ({}, 2, True),
-    "lines": ({"alpha": 0.5}, 1, True), "ema": ({"decay": 0.9}, 2, False),
-}
-# RECALL's merge is a per-layer linear combination; its measurement (forward passes over the texts) is not estimated
-SAME_MATH = {"recall": "linear", "recall_lerp": "linear"}
-
-
 @dataclass
 class Rates:
     startup_s: float
@@ -91,7 +80,8 @@ class Estimate:
     device: str = "cpu"
 
     def describe(self, source: str) -> str:
-        note = "  (excludes RECALL's forward passes over the texts)" if self.method in SAME_MATH else ""
+        note = "  (excludes RECALL's forward passes over the texts)" if methods.method(self.method).reads_recall_weights \
+            else ""
         if self.device != "cpu":
             note += f"  (math at this CPU's rates, not {self.device}'s)"
         return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + the longer of "
@@ -120,7 +110,7 @@ def machine_key() -> str:
         cpu = names[0] if names else cpu
     return (f"{platform.node()}|{cpu}|{len(os.sched_getaffinity(0))} cores|{torch.get_num_threads()} threads|"
             f"torch {torch.__version__}|mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}|"
-            f"kernels {'compiled' if methods._kernels is not None else 'torch'}")
+            f"kernels {'compiled' if tensor_math._kernels is not None else 'torch'}")
 
 
 def load_rates(refresh: bool = False) -> tuple[Rates, str]:
@@ -137,7 +127,7 @@ def load_rates(refresh: bool = False) -> tuple[Rates, str]:
             rates = Rates(**cached[key])
         except TypeError:
             rates = None
-        if rates is not None and set(METHODS) <= set(rates.math_ns_per_element):  # a method added since: measure
+        if rates is not None and set(methods.NAMES) <= set(rates.math_ns_per_element):  # a method added since: measure
             return rates, f"{path}, {_when(rates)}"
     rates = calibrate()
     cached = {**(cached if isinstance(cached, dict) else {}), key: asdict(rates)}
@@ -155,7 +145,7 @@ def _when(rates: Rates) -> str:
 
 def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     """Wall time and peak RSS of running `plan` as a process on the machine `rates` were measured on."""
-    method = SAME_MATH.get(plan.config.method, plan.config.method)
+    method = plan.config.merge_method.same_math_as or plan.config.method
     merged = [step for step in plan.steps if step.action != "copy"]
     input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
@@ -173,7 +163,7 @@ def _working_memory(rates: Rates, method: str, step) -> float:
     """A step's memory beyond its inputs: the calibrated peak, and for the methods that hold whole tensors the
     bytes per element measured between the two calibration sizes, for this step's size."""
     peak = rates.memory_peak_bytes[method] + rates.statistics_peak_bytes.get(method, 0.0)
-    if not engine.holds_whole_tensors(method, step.parameters):
+    if not methods.method(method).holds_whole_tensors(step.parameters):
         return peak
     per_element = rates.memory_bytes_per_element[method]
     return max(peak - per_element * CALIBRATION_SIZES[1], 0.0) + per_element * math.prod(step.shape)
@@ -188,15 +178,15 @@ def calibrate() -> Rates:
         startup_s, startup_rss = _startup()
         read_rate, write_rate = _io_rates(folder)
         per_element, per_step, memory_per_element, memory_peak, statistics_peak = {}, {}, {}, {}, {}
-        for method in METHODS:
-            if method in SAME_MATH:
+        for method, declared in methods.REGISTRY.items():
+            if declared.same_math_as:
                 continue
             timings, peaks = [], []
             for size in CALIBRATION_SIZES:
                 seconds, peak, statistics_bytes = _merge_rates(method, size, folder / f"{method}-{size}")
                 timings.append(seconds)
                 peaks.append(peak)
-            if slabs.needs_statistics(method):
+            if declared.slab_statistics:
                 statistics_peak[method] = statistics_bytes
             (small, large), (low, high) = timings, peaks
             # the larger merge's time per element (a difference of two noisy timings is noisier), the rest per step
@@ -204,9 +194,10 @@ def calibrate() -> Rates:
             per_step[method] = max(small - per_element[method] * CALIBRATION_SIZES[0] * 1e-9, 0.0)
             memory_per_element[method] = max(high - low, 0) / (CALIBRATION_SIZES[1] - CALIBRATION_SIZES[0])
             memory_peak[method] = high
-        for alias, method in SAME_MATH.items():
-            for table in (per_element, per_step, memory_per_element, memory_peak):
-                table[alias] = table[method]
+        for alias, declared in methods.REGISTRY.items():
+            if declared.same_math_as:
+                for table in (per_element, per_step, memory_per_element, memory_peak):
+                    table[alias] = table[declared.same_math_as]
     return Rates(startup_s, startup_rss, read_rate, write_rate, per_element, per_step,
                  memory_per_element, memory_peak, statistics_peak, time.strftime("%Y-%m-%d %H:%M:%S"),
                  os.getloadavg()[0])
@@ -256,7 +247,8 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]
     """Seconds (best of three) and working memory (bytes above the resident set before it) of merging one
     bf16 tensor of `size` elements with `method`'s default parameters, and the working memory of its whole-tensor
     statistics alone (`engine.tensor_statistics`; 0 for the methods without)."""
-    parameters, count, with_base = CALIBRATION_MERGES.get(method, ({}, 2, True))
+    calibration = methods.method(method).calibration
+    parameters, count, with_base = calibration.parameters, calibration.models, calibration.with_base
     folder.mkdir()
     generator = torch.Generator().manual_seed(0)
     shape = (size // 1024, 1024)
@@ -275,7 +267,7 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]
     out = torch.empty(step.shape, dtype=step.out_dtype)
     runs = [_measured(lambda: engine.merge_tensor(config, step, tensors, out)) for _ in range(3)]
     statistics_peak = _measured(lambda: engine.tensor_statistics(config, step, tensors))[1] \
-        if slabs.needs_statistics(method) else 0
+        if methods.method(method).slab_statistics else 0
     return min(seconds for seconds, _ in runs), runs[-1][1], statistics_peak
 
 

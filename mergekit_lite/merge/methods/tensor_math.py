@@ -1,10 +1,10 @@
-"""Merge math: pure functions, tensors in, one float32 tensor out (`lerp` may write its result straight into a
+"""The merge methods' math: pure functions, tensors in, one float32 tensor out (`lerp` may write its result straight into a
 given output instead). No files, no names, no config.
 
 Task arithmetic, TIES, DARE, DELLA and Model Breadcrumbs are one family (`task_vector_merge`): task
 vectors (model - base), an optional sparsifier (magnitude trim, random drop, magnitude-ranked random
 drop, or an outlier band), an optional sign consensus, and a weighted sum added back to the base. Each
-method in `recipes.TASK_VECTOR_METHODS` names one combination, as mergekit's generalized task arithmetic does.
+method of `task_vectors.py` names one combination, as mergekit's generalized task arithmetic does.
 
 The geometric methods (SLERP, NuSLERP, Multi-SLERP, Karcher mean, Model Stock) all return a linear
 combination of their inputs whose coefficients depend only on the inputs' inner products. So each is a
@@ -21,7 +21,6 @@ from typing import Sequence
 import numpy
 import torch
 
-from mergekit_lite.merge.recipes import L1_RESCALED
 
 try:  # the merge math fused in C (kernels.c), an optional extension: the same bytes as the torch code below
     from mergekit_lite.merge import _kernels
@@ -48,6 +47,7 @@ DENSE_CHUNK = 1 << 16
 # CUDA kernels alike), and `task_vector` converts them before subtracting
 EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 THRESHOLD_SAMPLE = 1 << 16  # strided sample that brackets TIES's trim threshold on large tensors
+L1_RESCALED = {"magprune", "outliers"}  # sparsifiers whose `rescale` restores the L1 norm (DARE's divides by 1-drop)
 
 
 def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True,

@@ -1,0 +1,32 @@
+"""EMA: an exponential moving average of checkpoints in training order (the base, if given, is the first)."""
+
+from __future__ import annotations
+
+from mergekit_lite.merge.methods import tensor_math
+from mergekit_lite.merge.methods.registry import Calibration, Depth, Method, Parameter, WeightedSum, linear_combiner, require
+
+DECAY = Parameter("decay", "the weight of the running average at each checkpoint", low=0.0, high=1.0)
+
+
+class Ema(Method):
+    name = "ema"
+    summary = "exponential moving average of checkpoints in training order"
+    parameters = (DECAY,)
+    elementwise = True
+    calibration = Calibration({"decay": 0.9}, 2, with_base=False)
+    orders_checkpoints = True
+
+    def check_inputs(self, config) -> None:
+        count = len(config.inputs)
+        require(count >= 2, f"ema averages at least two checkpoints (in training order), got {count}")
+        require(config.parameters.get("decay") is not None,
+                "ema needs decay (--decay), the weight of the running average at each checkpoint")
+
+    def step_parameters(self, config, value, depth: Depth):
+        return WeightedSum(tensor_math.ema_weights(len(config.inputs), value("decay")), False)
+
+    def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
+        return linear_combiner(parameters.weights, parameters.normalize)
+
+
+METHODS = (Ema(),)
