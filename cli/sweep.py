@@ -11,14 +11,7 @@ from mergekit_lite.merge.methods import SWEEPABLE
 EXAMPLES = """
 \b
 What alpha is, per --method (the method's main coefficient):
-  linear                 weight of post: 0 = pre, 1 = post
-  slerp                  t, spherical interpolation from pre (0) to post (1)
-  task_arithmetic, ties,
-  dare_linear, dare_ties lambda, scale of post's task vector (post - pre) added to pre
-  recall                 softmax temperature of the per-layer weights (> 0; the models run once)
-  recall_lerp            global weight of post; each layer takes alpha ** (its drift / mean drift)
-  lines                  LiNeS: post's task vector scaled by alpha in the first layer, rising linearly
-                         to 1 in the last (beta = 1 - alpha)
+""" + "\n".join(f"  {name:<17} {method.alpha_meaning}" for name, method in SWEEPABLE.items()) + """
 \b
 Pick: the alpha with the highest harmonic mean 2*old*new/(old+new) of the old-task and new-task
 scores (per group: the unweighted mean of its tasks' scores, as the forgetting paper averages

@@ -1,6 +1,6 @@
 """The compiled merge math (mergekit_lite/merge/kernels.c) against torch's arithmetic: the same bytes.
 
-The kernels are an optional extension; where it was not built, the merge runs the torch code in methods.py
+The kernels are an optional extension; where it was not built, the merge runs the torch code in merge/methods/tensor_math.py
 instead (`angle_sums`, `linear`'s float32 sum, `task_vector_merge`'s passes, `TrimThreshold`'s numpy count).
 Each test here checks that the two agree bit for bit, on random and hostile values (overflow, subnormals, signed
 zeros, ties, negative weights, short last blocks), and that whole merges write the same files either way."""

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import STAGE_BYTES
-from mergekit_lite.merge import cost, slabs
+from mergekit_lite.merge import cost
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.methods import REGISTRY
 from mergekit_lite.merge.methods import tensor_math as methods

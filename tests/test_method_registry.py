@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mergekit_lite.merge.engine import run_merge
+from mergekit_lite.merge.methods import NAMES, REGISTRY, method
 from mergekit_lite.merge.recall import RecallWeights
 from mergekit_lite.merge.schema import config_from_dict
 from tests.tiny_models import VOCAB, save_tiny_llama
@@ -136,3 +136,37 @@ if __name__ == "__main__":  # records HASHES from this code: `python -m tests.te
                   for case in CASES for dtype in DTYPES}
     HASHES.parent.mkdir(exist_ok=True)
     HASHES.write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
+
+
+def test_every_declaration_is_consistent():
+    """What the CLI, the sweep and the dry run take from a declaration holds for every method: a sweep's coefficient
+    is a parameter with an explanation, defaults lie within their bounds and have their type, and the dry run's
+    calibration merge is a valid config of the method."""
+    for name, method in REGISTRY.items():
+        assert method.name == name and method.summary, name
+        if method.main_coefficient:
+            assert method.main_coefficient in method.parameter_names and method.alpha_meaning, name
+        for parameter in method.parameters:
+            assert parameter.help, (name, parameter.name)
+            if parameter.default is not None:
+                assert isinstance(parameter.default, parameter.kind), (name, parameter.name)
+                assert parameter.kind is bool or not parameter.out_of_bounds(parameter.default), (name, parameter.name)
+        if method.same_math_as:
+            assert REGISTRY[method.same_math_as].same_math_as is None, name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_calibration_merges_are_valid_configs(name, tiny_models):
+    calibration = method(name).calibration
+    inputs = [tiny_models[key] for key in ("base", "first", "second")]
+    models = inputs[1:calibration.models + 1] if calibration.with_base else inputs[:calibration.models]
+    config = config_from_dict({"method": name, "base": inputs[0] if calibration.with_base else None, "models": models,
+                               "parameters": calibration.parameters})
+    assert config.merge_method is method(name)
+
+
+def test_every_registered_method_has_recorded_bytes():
+    """A method added to the registry without a case in `merges` would have no bytes pinned."""
+    cases = merges(dict.fromkeys(("base", "first", "second", "wide", "recall_weights"), ""))
+    assert {data["method"] for data in cases.values()} == set(NAMES)
+    assert set(json.loads(HASHES.read_text())) == {f"{case}/{dtype}" for case in CASES for dtype in DTYPES}

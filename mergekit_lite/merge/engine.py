@@ -44,7 +44,7 @@ from mergekit_lite.merge.plan import (
     plan_merge,
 )
 from mergekit_lite.merge.vocab import write_tokenizer
-from mergekit_lite.threads import start_on_other_cores, torch_threads
+from mergekit_lite.threads import torch_threads
 
 
 def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor],

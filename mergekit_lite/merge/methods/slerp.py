@@ -32,8 +32,7 @@ class Slerp(Method):
         """SLERP's two weights from the mapped slabs in order: `tensor_math.SlerpAngle`'s sums over blocks that are
         the whole tensor's."""
         angle = tensor_math.SlerpAngle()
-        for inputs in slabs.mapped():
-            angle.add(*inputs)
+        slabs.for_each(angle.add)
         return angle.weights(parameters.t)
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):

@@ -23,7 +23,6 @@ from mergekit_lite.merge.methods.registry import (
     NORMALIZE,
     RESCALE,
     WEIGHT,
-    Calibration,
     Depth,
     Method,
     Parameter,
