@@ -3,8 +3,18 @@ nearswap)."""
 
 from __future__ import annotations
 
-from mergekit_lite.merge.methods import tensor_math
+import torch
+
 from mergekit_lite.merge.methods.registry import T, Calibration, Depth, Method, Position, require
+
+
+def nearswap(base: torch.Tensor, model: torch.Tensor, t: float) -> torch.Tensor:
+    """NearSwap (alchemonaut's QuartetAnemoi merges; mergekit's `nearswap`): the model's entries where they lie
+    within `t` of the base's, and elsewhere a step of t/|model - base| from the base toward them, so entries
+    that moved far in fine-tuning stay close to the base. The step is clamped to [0, 1], the distance at 1e-6."""
+    base32, model32 = base.to(torch.float32), model.to(torch.float32)
+    step = (t / (base32 - model32).abs_().clamp_min_(1e-6)).clamp_(0.0, 1.0)
+    return step * model32 + (1.0 - step) * base32
 
 
 class Nearswap(Method):
@@ -24,7 +34,7 @@ class Nearswap(Method):
         return Position(value("t"))
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
-        return lambda chunk, out: tensor_math.nearswap(chunk[0], chunk[1], parameters.t)
+        return lambda chunk, out: nearswap(chunk[0], chunk[1], parameters.t)
 
 
 METHODS = (Nearswap(),)

@@ -11,6 +11,7 @@ import math
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -28,6 +29,7 @@ from mergekit_lite.merge.methods.registry import (
     Parameter,
     StepParameters,
 )
+from mergekit_lite.merge.methods.tensor_math import at_least, magnitude_threshold, sign_consensus, task_vector
 from mergekit_lite.threads import start_on_other_cores
 
 DROP = Parameter("drop", "DARE's share of each task vector's entries dropped", default=0.5, low=0.0, high=1.0,
@@ -226,6 +228,41 @@ class TaskVectorMethod(Method):
             mergekit_rules=parameters.mergekit_rules, out=out)
 
 
+def sce(base: torch.Tensor, models: Sequence[torch.Tensor], select_topk: float = 1.0) -> torch.Tensor:
+    """SCE (Wan et al. 2024, FuseChat-2.0, arXiv 2408.07990, §3.3 "Select, Calculate, Erase"), as mergekit's `sce`:
+
+    Select keeps the entries whose variance across the task vectors is among the top `select_topk` share of the
+    non-zero variances (`variance_keep`); Calculate weighs each model by the mean square of its selected task
+    vector, as a share of their sum (`sce_weights`); Erase keeps, entry by entry, the deltas whose sign agrees
+    with the sign of their sum (+ on a zero sum, as in mergekit). The merge is the weighted mean of what is
+    kept, added to the base. Whole tensors: the selection ranks and the weights are per tensor.
+    """
+    base32 = base.to(torch.float32)
+    deltas = torch.stack([task_vector(model, base32) for model in models])
+    if select_topk < 1.0:
+        deltas.mul_(variance_keep(deltas, select_topk))
+    agree = sign_consensus(deltas, zero_sum_positive=True).to(torch.float32)
+    weighted = agree * sce_weights(deltas).view(-1, *[1] * base32.dim())
+    return base32 + (deltas * weighted).sum(dim=0) / weighted.sum(dim=0).clamp_min(1e-6)  # mergekit's floor
+
+def variance_keep(deltas: torch.Tensor, share: float) -> torch.Tensor:
+    """1.0 where the variance across the models (population variance, dim 0) is among the top `share` of the
+    non-zero variances, else 0.0. Variances tied at the threshold are kept alike (mergekit's topk keeps exactly k,
+    breaking ties by position)."""
+    variance = deltas.var(dim=0, unbiased=False)
+    keep = int(torch.count_nonzero(variance).item() * share)
+    if keep == 0:
+        return torch.zeros_like(variance)
+    return at_least(variance.clone(), magnitude_threshold(variance, keep))
+
+def sce_weights(deltas: torch.Tensor) -> torch.Tensor:
+    """Each model's mean squared (selected) task vector as a share of their sum; equal shares where the sum is
+    below 1e-6, when the models barely moved (SCE's Calculate step, mergekit's threshold)."""
+    weights = deltas.square().reshape(deltas.shape[0], -1).mean(dim=1)
+    total = weights.sum().item()
+    return torch.full_like(weights, 1.0 / len(weights)) if abs(total) < 1e-6 else weights / total
+
+
 @dataclass(frozen=True)
 class SceParameters(StepParameters):
     select_topk: float
@@ -247,7 +284,7 @@ class Sce(Method):
         return True
 
     def whole_tensor_merge(self, parameters, tensors, seed, tensor_name):
-        return tensor_math.sce(tensors[0], tensors[1:], parameters.select_topk)
+        return sce(tensors[0], tensors[1:], parameters.select_topk)
 
 
 def _member(name, sparsifier, consensus, normalize, rescale, summary, meaning, **mergekit) -> TaskVectorMethod:
