@@ -390,8 +390,8 @@ def _audit_adapters(config: MergeConfig, gate: AdapterGate | None) -> list:
 
 
 def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
-    """The output's model card: every input by hub id or folder name, their licenses, the method and its
-    parameters, the configuration and each adapter's audit verdict."""
+    """The output's model card: every input by hub id or folder name, their licenses, the method (with its
+    declaration's summary) and its parameters, the configuration and each adapter's audit verdict."""
     inputs = list(dict.fromkeys(path for path in [config.base, *config.inputs] if path))
     names = {str(path): input_name(path) for path in inputs}  # no local paths in a card meant for the Hub
     shown = _renamed(config.to_dict(), names)
@@ -400,7 +400,7 @@ def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
                      licenses=licenses_of(reference_paths(*inputs)),
                      audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons}
                              for r in reports],
-                     sections=list(sections))
+                     sections=[("Merge method", f"`{config.method}`: {config.merge_method.summary}."), *sections])
 
 
 def _renamed(data, names: dict[str, str]):

@@ -49,7 +49,9 @@ class Parameter:
         return below or above
 
 
-# The knobs several methods share (a method's own knobs sit in its module)
+# The knobs several methods share (a method's own knobs sit in its module). Their defaults and those of the methods'
+# own knobs are mergekit's; where mergekit's differ (its generalized_task_arithmetic.py and merge_methods/registry.py),
+# `mergekit_default` holds them for mergekit_compat mode: nothing is trimmed or dropped unless `density` is given.
 WEIGHT = Parameter("weight", "a model's weight in the combination", default=1.0, per_model=True)
 NORMALIZE = Parameter("normalize", "divide by the sum of the weights", kind=bool, default=True)
 ALPHA = Parameter("alpha", "the weight of the second model (post)", low=0.0, high=1.0)

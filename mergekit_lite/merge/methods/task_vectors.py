@@ -301,7 +301,7 @@ METHODS = (
     _member("dare_linear", "random", False, False, True, "DARE: randomly dropped, rescaled task vectors",
             "DARE-dropped task vector"),
     _member("dare_ties", "random", True, True, True, "DARE with TIES's sign election",
-            "DARE-dropped, sign-elected task vector", mergekit_normalize=False),
+            "DARE-dropped, sign-elected task vector", mergekit_normalize=False),  # mergekit's does not divide
     _member("della", "magprune", True, True, True, "DELLA: magnitude-ranked random drop, elected signs",
             "DELLA-pruned (magnitude-ranked drop), sign-elected task vector"),
     _member("della_linear", "magprune", False, False, True, "DELLA without sign election",
