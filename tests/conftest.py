@@ -65,7 +65,7 @@ def calibrated_rates() -> str:
 def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], Built]) -> Built:
     """`build(folder)` once per test run, not once per xdist worker: the workers share a folder under the run's
     temp root (the parent of each worker's own); the first to take the lock builds, the others wait and read what
-    it built (pickled). Without xdist, simply a folder of this session."""
+    it built (pickled). Without xdist, simply a folder of this test run."""
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
     folder, built = root / f"once-{name}", root / f"once-{name}.pickle"

@@ -1,4 +1,4 @@
-"""mergekit itself, run side by side: its CLI from the venv named by $MERGEKIT_VENV (default /work/venv-mergekit).
+"""mergekit itself, run side by side: its CLI from the venv named by $MERGEKIT_VENV.
 
 Tests that compare against mergekit call `mergekit_cli()` and skip, saying why, where mergekit is not
 installed; `.ci/run` installs mergekit==0.1.5 into its own venv and exports MERGEKIT_VENV, so CI runs them.
@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 
-DEFAULT_VENV = Path("/work/venv-mergekit")
-
-
 def mergekit_cli() -> Path:
-    """mergekit-yaml from $MERGEKIT_VENV (or the default venv), or skip the calling test with the reason."""
-    venv = Path(os.environ.get("MERGEKIT_VENV") or DEFAULT_VENV)
-    cli = venv / "bin" / "mergekit-yaml"
+    """mergekit-yaml from $MERGEKIT_VENV, or skip the calling test with the reason."""
+    hint = "set MERGEKIT_VENV to a venv with mergekit==0.1.5 (.ci/run makes one)"
+    venv = os.environ.get("MERGEKIT_VENV")
+    if not venv:
+        pytest.skip(f"mergekit is not installed: {hint}")
+    cli = Path(venv) / "bin" / "mergekit-yaml"
     if not cli.is_file():
-        pytest.skip(f"mergekit is not installed ({cli} missing): set MERGEKIT_VENV to a venv with mergekit==0.1.5 "
-                    "(.ci/run makes one)")
+        pytest.skip(f"mergekit is not installed ({cli} missing): {hint}")
     return cli
 
 

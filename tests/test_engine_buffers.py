@@ -424,8 +424,8 @@ def test_cuda_merges_what_the_cpu_merges(trio, method, parameters):
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 def test_threads_opening_a_shard_at_once_share_one_handle(tmp_path):
     """The engine's reader and statistician open a source's shards at the same moment: every thread reads through
-    the one handle a shard gets, none of which closes under a reader (a handle that lost that race used to, and a
-    4 GB SLERP stopped with 'Bad file descriptor')."""
+    the one handle a shard gets, none of which closes under a reader (a handle that lost that race would, and a
+    4 GB SLERP would stop with 'Bad file descriptor')."""
     save_file({"rows": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)}, tmp_path / "model.safetensors")
     for _ in range(30):
         source = open_model(tmp_path)

@@ -1,4 +1,4 @@
-"""The classes of hostile input of issue 29, each with several variants, through the real CLI (in a subprocess
+"""Classes of hostile input, each with several variants, through the real CLI (in a subprocess
 where an input could block, else through its click group in-process).
 
 Every refusal is one line `error: ...` on stderr with exit code 2 (an audit's REJECTED verdict: exit 1), and the
@@ -269,7 +269,7 @@ def test_an_adapter_whose_update_overflows_is_rejected_and_never_merged(fresh, a
 @pytest.mark.parametrize("declared", ["unsloth/llama-3-8b-bnb-4bit", "TheBloke/Llama-2-7B-GPTQ",
                                       "./models/llama-awq", "org/tiny-llama-int4"])
 def test_a_quantised_declared_base_fails(fresh, declared):
-    """As the README's audit table says: REJECTED, whether or not the given base has a hub id to compare with."""
+    """As the audit table in docs/audit.md says: REJECTED, whether or not the given base has a hub id to compare with."""
     edit_json(fresh / "lora" / "adapter_config.json", base_model_name_or_path=declared)
     audit = cli("audit", "lora", "--base", "pre", "--json", cwd=fresh)
     assert audit.returncode == 1, audit.stderr

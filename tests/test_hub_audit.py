@@ -1,4 +1,4 @@
-"""Hub ids, batches and model cards (issue 25), on a Hugging Face cache laid out here exactly as huggingface_hub
+"""Hub ids, batches and model cards, on a Hugging Face cache laid out here exactly as huggingface_hub
 lays it out (models--org--name/blobs/<sha256>, snapshots/<commit>/<file> -> ../../blobs/<sha256>, refs/<branch>),
 offline (HF_HUB_OFFLINE=1): real tiny PEFT adapters, the real audit and merge, huggingface_hub's own resolution."""
 

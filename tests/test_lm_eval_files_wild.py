@@ -1,5 +1,5 @@
 """`mergekit-lite forgetting` on lm-eval outputs as users have them, every file written by lm-eval 0.4.13's own CLI
-in this session (fixture `wild_runs`): loglikelihood and loglikelihood_rolling tasks (perplexity), corpus metrics
+in this test run (fixture `wild_runs`): loglikelihood and loglikelihood_rolling tasks (perplexity), corpus metrics
 (bleu, brier_score), repeats under two filters, a task with num_fewshot, an lm-eval group of two tasks,
 --predict_only, a second run in the same output folder over other docs (--samples) and other few-shot settings,
 and the layouts older lm-eval releases wrote (records without `filter`/`metrics`; results.json with JSON-array

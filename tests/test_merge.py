@@ -163,7 +163,7 @@ def test_dare_drops_and_rescales_and_is_seeded(models, tmp_path, method):
 
 
 def test_dare_merges_record_their_mask_version_and_refuse_another(models, tmp_path):
-    """The provenance of a DARE merge names the mask version (README, "DARE's masks"); merging it again gives the
+    """The provenance of a DARE merge names the mask version (docs/methods.md, "DARE's masks"); merging it again gives the
     same bytes, and a config naming another version is refused in one line instead of merged with other masks."""
     first = merge({"method": "dare_ties", "base": str(models["base"]), "models": [str(models["a"])],
                    "parameters": {"drop": 0.4}, "seed": 5}, tmp_path / "first")

@@ -1,6 +1,6 @@
 """The methods mergekit users pick, run side by side with mergekit 0.1.5 on the same tiny checkpoints.
 
-mergekit runs in its own environment ($MERGEKIT_VENV, default /work/venv-mergekit; the tests skip with a
+mergekit runs in its own environment ($MERGEKIT_VENV; the tests skip with a
 message without it), all configs in one process. Deterministic methods must agree within float32
 rounding; DELLA draws random masks, so its keep rates (by magnitude rank) and norms are compared.
 mergekit-lite reads the very same configs (mergekit's schema).

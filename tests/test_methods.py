@@ -157,7 +157,7 @@ def philox4x64(counter: list[int], key: list[int], rounds: int = 10) -> list[int
 
 def reference_draws(key: int, begin: int, size: int) -> list[int]:
     """Entry i's 16-bit draw: word i mod 16 of Philox4x64-10 at counter i // 16 + 1, 64-bit words in order, each
-    read from its low 16 bits up (the mask version 2 the README documents)."""
+    read from its low 16 bits up (the mask version 2 docs/methods.md documents)."""
     halves = [key & MASK64, key >> 64]
     draws = []
     for entry in range(begin, begin + size):

@@ -299,7 +299,7 @@ def test_cli_sweeps_from_a_config_file_with_flag_overrides_and_saves_the_best(to
     provenance = yaml.safe_load((best / "mergekit_lite_config.yaml").read_text())
     assert provenance["parameters"]["alpha"] == results["pick"]["alpha"]
     assert list(best.glob("*.safetensors"))
-    # its model card (issue 25): the Hub's front matter naming both models, the pick and the report-split scores
+    # its model card: the Hub's front matter naming both models, the pick and the report-split scores
     card = (best / "README.md").read_text()
     front = yaml.safe_load(card.split("---\n")[1])
     assert front["base_model"] == [Path(toy_pair.pre_dir).name, Path(toy_pair.post_dir).name]

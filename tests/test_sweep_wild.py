@@ -77,7 +77,7 @@ def tiny_settings(pair, out, **changes) -> SweepSettings:
 
 def test_a_task_in_both_groups_through_an_lm_eval_group_is_refused_before_any_point(toy_pair, tmp_path):
     """`--old-tasks GROUP` where the lm-eval group also holds a new task: refused after pre's evaluation, before its
-    point is saved (it used to end the whole grid in a numpy broadcast error)."""
+    point is saved (not at the end of the whole grid, in a numpy broadcast error)."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     for file in Path(toy_pair.task_dir).glob("*.yaml"):
@@ -123,7 +123,7 @@ def save_as(source: Path, folder: Path, dtype=None, extra_tokens: int = 0) -> Pa
 
 
 def test_a_post_with_another_vocabulary_is_refused_before_the_run_folder(toy_pair, tmp_path):
-    """The sweep merges tensor by tensor; it used to evaluate pre and then fail inside torch (exit 1)."""
+    """The sweep merges tensor by tensor: refused from the headers, not after pre is evaluated and torch fails."""
     post = save_as(toy_pair.post_dir, tmp_path / "post", extra_tokens=3)
     done = cli("sweep", "--pre", toy_pair.pre_dir, "--post", post, "--alphas", "0.5", "--old-tasks", "a",
                "--new-tasks", "b", "--out", tmp_path / "run")
