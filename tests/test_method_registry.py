@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -170,3 +171,28 @@ def test_every_registered_method_has_recorded_bytes():
     cases = merges(dict.fromkeys(("base", "first", "second", "wide", "recall_weights"), ""))
     assert {data["method"] for data in cases.values()} == set(NAMES)
     assert set(json.loads(HASHES.read_text())) == {f"{case}/{dtype}" for case in CASES for dtype in DTYPES}
+
+
+def test_the_documented_example_method_merges(tiny_models, tmp_path, monkeypatch):
+    """docs/adding-a-method.md's `median` module, registered as its steps say, merges through config, plan and
+    engine: the entrywise median of three models, and the one-line error for two."""
+    from safetensors.torch import load_file
+
+    from mergekit_lite.errors import InputError
+    from mergekit_lite.merge import methods
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "adding-a-method.md").read_text()
+    module_source = page.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(module_source, "median.py", "exec"), namespace)
+    [median] = namespace["METHODS"]
+    monkeypatch.setitem(methods.REGISTRY, median.name, median)
+    inputs = [tiny_models[name] for name in ("base", "first", "second")]
+    run_merge(config_from_dict({"method": "median", "models": inputs}), tmp_path / "out")
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    read = [{name: tensor for part in sorted(Path(path).glob("*.safetensors")) for name, tensor in load_file(part).items()}
+            for path in inputs]
+    for name, tensor in merged.items():
+        assert torch.equal(tensor, torch.stack([model[name] for model in read]).median(dim=0).values), name
+    with pytest.raises(InputError, match="median needs at least three models, got 2"):
+        config_from_dict({"method": "median", "models": inputs[:2]})
