@@ -5,12 +5,14 @@ import fnmatch
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import click
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, format_table
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
+from mergekit_lite.evaluate.spurious import SPURIOUS, SpuriousMap, SpuriousSplit, format_split_table, spurious_map
 from mergekit_lite.evaluate.trajectory import (
     REPLAY_FORMATS,
     Trajectory,
@@ -93,8 +95,15 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
               help="Exit 3 when a checkpoint's group value crosses VALUE (> or <), e.g. old:F_true>0.1. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+# re-alignment: spurious against genuine forgetting (mergekit_lite/evaluate/spurious.py)
+@click.option("--realigned", "realigned", type=click.Path(exists=True), metavar="LOG",
+              help="POST's lm-eval samples under a re-alignment (few-shot, chat template): forgotten docs it gets "
+                   "right are spurious, the rest genuine.")
+@click.option("--replay-spurious", is_flag=True,
+              help="With --realigned: keep spurious docs in --replay (left out by default: they need format, not "
+                   "knowledge).")
 def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, samples_out, replay_out,
-               replay_format, heatmap_out, alerts, as_json, quiet):
+               replay_format, heatmap_out, alerts, as_json, quiet, realigned, replay_spurious):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected
     as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2), or along a training run.
 
@@ -126,7 +135,9 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
     if overall and OVERALL in names:
         raise InputError(f"--group {OVERALL} is the name of --overall's row; choose another name")
     parsed_alerts = [parse_alert(spec, names + [OVERALL] * overall) for spec in alerts]
-    outputs = check_outputs({"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out}, inputs)
+    check_realigned_options(realigned, replay_spurious, inputs)
+    outputs = check_outputs({"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out},
+                            [*inputs, *([realigned] if realigned else [])])
     scoring = Scoring.from_specs(metrics, filters, choices)
     runs = [load_lm_eval_run(path, scoring) for path in inputs]
     series = trajectory(runs, inputs)
@@ -142,6 +153,7 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
                    for name, patterns in parsed_groups]
         group_rows.append([result.group(name, tasks, aggregation) for name, tasks in members] +
                           ([result.overall(members, aggregation)] if overall else []))
+    split = realigned_split(series, realigned, scoring, group_rows[0]) if realigned else None  # errors first
     for position, result in enumerate(series.maps, start=1):
         where = "" if two_models else f"checkpoint {position} ({inputs[position]}): "
         for task, reason in result.skipped.items():
@@ -149,10 +161,10 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
             click.echo(f"warning: {where}task {task!r} {what}: {reason}", err=True)
     crossed = crossings(parsed_alerts, group_rows, inputs)
     if two_models:
-        render_two_models(series, group_rows[0], as_json)
+        render_two_models(series, group_rows[0], as_json, split)
     else:
         render_trajectory(series, group_rows, crossed, as_json)
-    write_outputs(outputs, series, group_rows, replay_format)
+    write_outputs(outputs, series, group_rows, replay_format, split, replay_spurious)
     for alert in crossed:
         click.echo(f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
                    f"{alert['value']:.3f} crosses {alert['alert']}", err=True)
@@ -170,13 +182,14 @@ def check_outputs(outputs: dict, inputs: Sequence[str]) -> dict:
     return given
 
 
-def render_two_models(series: Trajectory, groups, as_json: bool) -> None:
-    """The two-model form's output, as it always was: tables, or JSON {tasks, groups, skipped, seeds, models}."""
+def render_two_models(series: Trajectory, groups, as_json: bool, split=None) -> None:
+    """The two-model form's output: tables, or JSON {tasks, groups, skipped, seeds, models}; with --realigned each
+    task and group also carries its spurious/genuine split."""
     result, (pre, post) = series.maps[0], series.runs
     if as_json:
         payload = {
-            "tasks": [row.to_dict() for row in result.rows.values()],
-            "groups": [row.to_dict() for row in groups],
+            "tasks": [with_split(row.to_dict(), split and split.rows.get(row.task)) for row in result.rows.values()],
+            "groups": [with_split(row.to_dict(), split and split.groups.get(row.group)) for row in groups],
             "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()],
             "seeds": sorted(result.rows_by_seed),
             "models": {"pre": pre.model, "post": post.model},
@@ -187,6 +200,9 @@ def render_two_models(series: Trajectory, groups, as_json: bool) -> None:
     if groups:
         click.echo()
         click.echo(format_table(groups))
+    if split is not None:
+        click.echo()
+        click.echo(format_split_table([*split.rows.values(), *split.groups.values()]))
     if result.skipped:
         click.echo()
         click.echo("skipped: " + "; ".join(f"{task} ({reason})" for task, reason in result.skipped.items()))
@@ -219,17 +235,84 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
     click.echo("checkpoints: " + "; ".join(f"{label}: {name}" for label, name in zip(labels, series.labels[1:])))
 
 
-def write_outputs(outputs: dict, series: Trajectory, group_rows, replay_format: str) -> None:
-    """--samples, --replay and --heatmap, each written whole or not at all; the counts on stderr."""
+def write_outputs(outputs: dict, series: Trajectory, group_rows, replay_format: str, split=None,
+                  replay_spurious: bool = False) -> None:
+    """--samples, --replay and --heatmap, each written whole or not at all; the counts on stderr. With
+    --realigned, forgotten rows carry forgetting_kind and --replay leaves the spurious ones out unless asked."""
     rows = sample_rows(series) if {"--samples", "--replay"} & set(outputs) else []
+    if split is not None:
+        mark_kinds(rows, split.map)
     if "--samples" in outputs:
         write_atomic(outputs["--samples"], jsonl(rows))
         click.echo(f"samples: {len(rows)} rows written to {outputs['--samples']}", err=True)
     if "--replay" in outputs:
-        records, unrecoverable = replay_records(rows, replay_format)
+        kept = replay_chooser(split is not None and not replay_spurious)
+        records, unrecoverable = replay_records(rows, replay_format, kept)
         write_atomic(outputs["--replay"], jsonl(records))
         note = (f"; {unrecoverable} forgotten docs left out: their gold answer or prompt is not in the log"
                 if unrecoverable else "")
+        if split is not None and not replay_spurious:
+            note += f"; {spurious_docs(rows)} spurious docs left out (--replay-spurious keeps them)"
         click.echo(f"replay: {len(records)} forgotten samples written to {outputs['--replay']}{note}", err=True)
     if "--heatmap" in outputs:
         write_atomic(outputs["--heatmap"], lambda temp: plot_heatmap(series, group_rows, temp))
+
+
+# --- re-alignment: spurious against genuine forgetting -------------------------------------------------------
+
+
+@dataclass
+class RealignedSplit:
+    """The spurious/genuine split of the compared tasks and of the --group rows."""
+
+    map: SpuriousMap
+    rows: dict[str, SpuriousSplit]
+    groups: dict[str, SpuriousSplit]
+
+
+def check_realigned_options(realigned: str | None, replay_spurious: bool, inputs: Sequence[str]) -> None:
+    if replay_spurious and not realigned:
+        raise InputError("--replay-spurious keeps spurious docs in --replay: it needs --realigned LOG")
+    if realigned and len(inputs) != 2:
+        raise InputError("--realigned compares two models (PRE POST): it is POST's log under a re-alignment")
+
+
+def realigned_split(series: Trajectory, realigned: str, scoring: Scoring, groups) -> RealignedSplit:
+    """Load LOG, split each compared task's forgotten docs, and each --group's; tasks LOG lacks, a warning."""
+    result, (pre, post) = series.maps[0], series.runs
+    compared = {}
+    for seed, rows in result.rows_by_seed.items():
+        for task in rows:
+            compared.setdefault(task, {})[seed] = rows[task]
+    split = spurious_map(pre, post, load_lm_eval_run(realigned, scoring), compared, realigned)
+    for task in split.missing:
+        click.echo(f"warning: --realigned {realigned} has no samples of task {task!r}: its forgetting is not split",
+                   err=True)
+    return RealignedSplit(split, split.tasks, {row.group: split.group(row.group, row.tasks) for row in groups})
+
+
+def with_split(row: dict, found: SpuriousSplit | None) -> dict:
+    """A JSON row with its split: spurious and genuine as doc counts, the shares under their own names."""
+    if not found:
+        return row
+    return {**row, **{key: value for key, value in found.to_dict().items() if key not in ("name", "forgotten")}}
+
+
+def mark_kinds(rows: list[dict], split: SpuriousMap) -> None:
+    """forgetting_kind on each forgotten sample row: spurious or genuine (None where LOG lacks the task)."""
+    for row in rows:
+        if row["outcome"] == "forgotten":
+            doc = row["doc_id"] if row["doc_id"] is not None else row["doc_hash"]
+            row["forgetting_kind"] = split.kind(row["task"], row["seed"], doc)
+
+
+def replay_chooser(genuine_only: bool):
+    if genuine_only:
+        return lambda row: row["outcome"] == "forgotten" and row.get("forgetting_kind") != SPURIOUS
+    return lambda row: row["outcome"] == "forgotten"
+
+
+def spurious_docs(rows: list[dict]) -> int:
+    """Distinct (task, doc) forgotten as spurious: the docs --replay leaves out."""
+    return len({(row["task"], row["doc_hash"], row["doc_id"]) for row in rows
+                if row["outcome"] == "forgotten" and row.get("forgetting_kind") == SPURIOUS})

@@ -31,6 +31,7 @@ SUBCOMMANDS = {
     "sweep": ("cli.sweep", "sweep", "Sweep the merge coefficient, evaluate old/new skills, pick by harmonic mean."),
     "extract": ("cli.extract", "extract", "Extract a LoRA adapter (PEFT) from a base and its fine-tune by truncated SVD."),
     "forgetting": ("cli.forgetting", "forgetting", "Sample-level forgetting map from two lm-eval --log_samples outputs."),
+    "drift": ("cli.drift", "drift", "Where post-training moved a model: relative drift per layer and module, CKA."),
     "demo": ("cli.demo", "demo", "The whole story offline on tiny models: train, forget, audit, sweep, report."),
 }
 

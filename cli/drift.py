@@ -1,0 +1,54 @@
+"""`mergekit-lite drift`: where post-training moved a model, per tensor, decoder layer and module type."""
+
+import json
+from pathlib import Path
+
+import click
+
+from mergekit_lite.errors import InputError
+from mergekit_lite.io.outputs import check_output_file, write_atomic
+
+EXAMPLES = """
+\b
+Examples:
+  mergekit-lite drift pre/ post/ --heatmap drift.png
+  mergekit-lite drift pre/ post-lora/ --texts texts.txt --json > drift.json
+"""
+
+
+@click.command("drift", epilog=EXAMPLES)
+@click.argument("pre", type=click.Path(exists=True, file_okay=False))
+@click.argument("post", type=click.Path(exists=True, file_okay=False))
+@click.option("--texts", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Texts (one per line, or .jsonl with a \"text\" field): adds each layer's linear CKA, pre vs post.")
+@click.option("--max-length", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Tokens kept per text for --texts.")
+@click.option("--heatmap", "heatmap_out", type=click.Path(dir_okay=False), metavar="FILE.png",
+              help="Plot the drift, decoder layers by module type (and 1 - CKA per layer with --texts).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON ({tensors, layers, outside_layers, modules}) instead of the table.")
+@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+def drift(pre, post, texts, max_length, heatmap_out, as_json, quiet):
+    """Relative Frobenius drift ||post - pre|| / ||pre|| of every tensor, per decoder layer and module type
+    (attention q/k/v/o, MLP gate/up/down, MoE experts, norms, embeddings, head), streamed one tensor pair at a
+    time. POST may be a LoRA adapter trained on PRE (measured without writing the merged model)."""
+    from mergekit_lite.evaluate.drift import format_drift_table, model_drift, plot_drift_heatmap
+    from mergekit_lite.merge.recall import read_texts
+
+    inputs = [pre, post, texts]
+    if heatmap_out:
+        if Path(heatmap_out).suffix.lower() != ".png":
+            raise InputError(f"--heatmap {heatmap_out}: expected a .png file name")
+        check_output_file(heatmap_out, inputs)
+        if not Path(heatmap_out).absolute().parent.is_dir():
+            raise InputError(f"--heatmap {heatmap_out}: its folder does not exist")
+    text_list = read_texts(texts) if texts else None
+    report = model_drift(pre, post, text_list, max_length)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(format_drift_table(report))
+    if heatmap_out:
+        write_atomic(heatmap_out, lambda temp: plot_drift_heatmap(report, temp))
+        if not quiet:
+            click.echo(f"heatmap: written to {heatmap_out}", err=True)
