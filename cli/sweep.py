@@ -1,5 +1,6 @@
 """`mergekit-lite sweep`: merge pre and post at every alpha of a grid, score old and new skills, pick the best."""
 
+import contextlib
 
 import click
 
@@ -18,20 +19,27 @@ scores (per group: the unweighted mean of its tasks' scores, as the forgetting p
 tasks; --aggregation pooled weighs samples), measured on a selection split of every task's docs
 (seeded doc_hash partition, --selection-fraction); every alpha is reported on the disjoint report
 split with paired-bootstrap intervals, and the alphas that cannot be told from the pick are named
-(--selection none: pick and report on the same docs). Ties go to the smallest alpha. "forgetting
-recovered" is (old_best - old_post) / (old_pre - old_post): the share of post's old-task loss the
-pick wins back (N/A when post lost nothing).
+(--selection none: pick and report on the same docs); an alpha that beats the pick there with an
+interval above 0 is named in a warning. Ties go to the smallest alpha. "forgetting recovered" is
+(old_best - old_post) / (old_pre - old_post), the share of post's old-task loss the pick wins back;
+"new skill kept" is (new_best - new_pre) / (new_post - new_pre); when the pick is pre or post
+itself, the summary says so instead.
 \b
 Tasks are scored as `mergekit-lite forgetting` scores lm-eval files: --metric, --filter and
 --choices take a global value or TASK=VALUE (e.g. --filter gsm8k=flexible-extract).
 \b
-The --out folder gets points/ (one JSON per finished model: rerunning the same command
-resumes), results.json, report.md, sweep.png, forgetting_map.png and samples.jsonl (each doc's
-outcome for pre, post and the pick; --replay writes the docs the pick still loses as training data).
+The --out folder gets points/ (one JSON per finished model: rerunning the same command resumes,
+and writes its --replay file and --save-best folder again), results.json, report.md, sweep.png,
+forgetting_map.png and samples.jsonl (each doc's outcome for pre, post and the pick; --replay
+writes the docs the pick still loses as training data).
 \b
 Examples:
   mergekit-lite sweep --pre base/ --post instruct/ --alphas 0:1:0.1 \\
       --old-tasks arc_easy,hellaswag --new-tasks gsm8k --limit 200 --out runs/lerp
+\b
+  # an instruct model scored as lm-eval scores it: 5-shot, chat template, demonstrations as turns
+  mergekit-lite sweep --pre base/ --post instruct/ --alphas 0:1:0.1 --old-tasks arc_easy \\
+      --new-tasks gsm8k --num-fewshot 5 --apply-chat-template --fewshot-as-multiturn --out runs/chat
 \b
   mergekit-lite sweep examples/sweep.yaml --method ties --density 0.5 --alphas 0:1.5:0.25 --out runs/ties
 \b
@@ -60,7 +68,23 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--old-tasks", multiple=True, help="lm-eval tasks of what pre could do; comma list or repeated.")
 @click.option("--new-tasks", multiple=True, help="lm-eval tasks of what post-training taught; comma list or repeated.")
 @click.option("--include-path", type=click.Path(exists=True, file_okay=False), help="Folder of local task YAMLs.")
-@click.option("--limit", type=click.IntRange(min=1), help="Samples per task (default: all).")
+@click.option("--limit", type=Number(0, min_open=True),
+              help="Docs per task, or a share of each task's docs below 1 (e.g. 0.1), as lm-eval's --limit "
+                   "(default: all).")
+@click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot demonstrations per prompt, as lm-eval's "
+              "--num_fewshot (default: the task's own).")
+@click.option("--apply-chat-template", is_flag=False, flag_value="default", default=None, metavar="[TEMPLATE]",
+              help="Build prompts with the tokenizer's chat template (TEMPLATE: one of its named templates), as "
+                   "lm-eval's --apply_chat_template; pre's tokenizer, with post's template when pre has none.")
+@click.option("--fewshot-as-multiturn/--no-fewshot-as-multiturn", default=None,
+              help="Few-shot demonstrations as chat turns (default: on with --apply-chat-template, as lm-eval).")
+@click.option("--system-instruction", metavar="TEXT", help="System instruction before every prompt, as lm-eval's "
+              "--system_instruction.")
+@click.option("--gen-kwargs", metavar="NAME=VALUE,...", help="Generation arguments of generative tasks, as lm-eval's "
+              "--gen_kwargs (e.g. temperature=0,max_gen_toks=256).")
+@click.option("--model-args", metavar="NAME=VALUE,...", help="Model arguments as lm-eval's --model_args takes them: "
+              "max_length, truncation, add_bos_token, attn_implementation, trust_remote_code (runs the model "
+              "folder's code), ... (hf backend).")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Evaluation batch size (default 16).")
 @click.option("--device", help="Where models run: cpu (default), cuda, cuda:N.")
 @click.option("--out", "-o", type=click.Path(file_okay=False), help="Run folder (created; reused to resume).")
@@ -125,7 +149,8 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
           selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
           backend, vllm_args, probe, quiet, beta, betas, densities, drops, budget, replay_out, replay_format,
-          replay_all):
+          replay_all, num_fewshot, apply_chat_template, fewshot_as_multiturn, system_instruction, gen_kwargs,
+          model_args):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -147,7 +172,10 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
                         selection_fraction=selection_fraction, bootstrap=bootstrap, confidence=confidence,
                         ray=ray_address, search=search, copy_files_from=copy_files_from, eval_dtype=eval_dtype,
                         backend=backend, vllm_args=vllm_args, probe=probe, beta=beta, betas=betas,
-                        densities=densities, drops=drops, budget=budget)
+                        densities=densities, drops=drops, budget=budget, num_fewshot=num_fewshot,
+                        apply_chat_template=True if apply_chat_template == "default" else apply_chat_template,
+                        fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction,
+                        gen_kwargs=gen_kwargs, model_args=model_args)
     listed = data.pop("methods", None)
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
     if (replay_format != "prompt-completion" or replay_all) and not replay_out:
@@ -159,14 +187,21 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
             raise InputError("--replay writes one sweep's pick: give a single --method")
         from mergekit_lite.sweep.compare import comparison_summary
 
-        comparison = run_comparison(method_settings(data, methods), baseline or "linear", progress=not quiet)
+        every = method_settings(data, methods)
+        _warn_remote_code(every[0])
+        with _resume_hint():
+            comparison = run_comparison(every, baseline or "linear", progress=not quiet)
         click.echo(comparison_summary(comparison))
         return
     settings = settings_from_dict(data)
     if replay_out:
         check_replay(replay_out, settings)
-    result = run_sweep(settings, progress=not quiet)
+    _warn_remote_code(settings)
+    with _resume_hint():
+        result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
+    if settings.save_best:
+        click.echo(f"saved the pick ({result.best.label}) as a model folder: {settings.save_best}")
     if replay_out:
         written, left_out = write_replay(result, replay_out, replay_format, replay_all)
         which = "forgotten by post" if replay_all else "still lost by the pick"
@@ -174,9 +209,27 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
                    "answer in the point files)", err=True)
 
 
+def _warn_remote_code(settings) -> None:
+    if settings.lm_eval.trusts_remote_code:
+        click.echo("warning: --model-args trust_remote_code=True runs the Python code in the model folders (pre, post) "
+                   "with your permissions; use it only for models whose code you trust", err=True)
+
+
+@contextlib.contextmanager
+def _resume_hint():
+    """An interrupted sweep keeps every finished point: say that the same command resumes it (a handled SIGTERM is a
+    KeyboardInterrupt too)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo("sweep interrupted: the points finished so far are saved in the run folder; run the same command "
+                   "again to resume from them", err=True)
+        raise
+
+
 def summary(result) -> str:
     """Pre, post and the pick (report split) in a few lines, with how much of the forgetting it recovered."""
-    best, recovered = result.best, result.recovered
+    best = result.best
     resumed = len(result.points) + 2 - len(result.evaluated)
     split = ("picked on the same docs (--selection none)" if result.settings.selection == "none" else
              f"picked on {result.settings.selection_fraction:.0%} of the docs, reported on the rest")
@@ -191,8 +244,8 @@ def summary(result) -> str:
         f"best  alpha={best.alpha!r}{second} ({result.settings.coefficient} of {result.settings.method})  "
         f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}",
         f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}",
-        "forgetting recovered "
-        + (f"{recovered:.1%}" if recovered is not None else "N/A (post lost no old-task accuracy)"),
+        result.outcome_text(),
+        *([result.warning_text()] if result.better else []),
         *probed,
         *([f"budget {result.budget['budget']}: cost {result.budget['cost']:.2f} full evaluations, "
            f"{len(result.budget['rounds'])} probe rounds, {len(result.budget['full'])} points on every doc"]

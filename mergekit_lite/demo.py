@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from mergekit_lite.io.outputs import prepare_run_folder
 from mergekit_lite.merge.extract import extract_lora
 from mergekit_lite.sweep import SweepResult, SweepSettings, run_sweep
+from mergekit_lite.sweep.result import pick_fields
 from mergekit_lite.toy import ToyPair, build_toy_pair
 
 # method -> (grid of its main coefficient, extra settings)
@@ -103,7 +104,7 @@ def summary_data(sweeps: dict[str, SweepResult], audits: list) -> dict:
         "best": {method: {"alpha": r.best.alpha, "old": r.best.old, "new": r.best.new,
                           "harmonic_mean": r.best.harmonic_mean, "intervals": r.best.intervals,
                           "selection_harmonic_mean": r.best.selection.harmonic_mean,
-                          "indistinguishable": r.indistinguishable, "recovered": r.recovered}
+                          "indistinguishable": r.indistinguishable, **pick_fields(r)}
                  for method, r in sweeps.items()},
         "audits": {Path(a.adapter).name: {"verdict": a.verdict, "reasons": a.reasons} for a in audits},
     }
@@ -111,15 +112,16 @@ def summary_data(sweeps: dict[str, SweepResult], audits: list) -> dict:
 
 def summary_lines(sweeps: dict[str, SweepResult]) -> list[str]:
     """The printed summary: pre and post on both skills, each method's pick (chosen on the selection docs,
-    scored on the report docs), and the forgetting it recovered."""
+    scored on the report docs), the forgetting it recovered and the new skill it kept (or that it is pre or post
+    itself), and a warning where another alpha beat it on the report docs."""
     first = next(iter(sweeps.values()))
     lines = [f"pre   old {first.pre.old:.3f}  new {first.pre.new:.3f}",
              f"post  old {first.post.old:.3f}  new {first.post.new:.3f}"]
     for method, result in sweeps.items():
-        recovered = f"{result.recovered:.0%}" if result.recovered is not None else "N/A"
         lines.append(f"best {method:<7} (alpha {result.best.alpha:g})  old {result.best.old:.3f}  new {result.best.new:.3f}"
-                     f"  harmonic mean {result.best.harmonic_mean:.3f}{_interval(result.best, 'harmonic_mean')}"
-                     f"  forgetting recovered {recovered}")
+                     f"  harmonic mean {result.best.harmonic_mean:.3f}{_interval(result.best, 'harmonic_mean')}")
+        lines.append(f"      {result.outcome_text()}")
+        lines += [f"      {method} {result.warning_text()}"] if result.better else []
     lines.append(f"(alpha picked on {first.settings.selection_fraction:.0%} of each task's docs; scores and "
                  f"{first.settings.confidence:.0%} bootstrap intervals on the other docs)")
     return lines
@@ -133,24 +135,31 @@ def summary_markdown(sweeps: dict[str, SweepResult], audits: list) -> str:
              f"disjoint report split, with {first.settings.confidence:.0%} paired-bootstrap intervals "
              f"({first.settings.bootstrap} resamples).")
     rows = ["| model | coefficient | old | new | harmonic mean | alphas indistinguishable from the pick | "
-            "forgetting recovered |", "|---|---|---|---|---|---|---|",
+            "forgetting recovered | new skill kept |", "|---|---|---|---|---|---|---|---|",
             f"| pre | | {first.pre.old:.3f}{_interval(first.pre, 'old')} | {first.pre.new:.3f}{_interval(first.pre, 'new')}"
-            f" | {first.pre.harmonic_mean:.3f}{_interval(first.pre, 'harmonic_mean')} | | |",
+            f" | {first.pre.harmonic_mean:.3f}{_interval(first.pre, 'harmonic_mean')} | | | |",
             f"| post | | {first.post.old:.3f}{_interval(first.post, 'old')} | "
             f"{first.post.new:.3f}{_interval(first.post, 'new')} | "
-            f"{first.post.harmonic_mean:.3f}{_interval(first.post, 'harmonic_mean')} | | |"]
+            f"{first.post.harmonic_mean:.3f}{_interval(first.post, 'harmonic_mean')} | | | |"]
+    warnings = []
     for method, result in sweeps.items():
         best = result.best
         recovered = f"{result.recovered:.1%}" if result.recovered is not None else "N/A"
+        kept = f"{result.kept:.1%}" if result.kept is not None else "N/A"
+        if result.pick_is:
+            recovered = kept = f"the pick is {result.pick_is} itself"
         same = ", ".join(f"{alpha:g}" for alpha in result.indistinguishable) or "none"
         rows.append(f"| best {method} | {best.alpha:g} | {best.old:.3f}{_interval(best, 'old')} | "
                     f"{best.new:.3f}{_interval(best, 'new')} | {best.harmonic_mean:.3f}"
-                    f"{_interval(best, 'harmonic_mean')} | {same} | {recovered} |")
+                    f"{_interval(best, 'harmonic_mean')} | {same} | {recovered} | {kept} |")
+        warnings += [f"**{method}: {result.warning_text()}**\n\n"] if result.better else []
     audit_rows = ["| adapter | verdict | reasons |", "|---|---|---|"]
     audit_rows += [f"| {Path(a.adapter).name} | {a.verdict} | {'; '.join(a.reasons) or '-'} |" for a in audits]
     links = "\n".join(f"- [{method}](sweeps/{method}/report.md): table with intervals, plot (`sweep.png`) and "
                       "forgetting map (`forgetting_map.png`)" for method in sweeps)
     return ("# mergekit-lite demo\n\nOld skill = `toy_old`, new skill = `toy_new` (4-way multiple choice, chance 0.25). "
-            "Forgetting recovered = (old_best - old_post) / (old_pre - old_post).\n\n" + split + "\n\n" +
-            "\n".join(rows) + "\n\n## Adapter audits\n\n" + "\n".join(audit_rows) + "\n\n## Sweeps\n\n" +
+            "Forgetting recovered = (old_best - old_post) / (old_pre - old_post); new skill kept = "
+            "(new_best - new_pre) / (new_post - new_pre).\n\n" + split + "\n\n" +
+            "\n".join(rows) + "\n\n" + "".join(warnings) + "## Adapter audits\n\n" + "\n".join(audit_rows) +
+            "\n\n## Sweeps\n\n" +
             links + "\n")

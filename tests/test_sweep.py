@@ -170,7 +170,7 @@ def test_report_md_and_results_json_agree(linear_sweep):
     assert results["pick"]["alpha"] == linear_sweep.best.alpha
     assert f"Pareto front (selection split): {', '.join(map(repr, results['pareto']))}." in report
     assert (folder / "forgetting_map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"Forgetting recovered: {results['recovered']:.1%}" in report
+    assert f"Forgetting recovered {results['recovered']:.1%}, new skill kept {results['kept']:.1%}." in report
     post_old = results["post"]["forgetting"]["groups"]["old"]
     assert post_old["F"] > 0 and post_old["F_true"] > 0
 
@@ -312,8 +312,9 @@ def test_cli_sweeps_from_a_config_file_with_flag_overrides_and_saves_the_best(to
 
 
 def test_ctrl_c_ends_a_sweep_at_once_leaving_only_whole_points(toy_pair, tmp_path):
-    """SIGINT midway through a sweep (lm-eval or a merge running): exit 130 within seconds, one line, the lock
-    released, no scratch merge left, every point file whole (resuming from them: test_rerun_evaluates_only_...)."""
+    """SIGINT midway through a sweep (lm-eval or a merge running): exit 130 within seconds, saying how to resume,
+    the lock released, no scratch merge left, every point file whole (resuming from them:
+    test_rerun_evaluates_only_...)."""
     folder = tmp_path / "run"
     arguments = ["--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--old-tasks", ",".join(toy_pair.old_tasks),
                  "--new-tasks", ",".join(toy_pair.new_tasks), "--include-path", toy_pair.task_dir, "--out", folder,
@@ -330,7 +331,8 @@ def test_ctrl_c_ends_a_sweep_at_once_leaving_only_whole_points(toy_pair, tmp_pat
         sent = time.monotonic()
         assert process.wait(timeout=60) == 130
     assert time.monotonic() - sent < 10
-    assert (tmp_path / "stderr").read_text().strip() == "interrupted (SIGINT)"
+    hint, interrupted = (tmp_path / "stderr").read_text().strip().splitlines()
+    assert interrupted == "interrupted (SIGINT)" and "run the same command again to resume" in hint
     assert not (folder / MERGE_TEMP).exists()
     points = sorted((folder / "points").glob("*.json"))
     assert len(points) >= 2 and all(json.loads(point.read_text()) for point in points)

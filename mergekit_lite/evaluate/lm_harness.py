@@ -8,6 +8,7 @@ to import and the CLI must start fast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.lm_eval_settings import LmEvalSettings
 from mergekit_lite.evaluate.outcomes import SampleOutcomes, ScoringRule, outcomes_from_lm_eval
 
 # Everything is local; without these, lm-eval/datasets may wait on a network that isn't there.
@@ -51,6 +53,64 @@ class TaskScore:
         return self.outcomes().n_choices
 
 
+def task_index(tasks: list[str], include_path: str | None = None):
+    """lm-eval's TaskManager that knows every one of `tasks` (task, group or tag names), else a one-line InputError
+    naming the unknown ones. Only include_path is indexed when it holds every task (milliseconds); lm-eval's ~15k
+    built-in tasks (seconds) only when some task must come from there. Indexes are kept per process, so checking the
+    tasks before any model is read costs nothing later."""
+    state = _folder_state(include_path)
+    if include_path is not None:
+        manager = _task_manager(include_path, False, state)
+        if not _unknown_tasks(manager, tasks):
+            return manager
+    manager = _task_manager(include_path, True, state)
+    unknown = _unknown_tasks(manager, tasks)
+    if unknown:
+        where = f"not in --include-path {include_path}" if include_path else "no --include-path given"
+        raise InputError(f"unknown lm-eval task(s) {', '.join(unknown)} (not built in, {where})")
+    return manager
+
+
+def _folder_state(folder: str | None) -> tuple:
+    """Each file under `folder` with its size and time: a task folder edited since it was indexed is indexed again."""
+    if folder is None:
+        return ()
+    return tuple(sorted((os.path.join(root, name), os.stat(os.path.join(root, name)).st_mtime_ns,
+                         os.stat(os.path.join(root, name)).st_size)
+                        for root, _, names in os.walk(folder) for name in names))
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(include_path: str | None, include_defaults: bool, state: tuple):
+    from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    return TaskManager(include_path=include_path, include_defaults=include_defaults)
+
+
+def _unknown_tasks(manager, tasks: list[str]) -> list[str]:
+    """Requested names that are neither task, group nor tag in `manager`'s index."""
+    known = set(manager.all_tasks)
+    return [task for task in tasks if task not in known]
+
+
+def check_chat_template(tokenizer, settings: LmEvalSettings, where: str) -> None:
+    """--apply-chat-template needs a tokenizer with a chat template (a named one: a template of that name), checked
+    before any model is read; lm-eval itself would fail only once the first prompt is built."""
+    if not settings.apply_chat_template:
+        return
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InputError(f"--apply-chat-template: the tokenizer in {where} has no chat template (chat_template in "
+                         "tokenizer_config.json or chat_template.jinja); give a model whose tokenizer has one")
+    name = settings.apply_chat_template
+    if isinstance(template, dict):
+        wanted = "default" if name is True else name
+        if wanted not in template:
+            raise InputError(f"--apply-chat-template: the tokenizer in {where} has no template named {wanted!r} "
+                             f"(it has {', '.join(sorted(template))})")
+
+
 class Evaluator:
     """Holds one lm-eval TaskManager (include_path) so repeated evaluations don't re-index tasks."""
 
@@ -58,10 +118,11 @@ class Evaluator:
         self,
         tasks: list[str],
         include_path: str | Path | None = None,
-        limit: int | None = None,
+        limit: int | float | None = None,
         batch_size: int = 16,
         device: str = "cpu",
         quiet: bool = False,
+        settings: LmEvalSettings = LmEvalSettings(),
     ):
         self.tasks = list(tasks)
         self.quiet = quiet
@@ -69,31 +130,8 @@ class Evaluator:
         self.limit = limit
         self.batch_size = batch_size
         self.device = device
-        self.task_manager = self._index_tasks()
-
-    def _index_tasks(self):
-        """Index only include_path when it holds every task (milliseconds); index lm-eval's
-        ~15k built-in tasks (seconds) only when some task must come from there."""
-        from lm_eval.tasks import TaskManager
-
-        logging.getLogger("lm_eval").setLevel(logging.ERROR)
-        if self.include_path is not None:
-            manager = TaskManager(include_path=self.include_path, include_defaults=False)
-            if not self._unknown_tasks(manager):
-                return manager
-        manager = TaskManager(include_path=self.include_path)
-        unknown = self._unknown_tasks(manager)
-        if unknown:
-            raise InputError(
-                f"unknown lm-eval task(s) {', '.join(unknown)} "
-                f"(not built in, not in include path {self.include_path or '(none given)'})"
-            )
-        return manager
-
-    def _unknown_tasks(self, manager) -> list[str]:
-        """Requested names that are neither task, group nor tag in `manager`'s index."""
-        known = set(manager.all_tasks)
-        return [task for task in self.tasks if task not in known]
+        self.settings = settings
+        self.task_manager = task_index(self.tasks, self.include_path)
 
     def evaluate(self, model, tokenizer, samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
         """Score `model` (moved to self.device) on every task; keys are leaf task names. `samples`
@@ -101,8 +139,9 @@ class Evaluator:
         from lm_eval.models.huggingface import HFLM
 
         model.to(self.device)
-        return self._scores(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device),
-                            samples=samples)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device,
+                  **self.settings.hflm_args())
+        return self._scores(lm, samples=samples)
 
     def evaluate_with(self, backend: str, model_args: dict,
                       samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
@@ -117,7 +156,7 @@ class Evaluator:
         if samples is not None and not all(samples.values()):
             raise ValueError("every task in samples needs at least one doc id (lm-eval scores all docs of an empty list)")
         # lm-eval passes disable=False to its own progress bars; `quiet` silences them at the stream.
-        with _silenced_stderr() if self.quiet else contextlib.nullcontext():
+        with _silenced_stderr() if self.quiet else contextlib.nullcontext(), _empty_encoding_named():
             results = lm_eval.simple_evaluate(
                 model=model,
                 model_args=model_args,
@@ -127,9 +166,32 @@ class Evaluator:
                 samples={task: sorted(ids) for task, ids in samples.items()} if samples is not None else None,
                 log_samples=True,
                 bootstrap_iters=0,
+                **self.settings.simple_evaluate_args(),
             )
         return {task: TaskScore(task, samples, results["configs"].get(task, {}))
                 for task, samples in results["samples"].items()}
+
+
+@contextlib.contextmanager
+def _empty_encoding_named():
+    """lm-eval asserts that every prompt and answer encodes to at least one token (a bare AssertionError on
+    `len(context_enc) > 0` or `len(continuation_enc) > 0`): the tokenizer's doing, said in one line; and a chat
+    template that fails to render, named as the template's fault."""
+    import traceback
+
+    from jinja2.exceptions import TemplateError
+
+    try:
+        yield
+    except AssertionError as error:
+        frames = traceback.extract_tb(error.__traceback__)
+        if not frames or "_enc) > 0" not in (frames[-1].line or ""):
+            raise
+        raise InputError("the tokenizer encodes a prompt or an answer to no tokens (lm-eval scores at least one "
+                         "token of each): check the tokenizer (its vocabulary, unknown-token handling) and the "
+                         "task's doc_to_text, doc_to_choice and target_delimiter") from None
+    except TemplateError as error:
+        raise InputError(f"the tokenizer's chat template fails to render a prompt: {error}") from None
 
 
 @contextlib.contextmanager

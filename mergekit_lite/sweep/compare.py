@@ -23,7 +23,7 @@ from pathlib import Path
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.merge import methods as merge_methods
-from mergekit_lite.sweep.result import SweepResult
+from mergekit_lite.sweep.result import SweepResult, pick_fields
 from mergekit_lite.sweep.scoring import PointResult, paired_bootstrap
 from mergekit_lite.sweep.settings import SECOND_AXES, SweepSettings, settings_from_dict
 
@@ -124,6 +124,7 @@ def comparison_json(comparison: Comparison) -> dict:
                      "pick": row.pick.alpha, **({row.pick.second[0]: row.pick.second[1]} if row.pick.second else {}),
                      **scores(row.pick), "diff_to_baseline": row.diff_to_baseline,
                      "indistinguishable_from_baseline": row.indistinguishable,
+                     **pick_fields(comparison.sweeps[row.method]),
                      "pareto": comparison.sweeps[row.method].pareto,
                      "points": [{"alpha": p.alpha, **({p.second[0]: p.second[1]} if p.second else {}),
                                  "old": p.old, "new": p.new}
@@ -165,9 +166,20 @@ def comparison_markdown(comparison: Comparison, data: dict) -> str:
         lines.append(f"| [{row.method}]({entry['report']}) | {_chosen(pick, entry['coefficient'])} | "
                      f"{_cell(pick.old, pick.intervals.get('old'))} | {_cell(pick.new, pick.intervals.get('new'))} | "
                      f"{_cell(pick.harmonic_mean, pick.intervals.get('harmonic_mean'))} | {diff} | {verdict} |")
+    lines += ["", *pick_lines(comparison, "- {method}: {text}.", "- **{method}: {text}**")]
     lines += ["", f"{comparison.evaluations} models evaluated by this run (pre and post once for every method).",
               "", f"![old against new]({PARETO_PLOT})", ""]
     return "\n".join(lines)
+
+
+def pick_lines(comparison: Comparison, outcome: str, warning: str) -> list[str]:
+    """Each method's pick in words (forgetting recovered and new skill kept, or that it is pre or post itself), and
+    a warning where another of its alphas beat it on the report split."""
+    lines = []
+    for method, result in comparison.sweeps.items():
+        lines.append(outcome.format(method=method, text=result.outcome_text()))
+        lines += [warning.format(method=method, text=result.warning_text())] if result.better else []
+    return lines
 
 
 def plot_pareto(comparison: Comparison, path: Path) -> None:
@@ -211,5 +223,6 @@ def comparison_summary(comparison: Comparison) -> str:
             (" indistinguishable" if row.indistinguishable else "")
         lines.append(f"best {row.method:<16} ({_chosen(pick, comparison.sweeps[row.method].settings.coefficient)})  "
                      f"old {pick.old:.3f}  new {pick.new:.3f}  harmonic mean {pick.harmonic_mean:.3f}{verdict}")
+    lines += pick_lines(comparison, "      {method}: {text}", "      {method} {text}")
     lines.append(f"evaluated {comparison.evaluations} models; comparison: {comparison.out / COMPARISON_MD}")
     return "\n".join(lines)

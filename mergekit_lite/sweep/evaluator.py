@@ -23,7 +23,6 @@ class PointEvaluator:
 
     def __init__(self, settings: SweepSettings, folder: Path, bar):
         import torch
-        from transformers import AutoTokenizer
 
         from mergekit_lite.evaluate.lm_harness import Evaluator
         from mergekit_lite.io.sources import open_inputs
@@ -32,17 +31,18 @@ class PointEvaluator:
         self.settings, self.folder, self.bar = settings, folder, bar
         self.sources = open_inputs([settings.pre, settings.post], settings.pre, allow_pickle=False)
         dtype = getattr(torch, settings.eval_dtype)
-        self.loader = ModelLoader(settings.pre, dtype, settings.device)
+        self.loader = ModelLoader(settings.pre, dtype, settings.device, settings.lm_eval.loading_args())
         in_memory = not settings.stream if settings.stream is not None else fits_in_memory(self.sources[0], dtype)
         self.resident = None
         self.tokenizer_dir = find_tokenizer_dir([settings.pre, settings.post], 0)
         if in_memory and settings.backend == "hf":
             resident = ResidentPair(self.loader, settings, self.sources, settings.merge_config(settings.alphas[0]))
             self.resident = resident if resident.exact else None
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        self.tokenizer = evaluation_tokenizer(settings, self.tokenizer_dir)
         self.evaluators = {
             group: Evaluator(tasks, include_path=settings.include_path, limit=settings.limit,
-                             batch_size=settings.batch_size, device=settings.device, quiet=True)
+                             batch_size=settings.batch_size, device=settings.device, quiet=True,
+                             settings=settings.lm_eval)
             for group, tasks in (("old", settings.old_tasks), ("new", settings.new_tasks))
         }
 
@@ -100,6 +100,23 @@ class PointEvaluator:
         scoring.check_logged(metrics, filters, "the evaluated tasks")  # a typo, before any point is saved with it
         check_groups_disjoint(runs)
         return runs
+
+
+def evaluation_tokenizer(settings: SweepSettings, folder: str):
+    """The tokenizer every point is scored with: `folder`'s (pre's when it has one). With --apply-chat-template and
+    no chat template there, post's template: a base model paired with its instruct model has none, and the
+    instruct model's is the one the merges are used with (--save-best copies it too)."""
+    from transformers import AutoTokenizer
+
+    from mergekit_lite.merge.recall import TOKENIZER_FILES
+
+    trust = settings.lm_eval.trusts_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
+    has_tokenizer = any((Path(settings.post) / name).is_file() for name in TOKENIZER_FILES)
+    if settings.lm_eval.apply_chat_template and not tokenizer.chat_template and has_tokenizer \
+            and Path(folder).resolve() != Path(settings.post).resolve():
+        tokenizer.chat_template = AutoTokenizer.from_pretrained(settings.post, trust_remote_code=trust).chat_template
+    return tokenizer
 
 
 def evaluate_point(evaluator: PointEvaluator, settings: SweepSettings, label: str, alpha: float | None,

@@ -74,10 +74,12 @@ class ModelLoader:
     """Models built through transformers' own loading path (from_pretrained), so its key conversions apply:
     fused MoE experts in transformers 5, multimodal wrappers, tied heads."""
 
-    def __init__(self, pre: str, dtype, device: str):
+    def __init__(self, pre: str, dtype, device: str, loading_args: dict | None = None):
         import transformers
 
-        self.config = transformers.AutoConfig.from_pretrained(pre)
+        self.loading_args = dict(loading_args or {})  # --model-args: attn_implementation, trust_remote_code
+        self.config = transformers.AutoConfig.from_pretrained(
+            pre, trust_remote_code=self.loading_args.get("trust_remote_code", False))
         architecture = next(iter(self.config.architectures or []), None)
         self.model_class = getattr(transformers, architecture, None) if architecture else None
         if self.model_class is None:
@@ -86,14 +88,15 @@ class ModelLoader:
 
     def from_folder(self, folder) -> object:
         with interrupts.deferred():  # transformers builds the model through torch's device modes: see interrupts
-            loaded = self.model_class.from_pretrained(str(folder), dtype=self.dtype, output_loading_info=True)
+            loaded = self.model_class.from_pretrained(str(folder), dtype=self.dtype, output_loading_info=True,
+                                                      **self.loading_args)
         return self._checked(str(folder), loaded)
 
     def from_state(self, state: dict, what: str) -> object:
         """A model from on-disk tensor names (e.g. an adapter applied to pre, or a task vector)."""
         with interrupts.deferred():
             loaded = self.model_class.from_pretrained(None, config=self.config, state_dict=state, dtype=self.dtype,
-                                                      output_loading_info=True)
+                                                      output_loading_info=True, **self.loading_args)
         return self._checked(what, loaded)
 
     def _checked(self, what, loaded):

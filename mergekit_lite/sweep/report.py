@@ -20,7 +20,7 @@ from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.merge import methods
 from mergekit_lite.sweep.budget import budget_lines
 from mergekit_lite.sweep.grid import cell_key, cell_text, grid_json, grid_lines, plot_heatmap
-from mergekit_lite.sweep.result import SweepResult
+from mergekit_lite.sweep.result import SweepResult, pick_fields
 from mergekit_lite.sweep.samples import samples_json, samples_lines, write_samples
 from mergekit_lite.sweep.scoring import PointResult, task_accuracy
 from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
@@ -42,7 +42,10 @@ DEFINITIONS = {
     "F_true(old)": "chance-corrected forgetting against pre over the old tasks (paper §2), grouped like old",
     "BT_true(new)": "chance-corrected backward transfer against pre over the new tasks (paper §2), grouped like new",
     "recovered": "(old_best - old_post) / (old_pre - old_post) on the report split: share of post's old-task loss "
-                 "the pick wins back; null when post lost nothing",
+                 "the pick wins back; null when post lost nothing or the pick is pre or post itself",
+    "kept": "(new_best - new_pre) / (new_post - new_pre) on the report split: share of post's new-task gain the "
+            "pick keeps; null when post gained nothing or the pick is pre or post itself",
+    "better": "alphas whose HM - pick interval lies above 0: they beat the pick on the report split",
     "ties": "alphas whose selection harmonic mean is within 1e-9 of the best; the smallest is picked",
     "pareto": "alphas that no other alpha beats on both old and new (selection split)",
 }
@@ -91,7 +94,8 @@ def results_json(result: SweepResult) -> dict:
                  "selection_harmonic_mean": best.selection.harmonic_mean, "ties": result.ties,
                  "indistinguishable": result.indistinguishable},
         "pareto": result.pareto,
-        "recovered": result.recovered,
+        **pick_fields(result),
+        "lm_eval": settings.lm_eval.describe(),
         "search": {"method": settings.search,
                    "evaluated": ([settings.alphas[index] for index in result.search.evaluated] if result.search
                                  else [point.key for point in result.points]),
@@ -159,6 +163,7 @@ def score_table(results: dict) -> str:
         notes = ["pick"] if alpha == cell_key(pick) else []
         notes += ["tie"] if alpha in pick["ties"] and alpha != cell_key(pick) else []
         notes += ["indistinguishable"] if alpha in pick["indistinguishable"] else []
+        notes += ["**beats the pick**"] if point["label"] in results["better"] else []
         notes += ["pareto"] if alpha in pareto else []
         lines.append(_row(point, cell_text(point), notes))
     lines.append(_row(results["post"], "post", ["reference"]))
@@ -198,10 +203,12 @@ def model_text(path: str) -> str:
     return f"{hub_id} (`{path}`)" if hub_id else f"`{path}`"
 
 
-def limit_text(limit: int | None, splits: dict[str, tuple[list[str], list[str]]]) -> str:
+def limit_text(limit: int | float | None, splits: dict[str, tuple[list[str], list[str]]]) -> str:
     """--limit as the docs scored: a task with fewer docs than the limit is named with its count."""
     if limit is None:
         return "all"
+    if limit < 1:
+        return f"{limit:.0%} of each task's docs"
     counts = {task: len(set(selection) | set(report)) for task, (selection, report) in splits.items()}
     short = [f"{task} has {count}" for task, count in counts.items() if count < limit]
     return f"{limit}" + (f" (fewer docs: {', '.join(short)})" if short else "")
@@ -214,7 +221,6 @@ def forgetting_section(title: str, point: PointResult) -> str:
 
 def report_markdown(result: SweepResult, results: dict) -> str:
     settings, pick = result.settings, results["pick"]
-    recovered = results["recovered"]
     ties = ", ".join(map(repr, pick["ties"])) if len(pick["ties"]) > 1 else "none"
     chosen = cell_text(pick, settings.coefficient) if settings.second else f"alpha = {pick['alpha']!r}"
     same = ", ".join(map(repr, pick["indistinguishable"])) or "none"
@@ -226,6 +232,7 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         f"- alpha = {results['alpha_means']}",
         f"- old tasks: {', '.join(settings.old_tasks)}; new tasks: {', '.join(settings.new_tasks)}; "
         f"samples per task: {limit_text(settings.limit, result.splits)}; group scores: {settings.aggregation}",
+        f"- lm-eval settings: {results['lm_eval']}",
         *split_lines(results),
         "",
         *[f"- **{name}**: {text}" for name, text in DEFINITIONS.items()],
@@ -240,8 +247,8 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         "",
         f"Pareto front (selection split): {', '.join(map(repr, results['pareto']))}.",
         "",
-        "Forgetting recovered: " + (f"{recovered:.1%}" if recovered is not None else
-                                    "N/A (post did not lose old-task accuracy)"),
+        *([f"**{result.warning_text()[0].upper()}{result.warning_text()[1:]}**", ""] if result.better else []),
+        f"{result.outcome_text()[0].upper()}{result.outcome_text()[1:]}.",
         "",
         *probe_lines(results),
         *grid_lines(results),

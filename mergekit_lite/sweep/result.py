@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mergekit_lite.merge import methods
 from mergekit_lite.sweep.scoring import (
     PointResult,
     Scores,
@@ -58,6 +59,7 @@ class SweepResult:
     out: Path
     splits: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)  # task -> (selection, report) keys
     indistinguishable: list[float] = field(default_factory=list)
+    better: list[PointResult] = field(default_factory=list)  # beat the pick on the report split, interval above 0
     skipped: dict[str, str] = field(default_factory=dict)
     search: SearchTrace | None = None  # the golden-section search's trace; None for a full grid
     probe: ProbeTrace | None = None  # probe mode's estimates; None when every point was scored in full
@@ -70,6 +72,56 @@ class SweepResult:
         None when post lost nothing (old_pre <= old_post). 1.0 = back to pre's level; can exceed 1."""
         lost = self.pre.old - self.post.old
         return (self.best.old - self.post.old) / lost if lost > 0 else None
+
+    @property
+    def kept(self) -> float | None:
+        """Share of post's new-skill gain the pick keeps: (new_best - new_pre) / (new_post - new_pre). None when post
+        gained nothing (new_post <= new_pre). 1.0 = post's level."""
+        gained = self.post.new - self.pre.new
+        return (self.best.new - self.pre.new) / gained if gained > 0 else None
+
+    @property
+    def pick_is(self) -> str | None:
+        """"pre" or "post" when the merge at the pick is that model itself (e.g. linear at alpha 0 or 1): then the
+        sweep found no merge better than an endpoint, and a recovery percentage would describe no merge."""
+        settings, best = self.settings, self.best
+        method = methods.method(settings.method)  # its declaration says which coefficients give pre or post
+        if best.alpha == 0 and method.pre_at_zero:
+            return "pre"
+        beta = best.second[1] if best.second and best.second[0] == "beta" else settings.beta
+        if best.alpha == 1 and (method.post_at_one and best.second is None
+                                or method.post_at_one_without_beta and not beta):
+            return "post"
+        return None
+
+    def outcome_text(self) -> str:
+        """What the pick gives back, in one sentence: forgetting recovered and new skill kept, or, when the pick is
+        pre or post itself, that instead."""
+        settings, best = self.settings, self.best
+        if endpoint := self.pick_is:
+            return (f"the pick is {endpoint} itself ({settings.method} at {settings.coefficient}={best.alpha!r}): no "
+                    f"merge beat {endpoint} on the selection split, so there is no recovery to report")
+        recovered = f"{self.recovered:.1%}" if self.recovered is not None else "N/A (post lost no old-task accuracy)"
+        kept = f"{self.kept:.1%}" if self.kept is not None else "N/A (post gained no new-task accuracy)"
+        return f"forgetting recovered {recovered}, new skill kept {kept}"
+
+    def warning_text(self) -> str | None:
+        """A sentence naming the points that beat the pick on the report split with an interval above zero: the pick
+        made on the selection docs did not hold up on the others."""
+        if not self.better:
+            return None
+        named = ", ".join(f"{point.label} (HM - pick [{point.intervals['diff_to_pick'][0]:+.3f}, "
+                          f"{point.intervals['diff_to_pick'][1]:+.3f}])" for point in self.better)
+        return (f"warning: on the report split {named} beat{'s' if len(self.better) == 1 else ''} the pick with an "
+                f"interval above zero; the pick made on the selection docs does not hold up on the others: consider "
+                f"{self.better[0].label}, or score more docs (--limit)")
+
+
+def pick_fields(result: SweepResult) -> dict:
+    """results.json's account of the pick: what it gives back (null where it is pre or post itself), which endpoint it
+    is, and the alphas that beat it on the report split."""
+    return {"recovered": None if result.pick_is else result.recovered, "kept": None if result.pick_is else result.kept,
+            "pick_is": result.pick_is, "better": [point.label for point in result.better]}
 
 
 def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
@@ -99,6 +151,8 @@ def add_intervals(result: SweepResult) -> None:
         model.intervals["diff_to_pick"] = np.percentile(difference, [tail, 100 - tail]).tolist()
     result.indistinguishable = [point.key for point in result.points if point is not result.best
                                 and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]]
+    result.better = sorted((point for point in result.points if point.intervals["diff_to_pick"][0] > 0),
+                           key=lambda point: -point.intervals["diff_to_pick"][0])
 
 
 def build_result(settings, folder, plan, runs, evaluated,

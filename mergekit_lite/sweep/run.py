@@ -33,13 +33,14 @@ from mergekit_lite.sweep.compare import (
     compare,
     write_comparison,
 )
-from mergekit_lite.sweep.evaluator import MERGE_TEMP, PointEvaluator, evaluate_point
+from mergekit_lite.sweep.evaluator import MERGE_TEMP, PointEvaluator, evaluate_point, evaluation_tokenizer
 from mergekit_lite.sweep.models import check_pair
 from mergekit_lite.sweep.result import SweepResult, build_result
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
 from mergekit_lite.sweep.store import (
     LOCK_FILE,
+    OUTPUTS_FILE,
     POINTS_DIR,
     PROBES_DIR,
     RECALL_DIR,
@@ -47,8 +48,10 @@ from mergekit_lite.sweep.store import (
     point_file,
     point_label,
     taken_back_if_unused,
+    record_written,
     run_lock,
     save_point,
+    wrote_before,
 )
 
 ENDPOINTS = ("pre", "post")
@@ -64,7 +67,7 @@ def run_file(name: str) -> bool:
     top, _, rest = name.partition("/")
     if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR):
         return not rest or rest.endswith(".json") and "/" not in rest
-    own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE, SAMPLES_FILE)
+    own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE, SAMPLES_FILE, OUTPUTS_FILE)
     return top in own or top.startswith((f"{MERGE_TEMP}-", f".{MERGE_TEMP}-")) \
         or any(top.startswith(f".{file}.tmp-") for file in own)
 
@@ -90,6 +93,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
     check_save_best(settings, inputs)
     check_run_folder(settings.out, inputs, own=run_file)
+    check_evaluation(settings)
     usable_device(settings.device)  # torch loads here: what needs no torch was checked first
     check_pair(settings)
     audit_adapter_post(settings)
@@ -174,12 +178,28 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         if settings.save_best:
             from mergekit_lite.audited import run_merge
 
-            check_output_folder(settings.save_best, inputs)
+            again = wrote_before(folder, "save_best", settings.save_best)
+            check_output_folder(settings.save_best, inputs, overwrite=again)
             best = found[result.best.label].config()
             if settings.copy_files_from:
                 best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
-            run_merge(best, settings.save_best, progress=progress, card_sections=[card_section(result)])
+            run_merge(best, settings.save_best, overwrite=again, progress=progress,
+                      card_sections=[card_section(result)])
+            record_written(folder, "save_best", settings.save_best)
     return result
+
+
+def check_evaluation(settings: SweepSettings) -> None:
+    """Before any model is read: lm-eval knows every task (built in or under --include-path), and the tokenizer has
+    the chat template --apply-chat-template asks for; a typo costs a second, not a model load."""
+    from mergekit_lite.evaluate.lm_harness import check_chat_template, task_index
+    from mergekit_lite.merge.recall import find_tokenizer_dir
+
+    task_index(settings.old_tasks + settings.new_tasks, settings.include_path)
+    if settings.lm_eval.apply_chat_template:
+        folder = find_tokenizer_dir([settings.pre, settings.post], 0)
+        where = f"{settings.pre} or {settings.post}"
+        check_chat_template(evaluation_tokenizer(settings, folder), settings.lm_eval, where)
 
 
 def audit_adapter_post(settings: SweepSettings) -> None:
@@ -199,8 +219,9 @@ def prepared(out, inputs: list, own) -> Path:
 
 
 def check_save_best(settings: SweepSettings, inputs: list) -> None:
-    """--save-best names a new model folder outside the run folder: a sweep replaces no folder (it has no
-    --overwrite), and a model inside the run folder would stop the run from resuming (it holds only its own files)."""
+    """--save-best names a new model folder outside the run folder, or the one this run folder's sweep wrote there
+    before (the same command run again writes it again); it replaces no other folder, and a model inside the run
+    folder would stop the run from resuming (it holds only its own files)."""
     if not settings.save_best:
         return
     check_output_path(settings.save_best, inputs)
@@ -208,9 +229,9 @@ def check_save_best(settings: SweepSettings, inputs: list) -> None:
     if best == run or run in best.parents or best in run.parents:
         raise InputError(f"{settings.save_best}: --save-best must lie outside the run folder {settings.out} (and not "
                          "hold it); choose a folder beside it")
-    if os.path.lexists(settings.save_best):
-        raise InputError(f"{settings.save_best}: already exists; --save-best writes a new model folder and replaces "
-                         "none, choose a new one")
+    if os.path.lexists(settings.save_best) and not wrote_before(settings.out, "save_best", settings.save_best):
+        raise InputError(f"{settings.save_best}: already exists and is not the model this run folder's sweep saved "
+                         "there; --save-best replaces only its own, choose a new folder")
 
 
 def run_comparison(settings: list[SweepSettings], baseline: str = "linear", progress: bool = False) -> Comparison:
@@ -225,6 +246,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     methods = tuple(Path(own.out).name for own in settings)
     top = Path(first.out).parent
     check_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
+    check_evaluation(first)
     usable_device(first.device)
     check_pair(first)
     audit_adapter_post(first)

@@ -19,6 +19,7 @@ from mergekit_lite.io.outputs import check_output_file, write_atomic
 from mergekit_lite.sweep.result import SweepResult
 from mergekit_lite.sweep.scoring import GROUPS
 from mergekit_lite.sweep.settings import SweepSettings
+from mergekit_lite.sweep.store import record_written, wrote_before
 
 SAMPLES_FILE = "samples.jsonl"
 # (pre, post, pick) right -> class; the first three are what a merge is for, the rest for completeness
@@ -131,8 +132,10 @@ def write_samples(result: SweepResult) -> None:
 
 
 def check_replay(path: str | os.PathLike, settings: SweepSettings) -> None:
-    """--replay, checked before any work: a new file, outside the inputs and the folders the sweep writes."""
-    check_output_file(path, [settings.pre, settings.post, settings.include_path, settings.recall_texts])
+    """--replay, checked before any work: a new file, or the one this run folder's sweep wrote there before (the same
+    command run again writes it again); outside the inputs and the folders the sweep writes."""
+    check_output_file(path, [settings.pre, settings.post, settings.include_path, settings.recall_texts],
+                      recognise=lambda existing: wrote_before(settings.out, "replay", existing))
     parents = Path(os.path.realpath(path)).parents
     for what, folder in (("the run folder", settings.out), ("--save-best", settings.save_best)):
         if folder is not None and Path(os.path.realpath(folder)) in parents:
@@ -147,4 +150,5 @@ def write_replay(result: SweepResult, path: str | os.PathLike, replay_format: st
     chosen = {"still_lost", "recovered"} if every_forgotten else {"still_lost"}
     records, unrecoverable = replay_records(sample_rows(result), replay_format, lambda row: row["class"] in chosen)
     write_atomic(Path(path), jsonl(records))
+    record_written(result.out, "replay", path)
     return len(records), unrecoverable

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS
+from mergekit_lite.evaluate.lm_eval_settings import LM_EVAL_KEYS, LmEvalSettings, parse_limit
 from mergekit_lite.evaluate.outcomes import Scoring
 from mergekit_lite.io.hub import resolve_model
 from mergekit_lite.io.layout import content_identity
@@ -108,7 +109,7 @@ class SweepSettings:
     new_tasks: list[str]
     include_path: str | None
     out: str
-    limit: int | None = None
+    limit: int | float | None = None  # docs per task, or a share of each task's docs in (0, 1), as lm-eval's --limit
     batch_size: int = 16
     device: str = "cpu"
     density: float | None = None
@@ -141,6 +142,7 @@ class SweepSettings:
     selection_fraction: float = 0.5
     bootstrap: int = 1000
     confidence: float = 0.95
+    lm_eval: LmEvalSettings = field(default_factory=LmEvalSettings)  # few-shot, chat template, ... as lm-eval's CLI
 
     def __post_init__(self):
         self.alphas = parse_alphas(self.alphas)
@@ -184,7 +186,12 @@ class SweepSettings:
         shared = [task for task in self.old_tasks if task in self.new_tasks]
         if shared:
             raise InputError(f"task {shared[0]!r} is both an old and a new task")
-        for name in ("limit", "batch_size", "recall_samples"):
+        self.limit = parse_limit(self.limit)
+        if isinstance(self.lm_eval, dict):  # as asdict() gives it (a Ray actor's settings)
+            self.lm_eval = LmEvalSettings(**self.lm_eval)
+        if self.lm_eval.model_args and self.backend != "hf":
+            raise InputError("--model-args applies to --backend hf; give vLLM's through --vllm-args")
+        for name in ("batch_size", "recall_samples"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -256,6 +263,8 @@ class SweepSettings:
         identity = {name: getattr(self, name) for name in IDENTITY_FIELDS}
         if self.beta is not None:
             identity["beta"] = self.beta
+        if self.lm_eval.given():  # the prompts scored: a point of other few-shot or chat settings is another point
+            identity["lm_eval"] = self.lm_eval.given()
         if self.second is not None:  # a 2-D grid's points: the second coefficient is in each point's label
             identity.pop(self.second, None)
             identity["grid"] = self.second
@@ -293,7 +302,7 @@ class SweepSettings:
         return {name: value for name, value in asdict(self).items() if value is not None or name not in OPTIONAL_KEYS}
 
 
-SETTINGS_KEYS = tuple(SweepSettings.__dataclass_fields__)
+SETTINGS_KEYS = tuple(name for name in SweepSettings.__dataclass_fields__ if name != "lm_eval") + LM_EVAL_KEYS
 
 
 def _spec_list(value) -> list[str]:
@@ -320,7 +329,7 @@ class SweepFile(BaseModel):
     new_tasks: str | list[str] | None = None
     include_path: str | None = None
     out: str | None = None
-    limit: int | None = Field(None, ge=1)
+    limit: int | float | None = Field(None, gt=0)
     batch_size: int | None = Field(None, ge=1)
     device: str | None = None
     density: float | None = None
@@ -350,6 +359,13 @@ class SweepFile(BaseModel):
     densities: str | float | list[float] | None = None
     drops: str | float | list[float] | None = None
     budget: int | None = Field(None, ge=3)
+    # lm-eval's evaluation settings (LmEvalSettings), as its CLI flags of the same names
+    num_fewshot: int | None = Field(None, ge=0)
+    apply_chat_template: bool | str | None = None
+    fewshot_as_multiturn: bool | None = None
+    system_instruction: str | None = None
+    gen_kwargs: str | None = None
+    model_args: str | None = None
     # several methods compared in one run (sweep.compare): names, or {method: NAME, alphas/density/drop: ...}
     methods: list[str | dict[str, str | int | float | list[float]]] | None = Field(None, min_length=1)
 
@@ -380,7 +396,9 @@ def settings_from_dict(data: dict) -> SweepSettings:
     if missing:
         flag = "--" + missing[0].replace("_", "-")
         raise InputError(f"missing setting {missing[0]!r} (give {flag} or put it in the config file)")
+    data = dict(data)
+    lm_eval = LmEvalSettings(**{name: data.pop(name) for name in LM_EVAL_KEYS if data.get(name) is not None})
     try:
-        return SweepSettings(**{"include_path": None, **data})
+        return SweepSettings(**{"include_path": None, **data, "lm_eval": lm_eval})
     except TypeError as error:
         raise InputError(f"sweep settings: {error}") from None

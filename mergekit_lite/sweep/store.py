@@ -6,6 +6,7 @@ run folder."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -16,8 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.outputs import OUTPUT_MARKER, write_atomic
-from mergekit_lite.io.validation import parse_json, read_text, require_regular_inside, validate
+from mergekit_lite.io.outputs import OUTPUT_MARKER, written_by_us, write_atomic
+from mergekit_lite.io.validation import is_regular_inside, parse_json, read_text, require_regular_inside, validate
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
 
@@ -26,6 +27,7 @@ PROBES_DIR = "probes"  # probe-mode points: scored on probe samples only, never 
 RECALL_DIR = "recall"
 SIMILARITY_FILE = "similarity.json"
 LOCK_FILE = ".sweep.lock"
+OUTPUTS_FILE = "outputs.json"  # what the sweep wrote outside its run folder (--save-best, --replay), to rerun over it
 # a point file is read whole: pre's holds every doc's prompt (a full few-shot MMLU alone is tens of MiB), so
 # point files get a larger cap than other JSON inputs
 POINT_FILE_BYTES = 1 << 30
@@ -95,10 +97,11 @@ def load_points(folder: Path, identity: dict, directory: str = POINTS_DIR) -> di
             raise InputError(f"{error} (not a sweep point file; delete it to evaluate that point again)") from None
         label, saved = point.label, point.identity
         runs = [TaskRun.from_json(entry.model_dump(exclude_unset=True)) for entry in point.tasks]
-        changed = next((key for key in identity if saved.get(key) != identity[key]), None)
+        keys = [*identity, *(["lm_eval"] if "lm_eval" in saved and "lm_eval" not in identity else [])]
+        changed = next((key for key in keys if saved.get(key) != identity.get(key)), None)
         if changed:
             raise InputError(f"{folder} holds a sweep with other settings ({changed}: {saved.get(changed)!r} "
-                             f"there, {identity[changed]!r} now); use another --out")
+                             f"there, {identity.get(changed)!r} now); use another --out")
         points[label] = runs
     return points
 
@@ -169,3 +172,47 @@ def probe_identity(settings: SweepSettings) -> dict:
     """What a probe point depends on beyond a full point's identity: the rate and the docs it samples from."""
     return {**settings.identity(), "probe": settings.probe, "selection": settings.selection,
             "selection_fraction": settings.selection_fraction}
+
+
+def _fingerprint(path: Path) -> str | None:
+    """sha256 of a file, or of a folder's output marker (the manifest of each file it wrote, with its size); None when
+    there is no such regular file."""
+    target = path / OUTPUT_MARKER if path.is_dir() and not path.is_symlink() else path
+    if not is_regular_inside(target, target.parent):
+        return None
+    digest = hashlib.sha256()
+    with open(target, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _written(folder: Path) -> dict:
+    path = Path(folder) / OUTPUTS_FILE
+    if not is_regular_inside(path, Path(folder)):
+        return {}
+    try:
+        data = parse_json(read_text(path), path)
+    except InputError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def record_written(folder: Path, kind: str, path: str | os.PathLike) -> None:
+    """Note in the run folder that this sweep wrote `path` (kind: "save_best" or "replay") and its fingerprint, so
+    the same command run again recognises it as its own and writes it again."""
+    written = _written(folder)
+    written[kind] = {"path": os.path.realpath(path), "sha256": _fingerprint(Path(path))}
+    write_atomic(Path(folder) / OUTPUTS_FILE, json.dumps(written, indent=1, sort_keys=True) + "\n")
+
+
+def wrote_before(folder: str | os.PathLike, kind: str, path: str | os.PathLike) -> bool:
+    """Whether `path` is what this run folder's sweep wrote as `kind` and is unchanged since (same content; for a
+    folder, still ours with the same manifest)."""
+    entry = _written(Path(folder)).get(kind)
+    if not isinstance(entry, dict) or entry.get("path") != os.path.realpath(path) or os.path.islink(path):
+        return False
+    if Path(path).is_dir() and not written_by_us(Path(path)):
+        return False
+    fingerprint = _fingerprint(Path(path))
+    return fingerprint is not None and fingerprint == entry.get("sha256")

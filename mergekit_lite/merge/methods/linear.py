@@ -25,6 +25,7 @@ class Linear(Method):
     parameters = (ALPHA, WEIGHT, NORMALIZE)
     main_coefficient = "alpha"
     alpha_meaning = "weight of post (0 = pre, 1 = post)"
+    pre_at_zero = post_at_one = True
     base_ignored = True
     elementwise = True
     calibration = Calibration({}, 2, with_base=False)

@@ -49,6 +49,7 @@ class Lines(Method):
     parameters = (replace(ALPHA, help="the scale of the task vector in the first layer"), BETA, WEIGHT)
     main_coefficient = "alpha"
     alpha_meaning = "LiNeS: post's task vector scaled by alpha in the first layer, rising linearly to 1 in the last"
+    post_at_one_without_beta = True
     needs_base = True
     takes_slices = False  # its scale follows the whole model's depth
     elementwise = True

@@ -78,6 +78,7 @@ class RecallLerp(RecallMethod):
     parameters = (ALPHA,)
     main_coefficient = "alpha"
     alpha_meaning = "global weight of post; layer l takes alpha ** (its drift / mean drift), flat drift = linear"
+    pre_at_zero = post_at_one = True
     calibration = Calibration({"alpha": 0.5}, 1, with_base=True)
     interpolates = True
 

@@ -110,6 +110,9 @@ class Method:
     parameters: tuple[Parameter, ...] = ()
     main_coefficient: str | None = None  # what a sweep varies between pre and post (alpha)
     alpha_meaning: str | None = None  # what alpha is in a sweep's report
+    pre_at_zero: bool = False  # the merge at coefficient 0 is pre itself (post's contribution scaled to nothing)
+    post_at_one: bool = False  # at 1 it is post itself (nothing of post's task vector trimmed, dropped or reweighted)
+    post_at_one_without_beta: bool = False  # at 1 with beta 0 it is post itself (LiNeS: scale 1 in every layer)
     needs_base: bool = False
     base_ignored: bool = False  # mergekit's BasePolicy.IGNORED: in a slice the base is just another source
     takes_slices: bool = True

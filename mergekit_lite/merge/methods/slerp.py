@@ -13,6 +13,7 @@ class Slerp(Method):
     parameters = (T,)
     main_coefficient = "t"
     alpha_meaning = "t, spherical interpolation from pre (0) to post (1)"
+    pre_at_zero = post_at_one = True
     slab_statistics = True
     slab_unit = tensor_math.CHUNK  # the angle's sums run chunk by chunk: slabs start at a chunk
     exact_on_fused_parameters = False  # the angle is per on-disk tensor

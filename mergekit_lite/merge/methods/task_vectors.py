@@ -125,6 +125,8 @@ class TaskVectorMethod(Method):
         self.mergekit_normalize = normalize if mergekit_normalize is None else mergekit_normalize
         self.parameters = (LAMBDA, WEIGHT, *SPARSIFIER_PARAMETERS[sparsifier], NORMALIZE, INT8_MASK, RESCALE)
         self.draws_dare_masks = sparsifier == "random"
+        self.pre_at_zero = True  # lambda 0: no task vector
+        self.post_at_one = sparsifier is None  # lambda 1, nothing sparsified: post itself
         self.sparsifies = sparsifier is not None
         self.elementwise = sparsifier in (None, "random")
         self.slab_statistics = sparsifier == "magnitude"  # TIES's trim: elementwise once each threshold is known
