@@ -6,7 +6,8 @@ from cli.mergekit_flags import MergekitFlags, mergekit_options
 from cli.types import Number, SafeSuggestions
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.checkpoints import in_training_order
-from mergekit_lite.merge.config import DTYPES, METHODS
+from mergekit_lite.merge import methods
+from mergekit_lite.merge.config import DTYPES
 
 EXAMPLES = """
 \b
@@ -66,7 +67,7 @@ def _seed(seed: int | None, random_seed: int | None) -> int | None:
 @click.argument("out_path", required=False, type=click.Path(file_okay=False))
 @click.option("--out", "-o", type=click.Path(file_okay=False),
               help="Output model folder (written atomically); or give it as OUT_PATH after the CONFIG_FILE.")
-@click.option("--method", "-m", type=click.Choice(METHODS), help="Merge method.")
+@click.option("--method", "-m", type=click.Choice(methods.NAMES), help="Merge method.")
 @click.option("--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors.")
 @click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
               help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.")
@@ -157,7 +158,7 @@ def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scal
     if calibrate and not dry_run:
         raise click.UsageError("--calibrate goes with --dry-run")
     given = [entry["model"] for entry in data.get("models") or []]  # a run folder among them is read too
-    if data["method"] == "ema":
+    if methods.method(data["method"]).orders_checkpoints:
         paths = in_training_order(given, order)
         data["models"] = [{"model": path} for path in paths]
     elif order:

@@ -7,19 +7,12 @@ import click
 from cli.types import Number
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.trajectory import REPLAY_FORMATS
-from mergekit_lite.merge.config import MAIN_COEFFICIENT
+from mergekit_lite.merge.methods import SWEEPABLE
 
 EXAMPLES = """
 \b
 What alpha is, per --method (the method's main coefficient):
-  linear                 weight of post: 0 = pre, 1 = post
-  slerp                  t, spherical interpolation from pre (0) to post (1)
-  task_arithmetic, ties,
-  dare_linear, dare_ties lambda, scale of post's task vector (post - pre) added to pre
-  recall                 softmax temperature of the per-layer weights (> 0; the models run once)
-  recall_lerp            global weight of post; each layer takes alpha ** (its drift / mean drift)
-  lines                  LiNeS: post's task vector scaled by alpha in the first layer, rising linearly
-                         to 1 in the last (beta = 1 - alpha)
+""" + "\n".join(f"  {name:<17} {method.alpha_meaning}" for name, method in SWEEPABLE.items()) + """
 \b
 Pick: the alpha with the highest harmonic mean 2*old*new/(old+new) of the old-task and new-task
 scores (per group: the unweighted mean of its tasks' scores, as the forgetting paper averages
@@ -68,7 +61,7 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--pre", help="Base (pre-trained) model folder: the reference for every forgetting comparison.")
 @click.option("--post", help="Post-trained model folder (same architecture as --pre), or a LoRA adapter trained on pre "
               "(audited first).")
-@click.option("--method", "-m", help=f"Merge method (default linear; one of {', '.join(MAIN_COEFFICIENT)}), see alpha "
+@click.option("--method", "-m", help=f"Merge method (default linear; one of {', '.join(SWEEPABLE)}), see alpha "
               "below; several, comma-separated, compare them in one run (pre and post evaluated once).")
 @click.option("--baseline", help="With several methods: the one each is compared with (default linear).")
 @click.option("--alphas", help="Grid: START:STOP:STEP (STOP included) or a comma list, e.g. 0:1:0.1 or 0,0.3,0.5.")
