@@ -151,7 +151,7 @@ def main() -> None:
                                   task_dir, runs))
         history = out / "history"
         if not history.exists():
-            subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "forgetting", str(pre_log),
+            subprocess.run([sys.executable, "-c", "-m", "mergekit_lite.cli", "forgetting", str(pre_log),
                             *map(str, logs), "--matrix", str(history), "--known", "10", "--known", "30", "-q"],
                            check=True)
         payload = json.loads((history / "matrix.json").read_text())

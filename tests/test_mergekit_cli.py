@@ -19,7 +19,7 @@ from test_mergekit_compat import noisy, read_state, save_model
 from test_safety import cli, one_error_line, tree_hash
 from tiny_models import tiny_llama
 
-from cli.types import ShardSize
+from mergekit_lite.cli.types import ShardSize
 from mergekit_lite.io import outputs
 from mergekit_lite.io.safetensors import PlannedTensor, split_into_shards
 
