@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -56,3 +59,32 @@ def reasons_of(checks: list[CheckResult]) -> list[str]:
 
 def make_report(adapter: str, base: str, checks: list[CheckResult]) -> AuditReport:
     return AuditReport(adapter, base, verdict_of(checks), checks, reasons_of(checks))
+
+
+_said: ContextVar[set | None] = ContextVar("verdicts_said", default=None)  # lines printed within each_verdict_once
+
+
+def verdict_line(report: AuditReport) -> str:
+    """One line: the adapter, its verdict and every reason (failures first, then warnings)."""
+    reasons = "; ".join(report.reasons)
+    return f"audit: {report.adapter}: {report.verdict}" + (f" ({reasons})" if reasons else "")
+
+
+@contextmanager
+def each_verdict_once():
+    """Within it, each verdict line is printed once: a sweep audits its adapter again at every point it merges."""
+    token = _said.set(set())
+    try:
+        yield
+    finally:
+        _said.reset(token)
+
+
+def announce(report: AuditReport) -> None:
+    """Print the verdict line on stderr, whatever -q says: a WARN is never silent."""
+    said, key = _said.get(), (report.adapter, report.base, report.verdict, tuple(report.reasons))
+    if said is not None:
+        if key in said:
+            return
+        said.add(key)
+    print(verdict_line(report), file=sys.stderr, flush=True)

@@ -159,7 +159,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
     same keys (flags win); see examples/sweep.yaml.
     """
-    from mergekit_lite.audited import each_verdict_once
+    from mergekit_lite.audits.report import each_verdict_once
     from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
     from mergekit_lite.sweep.samples import check_replay, write_replay
 
@@ -167,7 +167,6 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
         from mergekit_lite.cli.main import quiet_third_party
 
         quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
-    click.get_current_context().with_resource(each_verdict_once())  # the adapter's verdict once, not once per point
     data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
     data = _flag_values(data, pre=pre, post=post, method=method, alphas=alphas, old_tasks=old_tasks,
                         new_tasks=new_tasks, include_path=include_path, limit=limit, batch_size=batch_size,
@@ -198,7 +197,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
 
         every = method_settings(data, methods)
         _warn_remote_code(every[0])
-        with _resume_hint():
+        with _resume_hint(), each_verdict_once():  # a sweep audits its adapter at each point: one line
             comparison = run_comparison(every, baseline or "linear", progress=not quiet)
         click.echo(comparison_summary(comparison))
         return
@@ -206,7 +205,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
     if replay_out:
         check_replay(replay_out, settings)
     _warn_remote_code(settings)
-    with _resume_hint():
+    with _resume_hint(), each_verdict_once():  # a sweep audits its adapter at each point: one line
         result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
     if settings.save_best:

@@ -9,15 +9,12 @@ merge through here."""
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
-from contextvars import ContextVar
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from mergekit_lite.audits.report import VERIFIED, AuditReport
+from mergekit_lite.audits.report import VERIFIED, AuditReport, announce
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import split_lora_reference
 from mergekit_lite.io.sources import TensorSource
@@ -31,35 +28,6 @@ class UnverifiedAdapter(InputError):
     refuses an adapter (a script asked for VERIFIED and did not get it)."""
 
     exit_code = 1
-
-
-_said: ContextVar[set | None] = ContextVar("verdicts_said", default=None)  # lines printed within each_verdict_once
-
-
-def verdict_line(report: AuditReport) -> str:
-    """One line: the adapter, its verdict and every reason (failures first, then warnings)."""
-    reasons = "; ".join(report.reasons)
-    return f"audit: {report.adapter}: {report.verdict}" + (f" ({reasons})" if reasons else "")
-
-
-@contextmanager
-def each_verdict_once():
-    """Within it, each verdict line is printed once: a sweep audits its adapter again at every point it merges."""
-    token = _said.set(set())
-    try:
-        yield
-    finally:
-        _said.reset(token)
-
-
-def announce(report: AuditReport) -> None:
-    """Print the verdict line on stderr, whatever -q says: a WARN is never silent."""
-    said, key = _said.get(), (report.adapter, report.base, report.verdict, tuple(report.reasons))
-    if said is not None:
-        if key in said:
-            return
-        said.add(key)
-    print(verdict_line(report), file=sys.stderr, flush=True)
 
 
 def gate_adapter(adapter: str, host: str, *, force: bool = False, allow_pickle: bool = False, forcible: bool = True,

@@ -8,8 +8,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterable, TypeVar
 
-import torch
-
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -21,6 +19,8 @@ def torch_threads(count: int):
     The engine's I/O-bound chunk loop and checks leave a core to its reader and writer threads; tiny models train
     fastest on one thread (on a busy 2-core machine, two threads ran 10-20x slower from contention).
     """
+    import torch  # here, so that what imports this module (the method declarations) stays free of torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
     try:

@@ -45,8 +45,13 @@ def test_the_readmes_api_example_runs_as_shown(toy_pair, lm_eval_runs, tmp_path)
 def test_the_wheel_installs_one_top_level_package(tmp_path):
     """`pip install .` puts `mergekit_lite` in site-packages and nothing else of ours: from outside the repository,
     `import cli` and `import audits` fail while `mergekit_lite.cli` and `mergekit_lite.audits` import."""
+    source = tmp_path / "source"  # built from a copy: the build writes its build/ folder beside the sources
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in tracked.split():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, timeout=600)
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=600)
     wheel, = (tmp_path / "dist").glob("mergekit_lite-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"mergekit_lite"}

@@ -573,7 +573,7 @@ def test_a_folder_name_stays_inside_the_block_it_lands_in(fresh, name):
     card = (fresh / "m" / "README.md").read_text()
     tokens = card_tokens(card)
     headings = [tokens[index + 1].content for index, token in enumerate(tokens) if token.type == "heading_open"]
-    assert headings == ["merge made with mergekit-lite", "Parameters", "Licenses", "Configuration"]
+    assert headings == ["merge made with mergekit-lite", "Parameters", "Licenses", "Merge method", "Configuration"]
     kinds = {token.type for token in tokens} | {child.type for child in inline_children(tokens)}
     assert not kinds & {"link_open", "image", "html_inline", "html_block"}, kinds
     blocks = [token for token in tokens if token.type in ("fence", "code_block")]

@@ -446,8 +446,8 @@ def test_non_utf8_config_names_the_offset_not_the_bytes(fresh):
 
 SWEEP_YAML_CASES = [
     ("stream: 'false'\n", r"sweep\.yaml: stream: expected a valid boolean \(got a string\)"),
-    ("limit: '5'\n", r"sweep\.yaml: limit: expected a valid integer \(got a string\)"),
-    ("limit: 0\n", r"sweep\.yaml: limit: expected greater than or equal to 1"),
+    ("limit: '5'\n", r"sweep\.yaml: limit: expected a valid number \(got a string\)"),
+    ("limit: 0\n", r"sweep\.yaml: limit: expected greater than 0"),
     ("old_tasks: {a: 1}\n", r"sweep\.yaml: old_tasks"),
     ("a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
      "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"

@@ -342,7 +342,7 @@ class SweepFile(BaseModel):
     new_tasks: str | list[str] | None = None
     include_path: str | None = None
     out: str | None = None
-    limit: int | float | None = Field(None, gt=0)
+    limit: float | None = Field(None, gt=0)  # docs per task (a whole number) or a share in (0, 1): parse_limit
     batch_size: int | None = Field(None, ge=1)
     device: str | None = None
     density: float | None = None

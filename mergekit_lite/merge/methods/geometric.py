@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-
-from mergekit_lite.merge.methods import tensor_math
 from mergekit_lite.merge.methods.registry import (
     WEIGHT,
     Calibration,
@@ -23,6 +20,9 @@ from mergekit_lite.merge.methods.registry import (
     require,
     weight_total,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 FILTER_WISE = Parameter("filter_wise", "Model Stock's ratio per row instead of per tensor", kind=bool, default=False)
 NUSLERP_FLATTEN = Parameter("nuslerp_flatten", "the angle of whole tensors (false: per row or column)", kind=bool,
@@ -49,6 +49,7 @@ def model_stock_ratio(offset_gram: torch.Tensor) -> torch.Tensor:
     matrix, [..., N, N]). Where the denominator vanishes there is no finite estimate and t is 0 (the
     base is kept), as in mergekit.
     """
+    import torch
     count = offset_gram.shape[-1]
     norms = offset_gram.diagonal(dim1=-2, dim2=-1).clamp(min=0).sqrt()
     cosines = [(offset_gram[..., i, j] / (norms[..., i] * norms[..., j]).clamp(min=1e-6)).clamp(-1, 1)
@@ -60,6 +61,7 @@ def model_stock_ratio(offset_gram: torch.Tensor) -> torch.Tensor:
 
 def model_stock_coefficients(offset_gram: torch.Tensor) -> torch.Tensor:
     """Coefficients on [base, model_1..model_N]: t·mean(models) + (1-t)·base ([..., N+1])."""
+    import torch
     count = offset_gram.shape[-1]
     ratio = model_stock_ratio(offset_gram).unsqueeze(-1)
     return torch.cat([1 - ratio, (ratio / count).expand(*ratio.shape[:-1], count)], dim=-1)
@@ -70,6 +72,7 @@ def nuslerp_coefficients(gram: torch.Tensor, t: float) -> torch.Tensor:
     The SLERP formula (`spherical_weights`) on the vectors' angle; only exactly colinear vectors
     (1 - cos² <= 1e-16) fall back to linear, unlike `slerp_weights`' wider band.
     """
+    import torch
     norms = gram.diagonal(dim1=-2, dim2=-1).clamp(min=0).sqrt().clamp(min=1e-7)
     cosine = (gram[..., 0, 1] / (norms[..., 0] * norms[..., 1])).clamp(-1, 1)
     colinear = (1 - cosine.square()) <= 1e-16
@@ -88,6 +91,7 @@ def multislerp_coefficients(gram: torch.Tensor, weights: Sequence[float], eps: f
     combination of them computed here from inner products alone. Weights are used as given (normalize
     them first for a barycentre).
     """
+    import torch
     w = torch.tensor(list(weights), dtype=torch.float64)
     norms = gram.diagonal().clamp(min=0).sqrt()
     to_unit = 1.0 / (norms + eps)
@@ -112,6 +116,7 @@ def karcher_coefficients(gram: torch.Tensor, max_iter: int = 10, tol: float = 1e
     step is below `tol` or `max_iter` steps. As in mergekit, zero-norm inputs (<= tol) take no part in
     the direction but count in the norm. Coefficients on the inputs, from their Gram matrix.
     """
+    import torch
     count = gram.shape[0]
     norms = gram.diagonal().clamp(min=0).sqrt()
     valid = [index for index in range(count) if norms[index] > tol]
@@ -173,12 +178,14 @@ class ModelStock(Method):
         return parameters.filter_wise
 
     def whole_tensor_merge(self, parameters, tensors, seed, tensor_name):
+        from mergekit_lite.merge.methods import tensor_math
         if not parameters.filter_wise:
             return None
         gram = tensor_math.row_gram_matrices(tensors[1:], -1, origin=tensors[0])
         return tensor_math.combine_rows(tensors, model_stock_coefficients(gram), -1)
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
+        from mergekit_lite.merge.methods import tensor_math
         gram = tensor_math.gram_matrix(tensors[1:], origin=tensors[0])
         return linear_combiner(model_stock_coefficients(gram).tolist(), normalize=False)
 
@@ -209,6 +216,8 @@ class Nuslerp(Method):
         return not parameters.flatten
 
     def whole_tensor_merge(self, parameters, tensors, seed, tensor_name):
+        import torch
+        from mergekit_lite.merge.methods import tensor_math
         if parameters.flatten:
             return None
         axis = 0 if parameters.row_wise else -1
@@ -220,6 +229,7 @@ class Nuslerp(Method):
         return tensor_math.combine_rows(tensors, torch.cat([1 - pair.sum(-1, keepdim=True), pair], -1), axis)
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
+        from mergekit_lite.merge.methods import tensor_math
         origin = tensors[0] if parameters.base else None
         ends = tensors[1:] if parameters.base else tensors
         weights = nuslerp_coefficients(tensor_math.gram_matrix(ends, origin=origin), parameters.t).tolist()
@@ -246,6 +256,7 @@ class Multislerp(Method):
         return MultislerpParameters(weights, value("eps"), config.base is not None)
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
+        from mergekit_lite.merge.methods import tensor_math
         has_base = parameters.base
         origin = tensors[0] if has_base else None
         ends = tensors[1:] if has_base else tensors
@@ -277,6 +288,7 @@ class Karcher(Method):
         return KarcherParameters(int(value("max_iter")), value("tol"))
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
+        from mergekit_lite.merge.methods import tensor_math
         gram = tensor_math.gram_matrix(tensors)
         return linear_combiner(karcher_coefficients(gram, parameters.max_iter, parameters.tol).tolist(),
                                normalize=False)

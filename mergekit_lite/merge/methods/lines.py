@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from mergekit_lite.merge.methods.registry import ALPHA, WEIGHT, Calibration, Depth, Method, Parameter, StepParameters, require
-from mergekit_lite.merge.methods.tensor_math import task_vector_merge
+
+if TYPE_CHECKING:
+    import torch
 
 BETA = Parameter("beta", "the scale's rise from the first layer to the last (default 1 - alpha)")
 
@@ -31,6 +31,7 @@ def lines(base: torch.Tensor, models: Sequence[torch.Tensor], weights: Sequence[
     (the "sum" method's plain sum for task arithmetic; src/eval/aggregation.py `create_task_vector`). They then fix
     alpha = (||sum tau||_1 / ||merged tau||_1) / T, which is 1/T for the plain sum, and sweep beta; here alpha is
     given (a streaming merge sees one tensor, not the whole model's norms): pass 1/T to follow them."""
+    from mergekit_lite.merge.methods.tensor_math import task_vector_merge
     return task_vector_merge(base, models, weights, scale=lines_factor(alpha, beta, layer, n_layers))
 
 

@@ -3,15 +3,19 @@ nearswap)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from mergekit_lite.merge.methods.registry import T, Calibration, Depth, Method, Position, require
+
+if TYPE_CHECKING:
+    import torch
 
 
 def nearswap(base: torch.Tensor, model: torch.Tensor, t: float) -> torch.Tensor:
     """NearSwap (alchemonaut's QuartetAnemoi merges; mergekit's `nearswap`): the model's entries where they lie
     within `t` of the base's, and elsewhere a step of t/|model - base| from the base toward them, so entries
     that moved far in fine-tuning stay close to the base. The step is clamped to [0, 1], the distance at 1e-6."""
+    import torch
     base32, model32 = base.to(torch.float32), model.to(torch.float32)
     step = (t / (base32 - model32).abs_().clamp_min_(1e-6)).clamp_(0.0, 1.0)
     return step * model32 + (1.0 - step) * base32

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mergekit_lite.merge.methods.registry import Calibration, Depth, Method, Parameter, StepParameters, require
 
 SCALE = Parameter("scale", "a factor on the copied tensor", default=1.0, per_model=True)
@@ -36,6 +34,7 @@ class Passthrough(Method):
         return "passthrough: copied from its one input" if parameters.scale == 1.0 else None
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
+        import torch
         return lambda chunk, out: chunk[0].to(torch.float32) * parameters.scale
 
 

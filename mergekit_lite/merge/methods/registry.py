@@ -11,12 +11,13 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.methods import tensor_math
+from mergekit_lite.merge.methods.chunks import ELEMENTWISE_CHUNK
+
+if TYPE_CHECKING:
+    import torch
 
 NOT_SET = object()
 
@@ -84,7 +85,7 @@ class Calibration:
 
 
 # A tensor combination of one chunk: (the inputs' chunks, the output's chunk) -> the result (or the output itself)
-Combiner = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
+Combiner = Callable[[list["torch.Tensor"], "torch.Tensor"], "torch.Tensor"]
 # A function (parameter name, model index or None) -> the parameter's value for the tensor being planned
 ValueOf = Callable[..., Any]
 
@@ -121,7 +122,7 @@ class Method:
     sparsifies: bool = False  # selects or drops task-vector entries (a sweep holds the sparsified vector)
     elementwise: bool = False  # each output entry from the same entry of the inputs only (merged in slabs)
     slab_statistics: bool = False  # elementwise once a whole-tensor statistic is known (slabs make a pass first)
-    slab_unit: int = tensor_math.ELEMENTWISE_CHUNK  # slabs start at multiples of this many entries
+    slab_unit: int = ELEMENTWISE_CHUNK  # slabs start at multiples of this many entries
     hides_nonfinite: bool = False  # may select a NaN/Inf input entry away: inputs are checked before the merge
     compute_bound: bool = False  # chunk math costs several times the reading and writing
     one_chunk_thread: bool = False  # the other cores draw masks or count thresholds beside the chunk loop
@@ -218,6 +219,8 @@ def weight_total(weights: list[float], name: str, method: str) -> float:
 
 def linear_combiner(weights, normalize: bool) -> Combiner:
     """The chunks combined with fixed coefficients (`tensor_math.linear`)."""
+    from mergekit_lite.merge.methods import tensor_math
+
     return lambda chunk, out: tensor_math.linear(chunk, weights, normalize, out)
 
 
@@ -237,6 +240,8 @@ class WeightedSum(StepParameters):
 
 
 def lerp_combiner(alpha: float) -> Combiner:
+    from mergekit_lite.merge.methods import tensor_math
+
     return lambda chunk, out: tensor_math.lerp(chunk[0], chunk[1], alpha, out)
 
 

@@ -3,7 +3,7 @@ tensors seen as flat vectors."""
 
 from __future__ import annotations
 
-from mergekit_lite.merge.methods import tensor_math
+from mergekit_lite.merge.methods.chunks import CHUNK
 from mergekit_lite.merge.methods.registry import T, Calibration, Depth, Method, Position, linear_combiner, require
 
 
@@ -15,7 +15,7 @@ class Slerp(Method):
     alpha_meaning = "t, spherical interpolation from pre (0) to post (1)"
     pre_at_zero = post_at_one = True
     slab_statistics = True
-    slab_unit = tensor_math.CHUNK  # the angle's sums run chunk by chunk: slabs start at a chunk
+    slab_unit = CHUNK  # the angle's sums run chunk by chunk: slabs start at a chunk
     exact_on_fused_parameters = False  # the angle is per on-disk tensor
     calibration = Calibration({"t": 0.5}, 1, with_base=True)
 
@@ -27,11 +27,13 @@ class Slerp(Method):
         return Position(value("t"))
 
     def tensor_statistics(self, parameters, tensors):
+        from mergekit_lite.merge.methods import tensor_math
         return tensor_math.slerp_weights(tensors[0], tensors[1], parameters.t)
 
     def statistics_in_slabs(self, parameters, slabs):
         """SLERP's two weights from the mapped slabs in order: `tensor_math.SlerpAngle`'s sums over blocks that are
         the whole tensor's."""
+        from mergekit_lite.merge.methods import tensor_math
         angle = tensor_math.SlerpAngle()
         slabs.for_each(angle.add)
         return angle.weights(parameters.t)

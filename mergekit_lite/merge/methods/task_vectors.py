@@ -11,12 +11,9 @@ import math
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.methods import tensor_math
 from mergekit_lite.merge.methods.registry import (
     DENSITY,
     INT8_MASK,
@@ -29,8 +26,10 @@ from mergekit_lite.merge.methods.registry import (
     Parameter,
     StepParameters,
 )
-from mergekit_lite.merge.methods.tensor_math import at_least, magnitude_threshold, sign_consensus, task_vector
 from mergekit_lite.threads import start_on_other_cores
+
+if TYPE_CHECKING:
+    import torch
 
 DROP = Parameter("drop", "DARE's share of each task vector's entries dropped", default=0.5, low=0.0, high=1.0,
                  high_inclusive=False, per_model=True, mergekit_default=0.0)
@@ -58,6 +57,7 @@ def dare_key(seed: int, tensor_name: str, model_index: int) -> int:
 
 def magprune_generator(seed: int, tensor_name: str, model_index: int) -> torch.Generator:
     """DELLA's seeded CPU generator per (seed, tensor, model)."""
+    import torch
     return torch.Generator().manual_seed(int.from_bytes(_draw_digest(seed, tensor_name, model_index)[:8], "little")
                                          & (2**63 - 1))
 
@@ -83,6 +83,7 @@ class KeepsAhead:
         return [job.result() for job in jobs]
 
     def _start_next(self) -> None:
+        from mergekit_lite.merge.methods import tensor_math
         begin, size = next(self._chunks, (None, 0))
         if begin is not None:
             self._ahead.append(start_on_other_cores(
@@ -149,6 +150,7 @@ class TaskVectorMethod(Method):
             raise InputError(f"rescale applies to DARE's random drop; {self.name} trims by magnitude without rescaling")
 
     def step_parameters(self, config, value, depth: Depth) -> TaskVectorParameters:
+        from mergekit_lite.merge.methods import tensor_math
         models = range(len(config.models))
         per_model = {}
         if self.sparsifier in ("magnitude", "magprune", "outliers"):
@@ -175,6 +177,7 @@ class TaskVectorMethod(Method):
 
     def whole_tensor_merge(self, parameters, tensors, seed, tensor_name):
         """DELLA (ranks within rows) and the L1 rescales (a norm of the sparsified delta) need whole tensors."""
+        from mergekit_lite.merge.methods import tensor_math
         l1_rescaled = self.sparsifier in tensor_math.L1_RESCALED and parameters.rescale
         if not (self.sparsifier == "magprune" or l1_rescaled):
             return None
@@ -187,6 +190,7 @@ class TaskVectorMethod(Method):
 
     def tensor_statistics(self, parameters, tensors):
         """TIES's trim threshold per model (one model per core: exact selections, in any order)."""
+        from mergekit_lite.merge.methods import tensor_math
         if self.sparsifier != "magnitude":
             return None
         return [future.result() for future in start_on_other_cores(
@@ -197,6 +201,7 @@ class TaskVectorMethod(Method):
         """Each model's TIES trim threshold (`tensor_math.TrimThreshold`, the value `trim_threshold` gives on whole
         tensors): sampled from rows spread over the tensor (a few hundred small reads), then counted in one pass
         over the mapped slabs, the models on other cores."""
+        from mergekit_lite.merge.methods import tensor_math
         shape = slabs.shape
         trims = [tensor_math.TrimThreshold(math.prod(shape), density, parameters.mergekit_rules)
                  for density in parameters.densities]
@@ -214,6 +219,7 @@ class TaskVectorMethod(Method):
         return [trim.select(lambda i=i: (slabs.whole(0), slabs.whole(i))) for i, trim in enumerate(trims, start=1)]
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
+        from mergekit_lite.merge.methods import tensor_math
         thresholds = statistics
         if self.sparsifier == "outliers":
             thresholds = [tensor_math.outlier_band(tensors[0], model, density, gamma)
@@ -239,6 +245,9 @@ def sce(base: torch.Tensor, models: Sequence[torch.Tensor], select_topk: float =
     with the sign of their sum (+ on a zero sum, as in mergekit). The merge is the weighted mean of what is
     kept, added to the base. Whole tensors: the selection ranks and the weights are per tensor.
     """
+    import torch
+    from mergekit_lite.merge.methods.tensor_math import sign_consensus
+    from mergekit_lite.merge.methods.tensor_math import task_vector
     base32 = base.to(torch.float32)
     deltas = torch.stack([task_vector(model, base32) for model in models])
     if select_topk < 1.0:
@@ -251,6 +260,9 @@ def variance_keep(deltas: torch.Tensor, share: float) -> torch.Tensor:
     """1.0 where the variance across the models (population variance, dim 0) is among the top `share` of the
     non-zero variances, else 0.0. Variances tied at the threshold are kept alike (mergekit's topk keeps exactly k,
     breaking ties by position)."""
+    import torch
+    from mergekit_lite.merge.methods.tensor_math import at_least
+    from mergekit_lite.merge.methods.tensor_math import magnitude_threshold
     variance = deltas.var(dim=0, unbiased=False)
     keep = int(torch.count_nonzero(variance).item() * share)
     if keep == 0:
@@ -260,6 +272,7 @@ def variance_keep(deltas: torch.Tensor, share: float) -> torch.Tensor:
 def sce_weights(deltas: torch.Tensor) -> torch.Tensor:
     """Each model's mean squared (selected) task vector as a share of their sum; equal shares where the sum is
     below 1e-6, when the models barely moved (SCE's Calculate step, mergekit's threshold)."""
+    import torch
     weights = deltas.square().reshape(deltas.shape[0], -1).mean(dim=1)
     total = weights.sum().item()
     return torch.full_like(weights, 1.0 / len(weights)) if abs(total) < 1e-6 else weights / total

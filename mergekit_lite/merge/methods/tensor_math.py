@@ -23,6 +23,8 @@ from typing import Sequence
 import numpy
 import torch
 
+from mergekit_lite.merge.methods.chunks import CHUNK, ELEMENTWISE_CHUNK
+
 
 try:  # the merge math fused in C (kernels.c), an optional extension: the same bytes as the torch code below
     from mergekit_lite.merge import _kernels
@@ -35,13 +37,9 @@ ANGLE_DTYPES = {dtype: code for dtype, code in ((torch.bfloat16, "b"), (torch.fl
 
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
-CHUNK = 1 << 20  # elements per chunk of the reductions (SLERP's angle, Gram matrices); it fixes their rounding
 ANGLE_BLOCK = 1 << 16  # SLERP's angle: entries per block of its sums (a divisor of CHUNK, where slabs start)
 ANGLE_LANES = 1 << 10  # SLERP's angle: a block is read as rows of this many entries (`SlerpAngle`)
 ANGLE_STEP = 1 << 20  # SLERP's angle in torch ops: entries per step (float64 temporaries of a few tens of MB)
-# Elements per chunk of the elementwise passes, exact at any size: a TIES or DARE chunk's float32 temporaries (several
-# per model) then stay in the caches (benchmarks/RESULTS.md, chunk_math.py --elementwise-chunk 18 against 20)
-ELEMENTWISE_CHUNK = 1 << 18
 # Elements per chunk of the memory-bound methods' passes (linear, SLERP, task arithmetic, ...): their two to four
 # float32 temporaries per chunk then fit in a core's L2 cache (benchmarks/RESULTS.md, `chunk_math.py --dense-chunk`)
 DENSE_CHUNK = 1 << 16
