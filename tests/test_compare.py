@@ -12,6 +12,8 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.sweep import method_settings, run_comparison
 from mergekit_lite.sweep.store import POINTS_DIR
 
+pytestmark = pytest.mark.slow
+
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 METHODS = ["linear", "task_arithmetic", "ties", "lines"]
 
