@@ -464,6 +464,7 @@ def test_nan_in_a_sweep_config_is_refused(fresh, line):
     refused(fresh, "sweep", "sweep.yaml", "--out", "runs", patterns=[rf"sweep\.yaml: {line.split(':')[0]}: "])
 
 
+@pytest.mark.slow
 def test_a_fifo_in_the_sweep_task_folder_is_refused_before_lm_eval_reads_it(fresh):
     (fresh / "tasks").mkdir()
     (fresh / "tasks" / "a.yaml").write_text("task: a\n")
