@@ -363,6 +363,7 @@ def sweep_pairs(checkpoints, toy_pair, tmp_path_factory):
     return pairs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["linear", "slerp", "ties", "dare_ties"])
 @pytest.mark.parametrize("architecture", ["mixtral", "gemma3_multimodal"])
 def test_sweep_point_written_in_place_equals_the_merge_loaded_from_disk(
@@ -390,6 +391,7 @@ def test_sweep_point_written_in_place_equals_the_merge_loaded_from_disk(
         torch.testing.assert_close(written[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture,stream", [("mixtral", True), ("gemma3_multimodal", False)])
 def test_two_point_sweep_runs_and_saves_the_best_with_the_chosen_side_files(
         sweep_pairs, toy_pair, architecture, stream, tmp_path):
@@ -404,6 +406,7 @@ def test_two_point_sweep_runs_and_saves_the_best_with_the_chosen_side_files(
     loaded(tmp_path / "best")
 
 
+@pytest.mark.slow
 def test_eval_dtype_defaults_and_a_bf16_resident_model(sweep_pairs, toy_pair, tmp_path):
     pre, post = sweep_pairs["mixtral"]
     common = (str(pre), str(post), "linear", [0.5], toy_pair.old_tasks, toy_pair.new_tasks, None, str(tmp_path))
@@ -447,6 +450,7 @@ def test_post_trained_chat_template_and_generation_config_are_kept_when_the_base
     assert not (tmp_path / "as-base" / "generation_config.json").exists()
 
 
+@pytest.mark.slow
 def test_recall_on_the_multimodal_model_weighs_decoder_layers_only(sweep_pairs, toy_pair, tmp_path):
     """RECALL runs both models on typical texts: one row per decoder depth (embeddings + 2 layers), none for
     the vision tower's layers, and the merge loads."""

@@ -171,6 +171,7 @@ def pretrained_pair(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_without_fingerprint_alignment_tells_a_learned_base(pretrained_pair):
     own = audit_adapter(pretrained_pair / "adapter", pretrained_pair / "base")
     twin = audit_adapter(pretrained_pair / "adapter", pretrained_pair / "twin")
@@ -340,6 +341,7 @@ def test_cli_fingerprint_subcommand(zoo, tmp_path):
     assert run_cli(anonymous, "--base", zoo["base"], "--fingerprint", out).exit_code == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 def test_audits_and_fingerprints_close_the_base_files_they_open(zoo, tmp_path):
     """An audit reads the base's shards. One that opened its base (a folder or a hub id) closes it before it
@@ -458,6 +460,7 @@ def behaviour_zoo(pretrained_pair, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_kl_check_separates_real_no_op_and_another_base(behaviour_zoo, pretrained_pair):
     reports = {name: audit_adapter(behaviour_zoo / name, pretrained_pair / "base", behaviour=True)
                for name in ("real", "no-op", "other-base")}
@@ -485,6 +488,7 @@ def sharpened_copy(base_dir, factor: float, out_dir):
     return out_dir
 
 
+@pytest.mark.slow
 def test_kl_above_the_paper_limit_is_rejected_as_another_base(pretrained_pair, tmp_path):
     """Reaches the paper's 'KL > 20: likely wrong base' rule, which the other-base adapter above never does: on a
     confident base an update 10x the trained one moves every probe's greedy token, and the base's likely tokens
@@ -504,6 +508,7 @@ def test_kl_above_the_paper_limit_is_rejected_as_another_base(pretrained_pair, t
     assert behaviour.measurements["top1_agreement"] == 0.0
 
 
+@pytest.mark.slow
 def test_kl_check_without_a_fingerprint_still_finds_the_no_op(behaviour_zoo, pretrained_pair, tmp_path):
     no_op = tmp_path / "no-op"
     shutil.copytree(behaviour_zoo / "no-op", no_op)
@@ -513,6 +518,7 @@ def test_kl_check_without_a_fingerprint_still_finds_the_no_op(behaviour_zoo, pre
     assert check.measurements["base_vs_fingerprint_kl"] is None
 
 
+@pytest.mark.slow
 def test_kl_is_the_papers_direction_measured_as_peft_runs_the_adapter(pretrained_pair):
     """The authors' output-divergence check (src/audit_checks.py, check_output_divergence) weights the log-ratio by
     the base's probabilities: KL(base || base+adapter). Measured independently here with PEFT's own unmerged
@@ -713,6 +719,7 @@ def test_cli_json_carries_every_measure_and_threshold(hub_named):
     assert "BASE-ID" in table.stdout and "PER-MOD" in table.stdout and "fail" in table.stdout.splitlines()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_behaviour_on_cuda_measures_what_cpu_does(behaviour_zoo, pretrained_pair):
     on = {device: next(c for c in audit_adapter(behaviour_zoo / "real", pretrained_pair / "base", behaviour=True,

@@ -438,6 +438,7 @@ def test_click_usage_errors_are_one_line_naming_the_help(models, tmp_path, args,
 # ------------------------------------------------------------------------------ accepted with an opt-in
 
 
+@pytest.mark.slow
 def test_mixed_dtypes_upcast_with_a_note(models, tmp_path, calibrated_rates):
     state = {name: tensor.to(torch.bfloat16) for name, tensor in load_state(models["other"]).items()}
     other_bf16 = save_single(tmp_path / "bf16", state, models["other"])
@@ -475,6 +476,7 @@ def test_nonfinite_merges_with_allow_nonfinite(models, tmp_path):
     assert merged.flatten()[3].isnan() and torch.isfinite(merged).sum() == merged.numel() - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_finite_check_agrees_with_isfinite_on_every_16_bit_pattern(dtype):
     """The integer-view check against torch.isfinite: each of the 65536 patterns alone beside finite values."""
@@ -556,6 +558,7 @@ def tiny_disk(tmp_path):
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_and_leaves_nothing(models, tiny_disk):
     out = tiny_disk / "merged"
     result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "-q")
@@ -573,6 +576,7 @@ def fill(disk: Path) -> None:
             pass
 
 
+@pytest.mark.slow
 def test_full_disk_for_run_folders_and_files_names_the_file_and_leaves_nothing(models, tiny_disk):
     """A sweep's run folder and a fingerprint file on a full disk: one line naming the file, and no empty
     marker, run folder or temp file left behind (an empty marker would make the folder look like ours)."""
@@ -642,6 +646,7 @@ def start_and_wait_for_partial(big_pair, out: Path, stderr_file: Path) -> tuple[
 @pytest.mark.parametrize("signum, returncode, message", [(signal.SIGTERM, 143, "interrupted (SIGTERM)"),
                                                          (signal.SIGINT, 130, "interrupted (SIGINT)")],
                          ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_terminated_midway_removes_temp_folder(big_pair, tmp_path, signum, returncode, message):
     """Handled at the next tensor (never inside the writer thread's locks): ends within seconds, one line."""
     out = tmp_path / "merged"
@@ -654,6 +659,7 @@ def test_terminated_midway_removes_temp_folder(big_pair, tmp_path, signum, retur
     assert not out.exists() and not partial.exists() and partials(out) == []
 
 
+@pytest.mark.slow
 def test_sigkill_midway_leaves_only_a_partial_that_the_next_run_removes(models, big_pair, tmp_path):
     out = tmp_path / "merged"
     process, partial = start_and_wait_for_partial(big_pair, out, tmp_path / "stderr")

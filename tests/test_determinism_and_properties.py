@@ -68,6 +68,7 @@ def run_in_process(args, out: Path, monkeypatch) -> None:
     assert result.exit_code == 0 and result.exception is None, result.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties"])
 def test_same_command_twice_gives_byte_identical_shards(method, trio, tmp_path, monkeypatch):
     """One run in a fresh process, the same command line again in this process (cheap: torch is imported)."""

@@ -247,6 +247,7 @@ def test_math_leaves_a_core_for_reading_and_restores_the_thread_count(trio):
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.slow
 def test_reused_memory_keeps_one_arena_per_core():
     """The engine's threads share one glibc arena per usable core (each arena keeps its own freed temporaries),
     even when threads allocated before the call, as torch's and the progress bar's have in a merge. Counted from
@@ -283,6 +284,7 @@ os.unlink(path)
     assert heaps["reuse"] <= cores < heaps["default"], heaps
 
 
+@pytest.mark.slow
 def test_reused_memory_spares_a_page_fault_per_chunk_temporary():
     """A chunk's temporaries (several float32 chunks of 4 MB alive at once, freed together) come from memory glibc
     keeps, instead of pages handed back at every free and faulted in again (system time). Counted in a fresh

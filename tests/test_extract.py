@@ -108,6 +108,7 @@ def test_low_rank_adapter_is_the_truncated_svd_and_only_linear_layers_with_linea
         assert torch.isclose(torch.linalg.matrix_norm(delta - product), singular[4:].norm(), rtol=1e-4), module
 
 
+@pytest.mark.slow
 def test_factors_agree_with_mergekit_extract_lora(full_fine_tunes, tmp_path):
     """mergekit-extract-lora on the same pair: the same rank-r products B @ A, module by module."""
     script = mergekit_cli().parent / "mergekit-extract-lora"

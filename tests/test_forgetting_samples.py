@@ -15,6 +15,8 @@ from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 from mergekit_lite.evaluate.records import SampleText, sample_text
 from mergekit_lite.evaluate.trajectory import heatmap_values, trajectory
 
+pytestmark = pytest.mark.slow
+
 FILTER = "flexible-extract"
 GROUPS = ["--group", "old=toy_old,norm_old,gen_old,genmc_old", "--group", "new=toy_new,gen_new"]
 

@@ -162,6 +162,7 @@ HANG_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
 @pytest.mark.parametrize("case", list(HANG_CASES))
 def test_a_fifo_socket_or_device_named_as_an_input_file_is_refused_without_blocking(fresh, case, kind):
@@ -171,6 +172,7 @@ def test_a_fifo_socket_or_device_named_as_an_input_file_is_refused_without_block
             patterns=[r"not a regular file|not an lm-eval samples file"])
 
 
+@pytest.mark.slow
 def test_recall_weights_file_fifo_is_refused(fresh):
     os.mkfifo(fresh / "weights.json")
     (fresh / "recall.yaml").write_text("method: recall\nbase: pre\nmodels:\n  - model: post\n"
@@ -394,6 +396,7 @@ except SystemExit as exit:
     ["sweep", "--pre", "pre", "--post", "post", "--method", "task_arithmetic", "--alphas", "0,1e39", "--old-tasks", "a",
      "--new-tasks", "b", "--out", "runs"],
 ], ids=lambda args: " ".join(args[:3]))
+@pytest.mark.slow
 def test_help_and_refusals_never_import_torch(fresh, args):
     """merge, sweep and forgetting check arguments, configs and paths before torch is imported: `--help` and a
     refused run answer without it (checked in sys.modules, not timed)."""
@@ -435,6 +438,7 @@ def run_folder(root: Path) -> Path:
     (lambda folder: blocking_file("socket", folder / "points" / "s.json"), r"\(points/s\.json\)"),
     (lambda folder: (folder / "points" / "x.json").symlink_to(folder.parent / "notes.txt"), r"\(points/x\.json\)"),
 ], ids=["notes", "other-report", "folder-in-points", "fifo-point", "socket-point", "link-point"])
+@pytest.mark.slow
 def test_a_run_folder_holding_anything_else_is_refused_before_any_work(fresh, plant, pattern):
     """A run folder resumes only while it holds nothing but what a sweep writes: a user's file is never replaced
     by the report, and a FIFO among the points is never opened (it would block the resume for ever)."""
@@ -448,6 +452,7 @@ def test_a_run_folder_holding_anything_else_is_refused_before_any_work(fresh, pl
     ("meta", r"device 'meta' is not supported"),
     ("cuda:99", r"device 'cuda:99' is not available here"),
 ])
+@pytest.mark.slow
 def test_sweep_device_is_checked_before_any_work(fresh, device, pattern):
     refused(fresh, *sweep("--device", device), patterns=[pattern])
     assert not (fresh / "runs").exists()
@@ -459,6 +464,7 @@ def test_nan_in_a_sweep_config_is_refused(fresh, line):
     refused(fresh, "sweep", "sweep.yaml", "--out", "runs", patterns=[rf"sweep\.yaml: {line.split(':')[0]}: "])
 
 
+@pytest.mark.slow
 def test_a_fifo_in_the_sweep_task_folder_is_refused_before_lm_eval_reads_it(fresh):
     (fresh / "tasks").mkdir()
     (fresh / "tasks" / "a.yaml").write_text("task: a\n")

@@ -226,6 +226,7 @@ class Counter:
         return self.function(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_a_batch_opens_and_measures_the_base_once(hub, offline_cache, tmp_path, monkeypatch):
     opened, decomposed = Counter(audit_base_module.open_model), Counter(audit_base_module.top_singular)
     monkeypatch.setattr(audit_base_module, "open_model", opened)
@@ -336,6 +337,7 @@ def test_save_best_section_renders_pick_and_intervals(hub, tmp_path):
     assert "| alpha=0.3 | 0.9000 [0.8500, 0.9500] | 0.8000 | 0.8470 [0.8000, 0.8900] |" in card
 
 
+@pytest.mark.slow
 def test_behaviour_in_a_batch_loads_the_base_once_and_gives_it_back_unchanged(hub, monkeypatch):
     """--behaviour: one loaded model serves every adapter; each sees the base's own weights (its KL equals a fresh
     audit's, whatever adapter ran before it)."""

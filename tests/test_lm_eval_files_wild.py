@@ -25,6 +25,8 @@ from test_safety import cli, one_error_line
 
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 
+pytestmark = pytest.mark.slow
+
 MC = {"output_type": "multiple_choice", "doc_to_choice": "choices", "doc_to_target": "label"}
 GENERATE = {"output_type": "generate_until", "doc_to_target": "{{choices[label]}}",
             "generation_kwargs": {"until": ["\n"], "max_gen_toks": 2, "do_sample": False}}

@@ -17,6 +17,8 @@ from test_safety import cli
 from mergekit_lite.cli.main import main
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 
+pytestmark = pytest.mark.slow
+
 OLD = ["toy_old", "norm_old", "gen_old", "genmc_old"]
 NEW = ["toy_new", "gen_new"]
 SHARES = ("F", "BT", "F_true", "BT_true", "F_max", "BT_max")

@@ -208,6 +208,7 @@ def test_recall_uses_layer_weights_from_its_weights_file(models, tmp_path):
     assert json.loads((tmp_path / "recall" / "recall_weights.json").read_text())["weights"] == weights
 
 
+@pytest.mark.slow
 def test_every_method_reloads_with_transformers_and_generates(models, tmp_path):
     base, a = str(models["base"]), str(models["a"])
     configs = {
@@ -280,6 +281,7 @@ def test_prefixed_names_and_tied_heads_are_mapped(models, tmp_path):
     np.testing.assert_allclose(merged["lm_head.weight"], expected, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path, calibrated_rates):
     """With the run's rates cached, a dry run reads them (prints when they were measured) and measures nothing."""
     out = tmp_path / "never"
@@ -291,6 +293,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(models, tmp_path, calibrated
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_path, calibrated_rates):
     """Rates are measured once per machine and cached; every registered method has them, and each plan gets a
     wall time of start-up and the longer of reads + math and writes (which overlap), and a peak memory of at least
@@ -334,6 +337,7 @@ def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_pat
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow
 def test_dry_run_estimates_without_a_writable_cache(models, tmp_path):
     """A cache folder that cannot be made (here under a file) costs a calibration per dry run, never the dry run.
     The suite's one cold calibration through the CLI (the other dry runs share `calibrated_rates`)."""
@@ -390,6 +394,7 @@ def peak_rss(command: list[str]) -> int:
     return int(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_peak_memory_stays_bounded_by_a_few_tensors(tmp_path):
     """Two ~320 MB models of 40 tensors each: the merge adds at most (inputs + 2) x largest + 100 MB of RSS
     to what importing torch and the package costs in the same environment, and stays under the absolute

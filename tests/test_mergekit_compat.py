@@ -356,6 +356,7 @@ def side_by_side(zoo, mergekit_outputs) -> dict[str, tuple[Path, Path, Path]]:
 @pytest.mark.parametrize("name", ["linear", "task_arithmetic_fp32", "ties", "ties_zero_sum", "dare_ties_no_drop",
                                   "slerp", "union", "base_vocab", "model_vocab", "filters_fall_through",
                                   "nearswap", "sce"])
+@pytest.mark.slow
 def test_deterministic_methods_match_mergekit_tensor_by_tensor(side_by_side, name):
     theirs, ours, _ = side_by_side[name]
     expected, merged = read_state(theirs), read_state(ours)
@@ -368,6 +369,7 @@ def test_deterministic_methods_match_mergekit_tensor_by_tensor(side_by_side, nam
     assert our_config["vocab_size"] == their_config["vocab_size"]
 
 
+@pytest.mark.slow
 def test_stored_dtype_is_out_dtype_and_values_agree_to_bf16(side_by_side):
     theirs, ours, _ = side_by_side["task_arithmetic"]
     expected, merged = read_state(theirs), read_state(ours)
@@ -376,6 +378,7 @@ def test_stored_dtype_is_out_dtype_and_values_agree_to_bf16(side_by_side):
         torch.testing.assert_close(merged[tensor_name].float(), tensor.float(), rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_zero_sum_sign_vote_keeps_the_positive_side_in_compat_mode_only(side_by_side, zoo):
     """mergekit elects + where the task vectors cancel exactly; our own rule elects nothing there."""
     _, ours, config_file = side_by_side["ties_zero_sum"]
@@ -393,6 +396,7 @@ def projection_deltas(state: dict, base: dict) -> dict[str, torch.Tensor]:
     return {n: (state[n] - base[n]).flatten() for n in base if "layers" in n and n.endswith("proj.weight")}
 
 
+@pytest.mark.slow
 def test_dare_matches_mergekit_in_distribution(side_by_side, zoo):
     """Random masks differ; the share dropped and the rescaling of survivors must agree (density 0.6)."""
     theirs, ours, _ = side_by_side["dare_linear"]
@@ -408,6 +412,7 @@ def test_dare_matches_mergekit_in_distribution(side_by_side, zoo):
         assert abs(scale - 1 / 0.6) < 0.05 * (1 / 0.6), scale
 
 
+@pytest.mark.slow
 def test_dare_ties_at_a_real_drop_matches_mergekit_in_distribution(side_by_side, zoo):
     """density 0.5 for two models: an entry stays at the base only where both were dropped (a lone survivor
     elects its own sign), so 1/4 of the entries, and the survivors' spread depends on rescale and normalize.
@@ -434,6 +439,7 @@ def test_dare_ties_at_a_real_drop_matches_mergekit_in_distribution(side_by_side,
         assert abs(share - 0.25) < 0.02, share
 
 
+@pytest.mark.slow
 def test_gradient_ends_follow_mergekit(side_by_side, zoo):
     """weight [0.3, 1.0]: mergekit gives the final norm and the head the first value, as mergekit-lite does here."""
     theirs, ours, _ = side_by_side["task_arithmetic"]
@@ -449,6 +455,7 @@ def test_gradient_ends_follow_mergekit(side_by_side, zoo):
     ("base_vocab", VOCAB, VOCAB),
     ("model_vocab", VOCAB + 2, VOCAB + 2),  # tokenizer_source: the instruct model, which the base lacks tokens of
 ])
+@pytest.mark.slow
 def test_vocabularies_merge_by_token(side_by_side, zoo, name, size, rows):
     theirs, ours, _ = side_by_side[name]
     instruct = read_state(zoo["instruct"])
@@ -468,6 +475,7 @@ def test_vocabularies_merge_by_token(side_by_side, zoo, name, size, rows):
         assert "<|im_start|>" not in tokenizer.get_vocab()
 
 
+@pytest.mark.slow
 def test_chat_template_is_written(side_by_side):
     theirs, ours, _ = side_by_side["linear"]
     assert AutoTokenizer.from_pretrained(ours).chat_template == TEMPLATE
@@ -556,6 +564,7 @@ def lay_out_hub_cache(cache: Path, repo: str, model_folder: Path, commit: str) -
     return snapshot
 
 
+@pytest.mark.slow
 def test_hub_ids_resolve_offline_from_the_cache(zoo, tmp_path):
     cache = tmp_path / "hub"
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -578,6 +587,7 @@ def test_hub_ids_resolve_offline_from_the_cache(zoo, tmp_path):
     assert "tiny-org/missing: not in the Hugging Face cache" in run.stderr and "HF_HUB_OFFLINE=1" in run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLICE_CONFIGS))
 def test_slices_match_mergekit(side_by_side, name):
     """Layer ranges from several models stacked (slices execution is plan.py's), per-slice parameters, gradients,
@@ -668,6 +678,7 @@ def run_cli(config: Path, out: Path, *flags: str) -> subprocess.CompletedProcess
     return cli("merge", config, "--out", out, *flags)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(REAL_CONFIGS))
 def test_real_configs_run_through_the_cli_as_mergekit_runs_them(real_side_by_side, name):
     theirs, ours, run = real_side_by_side[name]
@@ -678,11 +689,13 @@ def test_real_configs_run_through_the_cli_as_mergekit_runs_them(real_side_by_sid
         torch.testing.assert_close(merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}")
 
 
+@pytest.mark.slow
 def test_settings_mergekit_ignores_are_accepted_and_named(real_side_by_side):
     _, _, run = real_side_by_side["della_name_and_model_lambda"]
     assert "lambda has no effect per model (mergekit reads it from parameters: only)" in run.stdout
 
 
+@pytest.mark.slow
 def test_della_per_model_epsilon_reaches_the_plan(zoo, tmp_path, calibrated_rates):
     """adriansterr/fine-tuning-for-absa merging_configurations/german/della/della_1_08_07_08_02_01: per-model
     epsilon was refused by the CLI ("models[0]: unknown key 'epsilon'")."""

@@ -22,6 +22,8 @@ from test_safety import cli, one_error_line
 from tiny_models import VOCAB, tiny_llama
 from transformers import AutoTokenizer
 
+pytestmark = pytest.mark.slow
+
 # {name} placeholders are the fixture's model folders
 VOCABULARY_SLICES = {
     # a frankenmerge whose embeddings come from models without the chat tokens: mergekit's rows for them are zeros

@@ -22,6 +22,8 @@ from transformers import LlamaForCausalLM
 
 from mergekit_lite.threads import torch_threads
 
+pytestmark = pytest.mark.slow
+
 AS_MODEL = """merge_method: task_arithmetic
 base_model: {base}
 models:

@@ -23,6 +23,8 @@ from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.schema import config_from_dict
 
+pytestmark = pytest.mark.slow
+
 FINE_TUNES = 3
 
 DETERMINISTIC = {

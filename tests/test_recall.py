@@ -338,6 +338,7 @@ def test_bos_is_left_out_of_the_token_mean():
             assert torch.allclose(with_special[row, index], states[0].mean(dim=0), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bandwidth_rule_is_recorded_and_a_wide_one_warns(base_and_last_layer_tuned):
     base_dir, tuned_dir = base_and_last_layer_tuned
     median = compute_recall_weights([base_dir, tuned_dir], TEXTS, n_typical=5)
@@ -412,6 +413,7 @@ def test_recall_lerp_config_errors(base_and_last_layer_tuned):
                           "recall": {"texts": "t.txt", "bandwidth": "wide"}})
 
 
+@pytest.mark.slow
 def test_quiet_merge_draws_no_loading_bars(base_and_last_layer_tuned, tmp_path):
     """-q: no transformers 'Loading weights' bars while RECALL runs the models (the CLI, as users call it)."""
     import os
@@ -437,6 +439,7 @@ def test_quiet_merge_draws_no_loading_bars(base_and_last_layer_tuned, tmp_path):
     assert written["bandwidth"]["rule"] == "median" and written["special_tokens"] is False
 
 
+@pytest.mark.slow
 def test_recall_lerp_sweep_reports_the_picks_layer_profile(toy_pair, tmp_path):
     """The sweep computes the similarities once (recall/similarity.json) and the report plots the pick's
     per-layer coefficients, the same numbers layer_alphas gives for that file."""

@@ -160,6 +160,7 @@ def test_output_under_a_file_is_refused_naming_it(fresh):
     assert tree_hash(fresh) == before
 
 
+@pytest.mark.slow
 def test_fingerprint_out_never_overwrites_a_file_it_did_not_write(fresh):
     shard = sorted((fresh / "pre").glob("*.safetensors"))[0]
     before = tree_hash(fresh)
@@ -207,6 +208,7 @@ def test_extract_never_replaces_an_input(fresh):
     assert tree_hash(fresh) == before
 
 
+@pytest.mark.slow
 def test_concurrent_merges_to_one_out_never_lose_a_result(fresh):
     """Four merges race to one --out: exactly one wins, the others fail in one line, the winner is complete."""
     def merge(alpha):
@@ -225,6 +227,7 @@ def test_concurrent_merges_to_one_out_never_lose_a_result(fresh):
     assert sorted(p.name for p in fresh.iterdir()) == ["merged", "post", "pre"]
 
 
+@pytest.mark.slow
 def test_folder_created_at_out_during_a_merge_is_left_untouched(big_pair, tmp_path):
     out = tmp_path / "merged"
     process = start_big_merge(big_pair, out)
@@ -306,6 +309,7 @@ def unlisted_tensor(fresh):
     return r"tensor model\.layers\.1\.mlp\.up_proj\.weight in model-\S+ is not in the index"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [traversal_index, absolute_index, symlinked_shard_out_of_folder, fifo_shard,
                                    fifo_single_file, unlisted_tensor])
 def test_reads_stay_inside_the_model_folder(fresh, build):
@@ -484,6 +488,7 @@ def test_sweep_point_files_are_typed(fresh):
     (lambda fp: fp.update(top_k="8"), r"top_k: expected a valid integer \(got a string\)"),
     (lambda fp: fp.update(modules=[]), r"modules: expected a mapping"),
 ])
+@pytest.mark.slow
 def test_fingerprint_files_are_typed(work, tmp_path, change, pattern):
     from mergekit_lite.audits.fingerprint import compute_fingerprint, load_fingerprint
     from mergekit_lite.errors import InputError
@@ -692,6 +697,7 @@ def mutate_json(data, path, value):
     return data
 
 
+@pytest.mark.slow
 def test_mutated_headers_and_indices_never_raise_anything_but_one_line(header_seed, work, tmp_path_factory):
     """Random byte edits and JSON-value swaps in a header, an index or a config: an InputError or a model."""
     from hypothesis import HealthCheck, given, settings
@@ -773,6 +779,7 @@ def wait_for_partial(process: subprocess.Popen, out: Path) -> Path:
 STRESS_TRIES = 32
 
 
+@pytest.mark.slow
 def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp_path):
     """SIGINT or SIGTERM at 32 random moments, from interpreter start-up to the final rename.
 
@@ -824,6 +831,7 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
     assert interrupted >= STRESS_TRIES // 3, outcomes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_torch_imports_ends_in_one_line_once_it_has_imported(tmp_path, work, signum):
     """torch's import runs Python inside C++ (pybind11), where an exception cannot always unwind: the process
@@ -844,6 +852,7 @@ def test_a_signal_while_torch_imports_ends_in_one_line_once_it_has_imported(tmp_
     assert not (tmp_path / "merged").exists() and not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_exit_of_a_finished_run_is_quiet(tmp_path, work):
     """A signal after the output is in place, while the interpreter shuts down (here from an atexit callback,
     which runs last): the run still exits 0 with nothing on stderr, and its output is whole."""
@@ -859,6 +868,7 @@ def test_a_signal_during_the_exit_of_a_finished_run_is_quiet(tmp_path, work):
 # ------------------------------------------------------------------------------- the last line of defence
 
 
+@pytest.mark.slow
 def test_unexpected_exception_is_one_line_with_the_traceback_saved(tmp_path, work):
     """A bug (injected: plan_merge raising a ZeroDivisionError) is exit 1, one line, the traceback in a file."""
     program = ("import sys, mergekit_lite.cli.main, mergekit_lite.merge.engine as engine\n"

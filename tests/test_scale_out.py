@@ -23,6 +23,8 @@ from mergekit_lite.sweep.distributed import worker_count, worker_resources
 from mergekit_lite.sweep.search import estimate_accuracy, evaluations_saved, golden_section, probe_plan
 from mergekit_lite.sweep.store import POINTS_DIR
 
+pytestmark = pytest.mark.slow
+
 CLI = Path(sys.executable).parent / "mergekit-lite"
 
 

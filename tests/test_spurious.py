@@ -14,6 +14,8 @@ from test_safety import cli, one_error_line
 
 from mergekit_lite.evaluate.spurious import recovered_share
 
+pytestmark = pytest.mark.slow
+
 
 def forgotten_docs(pre: Path, post: Path, task: str) -> set[int]:
     before, after = raw_lines(pre, task), raw_lines(post, task)

@@ -32,6 +32,8 @@ from mergekit_lite.sweep.scoring import Scores, TaskRun, group_scores
 from mergekit_lite.sweep.settings import parse_alphas
 from mergekit_lite.sweep.store import LOCK_FILE, point_file
 
+pytestmark = pytest.mark.slow
+
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 TABLE_ROW = re.compile(r"^\| (pre|post|[-0-9.e]+) \| ")
 

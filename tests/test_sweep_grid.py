@@ -19,6 +19,8 @@ from mergekit_lite.sweep.report import report_markdown, results_json
 from mergekit_lite.sweep.settings import IDENTITY_FIELDS
 from mergekit_lite.sweep.store import POINTS_DIR, PROBES_DIR, alpha_label, point_label
 
+pytestmark = pytest.mark.slow
+
 ALPHAS = [0.0, 0.5, 1.0]
 DENSITIES = [0.3, 0.9]
 CLI = str(Path(sys.executable).parent / "mergekit-lite")

@@ -13,6 +13,8 @@ from click.testing import CliRunner
 from mergekit_lite.cli.main import main
 from mergekit_lite.sweep.samples import SAMPLES_FILE
 
+pytestmark = pytest.mark.slow
+
 OLD, NEW, FILTER = ["toy_old", "gen_old"], ["toy_new"], "flexible-extract"
 
 

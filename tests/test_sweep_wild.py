@@ -27,6 +27,8 @@ from mergekit_lite.sweep.report import limit_text
 from mergekit_lite.sweep.settings import parse_alphas
 from mergekit_lite.sweep.store import point_file
 
+pytestmark = pytest.mark.slow
+
 
 def pair_args(pair, out, *extra) -> list:
     return ["sweep", "--pre", pair.pre_dir, "--post", pair.post_dir, "--include-path", pair.task_dir,

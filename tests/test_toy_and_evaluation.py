@@ -25,6 +25,7 @@ def scores(toy_pair):
     }
 
 
+@pytest.mark.slow
 def test_toy_pair_forgets_old_skill_while_learning_new(toy_pair, scores):
     old, new = toy_pair.old_tasks[0], toy_pair.new_tasks[0]
     pre, post = scores["pre"], scores["post"]
@@ -34,6 +35,7 @@ def test_toy_pair_forgets_old_skill_while_learning_new(toy_pair, scores):
     assert post[old].acc <= pre[old].acc - 0.3
 
 
+@pytest.mark.slow
 def test_task_scores_carry_k_and_per_sample_records(toy_pair, scores):
     n_docs = ToyConfig().n_entities
     for score in scores["post"].values():
@@ -85,6 +87,7 @@ def test_task_files_load_in_lm_eval(toy_pair):
         assert tasks[name].doc_to_target(doc) in range(N_CHOICES)
 
 
+@pytest.mark.slow
 def test_unknown_task_names_task_and_include_path(toy_pair):
     with pytest.raises(InputError, match=f"no_such_task.*{toy_pair.task_dir}"):
         Evaluator(["no_such_task"], include_path=toy_pair.task_dir)
