@@ -292,6 +292,7 @@ def drift_lines(result: SweepResult, coefficients: list[float] | None) -> list[s
     """report.md: post's drift per layer (evaluate.drift), beside recall_lerp's weight of post at the pick when that
     is the method (`coefficients`: embeddings, each layer, the head following the last layer)."""
     report = result.drift
+
     def number(value):
         return "-" if value is None else f"{value:.4g}"
 
@@ -304,8 +305,8 @@ def drift_lines(result: SweepResult, coefficients: list[float] | None) -> list[s
     header = ["layer", "relative drift", *([f"{result.settings.method} weight of post (alpha {alpha!r})"]
                                            if shown else [])]
     lines = ["## Where post moved: relative drift per layer", "",
-             "||post - pre|| / ||pre|| over each layer's weights (Frobenius; `mergekit-lite drift` gives every "
-             f"tensor); whole model {number(report.total)}."
+             "Post's relative drift `||post - pre|| / ||pre||` over each layer's weights (Frobenius; "
+             f"`mergekit-lite drift` gives every tensor); whole model {number(report.total)}."
              + (" recall_lerp gives a layer that moved more than the mean less of post." if shown else ""), "",
              "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for name, drift, index in rows:
