@@ -2,7 +2,8 @@
 
 import click
 
-from cli.types import Number
+from cli.mergekit_flags import MergekitFlags, mergekit_options
+from cli.types import Number, SafeSuggestions
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.checkpoints import in_training_order
 from mergekit_lite.merge.config import DTYPES, METHODS
@@ -28,7 +29,10 @@ Examples:
   mergekit-lite merge --method ema --decay 0.9 --model run/ --order step --out ema/
 \b
   # a YAML config (see examples/), flags override its values
-  mergekit-lite merge examples/ties.yaml --out merged/
+  mergekit-lite merge examples/ties.yaml merged/
+\b
+  # a mergekit-yaml command line: only the program name changes (docs/mergekit.md)
+  mergekit-lite merge config.yml ./out --cuda --copy-tokenizer --allow-crimes --out-shard-size 1B
 """
 
 
@@ -41,9 +45,27 @@ def _model_option(value: str) -> dict:
         return {"model": value}
 
 
-@click.command(epilog=EXAMPLES)
+def _output_folder(out_path: str | None, out: str | None) -> str:
+    """OUT_PATH (mergekit-yaml's second argument) or --out: one of them."""
+    if out_path and out and out_path != out:
+        raise click.UsageError(f"two output folders: OUT_PATH {out_path!r} and --out {out!r} (give one)")
+    if not (out_path or out):
+        raise click.UsageError("give the output folder: CONFIG_FILE OUT_PATH, or --out")
+    return out_path or out
+
+
+def _seed(seed: int | None, random_seed: int | None) -> int | None:
+    """--seed, or mergekit's name for it, --random-seed."""
+    if seed is not None and random_seed is not None and seed != random_seed:
+        raise click.UsageError(f"--seed {seed} and --random-seed {random_seed} name two seeds (give one)")
+    return random_seed if random_seed is not None else seed
+
+
+@click.command(cls=SafeSuggestions, epilog=EXAMPLES)
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output model folder (written atomically).")
+@click.argument("out_path", required=False, type=click.Path(file_okay=False))
+@click.option("--out", "-o", type=click.Path(file_okay=False),
+              help="Output model folder (written atomically); or give it as OUT_PATH after the CONFIG_FILE.")
 @click.option("--method", "-m", type=click.Choice(METHODS), help="Merge method.")
 @click.option("--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors.")
 @click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
@@ -69,14 +91,14 @@ def _model_option(value: str) -> dict:
               help="recall: weights for embeddings and head (default nearest layer).")
 @click.option("--seed", type=int, help="Seed for DARE's random drop (default 0): same seed, same bytes.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Stored dtype (default: the base's). Math is float32.")
-@click.option("--out-shard-size", help="Largest output shard, e.g. 500MB, 2GB (default 5GB).")
 @click.option("--copy-files-from", help="Model folder whose config/tokenizer files are copied (default: the base).")
 @click.option("--tokenizer-source", help="Output vocabulary when the inputs' differ: base, union or a model "
               "(rows aligned by token).")
 @click.option("--mergekit-compat/--no-mergekit-compat", default=None,
               help="mergekit's defaults and rules (the default for mergekit-format configs).")
 @click.option("--skip", multiple=True, help="Copy tensors whose name contains this text from the base unchanged.")
-@click.option("--device", type=str, help="Where the math runs: cpu (default) or cuda. I/O stays on the CPU.")
+@click.option("--device", type=str, help="Where the math runs: cpu (default), cuda, cuda:N, or auto (cuda where "
+              "there is one). I/O stays on the CPU.")
 @click.option("--allow-pickle", is_flag=True, default=None, help="Accept pickle .bin weights (unsafe for untrusted files).")
 @click.option("--allow-nonfinite", is_flag=True, default=None, help="Merge inputs that contain NaN/Inf instead of stopping.")
 @click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them.")
@@ -86,10 +108,11 @@ def _model_option(value: str) -> dict:
               "rates in a few seconds and caches them in ~/.cache/mergekit-lite/rates.json).")
 @click.option("--calibrate", is_flag=True, help="With --dry-run: measure this machine's rates again.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def merge(config_file, out, method, base, models, alpha, beta, t, scale, density, drop, select_topk, decay, order,
-          temperature, normalize, recall_texts, recall_samples, embed_rule, seed, dtype, out_shard_size,
-          copy_files_from, tokenizer_source, mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force,
-          overwrite, dry_run, calibrate, quiet):
+@mergekit_options
+def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scale, density, drop, select_topk, decay,
+          order, temperature, normalize, recall_texts, recall_samples, embed_rule, seed, dtype, copy_files_from,
+          tokenizer_source, mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run,
+          calibrate, quiet, **mergekit):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints in training
@@ -98,11 +121,18 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
     lines (LiNeS: the task vector scaled linearly with depth), and mergekit's others (della, breadcrumbs,
     model_stock, nuslerp, multislerp,
     karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
-    flags; flags win where both say something.
+    flags; flags win where both say something. mergekit-yaml's flags work with mergekit's meaning
+    (docs/mergekit.md).
     """
-    from mergekit_lite.io.outputs import check_output_folder
+    from mergekit_lite.io.outputs import check_free_space, check_output_folder
     from mergekit_lite.merge.schema import config_from_dict, load_config
 
+    flags = MergekitFlags(**mergekit)
+    flags.refusals()
+    out = _output_folder(out_path, out)
+    seed = _seed(seed, flags.random_seed)
+    device = flags.device(device)
+    out_shard_size = flags.out_shard_size
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
     parameters = {"alpha": alpha, "beta": beta, "t": t, "lambda": scale, "density": density, "drop": drop,
                   "select_topk": select_topk, "decay": decay, "temperature": temperature, "normalize": normalize}
@@ -130,6 +160,9 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
     elif order:
         raise InputError("--order applies to --method ema (checkpoints in training order)")
     config = config_from_dict(data)
+    for note in flags.notes():
+        click.echo(note, err=True)
+    flags.apply()
     config.resolve_references()
     if not dry_run:
         check_output_folder(out, config.read_paths, overwrite)
@@ -142,14 +175,17 @@ def merge(config_file, out, method, base, models, alpha, beta, t, scale, density
 
         with plan_merge(config) as plan:
             click.echo(plan.describe())
-            rates, where = cost.load_rates(refresh=calibrate)
+            click.echo(check_free_space(out, plan.total_bytes, refuse=False).describe())
+            rates, where = cost.load_rates(refresh=calibrate, say=lambda line: click.echo(line, err=True),
+                                           methods=[config.method])
             click.echo(cost.estimate(plan, rates).describe(where))
         return
     if quiet:
         from cli.main import quiet_third_party
 
         quiet_third_party()
-    result = run_merge(config, out, overwrite=overwrite, progress=not quiet)
+    result = run_merge(config, out, overwrite=overwrite, progress=not quiet, copy_tokenizer=flags.copy_tokenizer,
+                       model_card=flags.write_model_card)
     if not quiet:
         click.echo(f"wrote {result.out} ({result.plan.total_bytes / 1e6:.1f} MB, {len(result.plan.steps)} tensors, "
                    f"{result.seconds:.1f} s)")

@@ -32,11 +32,11 @@ def audit_gate(adapter: str, config: MergeConfig) -> AuditReport:
 
 
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
-              card_sections: list[tuple[str, str]] = ()) -> engine.MergeResult:
+              card_sections: list[tuple[str, str]] = (), **files) -> engine.MergeResult:
     """Plan and stream a merge into `out` (engine.run_merge), adapters audited first; `card_sections` are added
-    to its model card."""
+    to its model card; `files`: engine.run_merge's copy_tokenizer and model_card."""
     return engine.run_merge(config, out, overwrite=overwrite, progress=progress, gate=audit_gate,
-                            card_sections=card_sections)
+                            card_sections=card_sections, **files)
 
 
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:

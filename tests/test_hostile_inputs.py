@@ -455,3 +455,125 @@ def test_a_fifo_in_the_sweep_task_folder_is_refused_before_lm_eval_reads_it(fres
     os.mkfifo(fresh / "tasks" / "b.yaml")
     refused(fresh, *sweep("--include-path", "tasks"), timeout=60,
             patterns=[r"tasks/b\.yaml: not a regular file \(a FIFO, socket or device\); give a task file"])
+
+
+# ----------------------------------------------------------------------------------- the dry run's rates cache
+
+
+def rates_entry(**changes) -> dict:
+    """A cache entry as a measurement writes it (values of a real 2-core machine), with `changes`."""
+    methods = {"linear": 1.5, "ties": 20.0}
+    entry = {"startup_s": 3.2, "startup_rss": 400_000_000, "read_bytes_per_s": 2e9, "write_bytes_per_s": 4e8,
+             "math_ns_per_element": dict(methods), "math_s_per_step": {"linear": 0.0, "ties": 0.001},
+             "memory_bytes_per_element": {"linear": 0.0, "ties": 8.0}, "memory_peak_bytes": dict(methods),
+             "statistics_peak_bytes": {"ties": 1e6}, "measured_at": "2026-01-01 00:00:00", "load": 0.4}
+    for key, value in changes.items():
+        if "." in key:
+            table, method = key.split(".")
+            entry[table][method] = value
+        else:
+            entry[key] = value
+    return entry
+
+
+def cache_text(**changes) -> str:
+    return json.dumps({"a machine": rates_entry(**changes)}).replace("Infinity", "1e999")
+
+
+@pytest.mark.parametrize("text, reason", [
+    (cache_text(read_bytes_per_s=0), r"read_bytes_per_s: input should be greater than 0"),
+    (cache_text(write_bytes_per_s=-68357.0), r"write_bytes_per_s: input should be greater than 0"),
+    (cache_text(**{"math_ns_per_element.linear": float("nan")}), r"math_ns_per_element\.linear: .*finite"),
+    (cache_text(startup_s=float("inf")), r"startup_s: input should be"),
+    (cache_text(read_bytes_per_s=1e308), r"read_bytes_per_s: input should be less than"),
+    (cache_text(startup_rss="400 MB"), r"startup_rss: input should be a valid integer"),
+    (cache_text(load=None), r"load: input should be a valid number"),
+    (cache_text(**{"memory_peak_bytes.ties": -1}), r"memory_peak_bytes\.ties: input should be greater than"),
+    (cache_text(extra_key=1), r"extra_key: extra inputs are not permitted"),
+    (cache_text()[:-20], r"not JSON"),
+    ("[1, 2, 3]", r"the file: input should be an object"),
+    ("{" * 100_000, r"not JSON"),
+    (" " * (2 << 20) + "{}", r"larger than 1024 KiB"),
+])
+def test_a_rates_cache_holding_what_no_measurement_gives_is_measured_again(tmp_path, text, reason):
+    """Read as the dry run reads it: refused with the reason its note prints, nothing around touched."""
+    from mergekit_lite.merge import cost
+
+    (tmp_path / "rates.json").write_text(text)
+    before = tree_hash(tmp_path)
+    rates, problem = cost.read_cache(tmp_path / "rates.json")
+    assert rates == {} and problem is not None and __import__("re").search(reason, problem), problem
+    assert tree_hash(tmp_path) == before
+
+
+def link_to_notes(folder: Path) -> Path:
+    (folder / "notes.json").write_text(cache_text())  # a valid cache's content: still never read through a link
+    (folder / "rates.json").symlink_to(folder / "notes.json")
+    return folder / "notes.json"
+
+
+def a_folder(folder: Path) -> Path:
+    (folder / "rates.json").mkdir()
+    (folder / "rates.json" / "inside").write_text("a user's file")
+    return folder / "rates.json" / "inside"
+
+
+def a_fifo(folder: Path) -> Path:
+    os.mkfifo(folder / "rates.json")
+    return folder / "rates.json"
+
+
+def a_dangling_link(folder: Path) -> Path:
+    (folder / "rates.json").symlink_to(folder / "nowhere.json")
+    return folder / "rates.json"
+
+
+@pytest.mark.parametrize("plant, reason", [(link_to_notes, "not a file of ours"), (a_folder, "not a file of ours"),
+                                           (a_fifo, "not a file of ours"), (a_dangling_link, "not a file of ours")])
+def test_a_rates_cache_that_is_no_regular_file_is_never_read(tmp_path, plant, reason):
+    from mergekit_lite.merge import cost
+
+    plant(tmp_path)
+    before = tree_hash(tmp_path)
+    assert cost.read_cache(tmp_path / "rates.json") == ({}, reason)
+    assert tree_hash(tmp_path) == before
+
+
+def test_a_valid_rates_cache_is_read(tmp_path):
+    from mergekit_lite.merge import cost
+
+    (tmp_path / "rates.json").write_text(cache_text())
+    rates, problem = cost.read_cache(tmp_path / "rates.json")
+    assert problem is None and rates["a machine"].read_bytes_per_s == 2e9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", ["link", "nan"])
+def test_the_dry_run_replaces_an_unusable_rates_cache_with_a_note(fresh, tmp_path, monkeypatch, plant):
+    """Through the CLI: a link to a user's file (holding a valid cache) is replaced by a measured cache, its target
+    unchanged and not merged in; this machine's own entry holding NaN is measured again. Every file around hashes
+    the same, the link's target included."""
+    from mergekit_lite.merge import cost
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("MERGEKIT_LITE_CACHE", str(cache))
+    if plant == "link":
+        link_to_notes(cache)
+    else:
+        (cache / "rates.json").write_text(json.dumps(
+            {cost.machine_key(): rates_entry(**{"math_ns_per_element.linear": float("nan")})}))
+    around = tree_hash(fresh), (tree_hash(cache) if plant == "link" else None)
+    result = cli("merge", "--method", "linear", "--base", "pre", "--model", "post", "--alpha", "0.5", "--out", "m",
+                 "--dry-run", cwd=fresh)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: rates cache")]
+    assert len(notes) == 1 and notes[0].endswith("; measuring this machine again"), result.stderr
+    assert "wall nan" not in result.stdout and "estimate on this machine: wall " in result.stdout
+    assert tree_hash(fresh) == around[0]
+    if plant == "link":
+        assert tree_hash(cache)["notes.json"] == around[1]["notes.json"]
+        assert not (cache / "rates.json").is_symlink()
+    entries = json.loads((cache / "rates.json").read_text())
+    assert list(entries) == [cost.machine_key()]  # nothing of the link's target merged in
+    assert cost.read_cache(cache / "rates.json")[1] is None

@@ -19,6 +19,7 @@ import os
 import shutil
 import stat
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -303,6 +304,42 @@ def write_atomic(path: Path, content: str | Callable[[Path], None]) -> None:
         raise
 
 
+@dataclass(frozen=True)
+class FreeSpace:
+    """What the output needs against what its filesystem has free."""
+
+    folder: Path  # the nearest existing folder of the output: where its bytes go
+    free: int
+    needed: int
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.free
+
+    def describe(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit: a merge is refused"
+        return (f"disk: output {self.needed / 1e6:.1f} MB, free {self.free / 1e6:.1f} MB where it goes "
+                f"({self.folder}): {verdict}")
+
+
+def free_space(folder: Path) -> int:
+    """Bytes an unprivileged user may still write on the filesystem of `folder`."""
+    return shutil.disk_usage(folder).free
+
+
+def check_free_space(out: str | os.PathLike, needed: int, refuse: bool = True) -> FreeSpace:
+    """The free space where `out` will be written against the `needed` bytes (the weights; side files are small),
+    refused in one line, before anything is written, when it cannot fit (unless not `refuse`)."""
+    folder = Path(os.path.abspath(out)).parent
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    space = FreeSpace(folder, free_space(folder), needed)
+    if refuse and not space.fits:
+        raise InputError(f"{out}: the output needs {needed / 1e6:.1f} MB and {folder} has {space.free / 1e6:.1f} MB "
+                         "free; nothing was written")
+    return space
+
+
 def _side_file(folder: Path, name: str) -> Path | None:
     """`folder/name` if it is a regular file inside `folder`, else None: the one rule every side file read
     or copied from an input passes, so a link out of the model folder (to a secret, say) is never followed."""
@@ -316,8 +353,14 @@ def _copy_file(path: Path, out_folder: Path) -> None:
     shutil.copymode(path, out_folder / path.name)
 
 
-def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
-    """Copy config, tokenizer and generation files (everything that is not weights) from a model folder.
+def is_tokenizer_file(name: str) -> bool:
+    """The files transformers' tokenizers save (tokenizer.json, its config, vocabularies, chat templates)."""
+    return name in TOKENIZER_FILES or name.startswith("tokenizer") or name.startswith("chat_template.")
+
+
+def copy_side_files(source_folder: Path, out_folder: Path, tokenizer: bool = True) -> list[str]:
+    """Copy config, tokenizer and generation files (everything that is not weights) from a model folder; no
+    tokenizer files unless `tokenizer` (mergekit's --no-copy-tokenizer).
 
     Only regular files inside the folder are copied: a symlink that leaves it (to a secret, say) is not. Nor is the
     input's model card (README.md): the output gets its own (io/model_card.py).
@@ -330,7 +373,7 @@ def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
         return copied  # a bare .safetensors file has no side files
     for item in sorted(source_folder.iterdir()):
         if item.name.endswith(WEIGHT_SUFFIXES) or item.name in (INDEX_FILE, OUTPUT_MARKER, CARD_FILE) \
-                or item.name.startswith("adapter_"):
+                or item.name.startswith("adapter_") or (not tokenizer and is_tokenizer_file(item.name)):
             continue
         if _side_file(source_folder, item.name):
             _copy_file(item, out_folder)
@@ -339,6 +382,8 @@ def copy_side_files(source_folder: Path, out_folder: Path) -> list[str]:
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 

@@ -18,19 +18,24 @@ merges.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import math
 import os
 import platform
+import stat
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from safetensors.torch import save_file
 
 import mergekit_lite
@@ -44,11 +49,12 @@ from mergekit_lite.merge.schema import config_from_dict
 
 RATES_FORMAT = 7  # bump when what calibrate measures changes: older entries are measured again
 # Elements of the calibration tensors: two sizes split fixed from per-element costs (both at least a reduction
-# chunk, methods.CHUNK, whose float64 stacks are a fixed cost). The larger is a mid-sized layer's: at 2 M entries
-# the per-tensor start-up (threads, DARE's first draws) still showed in the per-entry rates, and the 4 GB walls
-# were predicted 26-32 % long (benchmarks/RESULTS.md, the dry run's predictions)
-CALIBRATION_SIZES = (1 << 20, 1 << 23)
-IO_BYTES = 128 << 20  # enough that a shard's final sync is not most of the write
+# chunk, methods.CHUNK, whose float64 stacks are a fixed cost). Small, so that a dry run answers in seconds: the
+# per-tensor start-up (threads, DARE's first draws) then shows in the per-entry rates, and walls are predicted
+# long rather than short (benchmarks/RESULTS.md, the dry run's predictions, were made at 1 and 8 M entries)
+CALIBRATION_SIZES = (1 << 20, 1 << 21)
+IO_BYTES = 32 << 20  # enough that a shard's final sync is not most of the write
+REPEATS = 2  # the best of two timings: one is at times far off on a busy machine
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 WRITER_BYTES = 2 * STAGE_BYTES  # the writer's two direct-write stages (none where a filesystem refuses O_DIRECT)
 # Calibration merges: the parameters a method needs beyond the defaults, and how many models (besides a base).
@@ -75,6 +81,32 @@ class Rates:
     statistics_peak_bytes: dict[str, float]  # the whole-tensor statistics' working memory there (TIES, SLERP)
     measured_at: str
     load: float  # the 1-minute load average then: other jobs' threads slow the multi-threaded methods' rates
+
+
+# What a cache entry may hold: the values a measurement gives (finite, positive where a rate divides, below bounds
+# no machine reaches), so a hand-edited or foreign file cannot divide by zero or print a negative wall time.
+Rate = Annotated[float, Field(gt=0, lt=1e13, allow_inf_nan=False)]  # bytes/s, ns per element, seconds
+Amount = Annotated[float, Field(ge=0, lt=1e15, allow_inf_nan=False)]  # bytes, seconds per step, load
+
+
+class _CachedRates(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    startup_s: Rate
+    startup_rss: Annotated[int, Field(gt=0, lt=10**15)]
+    read_bytes_per_s: Rate
+    write_bytes_per_s: Rate
+    math_ns_per_element: dict[str, Rate]
+    math_s_per_step: dict[str, Amount]
+    memory_bytes_per_element: dict[str, Amount]
+    memory_peak_bytes: dict[str, Amount]
+    statistics_peak_bytes: dict[str, Amount]
+    measured_at: Annotated[str, Field(max_length=40)]
+    load: Amount
+
+
+_CACHE_SCHEMA = TypeAdapter(dict[str, _CachedRates])
+CACHE_BYTES = 1 << 20  # a machine's entry is about 3 KB
 
 
 @dataclass
@@ -123,30 +155,62 @@ def machine_key() -> str:
             f"kernels {'compiled' if methods._kernels is not None else 'torch'}")
 
 
-def load_rates(refresh: bool = False) -> tuple[Rates, str]:
-    """This machine's rates from the cache, measured (and cached) when missing or when `refresh`."""
+def load_rates(refresh: bool = False, say: Callable[[str], None] = lambda line: None,
+               methods: Iterable[str] = ()) -> tuple[Rates, str]:
+    """This machine's rates for `methods` (default: all) from the cache, measured (and cached) when missing,
+    unusable or when `refresh`; `say` gets a line before a measurement, and one saying why a cache that is there
+    cannot be used. A dry run asks for its plan's method only, so it measures that one (seconds, not minutes)."""
     path, key = cache_file(), machine_key()
-    cached = {}
-    if path.is_file():
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cached = {}  # an unreadable cache is measured again and rewritten
-    if not refresh and isinstance(cached, dict) and isinstance(cached.get(key), dict):
-        try:
-            rates = Rates(**cached[key])
-        except TypeError:
-            rates = None
-        if rates is not None and set(METHODS) <= set(rates.math_ns_per_element):  # a method added since: measure
-            return rates, f"{path}, {_when(rates)}"
-    rates = calibrate()
-    cached = {**(cached if isinstance(cached, dict) else {}), key: asdict(rates)}
+    cached, problem = read_cache(path)
+    if problem:
+        say(f"note: rates cache {path}: {problem}; measuring this machine again")
+    wanted = set(methods or METHODS)
+    rates = None if refresh else cached.get(key)
+    if rates is not None and wanted <= set(rates.math_ns_per_element):
+        return rates, f"{path}, {_when(rates)}"
+    missing = sorted(wanted - set(rates.math_ns_per_element) if rates else wanted)
+    say(f"measuring this machine's rates for {', '.join(missing) if methods else 'every method'} (a few seconds, "
+        "once; cached for the next dry runs)")
+    rates = calibrate(missing, rates)
+    entries = {**{machine: asdict(value) for machine, value in cached.items()}, key: asdict(rates)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(cached, indent=1) + "\n")
+        write_atomic(path, json.dumps(entries, indent=1) + "\n")  # a rename: a link there is replaced, not followed
     except OSError as error:  # a cache that cannot be written costs a calibration per dry run, nothing else
         return rates, f"{_when(rates)}, not cached ({error.strerror or error}: {error.filename or path})"
     return rates, f"{path}, {_when(rates)}"
+
+
+def read_cache(path: Path) -> tuple[dict[str, Rates], str | None]:
+    """The cached rates by machine, and why the file there cannot be used (None when it can, or is absent).
+
+    The cache is ours only as a regular file of this user, at most CACHE_BYTES, whose every entry the schema
+    accepts; anything else (a link, a folder, a device, another user's file, a value no measurement gives:
+    zero, negative, NaN, inf, huge, a string, null) is not read further and is measured again and replaced."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):  # none yet (or no folder for one): measured, nothing to say
+        return {}, None
+    except OSError as error:  # a symbolic link (ELOOP), unreadable, ...
+        return {}, "not a file of ours" if error.errno == errno.ELOOP else f"unreadable ({error.strerror})"
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid():
+            return {}, "not a file of ours"
+        data = b""
+        while len(data) <= CACHE_BYTES and (chunk := os.read(descriptor, CACHE_BYTES + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(descriptor)
+    if len(data) > CACHE_BYTES:
+        return {}, f"larger than {CACHE_BYTES // 1024} KiB"
+    try:
+        entries = _CACHE_SCHEMA.validate_json(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"][1:]) or "the file"
+        return {}, f"{where}: {first['msg'].lower()}" if first["type"] != "json_invalid" else "not JSON"
+    return {machine: Rates(**entry.model_dump()) for machine, entry in entries.items()}, None
 
 
 def _when(rates: Rates) -> str:
@@ -179,18 +243,21 @@ def _working_memory(rates: Rates, method: str, step) -> float:
     return max(peak - per_element * CALIBRATION_SIZES[1], 0.0) + per_element * math.prod(step.shape)
 
 
-def calibrate() -> Rates:
+def calibrate(methods: Iterable[str] = METHODS, known: Rates | None = None) -> Rates:
     """Measure this machine in a few seconds: start-up (a fresh interpreter importing the merge path), reading from
-    the page cache and writing a synced shard (128 MB, the engine's own reader and writer), and each method's math
-    and working memory (the engine's merge_tensor on bf16 tensors of two sizes)."""
+    the page cache and writing a synced shard (32 MB, the engine's own reader and writer), and `methods`' math
+    and working memory (the engine's merge_tensor on bf16 tensors of two sizes); other methods' rates come from
+    `known` (an earlier measurement of this machine), whose start-up and I/O rates are measured again."""
+    measured = {SAME_MATH.get(method, method) for method in methods}
+    tables = (known.math_ns_per_element, known.math_s_per_step, known.memory_bytes_per_element,
+              known.memory_peak_bytes, known.statistics_peak_bytes) if known else ({}, {}, {}, {}, {})
+    per_element, per_step, memory_per_element, memory_peak, statistics_peak = (
+        {name: value for name, value in table.items() if name not in measured} for table in tables)
     with tempfile.TemporaryDirectory(prefix="mergekit-lite-calibrate-") as scratch:
         folder = Path(scratch)
         startup_s, startup_rss = _startup()
         read_rate, write_rate = _io_rates(folder)
-        per_element, per_step, memory_per_element, memory_peak, statistics_peak = {}, {}, {}, {}, {}
-        for method in METHODS:
-            if method in SAME_MATH:
-                continue
+        for method in sorted(measured):
             timings, peaks = [], []
             for size in CALIBRATION_SIZES:
                 seconds, peak, statistics_bytes = _merge_rates(method, size, folder / f"{method}-{size}")
@@ -206,7 +273,8 @@ def calibrate() -> Rates:
             memory_peak[method] = high
         for alias, method in SAME_MATH.items():
             for table in (per_element, per_step, memory_per_element, memory_peak):
-                table[alias] = table[method]
+                if method in table:
+                    table[alias] = table[method]
     return Rates(startup_s, startup_rss, read_rate, write_rate, per_element, per_step,
                  memory_per_element, memory_peak, statistics_peak, time.strftime("%Y-%m-%d %H:%M:%S"),
                  os.getloadavg()[0])
@@ -234,7 +302,7 @@ def _io_rates(folder: Path) -> tuple[float, float]:
     """Bytes per second written through the merge's ShardedWriter (synced, past the page cache where it can; the
     median of three writes, which on these VMs vary from one to the next) and read back with the
     engine's positioned reads (the page cache, as a merge of files just written reads them; the fastest of three
-    reads: one read of 128 MB once took five times the others on a busy machine)."""
+    reads: one read once took five times the others on a busy machine)."""
     data = torch.randint(0, 256, (IO_BYTES,), dtype=torch.uint8)
     planned = [PlannedTensor("calibration", (IO_BYTES,), torch.uint8)]
 
@@ -253,7 +321,7 @@ def _io_rates(folder: Path) -> tuple[float, float]:
 
 
 def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]:
-    """Seconds (best of three) and working memory (bytes above the resident set before it) of merging one
+    """Seconds (best of REPEATS) and working memory (bytes above the resident set before it) of merging one
     bf16 tensor of `size` elements with `method`'s default parameters, and the working memory of its whole-tensor
     statistics alone (`engine.tensor_statistics`; 0 for the methods without)."""
     parameters, count, with_base = CALIBRATION_MERGES.get(method, ({}, 2, True))
@@ -273,7 +341,7 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]
         [step] = plan.steps
         tensors = [source.load(name) for source, name in plan.inputs_of(step)]
     out = torch.empty(step.shape, dtype=step.out_dtype)
-    runs = [_measured(lambda: engine.merge_tensor(config, step, tensors, out)) for _ in range(3)]
+    runs = [_measured(lambda: engine.merge_tensor(config, step, tensors, out)) for _ in range(REPEATS)]
     statistics_peak = _measured(lambda: engine.tensor_statistics(config, step, tensors))[1] \
         if slabs.needs_statistics(method) else 0
     return min(seconds for seconds, _ in runs), runs[-1][1], statistics_peak

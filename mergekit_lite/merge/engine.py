@@ -26,6 +26,7 @@ from mergekit_lite.io.hub import lora_host, reference_paths
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.outputs import (
     atomic_output_dir,
+    check_free_space,
     check_output_folder,
     copy_side_files,
     keep_post_trained_files,
@@ -506,10 +507,13 @@ AdapterGate = Callable[[str, MergeConfig], Any]
 
 
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
-              gate: AdapterGate | None = None, card_sections: list[tuple[str, str]] = ()) -> MergeResult:
+              gate: AdapterGate | None = None, card_sections: list[tuple[str, str]] = (), copy_tokenizer: bool = True,
+              model_card: bool = True) -> MergeResult:
     """Plan and stream a merge into `out`, which appears only once complete, with its model card (README.md;
-    `card_sections`: (title, markdown) a caller adds, e.g. a sweep's pick). Adapters pass `gate` first
-    (the Python API with the audits is mergekit_lite.audited.run_merge)."""
+    `card_sections`: (title, markdown) a caller adds, e.g. a sweep's pick) unless not `model_card`, and the
+    tokenizer files of the donor unless not `copy_tokenizer` (mergekit's flags). Adapters pass `gate` first
+    (the Python API with the audits is mergekit_lite.audited.run_merge). Refused before anything is written when
+    the output cannot fit where it goes."""
     started = time.perf_counter()
     inputs = config.read_paths
     check_output_folder(out, inputs, overwrite)
@@ -517,13 +521,19 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     reports = _audit_adapters(config, gate)
     plan = plan_merge(config)
     plan.notes.extend(_audit_notes(reports))
+    try:
+        check_free_space(out, plan.total_bytes)
+    except InputError:
+        plan.close()
+        raise
     with plan, atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
         with ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
                            config.out_shard_size) as writer:
             execute(plan, writer.write, progress=progress, in_slabs=True)
             writer.close()
-        _write_side_files(plan, folder)
-        write_card(folder, merge_card(config, reports, card_sections))
+        _write_side_files(plan, folder, copy_tokenizer)
+        if model_card:
+            write_card(folder, merge_card(config, reports, card_sections))
         files = sorted(p.name for p in folder.iterdir())
     return MergeResult(Path(out), plan, time.perf_counter() - started, files)
 
@@ -591,7 +601,7 @@ def _restack_layers(model_config: dict, plan: MergePlan) -> None:
                                        for index, layer in plan.layer_origins]
 
 
-def _write_side_files(plan: MergePlan, folder: Path) -> None:
+def _write_side_files(plan: MergePlan, folder: Path, copy_tokenizer: bool = True) -> None:
     """config, tokenizer and generation files from --copy-files-from, by default from the base (or the
     first input), plus the chat template and generation config of a post-trained input when the base has
     none (a note says so)."""
@@ -602,8 +612,8 @@ def _write_side_files(plan: MergePlan, folder: Path) -> None:
     if LoraAdapter.is_adapter_dir(donor):
         donor = config.base
     donor = lora_host(donor)
-    copy_side_files(Path(donor), folder)
-    if not config.copy_files_from:
+    copy_side_files(Path(donor), folder, copy_tokenizer)
+    if not config.copy_files_from and copy_tokenizer:
         others = [Path(lora_host(path)) for path in config.inputs if lora_host(path) != donor]
         plan.notes.extend(keep_post_trained_files(Path(donor), others, folder))
     config_file = folder / "config.json"

@@ -32,12 +32,17 @@ ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def low_rank_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """B [out, r], A [r, in] with B @ A the best rank-r approximation (Eckart-Young); the singular values
-    split evenly between the factors (their square roots on each side), as mergekit does by default."""
-    u, s, vh = torch.linalg.svd(delta.to(torch.float32), full_matrices=False)
-    root = s[:rank].sqrt()
-    return (u[:, :rank] * root).contiguous(), (root[:, None] * vh[:rank]).contiguous()
+def low_rank_factors(delta: torch.Tensor, rank: int, distribute_scale: bool = True, device: str = "cpu"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """B [out, r], A [r, in] on the CPU with B @ A the best rank-r approximation (Eckart-Young); the singular
+    values split evenly between the factors (their square roots on each side), as mergekit does by default, or
+    all in A (mergekit's --no-distribute-scale). The SVD runs on `device`."""
+    u, s, vh = torch.linalg.svd(delta.to(device, torch.float32), full_matrices=False)
+    if distribute_scale:
+        left = right = s[:rank].sqrt()
+    else:
+        left, right = torch.ones_like(s[:rank]), s[:rank]
+    return (u[:, :rank] * left).contiguous().cpu(), (right[:, None] * vh[:rank]).contiguous().cpu()
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class ModuleKinds:
 
     linear: list[str]  # low-rank factors (LoRA)
     full_rank: list[str]  # modules_to_save candidates, stored whole when they changed
+    embeddings: list[str]  # the embedding tables among them (nn.Embedding)
+    heads: list[str]  # the linear output head among them (not factored unless asked: mergekit's embed_out)
 
 
 def module_kinds(config_dir: Path, names: set[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
@@ -68,7 +75,7 @@ def module_kinds(config_dir: Path, names: set[str], include: tuple[str, ...] = (
     with torch.device("meta"):
         model = model_class(config)
     heads = {module for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None}
-    linear, full_rank = [], []
+    linear, full_rank, embeddings, output_heads = [], [], [], []
     for name, module in model.named_modules():
         if f"{name}.weight" not in names or any(re.search(pattern, name) for pattern in exclude):
             continue
@@ -77,7 +84,11 @@ def module_kinds(config_dir: Path, names: set[str], include: tuple[str, ...] = (
             linear.append(name)
         else:
             full_rank.append(name)
-    return ModuleKinds(linear, full_rank)
+            if isinstance(module, nn.Embedding):
+                embeddings.append(name)
+            elif module in heads and isinstance(module, nn.Linear):
+                output_heads.append(name)
+    return ModuleKinds(linear, full_rank, embeddings, output_heads)
 
 
 def _changed(base: TensorSource, tuned: TensorSource, name: str) -> bool:
@@ -117,22 +128,64 @@ def _delta(base, tuned, name: str) -> torch.Tensor:
     return delta
 
 
+@dataclass(frozen=True)
+class FactorSettings:
+    """How deltas become factors: mergekit-extract-lora's --max-rank, --sv-epsilon, --distribute-scale, and the
+    device the SVDs run on."""
+
+    rank: int
+    sv_epsilon: float = 0.0
+    distribute_scale: bool = True
+    device: str = "cpu"
+
+
+def _module_delta(base, tuned, module: str, transposed: bool) -> torch.Tensor:
+    """A module's weight delta as it is factored: an embedding table's transposed ([dim, vocab]), as PEFT's
+    lora_embedding_B @ lora_embedding_A holds it."""
+    delta = _delta(base, tuned, f"{module}.weight")
+    return delta.T if transposed else delta
+
+
+def _ranks(base, tuned, modules: list[str], embeddings: set[str], settings: FactorSettings) -> dict[str, int]:
+    """Each factored module's rank: --max-rank within its size, and with an --sv-epsilon only as many as it has
+    singular values above it (an SVD pass of its own: the shapes are fixed before anything is written); a module
+    with none is left out."""
+    ranks = {}
+    for module in modules:
+        rank = min(settings.rank, *tuned.shape(f"{module}.weight"))
+        if settings.sv_epsilon > 0:
+            values = torch.linalg.svdvals(_module_delta(base, tuned, module, module in embeddings).to(settings.device))
+            rank = min(rank, int((values > settings.sv_epsilon).sum()))
+        if rank:
+            ranks[module] = rank
+    return ranks
+
+
 def _adapter_tensors(base: TensorSource, tuned: TensorSource, ranks: dict[str, int], lora_bias: bool,
-                     saved: list[str]) -> list[tuple[PlannedTensor, Callable[[], torch.Tensor]]]:
+                     saved: list[str], embeddings: set[str], settings: FactorSettings
+                     ) -> list[tuple[PlannedTensor, Callable[[], torch.Tensor]]]:
     """The adapter's tensors in file order, each planned (PEFT's name, shape, the fine-tune's dtype) beside the
-    function that computes it: a factored module's lora_A, lora_B (one SVD for both) and, with `lora_bias`, its
-    bias delta as lora_B.bias; then the `saved` modules' weights and biases whole."""
+    function that computes it: a factored module's lora_A, lora_B (one SVD for both; an embedding table's
+    lora_embedding_A, lora_embedding_B) and, with `lora_bias`, its bias delta as lora_B.bias; then the `saved`
+    modules' weights and biases whole."""
     factors = functools.lru_cache(maxsize=1)(
-        lambda module: low_rank_factors(_delta(base, tuned, f"{module}.weight"), ranks[module]))
+        lambda module: low_rank_factors(_module_delta(base, tuned, module, module in embeddings), ranks[module],
+                                        settings.distribute_scale, settings.device))
     tensors = []
     for module, module_rank in ranks.items():
-        out_features, in_features = tuned.shape(f"{module}.weight")
+        rows, columns = tuned.shape(f"{module}.weight")
         dtype, prefix = tuned.dtype(f"{module}.weight"), f"base_model.model.{module}"
-        tensors.append((PlannedTensor(f"{prefix}.lora_A.weight", (module_rank, in_features), dtype),
+        if module in embeddings:  # [vocab, dim] factored as its transpose: A [r, vocab], B [dim, r]
+            names, (out_features, in_features) = (f"{prefix}.lora_embedding_A", f"{prefix}.lora_embedding_B"), \
+                (columns, rows)
+        else:
+            names, (out_features, in_features) = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"), \
+                (rows, columns)
+        tensors.append((PlannedTensor(names[0], (module_rank, in_features), dtype),
                         lambda module=module, dtype=dtype: factors(module)[1].to(dtype)))
-        tensors.append((PlannedTensor(f"{prefix}.lora_B.weight", (out_features, module_rank), dtype),
+        tensors.append((PlannedTensor(names[1], (out_features, module_rank), dtype),
                         lambda module=module, dtype=dtype: factors(module)[0].to(dtype)))
-        if lora_bias:
+        if lora_bias and module not in embeddings:
             bias = f"{module}.bias"
             tensors.append((PlannedTensor(f"{prefix}.lora_B.bias", tuned.shape(bias), tuned.dtype(bias)),
                             lambda bias=bias: _delta(base, tuned, bias).to(tuned.dtype(bias))))
@@ -143,8 +196,16 @@ def _adapter_tensors(base: TensorSource, tuned: TensorSource, ranks: dict[str, i
     return tensors
 
 
+def _named(module: str, names: tuple[str, ...]) -> bool:
+    """mergekit's --save-module match: the module's full name or its last part (lm_head, embed_tokens)."""
+    return module in names or module.rsplit(".", 1)[-1] in names
+
+
 def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, include: tuple[str, ...] = (),
-                 exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False) -> Extraction:
+                 exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False,
+                 save_modules: tuple[str, ...] = (), skip_undecomposable: bool = False, embed_lora: bool = False,
+                 sv_epsilon: float = 0.0, distribute_scale: bool = True, device: str = "cpu",
+                 model_card: bool = True) -> Extraction:
     """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base.
 
     Factors are stored in the fine-tune's dtype (math in float32). Ranks are min(rank, out, in) per
@@ -152,14 +213,20 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
     fine-tune up to float rounding. Changed biases of factored layers ride as lora_B.bias (PEFT's
     `lora_bias`) when every factored layer has a bias; otherwise (PEFT cannot merge lora_bias into a
     layer without one) those layers are stored whole. `linear_only` stores nothing whole: a pure
-    low-rank adapter (mergekit's --skip-undecomposable with embeddings excluded); what it leaves out
-    is reported in `dropped`. The output rules are those of merge (`check_output_folder` before any work,
-    and again by `atomic_output_dir`): never an input, a folder holding one, or the working folder.
+    low-rank adapter; what it leaves out is reported in `dropped`. mergekit-extract-lora's options:
+    `save_modules` are stored whole, changed or not (--save-module); `skip_undecomposable` leaves out the changed
+    modules that are neither linear nor embeddings (norms); `embed_lora` factors the embeddings and the output
+    head too (PEFT's lora_embedding_A/B); `sv_epsilon` drops singular values at or below it; `distribute_scale`
+    False puts the singular values in A only. The output rules are those of merge (`check_output_folder` before
+    any work, and again by `atomic_output_dir`): never an input, a folder holding one, or the working folder.
     """
     if rank < 1:
         raise InputError(f"rank must be at least 1, got {rank}")
+    if not sv_epsilon >= 0 or sv_epsilon == float("inf"):
+        raise InputError(f"sv_epsilon must be a finite number at least 0, got {sv_epsilon}")
     for pattern in (*include, *exclude):
         check_pattern(pattern)
+    settings = FactorSettings(rank, sv_epsilon, distribute_scale, device)
     base_dir, tuned_dir = resolve_model(str(base_dir)), resolve_model(str(tuned_dir))
     inputs = [base_dir, tuned_dir]
     check_output_folder(out_dir, inputs, overwrite)
@@ -168,25 +235,40 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
     base, tuned = open_inputs(inputs, base_dir, allow_pickle=False)
     with closing(base), closing(tuned):  # the shards are closed when the adapter is written, or on an error
         kinds = module_kinds(Path(tuned_dir), set(tuned.names), include, exclude)
-        changed_bias = [module for module in kinds.linear if _changed(base, tuned, f"{module}.bias")]
-        lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in kinds.linear)
+        forced = [module for module in kinds.linear + kinds.full_rank if _named(module, save_modules)]
+        unknown = [name for name in save_modules if not any(_named(module, (name,)) for module in forced)]
+        if unknown:
+            raise InputError(f"--save-module {unknown[0]}: no module of {tuned_dir} has that name")
+        embedding_lora = [module for module in kinds.embeddings + kinds.heads if embed_lora and module not in forced]
+        linear = [module for module in kinds.linear + kinds.heads if module not in forced and (
+            module not in kinds.heads or module in embedding_lora)]
+        changed_bias = [module for module in linear if _changed(base, tuned, f"{module}.bias")]
+        lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in linear)
         whole = [] if lora_bias else changed_bias
-        factored = [module for module in kinds.linear if module not in whole]
+        factored = [module for module in linear if module not in whole] + \
+            [module for module in embedding_lora if module in kinds.embeddings]
         if not factored:
             raise InputError(f"{tuned_dir}: no linear layers to extract (check --include/--exclude)")
-        candidates = [module for module in kinds.full_rank
-                      if any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))] + whole
-        saved, dropped = ([], candidates) if linear_only else (candidates, [])
+        candidates = [module for module in kinds.full_rank if module not in forced + embedding_lora
+                      and any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))] + whole
+        undecomposable = [] if not skip_undecomposable else [
+            module for module in candidates if module not in kinds.embeddings + kinds.heads + whole]
+        saved, dropped = ([], candidates) if linear_only else (
+            [module for module in candidates if module not in undecomposable], undecomposable)
+        saved = forced + saved
 
-        ranks = {module: min(rank, *tuned.shape(f"{module}.weight")) for module in factored}
-        tensors = _adapter_tensors(base, tuned, ranks, lora_bias, saved)
+        ranks = _ranks(base, tuned, factored, set(kinds.embeddings), settings)
+        dropped += [module for module in factored if module not in ranks]
+        if not ranks:
+            raise InputError(f"{tuned_dir}: no singular value above --sv-epsilon {sv_epsilon}: nothing to extract")
+        tensors = _adapter_tensors(base, tuned, ranks, lora_bias, saved, set(kinds.embeddings), settings)
 
         top_rank = max(ranks.values())
         smaller = {module: r for module, r in ranks.items() if r != top_rank}
         all_modules = {name.rsplit(".", 1)[0] for name in tuned.names}
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": top_rank, "lora_alpha": top_rank,
                   "rank_pattern": smaller, "alpha_pattern": smaller,
-                  "target_modules": peft_target_names(factored, all_modules), "lora_dropout": 0.0, "bias": "none",
+                  "target_modules": peft_target_names(list(ranks), all_modules), "lora_dropout": 0.0, "bias": "none",
                   "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
                   "modules_to_save": saved or None, "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir)}
         with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
@@ -198,7 +280,8 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
             (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
             parameters = {"model": input_name(tuned_dir), "rank": rank, "include": list(include),
                           "exclude": list(exclude), "linear_only": linear_only}
-            write_card(folder, ModelCard(bases=[input_name(base_dir)], relation="adapter",
-                                         method="extract (truncated SVD)", parameters=parameters,
-                                         licenses=licenses_of([base_dir, tuned_dir])))
-        return Extraction(factored, saved, dropped)
+            if model_card:
+                write_card(folder, ModelCard(bases=[input_name(base_dir)], relation="adapter",
+                                             method="extract (truncated SVD)", parameters=parameters,
+                                             licenses=licenses_of([base_dir, tuned_dir])))
+        return Extraction(list(ranks), saved, dropped)
