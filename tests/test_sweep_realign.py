@@ -20,7 +20,8 @@ def cli(*args, cwd):
 
 
 def sweep_args(pair, folder):
-    return ["--pre", pair.pre_dir, "--post", pair.post_dir, "--alphas", "0.5,1", "--old-tasks",
+    return ["--pre", pair.pre_dir, "--post", pair.post_dir, "--method", "recall_lerp", "--recall-texts",
+            pair.typical_texts, "--alphas", "0.5,1", "--old-tasks",
             ",".join(pair.old_tasks), "--new-tasks", ",".join(pair.new_tasks), "--include-path", pair.task_dir,
             "--limit", 12, "--bootstrap", 0, "--realign-shots", SHOTS, "--out", folder, "--quiet"]
 
@@ -76,9 +77,16 @@ def test_realign_shots_splits_forgetting_as_the_saved_outcomes_say(toy_pair, tmp
 
     report = (folder / "report.md").read_text()
     assert f"post again with {SHOTS} demonstrations" in report
-    assert "## Where post moved: relative drift per layer" in report
-    assert len(results["drift"]["layers"]) == json.loads((toy_pair.pre_dir / "config.json").read_text())[
-        "num_hidden_layers"]
+    # post's drift per layer beside recall_lerp's weight of post at the pick, a row per layer between embed and head
+    layers = json.loads((toy_pair.pre_dir / "config.json").read_text())["num_hidden_layers"]
+    assert len(results["drift"]["layers"]) == layers
+    table = report.split("## Where post moved: relative drift per layer")[1].split("\n\n")[2].splitlines()
+    assert f"recall_lerp weight of post (alpha {results['pick']['alpha']!r})" in table[0]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert [row[0] for row in cells][1:layers + 1] == [f"layer {index}" for index in range(layers)]
+    for row, drift in zip(cells[1:], results["drift"]["layers"]):
+        assert float(row[1]) == pytest.approx(drift["relative_drift"], rel=1e-3)
+        assert 0 <= float(row[2]) <= 1
 
     before = (folder / "points" / f"realigned-shots_{SHOTS}.json").stat().st_mtime_ns
     again = cli(*sweep_args(toy_pair, folder), cwd=tmp_path)

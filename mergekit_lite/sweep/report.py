@@ -297,17 +297,19 @@ def drift_lines(result: SweepResult, coefficients: list[float] | None) -> list[s
         return "-" if value is None else f"{value:.4g}"
 
     rows = [("embed", report.outside.get("embed"), 0)] + [
-        (str(row.layer), row.relative_drift, row.layer + 1) for row in report.layers] + [
+        (f"layer {row.layer}", row.relative_drift, row.layer + 1) for row in report.layers] + [
         ("head", report.outside.get("head"), -1)]
     rows = [row for row in rows if row[1] is not None or row[0] not in ("embed", "head")]
     shown = coefficients is not None and len(coefficients) == len(report.layers) + 1
     alpha = result.best.alpha
-    header = ["layer", "relative drift", *([f"{result.settings.method} weight of post (alpha {alpha!r})"]
+    header = ["weights", "relative drift", *([f"{result.settings.method} weight of post (alpha {alpha!r})"]
                                            if shown else [])]
     lines = ["## Where post moved: relative drift per layer", "",
              "Post's relative drift `||post - pre|| / ||pre||` over each layer's weights (Frobenius; "
              f"`mergekit-lite drift` gives every tensor); whole model {number(report.total)}."
-             + (" recall_lerp gives a layer that moved more than the mean less of post." if shown else ""), "",
+             + (" Beside it, the pick's weight of post per layer (recall_lerp sets it from its own per-layer drift "
+                " measure, on --recall-texts): are the layers that moved most the ones the merge took least of?"
+                if shown else ""), "",
              "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for name, drift, index in rows:
         lines.append(f"| {name} | {number(drift)} |" + (f" {coefficients[index]:.3f} |" if shown else ""))
