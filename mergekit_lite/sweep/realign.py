@@ -26,7 +26,7 @@ def realigned_label(shots: int) -> str:
 
 
 def realigned_identity(settings: SweepSettings) -> dict:
-    """What the realigned evaluation depends on: the sweep's identity (the pair, the tasks, lm-eval's settings) and K."""
+    """What the realigned evaluation depends on: the sweep's identity (pair, tasks, lm-eval's settings) and K."""
     return {**settings.identity(), "realign_shots": settings.realign_shots}
 
 
@@ -59,7 +59,7 @@ def evaluate_realigned(settings: SweepSettings, runs: dict[str, list[TaskRun]],
 
 def forgetting_kinds(pre: list[TaskRun], post: list[TaskRun], realigned: list[TaskRun],
                      where: str) -> dict[str, dict[str, str]]:
-    """task -> forgotten doc key -> spurious or genuine (evaluate.spurious.forgotten_kinds), every doc of both splits."""
+    """task -> forgotten doc key -> spurious or genuine (evaluate.spurious.forgotten_kinds), both splits' docs."""
     post_by_task = {run.task: run.outcomes for run in post}
     again = {run.task: run.outcomes for run in realigned if run.outcomes is not None}
     kinds = {}

@@ -167,13 +167,11 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                         traces.append(grid.row_trace(row, search, None))
                     bar.total = (sum(len(trace["evaluated"]) for trace in traces) + 2) * n_tasks
                     bar.refresh()
-            if settings.realign_shots is not None:
-                realigned = realign_post(settings, folder, runs, point_evaluator)
+            realigned = None if settings.realign_shots is None else realign_post(settings, folder, runs,
+                                                                                 point_evaluator)
         plan = [(label, alpha) for label, alpha in plan if label in runs]
         result = build_result(settings, folder, plan, runs, evaluated, grid.seconds(found))
-        if settings.realign_shots is not None:
-            result.realigned = realigned
-        result.drift = post_drift(settings)
+        result.realigned, result.drift = realigned, post_drift(settings)
         if settings.second is None:
             result.search, result.probe = search, probed
         else:
@@ -194,7 +192,8 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     return result
 
 
-def realign_post(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]], point_evaluator) -> list[TaskRun]:
+def realign_post(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]],
+                 point_evaluator) -> list[TaskRun]:
     """--realign-shots: post again with K demonstrations on the docs it forgot, saved as a point of its own (resumed
     when there)."""
     from mergekit_lite.sweep.realign import evaluate_realigned, realigned_identity, realigned_label
