@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import click
 
+from cli.forgetting_matrix import NAMES as MATRIX_OPTIONS
+from cli.forgetting_matrix import matrix_options, run_matrix_form
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, format_table
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
@@ -17,6 +19,7 @@ from mergekit_lite.evaluate.trajectory import (
     REPLAY_FORMATS,
     Trajectory,
     crossings,
+    heatmap_formats,
     jsonl,
     parse_alert,
     plot_heatmap,
@@ -24,7 +27,7 @@ from mergekit_lite.evaluate.trajectory import (
     sample_rows,
     trajectory,
 )
-from mergekit_lite.io.outputs import check_output_file, write_atomic
+from mergekit_lite.io.outputs import check_output_file, write_files
 
 
 def parse_group(spec: str) -> tuple[str, list[str]]:
@@ -87,12 +90,14 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
               help="Write one line per compared (task, doc, seed): outcome, scores, prompt, gold and answers.")
 @click.option("--replay", "replay_out", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
               help="Write the forgotten samples as training data (TRL's prompt/completion JSONL).")
-@click.option("--replay-format", type=click.Choice(REPLAY_FORMATS), default="prompt-completion", show_default=True,
+@click.option("--replay-format", type=click.Choice(REPLAY_FORMATS), show_default=REPLAY_FORMATS[0],
               help="--replay records: prompt/completion, or chat messages (user, assistant).")
 @click.option("--heatmap", "heatmap_out", type=click.Path(dir_okay=False), metavar="FILE.png",
               help="Plot F_true and BT_true per group (or task) and checkpoint.")
 @click.option("--alert", "alerts", multiple=True, metavar="GROUP:METRIC>VALUE",
               help="Exit 3 when a checkpoint's group value crosses VALUE (> or <), e.g. old:F_true>0.1. Repeatable.")
+@click.option("--overwrite", is_flag=True, help="Replace --samples, --replay and --heatmap files an earlier run "
+              "wrote (only while unchanged; never another file).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
 # re-alignment: spurious against genuine forgetting (mergekit_lite/evaluate/spurious.py)
@@ -102,8 +107,9 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
 @click.option("--replay-spurious", is_flag=True,
               help="With --realigned: keep spurious docs in --replay (left out by default: they need format, not "
                    "knowledge).")
+@matrix_options
 def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, samples_out, replay_out,
-               replay_format, heatmap_out, alerts, as_json, quiet, realigned, replay_spurious):
+               replay_format, heatmap_out, alerts, overwrite, as_json, quiet, realigned, replay_spurious, **matrix):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected
     as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2), or along a training run.
 
@@ -123,7 +129,19 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
           --samples forgotten.jsonl --replay replay.jsonl
       mergekit-lite forgetting runs/step-0 runs/step-1000 runs/step-2000 --group old=arc_easy \\
           --heatmap forgetting.png --alert 'old:F_true>0.1'
+      mergekit-lite forgetting runs/pre runs/ft-1 runs/ft-2 runs/ft-3 runs/ft-4 --matrix history/
+      mergekit-lite forgetting runs/pre runs/ft-new-probe --history history/ \\
+          --replay replay.jsonl --replay-budget 200
     """
+    trajectory_options = [name for name, given in (("--group", groups), ("--overall", overall),
+                                                    ("--heatmap", heatmap_out), ("--alert", alerts),
+                                                    ("--realigned", realigned), ("--replay-spurious", replay_spurious),
+                                                    ("--overwrite", overwrite))
+                          if given]
+    if run_matrix_form(inputs, {name: matrix[name] for name in MATRIX_OPTIONS},
+                       Scoring.from_specs(metrics, filters, choices), samples_out, replay_out,
+                       replay_format or REPLAY_FORMATS[0], as_json, trajectory_options):
+        return
     if len(inputs) < 2:
         raise InputError("forgetting needs at least two lm-eval outputs: PRE POST, or the checkpoints of a run in order")
     parsed_groups = [parse_group(spec) for spec in groups]
@@ -136,8 +154,10 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
         raise InputError(f"--group {OVERALL} is the name of --overall's row; choose another name")
     parsed_alerts = [parse_alert(spec, names + [OVERALL] * overall) for spec in alerts]
     check_realigned_options(realigned, replay_spurious, inputs)
+    if replay_format is not None and not replay_out:
+        raise InputError("--replay-format shapes --replay's file: give --replay FILE.jsonl")
     outputs = check_outputs({"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out},
-                            [*inputs, *([realigned] if realigned else [])])
+                            [*inputs, *([realigned] if realigned else [])], overwrite)
     scoring = Scoring.from_specs(metrics, filters, choices)
     runs = [load_lm_eval_run(path, scoring) for path in inputs]
     series = trajectory(runs, inputs)
@@ -164,7 +184,7 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
         render_two_models(series, group_rows[0], as_json, split)
     else:
         render_trajectory(series, group_rows, crossed, as_json)
-    write_outputs(outputs, series, group_rows, replay_format, split, replay_spurious)
+    write_outputs(outputs, series, group_rows, replay_format or REPLAY_FORMATS[0], split, replay_spurious, overwrite)
     for alert in crossed:
         click.echo(f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
                    f"{alert['value']:.3f} crosses {alert['alert']}", err=True)
@@ -172,11 +192,13 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
         raise click.exceptions.Exit(3)
 
 
-def check_outputs(outputs: dict, inputs: Sequence[str]) -> dict:
-    """The files to write, checked before any work: new files, apart from the inputs and from each other."""
+def check_outputs(outputs: dict, inputs: Sequence[str], overwrite: bool = False) -> dict:
+    """The files to write, checked before any work: new files (or, with `overwrite`, ones an earlier run wrote),
+    apart from the inputs and from each other, the heat map in a format matplotlib writes."""
     given = {option: path for option, path in outputs.items() if path}
-    for path in given.values():
-        check_output_file(path, inputs)
+    for option, path in given.items():
+        formats = heatmap_formats() if option == "--heatmap" else None
+        check_output_file(path, inputs, overwrite=overwrite, suffixes=formats)
     if len({os.path.realpath(path) for path in given.values()}) != len(given):
         raise InputError(f"{', '.join(given)} must name different files")
     return given
@@ -236,26 +258,30 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
 
 
 def write_outputs(outputs: dict, series: Trajectory, group_rows, replay_format: str, split=None,
-                  replay_spurious: bool = False) -> None:
-    """--samples, --replay and --heatmap, each written whole or not at all; the counts on stderr. With
+                  replay_spurious: bool = False, overwrite: bool = False) -> None:
+    """--samples, --replay and --heatmap, written together or not at all; the counts on stderr. With
     --realigned, forgotten rows carry forgetting_kind and --replay leaves the spurious ones out unless asked."""
     rows = sample_rows(series) if {"--samples", "--replay"} & set(outputs) else []
     if split is not None:
         mark_kinds(rows, split.map)
+    files, notes = {}, []
     if "--samples" in outputs:
-        write_atomic(outputs["--samples"], jsonl(rows))
-        click.echo(f"samples: {len(rows)} rows written to {outputs['--samples']}", err=True)
+        files[outputs["--samples"]] = jsonl(rows)
+        notes.append(f"samples: {len(rows)} rows written to {outputs['--samples']}")
     if "--replay" in outputs:
         kept = replay_chooser(split is not None and not replay_spurious)
         records, unrecoverable = replay_records(rows, replay_format, kept)
-        write_atomic(outputs["--replay"], jsonl(records))
+        files[outputs["--replay"]] = jsonl(records)
         note = (f"; {unrecoverable} forgotten docs left out: their gold answer or prompt is not in the log"
                 if unrecoverable else "")
         if split is not None and not replay_spurious:
             note += f"; {spurious_docs(rows)} spurious docs left out (--replay-spurious keeps them)"
-        click.echo(f"replay: {len(records)} forgotten samples written to {outputs['--replay']}{note}", err=True)
+        notes.append(f"replay: {len(records)} forgotten samples written to {outputs['--replay']}{note}")
     if "--heatmap" in outputs:
-        write_atomic(outputs["--heatmap"], lambda temp: plot_heatmap(series, group_rows, temp))
+        files[outputs["--heatmap"]] = lambda temp: plot_heatmap(series, group_rows, temp)
+    write_files(files, overwrite)
+    for note in notes:
+        click.echo(note, err=True)
 
 
 # --- re-alignment: spurious against genuine forgetting -------------------------------------------------------

@@ -154,8 +154,9 @@ def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scal
         raise click.UsageError("give --method or a CONFIG_FILE")
     if calibrate and not dry_run:
         raise click.UsageError("--calibrate goes with --dry-run")
+    given = [entry["model"] for entry in data.get("models") or []]  # a run folder among them is read too
     if data["method"] == "ema":
-        paths = in_training_order([entry["model"] for entry in data.get("models") or []], order)
+        paths = in_training_order(given, order)
         data["models"] = [{"model": path} for path in paths]
     elif order:
         raise InputError("--order applies to --method ema (checkpoints in training order)")
@@ -165,7 +166,7 @@ def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scal
     flags.apply()
     config.resolve_references()
     if not dry_run:
-        check_output_folder(out, config.read_paths, overwrite)
+        check_output_folder(out, [*config.read_paths, *given], overwrite)
     # torch loads only now, once the arguments, the config and the paths are known to be usable
     from mergekit_lite.audited import run_merge
     from mergekit_lite.merge.plan import plan_merge

@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from test_safety import cli, lm_eval_output, one_error_line, run, tree_hash
+from test_safety import CLI, ENV, cli, lm_eval_output, one_error_line, run, tree_hash
 from tiny_models import save_tiny_llama, tiny_llama
 
+from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import OUTPUT_MARKER
+from mergekit_lite.sweep.result import pareto_front, pick
+from mergekit_lite.sweep.scoring import PointResult, Scores, TaskRun
 
 TARGET = "model.layers.1.self_attn.q_proj.weight"
 
@@ -383,6 +390,9 @@ except SystemExit as exit:
      "--out", "theirs"],
     ["forgetting", "missing", "pre"],
     ["forgetting", "special.yaml", "special.yaml"],
+    ["forgetting", "pre", "post", "--samples", "s.jsonl", "--heatmap", "h.xyz"],
+    ["sweep", "--pre", "pre", "--post", "post", "--method", "task_arithmetic", "--alphas", "0,1e39", "--old-tasks", "a",
+     "--new-tasks", "b", "--out", "runs"],
 ], ids=lambda args: " ".join(args[:3]))
 def test_help_and_refusals_never_import_torch(fresh, args):
     """merge, sweep and forgetting check arguments, configs and paths before torch is imported: `--help` and a
@@ -455,6 +465,307 @@ def test_a_fifo_in_the_sweep_task_folder_is_refused_before_lm_eval_reads_it(fres
     os.mkfifo(fresh / "tasks" / "b.yaml")
     refused(fresh, *sweep("--include-path", "tasks"), timeout=60,
             patterns=[r"tasks/b\.yaml: not a regular file \(a FIFO, socket or device\); give a task file"])
+
+
+# ------------------------------------------------------------------------------- a run folder's checkpoints
+
+
+def ema_run(*extra) -> list:
+    return ["merge", "--method", "ema", "--decay", "0.5", "--model", "run", "--order", "step", "-q", *extra]
+
+
+@pytest.fixture
+def training_run(fresh) -> Path:
+    """run/ with checkpoint-1 (pre) and checkpoint-2 (post), as transformers' Trainer lays a run out."""
+    for step, model in ((1, "pre"), (2, "post")):
+        shutil.copytree(fresh / model, fresh / "run" / f"checkpoint-{step}")
+    return fresh / "run"
+
+
+@pytest.mark.parametrize("plant, pattern", [
+    (lambda run: (run / "checkpoint-3").symlink_to(run.parent / "post"), r"checkpoint-3: a link out of run"),
+    (lambda run: (run / "checkpoint-3").symlink_to("../post"), r"checkpoint-3: a link out of run"),
+    (lambda run: (run / "checkpoint-3").symlink_to("/"), r"checkpoint-3: a link out of run"),
+    (lambda run: (run / "checkpoint-3").symlink_to("checkpoint-9"), r"checkpoint-3: not a checkpoint folder \(a broken"),
+    (lambda run: (run / "checkpoint-3").write_text("weights?"), r"checkpoint-3: not a checkpoint folder"),
+    (lambda run: (run / "checkpoint-3").symlink_to(run / "checkpoint-1" / "config.json"),
+     r"checkpoint-3: not a checkpoint folder"),
+], ids=["absolute-link-out", "relative-link-out", "link-to-root", "broken-link", "file", "link-to-a-file"])
+def test_a_checkpoint_that_links_out_or_is_no_folder_is_refused_never_dropped(fresh, training_run, plant, pattern):
+    plant(training_run)
+    refused(fresh, *ema_run("--out", "ema"), patterns=[pattern])
+
+
+def test_a_checkpoint_linking_inside_the_run_folder_is_followed(fresh, training_run):
+    """checkpoint-3 -> checkpoint-1 averages checkpoint-1 twice: the same bytes as naming the three in order."""
+    (training_run / "checkpoint-3").symlink_to("checkpoint-1")
+    assert cli(*ema_run("--out", "ema"), cwd=fresh).returncode == 0
+    listed = ["merge", "--method", "ema", "--decay", "0.5", "-q", "--out", "listed",
+              *[arg for step in (1, 2, 1) for arg in ("--model", f"run/checkpoint-{step}")]]
+    assert cli(*listed, cwd=fresh).returncode == 0
+    weights = sorted(path.name for path in (fresh / "ema").glob("*.safetensors"))
+    assert weights and all((fresh / "ema" / name).read_bytes() == (fresh / "listed" / name).read_bytes()
+                           for name in weights)
+
+
+@pytest.mark.parametrize("out, pattern", [
+    ("run/ema", r"run/ema: is inside the input run"),
+    ("run/checkpoint-1/ema", r"is inside the input"),
+    ("run", r"run: (is also an input|contains the input run/checkpoint-1)"),
+    ("run/../run/x", r"is inside the input run"),
+])
+def test_the_output_may_not_sit_inside_the_run_folder(fresh, training_run, out, pattern):
+    refused(fresh, *ema_run("--out", out), patterns=[pattern])
+
+
+# ----------------------------------------------------------------------------------------------- model cards
+
+
+def card_tokens(card: str) -> list:
+    """The card's body as markdown-it (CommonMark + GFM tables) reads it, front matter left out."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").enable("table").parse(card.split("---\n", 2)[2])
+
+
+def inline_children(tokens) -> list:
+    return [child for token in tokens if token.type == "inline" for child in token.children]
+
+
+@pytest.mark.parametrize("flag, value", [("--copy-files-from", "pre"), ("--base", "pre"), ("--model", "post")])
+def test_a_card_names_models_without_local_paths(fresh, flag, value):
+    args = {"--copy-files-from": lerp("--copy-files-from", str(fresh / "pre")),
+            "--base": ["merge", "--method", "linear", "--base", str(fresh / "pre"), "--model", "post", "--alpha", "0.5"],
+            "--model": ["merge", "--method", "linear", "--base", "pre", "--model", str(fresh / "post"), "--alpha",
+                        "0.5"]}[flag]
+    assert cli(*args, "--out", "m", cwd=fresh).returncode == 0
+    card = (fresh / "m" / "README.md").read_text()
+    assert str(fresh) not in card and str(fresh.parent) not in card
+    assert f"{flag.lstrip('-').replace('-', '_')}: {value}" in card or f"- {value}" in card, card
+
+
+@pytest.mark.slow
+def test_a_card_names_the_recall_texts_by_file_name(toy_pair, tmp_path):
+    texts = tmp_path / "secret place" / "typical.txt"
+    texts.parent.mkdir()
+    shutil.copy(toy_pair.typical_texts, texts)
+    result = cli("merge", "--method", "recall_lerp", "--base", toy_pair.pre_dir, "--model", toy_pair.post_dir,
+                 "--alpha", "0.5", "--recall-texts", texts, "-q", "--out", tmp_path / "m", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "texts: typical.txt" in card
+    assert "secret place" not in card and str(Path(toy_pair.pre_dir).parent) not in card
+
+
+HOSTILE_NAMES = ["a`b", "x```\n# injected", "````", "`", "|a|b|", "![pixel](http:evil)", "<img src=x onerror=alert(1)>",
+                 "[link](javascript:x)", "line\n\n## heading", "tab\there"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_a_folder_name_stays_inside_the_block_it_lands_in(fresh, name):
+    """Read back by a CommonMark parser: the card's own headings only, no link, image or HTML, one code block
+    holding the whole configuration, and the name shown as written (control characters as escapes)."""
+    (fresh / "post").rename(fresh / name)
+    (fresh / "pre" / "README.md").write_text(f"---\nlicense: {json.dumps(name)}\n---\n")
+    result = cli("merge", "--method", "linear", "--base", "pre", "--model", name, "--alpha", "0.5", "--out", "m",
+                 cwd=fresh)
+    assert result.returncode == 0, result.stderr
+    card = (fresh / "m" / "README.md").read_text()
+    tokens = card_tokens(card)
+    headings = [tokens[index + 1].content for index, token in enumerate(tokens) if token.type == "heading_open"]
+    assert headings == ["merge made with mergekit-lite", "Parameters", "Licenses", "Configuration"]
+    kinds = {token.type for token in tokens} | {child.type for child in inline_children(tokens)}
+    assert not kinds & {"link_open", "image", "html_inline", "html_block"}, kinds
+    blocks = [token for token in tokens if token.type in ("fence", "code_block")]
+    assert len(blocks) == 1 and blocks[0].info == "yaml" and blocks[0].content.rstrip().endswith("tokenizer: null")
+    shown = name.encode("unicode_escape").decode()
+    assert shown in [child.content for child in inline_children(tokens) if child.type == "code_inline"]
+    licenses = next(tokens[index + 4] for index, token in enumerate(tokens)
+                    if token.type == "heading_open" and tokens[index + 1].content == "Licenses")
+    assert "".join(child.content for child in licenses.children) == f"The inputs' cards declare: {shown}."
+    assert yaml.safe_load(card.split("---\n")[1])["base_model"] == ["pre", name]
+
+
+# ------------------------------------------------------------------------------------- scores of a broken model
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    (["--method", "task_arithmetic", "--alphas", "0,1e39"], r"alphas: 1e\+39 overflows float32"),
+    (["--method", "task_arithmetic", "--alphas", "-1e39,0"], r"alphas: -1e\+39 overflows float32"),
+    (["--method", "task_arithmetic", "--alphas", "0,1e5", "--eval-dtype", "fp16"], r"alphas: 100000\.0 overflows float16"),
+    (["--method", "lines", "--alphas", "0,1", "--beta", "1e39"], r"beta: 1e\+39 overflows float32"),
+    (["--method", "lines", "--alphas", "0,1", "--betas", "0,4e38"], r"betas: 4e\+38 overflows float32"),
+], ids=["alpha", "negative-alpha", "fp16", "beta", "betas"])
+def test_coefficients_that_overflow_the_dtype_are_refused_up_front(fresh, extra, pattern):
+    refused(fresh, "sweep", "--pre", "pre", "--post", "post", "--old-tasks", "a", "--new-tasks", "b", "--out", "runs",
+            *extra, patterns=[pattern])
+    assert not (fresh / "runs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, extra", [("task_arithmetic", {"alphas": [0.5, 1e38]}),
+                                           ("lines", {"alphas": [0.5], "betas": [0.0, 1e38]})],
+                         ids=["task-arithmetic", "lines"])
+def test_a_point_with_non_finite_logits_is_marked_and_never_the_pick(toy_pair, tmp_path, method, extra):
+    """Weights finite, every logit NaN: lm-eval scores it (argmax of NaN is the first choice) as if it answered.
+    The point is marked in results.json and report.md, and the pick is another point."""
+    from mergekit_lite.sweep import SweepSettings, run_sweep
+
+    options = {"limit": 12, "bootstrap": 50, **extra}
+    settings = SweepSettings(toy_pair.pre_dir, toy_pair.post_dir, method, options.pop("alphas"), toy_pair.old_tasks,
+                             toy_pair.new_tasks, toy_pair.task_dir, tmp_path / "run", **options)
+    result = run_sweep(settings, progress=False)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    broken = [point for point in results["points"] if point["nonfinite_logits"]]
+    assert [point.get("beta", point["alpha"]) for point in broken] == [1e38]
+    assert not results["pre"]["nonfinite_logits"] and not results["post"]["nonfinite_logits"]
+    assert result.best.alpha == 0.5 and not result.best.nonfinite and 1e38 not in results["pareto"]
+    assert not any(point.nonfinite for point in result.better), "a broken model is never named as beating the pick"
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "Non-finite logits (NaN or infinite while scoring" in report and "never picked" in report
+    saved = json.loads(next((tmp_path / "run" / "points").glob("*1e+38*")).read_text())
+    assert all(task["nonfinite_logits"] for task in saved["tasks"]), "a resumed sweep must know it too"
+
+
+def test_a_sweep_where_every_merge_gives_non_finite_logits_has_no_pick():
+    def point(alpha, score, nonfinite=False):
+        tasks = [TaskRun("a", "old", None, "not scored here", nonfinite=nonfinite)]
+        return PointResult(f"alpha={alpha:g}", alpha, tasks, Scores(score, score, score), Scores(score, score, score))
+
+    broken = [point(1e37, 0.9, True), point(1e38, 0.9, True)]
+    with pytest.raises(InputError, match=r"every merged model gave NaN or infinite logits \(alpha=1e\+37, alpha=1e\+38"):
+        pick(broken)
+    assert pick([*broken, point(0.5, 0.1)])[0].alpha == 0.5
+    assert pareto_front([*broken, point(0.5, 0.1)]) == [0.5]
+
+
+# --------------------------------------------------------------------------------- all-or-nothing outputs
+
+
+@pytest.fixture
+def maps(tmp_path) -> Path:
+    """lm-eval sample logs of three checkpoints of one run (pre, mid, post) and a user's notes beside them."""
+    for name, accuracies in (("pre", [1, 1, 0, 0]), ("mid", [1, 0, 1, 0]), ("post", [0, 0, 1, 1])):
+        lm_eval_output(tmp_path / name, accuracies)
+    (tmp_path / "notes.txt").write_text("a file of the user's")
+    return tmp_path
+
+
+def forgetting(*extra) -> list:
+    return ["forgetting", "pre", "mid", "post", "--group", "old=arc", *extra]
+
+
+ALL_OUTPUTS = ["--samples", "s.jsonl", "--replay", "r.jsonl", "--heatmap", "h.png"]
+
+
+def test_sweep_replay_into_a_missing_folder_is_refused_before_any_work(fresh):
+    refused(fresh, *sweep("--replay", "nodir/r.jsonl"), patterns=[r"nodir/r\.jsonl: nodir is not an existing folder"])
+    assert not (fresh / "runs").exists()
+
+
+@pytest.mark.parametrize("outputs, pattern", [
+    (["--samples", "s.jsonl", "--replay", "r.jsonl", "--heatmap", "nodir/h.png"], r"nodir/h\.png: nodir is not an"),
+    (["--samples", "nodir/s.jsonl", "--heatmap", "h.png"], r"nodir/s\.jsonl: nodir is not an existing folder"),
+    (["--samples", "s.jsonl", "--replay", "notes.txt/r.jsonl"], r"notes\.txt is not an existing folder"),
+    (["--samples", "s.jsonl", "--replay", "r.jsonl", "--heatmap", "h.xyz"], r"h\.xyz: cannot tell the format from "
+                                                                             r"\.xyz; end the name with one of .*\.png"),
+    (["--samples", "s.jsonl", "--heatmap", "h"], r"h: cannot tell the format from a name without a suffix"),
+    (["--samples", "s.jsonl", "--heatmap", "h.pgf"], r"h\.pgf: cannot tell the format"),
+    (["--samples", "s.jsonl", "--replay", "notes.txt"], r"notes\.txt: already exists and is not a file mergekit-lite"),
+    (["--samples", "s.jsonl", "--replay", "s.jsonl"], r"--samples, --replay must name different files"),
+], ids=["heatmap-nodir", "samples-nodir", "under-a-file", "heatmap-xyz", "heatmap-no-suffix", "heatmap-pgf",
+        "existing", "same-file"])
+def test_forgetting_outputs_are_checked_before_anything_is_written(maps, outputs, pattern):
+    refused(maps, *forgetting(*outputs), patterns=[pattern])
+
+
+def test_forgetting_outputs_appear_together_or_not_at_all_on_ctrl_c(maps):
+    """SIGINT once the first output is written (to its temporary file) and the heat map is being drawn: exit 130,
+    and no output, whole or partial, is left."""
+    before = tree_hash(maps)
+    process = subprocess.Popen([str(CLI), *forgetting(*ALL_OUTPUTS)], cwd=maps, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        while process.poll() is None and not any(maps.glob(".s.jsonl.tmp-*")):
+            time.sleep(0.001)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert tree_hash(maps) == before
+
+
+def test_forgetting_overwrite_replaces_only_its_own_unchanged_files(maps):
+    assert cli(*forgetting(*ALL_OUTPUTS), cwd=maps).returncode == 0
+    written = tree_hash(maps)
+    refused(maps, *forgetting(*ALL_OUTPUTS), patterns=[r"s\.jsonl: already exists \(mergekit-lite wrote it; pass "
+                                                       r"--overwrite to replace it\)"])
+    again = cli(*forgetting(*ALL_OUTPUTS, "--overwrite"), cwd=maps)
+    assert again.returncode == 0, again.stderr
+    assert tree_hash(maps) == written, "the same command writes the same files"
+    with open(maps / "r.jsonl", "a") as replay:
+        replay.write('{"prompt": "mine", "completion": "kept"}\n')
+    refused(maps, *forgetting(*ALL_OUTPUTS, "--overwrite"),
+            patterns=[r"r\.jsonl: already exists and is not a file mergekit-lite wrote \(or it was changed since\)"])
+
+
+@pytest.mark.parametrize("plant", [
+    lambda root: (root / "s.jsonl").write_text("mine\n"),
+    lambda root: (root / "s.jsonl").symlink_to(root / "notes.txt"),
+    lambda root: (root / "s.jsonl").mkdir(),
+    lambda root: os.mkfifo(root / "s.jsonl"),
+    lambda root: ((root / "s.jsonl").write_text("mine\n"),
+                  (root / ".s.jsonl.mergekit-lite-output").write_text('{"sha256": "0"}')),
+    lambda root: ((root / "s.jsonl").write_text("mine\n"),
+                  (root / ".s.jsonl.mergekit-lite-output").symlink_to(root / "notes.txt")),
+], ids=["file", "link", "folder", "fifo", "forged-record", "linked-record"])
+def test_forgetting_overwrite_never_replaces_what_it_did_not_write(maps, plant):
+    plant(maps)
+    refused(maps, *forgetting("--samples", "s.jsonl", "--overwrite"), timeout=60,
+            patterns=[r"s\.jsonl: already exists and is not a file mergekit-lite wrote|File 's\.jsonl' is a directory"])
+
+
+# ------------------------------------------------------------------------------ values that can never act
+
+
+@pytest.mark.parametrize("alert, pattern", [
+    ("old:F_true>inf", r"'inf' is not a number \(write a decimal"),
+    ("old:F_true<-inf", r"'-inf' is not a number \(write a decimal"),
+    ("old:F_true>nan", r"'nan' is not a number \(write a decimal"),
+    ("old:F_true>0_1", r"'0_1' is not a number \(write a decimal"),
+    ("old:F_true>1e999", r"F_true is a share in \[0, 1\], so >1e999 can never be crossed"),
+    ("old:F_true>2", r"so >2 can never be crossed; give a threshold in \[0, 1\)"),
+    ("old:BT_max>1", r"so >1 can never be crossed"),
+    ("old:F_true<0", r"so <0 can never be crossed; give a threshold in \(0, 1\]"),
+    ("old:F_true<-0.5", r"so <-0\.5 can never be crossed"),
+    ("old:F_true>-0.5", r"so >-0\.5 is crossed by every value"),
+    ("old:F_true<1.5", r"so <1\.5 is crossed by every value"),
+])
+def test_an_alert_that_can_never_act_is_refused(maps, alert, pattern):
+    refused(maps, *forgetting("--alert", alert), patterns=[rf"--alert '{re.escape(alert)}': ", pattern])
+
+
+def test_a_real_threshold_still_alerts(maps):
+    result = cli(*forgetting("--alert", "old:F>0.2", "--alert", "old:acc_post<1"), cwd=maps)
+    assert result.returncode == 3 and "alert: checkpoint 2" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    (["--method", "lines", "--beta", "0.5", "--betas", "0,1"], r"beta and betas both set beta"),
+    (["--method", "ties", "--density", "0.5", "--densities", "0.2,0.8"], r"density and densities both set density"),
+    (["--method", "dare_linear", "--drop", "0.5", "--drops", "0.2,0.8"], r"drop and drops both set drop"),
+], ids=["beta", "density", "drop"])
+def test_a_fixed_value_beside_its_grid_is_refused(fresh, extra, pattern):
+    refused(fresh, *sweep(*extra), patterns=[pattern])
+    (fresh / "grid.yaml").write_text(f"{extra[4].lstrip('-')}: {extra[5]!r}\n")
+    refused(fresh, *sweep("grid.yaml", *extra[:4]), patterns=[pattern])
+
+
+def test_forgetting_replay_format_without_replay_is_refused(maps):
+    refused(maps, *forgetting("--replay-format", "messages"), patterns=[r"--replay-format shapes --replay's file"])
+    refused(maps, *forgetting("--replay-format", "prompt-completion", "--samples", "s.jsonl"),
+            patterns=[r"give --replay FILE\.jsonl"])
 
 
 # ----------------------------------------------------------------------------------- the dry run's rates cache

@@ -10,7 +10,7 @@ import ast
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mergekit_lite.errors import InputError
@@ -28,6 +28,8 @@ class SampleText:
     answer: str | None
     completion: str | None
     doc_hash: str | None = None
+    # multiple choice: the log-likelihood lm-eval logged for the gold option (a score, not text: not compared)
+    gold_loglikelihood: float | None = field(default=None, compare=False)
 
 
 def is_generative(sample: dict) -> bool:
@@ -302,7 +304,8 @@ def sample_text(sample: dict, metric: str, config: dict | None) -> SampleText:
     if lls is not None and count > 1:
         answer = options[_chosen_option(lls[:count], options, lls[count:] if len(lls) > count else None,
                                         metric, delimiter)]
-    return SampleText(contexts[0], gold, answer, gold, doc_hash)
+    gold_ll = lls[index] if lls is not None and index is not None else None
+    return SampleText(contexts[0], gold, answer, gold, doc_hash, gold_ll)
 
 
 def answer_rule(sample: dict, metric: str, filter_: str | None) -> str:

@@ -23,6 +23,7 @@ from mergekit_lite.evaluate.outcomes import LoadedRun, SampleOutcomes
 
 OUTCOMES = {(True, True): "kept", (False, True): "gained", (True, False): "forgotten", (False, False): "never"}
 REPLAY_FORMATS = ("prompt-completion", "messages")
+DECIMAL = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 ALERT = re.compile(r"^(?P<group>[^:]+):(?P<metric>[A-Za-z_]+)\s*(?P<op>[<>])\s*(?P<value>\S+)$")
 
 
@@ -144,13 +145,14 @@ def parse_alert(spec: str, groups: Sequence[str]) -> Alert:
         raise InputError(f"--alert {spec!r}: unknown metric {metric!r} (choose from {', '.join(SHARES)})")
     if group not in groups:
         raise InputError(f"--alert {spec!r}: no group {group!r} (groups: {', '.join(groups) or 'none; add --group'})")
-    try:
-        value = float(match["value"])
-    except ValueError:
-        raise InputError(f"--alert {spec!r}: {match['value']!r} is not a number") from None
-    if value != value:
-        raise InputError(f"--alert {spec!r}: the threshold is not a number")
-    return Alert(group, metric, match["op"], value)
+    if not DECIMAL.match(match["value"]):  # float() also reads 'inf', 'nan' and '0_1'
+        raise InputError(f"--alert {spec!r}: {match['value']!r} is not a number (write a decimal, e.g. 0.1)")
+    value, op = float(match["value"]), match["op"]
+    if not (0 <= value < 1 if op == ">" else 0 < value <= 1):  # every metric is a share in [0, 1]
+        acts = "can never be crossed" if (value >= 1) == (op == ">") else "is crossed by every value"
+        raise InputError(f"--alert {spec!r}: {metric} is a share in [0, 1], so {op}{match['value']} {acts}; give a "
+                         f"threshold in {'[0, 1)' if op == '>' else '(0, 1]'}")
+    return Alert(group, metric, op, value)
 
 
 def crossings(alerts: Sequence[Alert], groups_per_checkpoint: Sequence[Sequence[GroupForgetting]],
@@ -186,6 +188,13 @@ def heatmap_values(series: Trajectory, group_rows: Sequence[Sequence[GroupForget
         cells = [result.rows for result in series.maps]
     return names, {metric: [[getattr(cell[name], metric) if name in cell else math.nan for cell in cells]
                             for name in names] for metric in ("F_true", "BT_true")}
+
+
+def heatmap_formats() -> set[str]:
+    """The file suffixes matplotlib saves a figure as, but pgf (it needs a LaTeX installation)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"}
 
 
 def plot_heatmap(series: Trajectory, group_rows: Sequence[Sequence[GroupForgetting]], path) -> None:

@@ -3,6 +3,7 @@ transformers' Trainer and TRL) gives its order only when asked to read it from t
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,8 +16,8 @@ ORDERS = ("step",)
 
 
 def checkpoint_folders(folder: Path) -> dict[int, Path]:
-    """step -> checkpoint-STEP subfolder of a folder that holds no weights of its own (links are not followed);
-    {} for a model folder or a file."""
+    """step -> checkpoint-STEP subfolder of a folder that holds no weights of its own (a link to a folder inside
+    it is followed, any other link refused); {} for a model folder, a file or a link."""
     folder = Path(folder)
     if not folder.is_dir() or folder.is_symlink() or (folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists():
         return {}
@@ -25,12 +26,25 @@ def checkpoint_folders(folder: Path) -> dict[int, Path]:
     found: dict[int, Path] = {}
     for item in sorted(folder.iterdir()):
         match = CHECKPOINT.match(item.name)
-        if match and item.is_dir() and not item.is_symlink():
+        if match:
+            _check_checkpoint(item, folder)
             step = int(match["step"])
             if step in found:
                 raise InputError(f"{folder}: two checkpoints of step {step} ({found[step].name}, {item.name})")
             found[step] = item
     return found
+
+
+def _check_checkpoint(item: Path, folder: Path) -> None:
+    """A checkpoint-N entry is a folder, or a link to a folder inside the run folder (followed); anything else is
+    refused, never skipped: an average that silently leaves a checkpoint out is not the one asked for."""
+    real, root = Path(os.path.realpath(item)), Path(os.path.realpath(folder))
+    if item.is_symlink() and root not in real.parents:
+        raise InputError(f"{item}: a link out of {folder}; a run folder's checkpoints are read inside it only (copy "
+                         "the checkpoint in, or list the checkpoints as --model flags in training order)")
+    if not real.is_dir():
+        raise InputError(f"{item}: not a checkpoint folder{' (a broken link)' if not real.exists() else ''}; move it "
+                         "out of the run folder, or list the checkpoints as --model flags in training order")
 
 
 def in_training_order(paths: Sequence[str], order: str | None) -> list[str]:

@@ -13,7 +13,10 @@ found with huggingface_hub's own pattern.
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,26 +94,55 @@ class ModelCard:
 
     def render(self) -> str:
         what = "merge" if self.relation == "merge" else "LoRA adapter extracted"
-        lines = ["---", yaml.safe_dump(self.front_matter(), sort_keys=False).rstrip(), "---", "",
-                 f"# {what} made with mergekit-lite", "",
-                 f"Method: `{self.method}`, from: " + ", ".join(f"`{base}`" for base in dict.fromkeys(self.bases)), ""]
+        front_matter = yaml.safe_dump(self.front_matter(), sort_keys=False, width=math.inf)  # never folded
+        lines = ["---", front_matter.rstrip(), "---", "", f"# {what} made with mergekit-lite", "",
+                 f"Method: {_code(self.method)}, from: " + ", ".join(map(_code, dict.fromkeys(self.bases))), ""]
         if self.parameters:
-            lines += ["## Parameters", "", *(f"- `{key}`: `{value}`" for key, value in self.parameters.items()), ""]
+            lines += ["## Parameters", "", *(f"- {_code(key)}: {_code(value)}" for key, value in self.parameters.items()),
+                      ""]
         if self.licenses:
-            lines += ["## Licenses", "", "The inputs' cards declare: " + ", ".join(self.licenses) + ".", ""]
+            lines += ["## Licenses", "", "The inputs' cards declare: " + ", ".join(map(_text, self.licenses)) + ".", ""]
         if self.audits:
             lines += ["## Adapter audits", "", "| adapter | verdict | reasons |", "|---|---|---|"]
-            lines += [f"| `{a['adapter']}` | {a['verdict']} | {_cell('; '.join(a['reasons']) or '-')} |" for a in self.audits]
+            lines += [f"| {_cell(_code(a['adapter']))} | {_text(a['verdict'])} | "
+                      f"{_cell(_text('; '.join(a['reasons']) or '-'))} |" for a in self.audits]
             lines.append("")
         for title, text in self.sections:
             lines += [f"## {title}", "", text.rstrip(), ""]
         if self.config_yaml:
-            lines += ["## Configuration", "", "```yaml", self.config_yaml.rstrip(), "```", ""]
+            fence = "`" * max(3, _longest_backtick_run(self.config_yaml) + 1)  # no line inside can close it
+            lines += ["## Configuration", "", f"{fence}yaml", self.config_yaml.rstrip(), fence, ""]
         return "\n".join(lines)
 
 
+def _one_line(text) -> str:
+    """Control characters (a line break in a folder name, say) as Python escapes: a user string stays on its line
+    and cannot start a heading or a list of its own."""
+    return "".join(repr(char)[1:-1] if unicodedata.category(char).startswith("C") else char for char in str(text))
+
+
+def _longest_backtick_run(text: str) -> int:
+    return max((len(run) for run in re.findall("`+", text)), default=0)
+
+
+def _code(text) -> str:
+    """A user string as inline code (CommonMark 6.1): delimited by more backticks than any run inside it, padded
+    where it starts or ends with one, so nothing in it closes the span."""
+    text = _one_line(text)
+    ticks = "`" * (_longest_backtick_run(text) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip(" ") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
+def _text(text) -> str:
+    """A user string as plain text inside a line: each mark markdown acts on there backslash-escaped (CommonMark
+    2.4; `$` for the Hub's math), so it renders as written and adds no link, image, emphasis, code or HTML."""
+    return re.sub(r"([\\`*_\[\]<>!|~&$])", r"\\\1", _one_line(text))
+
+
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """A table cell: GFM ends a cell at any `|` not escaped, inline code included."""
+    return re.sub(r"(?<!\\)\|", r"\\|", text.replace("\n", " "))
 
 
 def write_card(folder, card: ModelCard) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from mergekit_lite.io.model_card import CARD_FILE
 from mergekit_lite.io.validation import is_regular_inside, read_json
 
 OUTPUT_MARKER = ".mergekit-lite-output"
+FILE_RECORD_SUFFIX = ".mergekit-lite-output"  # `.NAME` + this: the record of an output file (`write_files`)
 SHOWN_FOREIGN = 5
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
@@ -267,9 +269,11 @@ def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLik
 
 
 def check_output_file(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
-                      recognise=lambda path: False) -> Path:
-    """A file output (e.g. a fingerprint): never an input or inside one's folder tree, never replacing a
-    file that `recognise` does not identify as mergekit-lite's own."""
+                      recognise=lambda path: False, overwrite: bool = False,
+                      suffixes: Iterable[str] | None = None) -> Path:
+    """A file output (e.g. a fingerprint): never an input or inside one's folder tree, in a folder that exists, with
+    one of `suffixes` when the format follows the name, never replacing a file that `recognise` does not identify
+    as mergekit-lite's own, or, with `overwrite`, that `write_files` did not write (`written_file`)."""
     out = Path(out)
     target = Path(os.path.realpath(out))
     for source in inputs:
@@ -278,9 +282,82 @@ def check_output_file(out: str | os.PathLike, inputs: Iterable[str | os.PathLike
         source_path = Path(os.path.realpath(source))
         if target == source_path or (source_path.is_dir() and source_path in target.parents):
             raise InputError(f"{out}: is inside the input {source}; write the output elsewhere")
-    if os.path.lexists(out) and (out.is_symlink() or not out.is_file() or not recognise(out)):
-        raise InputError(f"{out}: already exists and is not a file mergekit-lite wrote; not replacing it")
+    if not out.absolute().parent.is_dir():
+        raise InputError(f"{out}: {out.parent} is not an existing folder; create it first or write elsewhere")
+    if suffixes is not None and out.suffix.lower().lstrip(".") not in suffixes:
+        raise InputError(f"{out}: cannot tell the format from {out.suffix or 'a name without a suffix'}; end the name "
+                         f"with one of .{', .'.join(sorted(suffixes))}")
+    if os.path.lexists(out) and not (out.is_file() and not out.is_symlink() and recognise(out)):
+        if overwrite and written_file(out):
+            return out
+        if written_file(out):
+            raise InputError(f"{out}: already exists (mergekit-lite wrote it; pass --overwrite to replace it)")
+        raise InputError(f"{out}: already exists and is not a file mergekit-lite wrote (or it was changed since); "
+                         "not replacing it")
     return out
+
+
+def _file_record(path: Path) -> Path:
+    """The hidden file beside an output file that says mergekit-lite wrote it, and what it held."""
+    return path.with_name(f".{path.name}{FILE_RECORD_SUFFIX}")
+
+
+def _digest(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def written_file(path: str | os.PathLike) -> bool:
+    """A regular file `write_files` wrote, unchanged since: its record beside it names its SHA-256."""
+    path = Path(path)
+    record = _file_record(path)
+    if path.is_symlink() or not path.is_file() or not is_regular_inside(record, path.absolute().parent):
+        return False
+    try:
+        data = read_json(record)
+    except InputError:
+        return False
+    return isinstance(data, dict) and data.get("sha256") == _digest(path)
+
+
+def write_files(files: dict[Path, str | Callable[[Path], None]], overwrite: bool = False) -> None:
+    """Write a command's output files together or not at all: each into a temporary file beside it, then, once
+    all are written, each renamed into place (never over a file that appeared meanwhile; with `overwrite` only
+    over a file `written_file` recognises), each with the record that lets a later --overwrite replace it.
+    An error or a signal before the renames leaves no file, temporary or not."""
+    temps: dict[Path, Path] = {}
+    placed: list[Path] = []  # new files already renamed into place: taken back if a later one cannot be
+    try:
+        for path, content in files.items():
+            path = Path(path)
+            temps[path] = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")  # the suffix: savefig's format
+            _write_new(temps[path], content, path)
+        with interrupts.deferred():
+            for path, temp in temps.items():
+                if overwrite and written_file(path):
+                    os.replace(temp, path)
+                else:
+                    rename_no_clobber(temp, path)
+                    placed.append(path)
+                record = {"written_by": "mergekit-lite; --overwrite may replace this file while it is unchanged",
+                          "sha256": _digest(path)}
+                write_atomic(_file_record(path), json.dumps(record) + "\n")
+            placed.clear()
+    finally:
+        for temp in temps.values():
+            temp.unlink(missing_ok=True)
+        for path in placed:
+            _file_record(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+
+
+def _write_new(temp: Path, content: str | Callable[[Path], None], path: Path) -> None:
+    try:
+        temp.write_text(content) if isinstance(content, str) else content(temp)
+    except OSError as error:  # write() errors carry no filename: name the target
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from None
 
 
 def write_atomic(path: Path, content: str | Callable[[Path], None]) -> None:

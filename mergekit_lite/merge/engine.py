@@ -567,9 +567,10 @@ def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
     """The output's model card: every input by hub id or folder name, their licenses, the method and its
     parameters, the configuration and each adapter's audit verdict."""
     inputs = list(dict.fromkeys(path for path in [config.base, *config.inputs] if path))
-    names = {str(path): input_name(path) for path in inputs}  # no local paths in a card meant for the Hub
+    # no local paths in a card meant for the Hub: every path read (side files, texts too) by hub id or name
+    names = {str(path): input_name(path) for path in [*config.read_paths, *inputs] if path}
     shown = _renamed(config.to_dict(), names)
-    return ModelCard(bases=list(names.values()), relation="merge", method=config.method,
+    return ModelCard(bases=[names[str(path)] for path in inputs], relation="merge", method=config.method,
                      parameters=dict(config.parameters), config_yaml=yaml.safe_dump(shown, sort_keys=False),
                      licenses=licenses_of(reference_paths(*inputs)),
                      audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons}

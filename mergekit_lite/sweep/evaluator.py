@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mergekit_lite.evaluate.lm_eval_settings import LmEvalSettings
@@ -101,8 +103,10 @@ class PointEvaluator:
         return self._runs(lambda evaluator, chosen: evaluator.evaluate_with("vllm", model_args, chosen), samples)
 
     def evaluate(self, model, samples=None) -> list[TaskRun]:
-        """Score the in-memory model on both groups."""
-        return self._runs(lambda evaluator, chosen: evaluator.evaluate(model, self.tokenizer, chosen), samples)
+        """Score the in-memory model on both groups, every task marked when its logits were not all finite."""
+        with logit_watch(model) as watched:
+            runs = self._runs(lambda evaluator, chosen: evaluator.evaluate(model, self.tokenizer, chosen), samples)
+        return [replace(run, nonfinite=True) for run in runs] if watched.nonfinite else runs
 
     def _runs(self, scores, samples=None) -> list[TaskRun]:
         runs, scoring, metrics, filters = [], self.settings.scoring(), set(), set()
@@ -117,6 +121,32 @@ class PointEvaluator:
         scoring.check_logged(metrics, filters, "the evaluated tasks")  # a typo, before any point is saved with it
         check_groups_disjoint(runs)
         return runs
+
+
+@dataclass
+class LogitWatch:
+    nonfinite: bool = False
+
+
+@contextmanager
+def logit_watch(model) -> Iterator[LogitWatch]:
+    """Watch every forward pass of `model` (scoring and generation alike) for NaN or infinite logits: a model whose
+    weights are finite can still overflow inside (a task vector scaled by 1e38), and lm-eval scores its NaN
+    log-likelihoods and argmax-of-NaN tokens as if they were answers. One reduction per batch, stopped once seen."""
+    import torch
+
+    watched = LogitWatch()
+
+    def check(module, inputs, output) -> None:
+        logits = getattr(output, "logits", None)
+        if not watched.nonfinite and isinstance(logits, torch.Tensor) and not bool(torch.isfinite(logits).all()):
+            watched.nonfinite = True
+
+    handle = model.register_forward_hook(check)
+    try:
+        yield watched
+    finally:
+        handle.remove()
 
 
 def evaluation_tokenizer(settings: SweepSettings, folder: str):

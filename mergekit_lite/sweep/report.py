@@ -77,6 +77,7 @@ def point_json(point: PointResult, splits: dict[str, tuple[list[str], list[str]]
         "selection": {"old": point.selection.old, "new": point.selection.new,
                       "harmonic_mean": point.selection.harmonic_mean},
         "intervals": point.intervals,
+        "nonfinite_logits": point.nonfinite,  # its scores are noise; never the pick
         "tasks": {run.task: {"group": run.group, "acc_report": task_accuracy(run.outcomes, splits[run.task][1]),
                              "acc_selection": task_accuracy(run.outcomes, splits[run.task][0]),
                              "metric": run.outcomes.metric, "filter": run.outcomes.filter,
@@ -182,6 +183,7 @@ def score_table(results: dict) -> str:
         notes += ["indistinguishable"] if alpha in pick["indistinguishable"] else []
         notes += ["**beats the pick**"] if point["label"] in results["better"] else []
         notes += ["pareto"] if alpha in pareto else []
+        notes += ["**non-finite logits: scores meaningless, never picked**"] if point.get("nonfinite_logits") else []
         lines.append(_row(point, cell_text(point), notes))
     lines.append(_row(results["post"], "post", ["reference"]))
     return "\n".join(lines)
@@ -236,6 +238,13 @@ def forgetting_section(title: str, point: PointResult) -> str:
     return f"## {title}\n\n{format_table(point.forgetting)}\n\n{format_table(groups)}\n"
 
 
+def nonfinite_lines(results: dict) -> list[str]:
+    """The models that gave NaN or infinite logits, said in a sentence under the table."""
+    broken = [cell_text(point) for point in results["points"] if point["nonfinite_logits"]]
+    return [f"Non-finite logits (NaN or infinite while scoring; their scores are noise, none can be the pick): "
+            f"{', '.join(broken)}.", ""] if broken else []
+
+
 def report_markdown(result: SweepResult, results: dict) -> str:
     settings, pick = result.settings, results["pick"]
     ties = ", ".join(map(repr, pick["ties"])) if len(pick["ties"]) > 1 else "none"
@@ -256,6 +265,7 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         "",
         score_table(results),
         "",
+        *nonfinite_lines(results),
         f"**Pick: {chosen}**, chosen on the selection split (harmonic mean "
         f"{pick['selection_harmonic_mean']:.4f}); on the report split: old {pick['old']:.4f}, new {pick['new']:.4f}, "
         f"harmonic mean {pick['harmonic_mean']:.4f}. Ties: {ties}.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mergekit_lite.errors import InputError
 from mergekit_lite.sweep.scoring import (
     PointResult,
     Scores,
@@ -31,7 +32,9 @@ def dominates(a: Scores, b: Scores) -> bool:
 
 
 def pareto_front(points: list[PointResult]) -> list[float]:
-    """Alphas no other alpha beats on both old and new, on the selection split."""
+    """Alphas no other alpha beats on both old and new, on the selection split (models with non-finite logits
+    are on no front)."""
+    points = [point for point in points if not point.nonfinite]
     return [p.key for p in points if not any(dominates(q.selection, p.selection) for q in points)]
 
 
@@ -132,7 +135,13 @@ def pick_fields(result: SweepResult) -> dict:
 
 def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
     """The highest harmonic mean on the selection split, and every point within TIE_TOLERANCE of it;
-    ties go to the first point (the smallest alpha; in a 2-D grid, the smallest second value, then alpha)."""
+    ties go to the first point (the smallest alpha; in a 2-D grid, the smallest second value, then alpha). A model
+    with non-finite logits is never picked: its scores are those of NaN log-likelihoods."""
+    broken = [point.label for point in points if point.nonfinite]
+    points = [point for point in points if not point.nonfinite]
+    if not points:
+        raise InputError(f"every merged model gave NaN or infinite logits ({', '.join(broken)}); no alpha can be "
+                         "picked: sweep smaller coefficients")
     top = max(p.selection.harmonic_mean for p in points)
     tied = [p for p in points if top - p.selection.harmonic_mean <= TIE_TOLERANCE]
     return tied[0], [p.key for p in tied]
@@ -155,9 +164,10 @@ def add_intervals(result: SweepResult) -> None:
             model.intervals[name] = np.percentile(draws[:, index, position], [tail, 100 - tail]).tolist()
         difference = draws[:, index, 2] - draws[:, pick_index, 2]
         model.intervals["diff_to_pick"] = np.percentile(difference, [tail, 100 - tail]).tolist()
-    result.indistinguishable = [point.key for point in result.points if point is not result.best
+    candidates = [point for point in result.points if not point.nonfinite]  # a broken model is never a rival
+    result.indistinguishable = [point.key for point in candidates if point is not result.best
                                 and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]]
-    result.better = sorted((point for point in result.points if point.intervals["diff_to_pick"][0] > 0),
+    result.better = sorted((point for point in candidates if point.intervals["diff_to_pick"][0] > 0),
                            key=lambda point: -point.intervals["diff_to_pick"][0])
 
 

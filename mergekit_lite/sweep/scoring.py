@@ -30,6 +30,7 @@ class TaskRun:
     group: str
     outcomes: SampleOutcomes | None
     skipped: str | None = None
+    nonfinite: bool = False  # the model gave NaN or infinite logits while scoring it: its outcomes mean nothing
 
     @property
     def acc(self) -> float:
@@ -40,12 +41,13 @@ class TaskRun:
         also its prompt, gold answer and replay completion, which every model shares (sweep.samples)."""
         if self.outcomes is None:
             return {"task": self.task, "group": self.group, "skipped": self.skipped}
+        flagged = {"nonfinite_logits": True} if self.nonfinite else {}
         k = self.outcomes.n_choices
         kept = TEXT_FIELDS if prompts else ("answer",)
         return {"task": self.task, "group": self.group, "metric": self.outcomes.metric,
                 "filter": self.outcomes.filter, "n_choices": None if math.isinf(k) else k,
                 "correct": self.outcomes.correct, "doc_ids": self.outcomes.doc_ids,
-                "answer_rule": self.outcomes.answer_rule,
+                "answer_rule": self.outcomes.answer_rule, **flagged,
                 "texts": {key: {name: getattr(text, name) for name in kept}
                           for key, text in self.outcomes.texts.items()}}
 
@@ -59,17 +61,30 @@ class TaskRun:
                  for key, text in (data.get("texts") or {}).items()}
         outcomes = SampleOutcomes(data["task"], data["correct"], k, data.get("metric", ""), data.get("filter", ""),
                                   data.get("doc_ids") or {}, texts, data.get("answer_rule") or "")
-        return cls(data["task"], data["group"], outcomes)
+        return cls(data["task"], data["group"], outcomes, nonfinite=bool(data.get("nonfinite_logits")))
 
 
 def score_task(task: str, group: str, score, scoring: Scoring) -> TaskRun:
     """A TaskRun from lm_harness.TaskScore, scored as `mergekit-lite forgetting` scores files; a task
     whose metric is not 0/1 is kept as skipped, with a warning, never thresholded."""
     try:
-        return TaskRun(task, group, score.outcomes(scoring.rule(task)))
+        return TaskRun(task, group, score.outcomes(scoring.rule(task)), nonfinite=nonfinite_responses(score.samples))
     except TaskSkipped as reason:
         warnings.warn(f"task {task!r} skipped: {reason}", stacklevel=2)
         return TaskRun(task, group, None, str(reason))
+
+
+def nonfinite_responses(samples: list[dict]) -> bool:
+    """Whether any response lm-eval recorded holds a NaN or infinite number: the log-likelihoods of a model whose
+    logits are not finite (any backend; generated text carries no number, so those need `evaluator.logit_watch`)."""
+    def numbers(value):
+        if isinstance(value, float):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from numbers(item)
+
+    return any(not math.isfinite(number) for sample in samples for number in numbers(sample.get("resps")))
 
 
 def check_groups_disjoint(runs: list[TaskRun]) -> None:
@@ -113,6 +128,11 @@ class PointResult:
     @property
     def old(self) -> float:
         return self.report.old
+
+    @property
+    def nonfinite(self) -> bool:
+        """The model gave NaN or infinite logits: its scores are noise and it is never the pick."""
+        return any(run.nonfinite for run in self.tasks)
 
     @property
     def new(self) -> float:

@@ -37,6 +37,7 @@ SEARCHES = ("grid", "golden")
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 # a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
+DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
 OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots")  # settings written out only when given
 
@@ -211,11 +212,23 @@ class SweepSettings:
         if dtype not in DTYPES:
             raise InputError(f"unknown eval dtype {self.eval_dtype!r} (use bf16, fp16 or fp32)")
         self.eval_dtype = DTYPES[dtype]
+        self._check_representable()
         if self.method in RECALL_METHODS and not self.recall_texts:
             raise InputError(f"a {self.method} sweep needs typical samples: --recall-texts (one text per line)")
         for value in self.second_values() or [None]:
             for alpha in self.alphas:
                 self.merge_config(alpha, cell=value)  # every point's merge is valid before any model is read
+
+    def _check_representable(self) -> None:
+        """Coefficients beyond the largest number of the evaluation dtype make every weight they scale infinite:
+        such a model can only produce non-finite logits, so it is refused before any work."""
+        largest = DTYPE_MAX[self.eval_dtype]
+        values = [("alphas", value) for value in self.alphas] + [("beta", self.beta)]
+        values += [(self.second + "s", value) for value in self.second_values() or []]
+        for name, value in values:
+            if isinstance(value, (int, float)) and not abs(value) <= largest:
+                raise InputError(f"{name}: {value!r} overflows {self.eval_dtype} (largest {largest:.4g}); every weight "
+                                 "it scales would be infinite")
 
     def _check_grid(self) -> None:
         """At most one second coefficient, one the method takes; the budget a whole number, only where it decides."""
@@ -408,6 +421,10 @@ def settings_from_dict(data: dict) -> SweepSettings:
     if missing:
         flag = "--" + missing[0].replace("_", "-")
         raise InputError(f"missing setting {missing[0]!r} (give {flag} or put it in the config file)")
+    for grid, fixed in SECOND_AXES.items():  # a grid's values replace the fixed value in every row: never both
+        if data.get(grid) is not None and data.get(fixed) is not None:
+            raise InputError(f"{fixed} and {grid} both set {fixed} (--{fixed}, --{grid} or the config file): give "
+                             "a fixed value or a grid of values, not both")
     data = dict(data)
     lm_eval = LmEvalSettings(**{name: data.pop(name) for name in LM_EVAL_KEYS if data.get(name) is not None})
     try:

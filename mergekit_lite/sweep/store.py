@@ -73,6 +73,7 @@ class SavedTask(BaseModel):
     answer_rule: str | None = None
     texts: dict[str, SavedText] | None = None
     skipped: str | None = None
+    nonfinite_logits: bool | None = None
 
 
 class PointFile(BaseModel):
