@@ -73,6 +73,7 @@ def test_realign_shots_splits_forgetting_as_the_saved_outcomes_say(toy_pair, tmp
                                                                                  len(shown) - spurious)
             assert entry["spurious_share_true"] == pytest.approx(chance_corrected(spurious, len(shown), k))
     assert total_forgotten > 0  # the toy post forgets: the split above is not of nothing
+    assert_lm_evals_own_cli_scores_the_forgotten_docs_alike(toy_pair, realigned, tmp_path / "lm_eval")
     assert results["realign"]["shots"] == SHOTS and f"--num_fewshot {SHOTS}" in results["realign"]["lm_eval"]
 
     report = (folder / "report.md").read_text()
@@ -94,6 +95,30 @@ def test_realign_shots_splits_forgetting_as_the_saved_outcomes_say(toy_pair, tmp
     assert "evaluated 0 models" in again.stdout
     assert (folder / "points" / f"realigned-shots_{SHOTS}.json").stat().st_mtime_ns == before  # resumed, not redone
     assert json.loads((folder / "results.json").read_text())["realign"] == results["realign"]
+
+
+def assert_lm_evals_own_cli_scores_the_forgotten_docs_alike(pair, realigned: dict, output: Path) -> None:
+    """lm-eval's CLI on post with --num_fewshot K and --samples of the forgotten docs gives each doc the outcome the
+    realigned point saved: the same docs, the same demonstrations."""
+    from lm_eval.__main__ import cli_evaluate
+    from lm_eval_tasks import lm_eval_arguments, samples_folder
+
+    chosen = {task: sorted(entry["doc_ids"].values()) for task, entry in realigned.items()}
+    saved_argv = sys.argv
+    sys.argv = ["lm_eval", *lm_eval_arguments(pair.post_dir, ",".join(chosen), pair.task_dir, output,
+                                              "--num_fewshot", str(SHOTS), "--samples", json.dumps(chosen))]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved_argv
+    folder = samples_folder(output)
+    for task, entry in realigned.items():
+        [log] = folder.glob(f"samples_{task}_*.jsonl")
+        records = {record["doc_id"]: record for record in map(json.loads, log.read_text().splitlines())}
+        assert {entry["doc_ids"][key]: right for key, right in entry["correct"].items()} == \
+            {doc_id: bool(record["acc"]) for doc_id, record in records.items()}
+        [results_file] = folder.glob("results_*.json")
+        assert json.loads(results_file.read_text())["n-shot"][task] == SHOTS
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "two"])
