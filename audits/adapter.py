@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from audits.base import AuditBase
+from audits.base_weights import base_confirmed, check_declared_weights
 from audits.declared_base import compare, given_base_id, names_local_folder, quantised_reason, same_folder
 from audits.fingerprint import FINGERPRINT_FILE, load_fingerprint, sha256_file, tokenizer_info
 from audits.leakage import check_leakage
@@ -232,12 +233,13 @@ def check_declared_base(adapter: LoraAdapter, audit_base: AuditBase, base_id: st
         return CheckResult("base-id", WARN, None, None, "adapter_config.json declares no base_model_name_or_path: "
                            "nothing says which base the adapter was made on", measurements)
     if names_local_folder(declared) and same_folder(declared, base_dir):
+        measurements["same_folder"] = True
         return CheckResult("base-id", PASS, None, None, f"declares this base folder ({declared})", measurements)
     if reason := quantised_reason(declared):  # fails as named, with or without an id to compare it with
         return CheckResult("base-id", FAIL, None, None, f"{reason} (declared {declared})", measurements)
-    if names_local_folder(declared):
-        return CheckResult("base-id", WARN, None, None, f"declares a local path ({declared}), not a hub id: cannot "
-                           "verify it by name (pass --base-id to name the given base)", measurements)
+    weighed = check_declared_weights(declared, audit_base, measurements)
+    if weighed is not None:
+        return weighed
     if given is None:
         return CheckResult("base-id", WARN, None, None, f"declares {declared}, but the given base has no hub id (its "
                            "config.json has no _name_or_path that is one): pass --base-id to verify", measurements)
@@ -395,7 +397,8 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
         format_check, adapter = pickle_only or check_format(ref.path, allow_pickle and not ref.hub)
         checks = [format_check]
         if adapter is not None:
-            checks.append(check_declared_base(adapter, audit_base, base_id, card_base_model(ref.path)))
+            declared_base = check_declared_base(adapter, audit_base, base_id, card_base_model(ref.path))
+            checks.append(declared_base)
             structure = check_structure(adapter, base)
             checks.append(structure)
             tokenizer = check_tokenizer(adapter, audit_base, fingerprint_data)
@@ -409,7 +412,7 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
                 measures = [measure_module(adapter, audit_base, name, on_disk[name], top_k, entries.get(on_disk[name]))
                             for name in adapter.weight_targets()]
                 if measures:
-                    checks.append(check_spectral(measures, fingerprint_source, thresholds))
+                    checks.append(check_spectral(measures, fingerprint_source, thresholds, base_confirmed(declared_base)))
                 checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds,
                                           bias_changes(adapter, base)))
                 if behaviour:

@@ -109,8 +109,10 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def check_spectral(measures: list[ModuleMeasure], fingerprint_source: str | None, thresholds: AuditThresholds) -> CheckResult:
-    """Fingerprint match decides when there is one; otherwise subspace alignment, which can only warn."""
+def check_spectral(measures: list[ModuleMeasure], fingerprint_source: str | None, thresholds: AuditThresholds,
+                   base_confirmed: bool = False) -> CheckResult:
+    """Fingerprint match decides when there is one; else a declared base whose weights (or folder) are the given
+    base's passes it; otherwise subspace alignment, which can only warn."""
     updated = [m for m in measures if m.delta_norm > 0]
     alignment = _median([m.enrichment for m in updated])
     alignment_text = (f"update energy in the base's top singular subspace: median {alignment:.2f}x random"
@@ -135,6 +137,9 @@ def check_spectral(measures: list[ModuleMeasure], fingerprint_source: str | None
             return CheckResult("spectral", WARN, worst.similarity, thresholds.min_fingerprint_similarity,
                                f"fingerprint lacks {shown_names(uncovered)}; {detail}", measurements)
         return CheckResult("spectral", PASS, worst.similarity, thresholds.min_fingerprint_similarity, detail, measurements)
+    if base_confirmed:
+        return CheckResult("spectral", PASS, alignment, thresholds.min_alignment, "no base fingerprint needed: the "
+                           f"declared base is the given base (base-id); {alignment_text}", measurements)
     if alignment is not None and alignment >= thresholds.min_alignment:
         return CheckResult("spectral", PASS, alignment, thresholds.min_alignment,
                            f"no base fingerprint; {alignment_text} (>= {thresholds.min_alignment}x)", measurements)

@@ -26,7 +26,8 @@ import torch
 from safetensors import safe_open
 
 from mergekit_lite.io.buffers import reuse_freed_memory
-from mergekit_lite.merge import engine, methods
+from mergekit_lite.merge import engine
+from mergekit_lite.merge.methods import tensor_math as methods
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 

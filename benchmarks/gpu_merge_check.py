@@ -31,12 +31,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_vs_mergekit import REPO, WORK, log  # noqa: E402
 
-from mergekit_lite.merge.config import METHODS, RECALL_METHODS  # noqa: E402
-from mergekit_lite.merge.cost import CALIBRATION_MERGES  # noqa: E402
+from mergekit_lite.merge.methods import REGISTRY  # noqa: E402
 
 
 def merge_config(method: str, ckpt: Path) -> dict:
-    parameters, count, with_base = CALIBRATION_MERGES.get(method, ({}, 2, True))
+    calibration = REGISTRY[method].calibration
+    parameters, count, with_base = calibration.parameters, calibration.models, calibration.with_base
     models = [str(ckpt / f"ft{index}") for index in range(1, count + 1)]
     if not with_base:
         models = [str(ckpt / "base"), *models][:count]
@@ -85,7 +85,7 @@ def compare(cpu: Path, cuda: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="4gb", help="make_checkpoints.py preset (default 4gb)")
-    parser.add_argument("--methods", default=",".join(m for m in METHODS if m not in RECALL_METHODS))
+    parser.add_argument("--methods", default=",".join(name for name, m in REGISTRY.items() if not m.reads_recall_weights))
     parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)

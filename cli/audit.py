@@ -135,13 +135,15 @@ def _measured(check) -> str:
               help="Reject when any module's similarity to the base fingerprint is below this.")
 @click.option("--allow-pickle", is_flag=True, help="Load adapter_model.bin pickles of local folders (weights_only=True); "
               "reported as a warning. A hub adapter's pickle is never downloaded.")
+@click.option("--require-verified", is_flag=True, help="Exit 1 unless every adapter is VERIFIED (a WARN counts as a "
+              "refusal, for scripts).")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON instead of a table.")
 @click.option("--csv", "as_csv", is_flag=True, help="Print one CSV line per adapter: every check's status, value and threshold.")
 @click.option("-v", "--verbose", is_flag=True, help="Show every check with its value, threshold and detail.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, loading bars or library logs on stderr.")
 def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, ngram, max_contaminated, base_id,
-                   min_delta, min_total_norm, behaviour, device, max_kl, min_similarity, allow_pickle, as_json, as_csv,
-                   verbose, quiet):
+                   min_delta, min_total_norm, behaviour, device, max_kl, min_similarity, allow_pickle, require_verified,
+                   as_json, as_csv, verbose, quiet):
     """Audit LoRA adapters against the base they claim: VERIFIED, WARN or REJECTED.
 
     ADAPTER is a PEFT adapter folder, a folder of adapter folders, or a hub id
@@ -150,16 +152,23 @@ def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, 
 
     \b
     Checks: format (safetensors, typed config, known options, NaN/Inf), base-id
-    (declared base_model_name_or_path vs the base), structure (modules and
+    (the declared base_model_name_or_path against the base: its weights when
+    it is a local folder or a cached hub snapshot, else its name), structure (modules and
     shapes, with the real cause when they differ), tokenizer and signature
     (against a shipped base fingerprint), spectral, delta (the paper's total
     norm and the relative update), behaviour (with --behaviour), leakage (with
-    --train-data and --holdout). README.md lists each threshold and its source.
+    --train-data and --holdout). docs/audit.md lists each threshold and its source.
 
     \b
-    Exit status: 0 when no adapter is REJECTED (WARN also exits 0),
-    1 when any adapter is REJECTED, 2 for unusable input (missing folder,
-    no adapter_config.json, unreadable base or data).
+    Exit status:
+      0  every adapter VERIFIED, or some WARN (each WARN row says why)
+      1  some adapter REJECTED; with --require-verified, also some WARN
+      2  unusable input (missing folder, no adapter_config.json,
+         unreadable base or data): one line "error: ..."
+    WARN means nothing proves the adapter was made on this base (no
+    declared base or fingerprint to compare with) or a check found
+    something to look at; it is not a pass: scripts that merge only
+    proven adapters use --require-verified.
 
     \b
     Examples:
@@ -208,7 +217,8 @@ def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, 
         click.echo(render_csv(reports))
     else:
         click.echo(table_summary(reports))
-    if any(report.verdict == "REJECTED" for report in reports):
+    refused = ("REJECTED", "WARN") if require_verified else ("REJECTED",)
+    if any(report.verdict in refused for report in reports):
         sys.exit(1)
 
 

@@ -28,7 +28,8 @@ Examples:
 @click.option("--base", "--base-model", "base", required=True, help="Base model folder the adapter applies to.")
 @click.option("--model", required=True, help="Fine-tuned model folder (same architecture as the base).")
 @click.option("--out", "--out-path", "out", required=True, type=click.Path(file_okay=False),
-              help="Adapter folder to write (atomically): adapter_config.json + adapter_model.safetensors.")
+              help="Adapter folder to write (atomically): adapter_config.json, adapter_model.safetensors and the "
+                   "base's base_fingerprint.json (for `mergekit-lite audit`).")
 @click.option("--rank", "--max-rank", "rank", type=int, default=128, show_default=True,
               help="Largest LoRA rank; layers smaller than it are factored exactly.")
 @click.option("--include", "--include-regex", "-i", "include", multiple=True,
@@ -64,7 +65,7 @@ def extract(ctx, base, model, out, rank, include, exclude, linear_only, distribu
     mergekit's meaning (docs/mergekit.md).
     """
     from mergekit_lite.devices import usable_device
-    from mergekit_lite.merge.extract import extract_lora
+    from mergekit_lite.audited import extract_lora
 
     flags = MergekitFlags(**mergekit)
     flags.refusals()

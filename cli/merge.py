@@ -6,7 +6,8 @@ from cli.mergekit_flags import MergekitFlags, mergekit_options
 from cli.types import Number, SafeSuggestions
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.checkpoints import in_training_order
-from mergekit_lite.merge.config import DTYPES, METHODS
+from mergekit_lite.merge import methods
+from mergekit_lite.merge.config import DTYPES
 
 EXAMPLES = """
 \b
@@ -66,7 +67,7 @@ def _seed(seed: int | None, random_seed: int | None) -> int | None:
 @click.argument("out_path", required=False, type=click.Path(file_okay=False))
 @click.option("--out", "-o", type=click.Path(file_okay=False),
               help="Output model folder (written atomically); or give it as OUT_PATH after the CONFIG_FILE.")
-@click.option("--method", "-m", type=click.Choice(METHODS), help="Merge method.")
+@click.option("--method", "-m", type=click.Choice(methods.NAMES), help="Merge method.")
 @click.option("--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors.")
 @click.option("--model", "models", multiple=True, metavar="PATH[:WEIGHT]",
               help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.")
@@ -102,6 +103,8 @@ def _seed(seed: int | None, random_seed: int | None) -> int | None:
 @click.option("--allow-pickle", is_flag=True, default=None, help="Accept pickle .bin weights (unsafe for untrusted files).")
 @click.option("--allow-nonfinite", is_flag=True, default=None, help="Merge inputs that contain NaN/Inf instead of stopping.")
 @click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them.")
+@click.option("--require-verified", is_flag=True, help="Merge LoRA adapters only when their audit VERIFIES them: a WARN "
+              "stops the merge too (exit 1). Each adapter's verdict is printed on stderr either way.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, shapes, bytes, parameters) and its estimated wall "
               "time and peak memory on this machine, and write no output (the first one measures this machine's "
@@ -111,8 +114,8 @@ def _seed(seed: int | None, random_seed: int | None) -> int | None:
 @mergekit_options
 def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scale, density, drop, select_topk, decay,
           order, temperature, normalize, recall_texts, recall_samples, embed_rule, seed, dtype, copy_files_from,
-          tokenizer_source, mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, overwrite, dry_run,
-          calibrate, quiet, **mergekit):
+          tokenizer_source, mergekit_compat, skip, device, allow_pickle, allow_nonfinite, force, require_verified,
+          overwrite, dry_run, calibrate, quiet, **mergekit):
     """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
     Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints in training
@@ -155,7 +158,7 @@ def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scal
     if calibrate and not dry_run:
         raise click.UsageError("--calibrate goes with --dry-run")
     given = [entry["model"] for entry in data.get("models") or []]  # a run folder among them is read too
-    if data["method"] == "ema":
+    if methods.method(data["method"]).orders_checkpoints:
         paths = in_training_order(given, order)
         data["models"] = [{"model": path} for path in paths]
     elif order:
@@ -186,7 +189,7 @@ def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scal
 
         quiet_third_party()
     result = run_merge(config, out, overwrite=overwrite, progress=not quiet, copy_tokenizer=flags.copy_tokenizer,
-                       model_card=flags.write_model_card)
+                       model_card=flags.write_model_card, require_verified=require_verified)
     if not quiet:
         click.echo(f"wrote {result.out} ({result.plan.total_bytes / 1e6:.1f} MB, {len(result.plan.steps)} tensors, "
                    f"{result.seconds:.1f} s)")

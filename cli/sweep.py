@@ -7,19 +7,12 @@ import click
 from cli.types import Number
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.trajectory import REPLAY_FORMATS
-from mergekit_lite.merge.config import MAIN_COEFFICIENT
+from mergekit_lite.merge.methods import SWEEPABLE
 
 EXAMPLES = """
 \b
 What alpha is, per --method (the method's main coefficient):
-  linear                 weight of post: 0 = pre, 1 = post
-  slerp                  t, spherical interpolation from pre (0) to post (1)
-  task_arithmetic, ties,
-  dare_linear, dare_ties lambda, scale of post's task vector (post - pre) added to pre
-  recall                 softmax temperature of the per-layer weights (> 0; the models run once)
-  recall_lerp            global weight of post; each layer takes alpha ** (its drift / mean drift)
-  lines                  LiNeS: post's task vector scaled by alpha in the first layer, rising linearly
-                         to 1 in the last (beta = 1 - alpha)
+""" + "\n".join(f"  {name:<17} {method.alpha_meaning}" for name, method in SWEEPABLE.items()) + """
 \b
 Pick: the alpha with the highest harmonic mean 2*old*new/(old+new) of the old-task and new-task
 scores (per group: the unweighted mean of its tasks' scores, as the forgetting paper averages
@@ -68,7 +61,7 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--pre", help="Base (pre-trained) model folder: the reference for every forgetting comparison.")
 @click.option("--post", help="Post-trained model folder (same architecture as --pre), or a LoRA adapter trained on pre "
               "(audited first).")
-@click.option("--method", "-m", help=f"Merge method (default linear; one of {', '.join(MAIN_COEFFICIENT)}), see alpha "
+@click.option("--method", "-m", help=f"Merge method (default linear; one of {', '.join(SWEEPABLE)}), see alpha "
               "below; several, comma-separated, compare them in one run (pre and post evaluated once).")
 @click.option("--baseline", help="With several methods: the one each is compared with (default linear).")
 @click.option("--alphas", help="Grid: START:STOP:STEP (STOP included) or a comma list, e.g. 0:1:0.1 or 0,0.3,0.5.")
@@ -154,18 +147,22 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--replay-format", type=click.Choice(REPLAY_FORMATS), default="prompt-completion", show_default=True,
               help="--replay records: prompt/completion, or chat messages (user, assistant).")
 @click.option("--replay-all", is_flag=True, help="--replay every doc post forgot, the ones the pick won back too.")
+@click.option("--require-verified", is_flag=True, help="Sweep a LoRA adapter (--post, or a model+lora reference) only "
+              "when its audit VERIFIES it: a WARN stops the sweep too (exit 1). Its verdict is printed on stderr "
+              "either way.")
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
 def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks, include_path, limit, batch_size, device, out,
           density, drop, seed, recall_texts, recall_samples, save_best, stream, metric, filter_, choices, aggregation,
           selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
           backend, vllm_args, probe, quiet, beta, betas, densities, drops, budget, replay_out, replay_format,
           replay_all, num_fewshot, apply_chat_template, fewshot_as_multiturn, system_instruction, gen_kwargs,
-          model_args, realign_shots):
+          model_args, require_verified, realign_shots):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
     same keys (flags win); see examples/sweep.yaml.
     """
+    from mergekit_lite.audited import each_verdict_once
     from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
     from mergekit_lite.sweep.samples import check_replay, write_replay
 
@@ -173,6 +170,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
         from cli.main import quiet_third_party
 
         quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
+    click.get_current_context().with_resource(each_verdict_once())  # the adapter's verdict once, not once per point
     data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
     data = _flag_values(data, pre=pre, post=post, method=method, alphas=alphas, old_tasks=old_tasks,
                         new_tasks=new_tasks, include_path=include_path, limit=limit, batch_size=batch_size,
@@ -190,6 +188,10 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
     if (replay_format != "prompt-completion" or replay_all) and not replay_out:
         raise InputError("--replay-format and --replay-all shape --replay's file: give --replay FILE.jsonl")
+    if require_verified:
+        from mergekit_lite.audited import require_verified_inputs
+
+        require_verified_inputs(data.get("pre"), [data.get("pre"), data.get("post")])
     if len(methods) > 1 or baseline:
         from mergekit_lite.sweep import method_settings, run_comparison
 

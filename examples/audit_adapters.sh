@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
-# Audit LoRA adapters before merging them into BASE, and keep only those that pass.
+# Audit LoRA adapters before merging them into BASE, and list those that may be merged.
 #
-#   examples/audit_adapters.sh BASE ADAPTER_OR_FOLDER...
+#   examples/audit_adapters.sh [--allow-warn] BASE ADAPTER_OR_FOLDER...
 #
+# Prints the audit table (every check, -v) on stderr and the mergeable adapters on stdout, one per line:
+# the VERIFIED ones, and the WARN ones too with --allow-warn (WARN: nothing proves the adapter was made on BASE).
+# Exit status as `mergekit-lite audit`: 0 nothing REJECTED, 1 some REJECTED, 2 unusable input.
+#
+# Runs from any shell: `mergekit-lite` is taken from PATH, else from $MERGEKIT_LITE (e.g. .venv/bin/mergekit-lite).
 # Whoever trains an adapter ships the fingerprint of its base inside the adapter folder, so anyone can
 # later check the adapter against the base they are about to merge it into:
 #   mergekit-lite audit fingerprint models/pre --out adapters/math-lora/base_fingerprint.json
 set -euo pipefail
-base=${1:?usage: $0 BASE ADAPTER_OR_FOLDER...}
+usage="usage: $0 [--allow-warn] BASE ADAPTER_OR_FOLDER..."
+accepted=VERIFIED
+if [ "${1:-}" = "--allow-warn" ]; then accepted="VERIFIED WARN"; shift; fi
+[ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
+base=$1
 shift
-[ $# -gt 0 ] || { echo "usage: $0 BASE ADAPTER_OR_FOLDER..." >&2; exit 2; }
+cli=${MERGEKIT_LITE:-$(command -v mergekit-lite || true)}
+[ -n "$cli" ] || { echo "error: mergekit-lite is not on PATH (activate its virtualenv, or set MERGEKIT_LITE)" >&2; exit 2; }
 
-# Table with every check (-v). Exit status: 0 nothing REJECTED (WARN included), 1 some REJECTED, 2 bad input.
+# One audit, as CSV: column 1 is the adapter, column 3 its verdict (the table with every check goes to stderr).
+"$cli" audit "$@" --base "$base" -v -q >&2 || { status=$?; [ "$status" -le 1 ] || exit "$status"; }
 status=0
-mergekit-lite audit "$@" --base "$base" -v || status=$?
+report=$("$cli" audit "$@" --base "$base" --csv -q) || status=$?
 [ "$status" -le 1 ] || exit "$status"
-
-# The same audit as JSON: list the adapters that may be merged (VERIFIED or WARN).
-mergekit-lite audit "$@" --base "$base" --json | python3 -c '
-import json, sys
-for report in json.load(sys.stdin)["reports"]:
-    if report["verdict"] != "REJECTED":
-        print(report["adapter"])
-' > mergeable.txt || true
-echo "mergeable adapters ($(wc -l < mergeable.txt)) written to mergeable.txt"
+while IFS= read -r line; do
+  verdict=$(printf '%s\n' "$line" | awk -F, '{print $3}')
+  adapter=$(printf '%s\n' "$line" | awk -F, '{print $1}')
+  case " $accepted " in *" $verdict "*) printf '%s\n' "$adapter" ;; esac
+done < <(printf '%s\n' "$report" | tail -n +2)
+exit "$status"
 
 # With the training data and the evaluation holdout at hand, also check the holdout did not leak:
 #   mergekit-lite audit adapters/math-lora --base "$base" --train-data train.jsonl --holdout eval.jsonl --ngram 13

@@ -3,40 +3,125 @@
 The engine (merge/engine.py) sits below the audits and knows nothing of them: it asks the gate it is given
 about every adapter before anything else reads one. This module, above both, gives it `audit_gate`: every
 LoRA adapter is audited against the model it is applied to, and a REJECTED one stops the merge unless the config
-says force (see audits.adapter.require_verified). The CLI, the sweep and the demo merge through here."""
+says force (see audits.adapter.require_verified). Every verdict is also one line on stderr (`announce`), so an
+adapter that only WARNs is never merged in silence; `require_verified` refuses it. The CLI, the sweep and the demo
+merge through here."""
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from audits.report import AuditReport
+from audits.report import VERIFIED, AuditReport
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import split_lora_reference
 from mergekit_lite.io.sources import TensorSource
-from mergekit_lite.merge import engine
+from mergekit_lite.merge import engine, extract
 from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.extract import Extraction
 
 
-def audit_gate(adapter: str, config: MergeConfig) -> AuditReport:
+class UnverifiedAdapter(InputError):
+    """An adapter refused by --require-verified because its audit only WARNs: exit 1, as `audit` exits when it
+    refuses an adapter (a script asked for VERIFIED and did not get it)."""
+
+    exit_code = 1
+
+
+_said: ContextVar[set | None] = ContextVar("verdicts_said", default=None)  # lines printed within each_verdict_once
+
+
+def verdict_line(report: AuditReport) -> str:
+    """One line: the adapter, its verdict and every reason (failures first, then warnings)."""
+    reasons = "; ".join(report.reasons)
+    return f"audit: {report.adapter}: {report.verdict}" + (f" ({reasons})" if reasons else "")
+
+
+@contextmanager
+def each_verdict_once():
+    """Within it, each verdict line is printed once: a sweep audits its adapter again at every point it merges."""
+    token = _said.set(set())
+    try:
+        yield
+    finally:
+        _said.reset(token)
+
+
+def announce(report: AuditReport) -> None:
+    """Print the verdict line on stderr, whatever -q says: a WARN is never silent."""
+    said, key = _said.get(), (report.adapter, report.base, report.verdict, tuple(report.reasons))
+    if said is not None:
+        if key in said:
+            return
+        said.add(key)
+    print(verdict_line(report), file=sys.stderr, flush=True)
+
+
+def gate_adapter(adapter: str, host: str, *, force: bool = False, allow_pickle: bool = False, forcible: bool = True,
+                 require_verified: bool = False) -> AuditReport:
+    """Audit `adapter` against `host`, the model it is applied to: REJECTED stops it (see
+    audits.adapter.require_verified), the verdict line goes to stderr, and with `require_verified` anything short
+    of VERIFIED stops it too (UnverifiedAdapter, exit 1)."""
+    from audits.adapter import require_verified as audited_or_refused  # read only when an adapter is merged
+
+    report = audited_or_refused(adapter, host, force, allow_pickle=allow_pickle, forcible=forcible)
+    announce(report)
+    if require_verified and report.verdict != VERIFIED:
+        raise UnverifiedAdapter(f"adapter {adapter} is {report.verdict}, not VERIFIED, and --require-verified was "
+                                f"given: {'; '.join(report.reasons)}")
+    return report
+
+
+def audit_gate(adapter: str, config: MergeConfig, require_verified: bool = False) -> AuditReport:
     """The audit of one adapter of `config` against the model it is applied to (the model of a model+lora
     reference, else the base); raises InputError when it may not be merged."""
-    from audits.adapter import require_verified  # read only when an adapter is merged
-
     host, adapter = split_lora_reference(adapter) or (config.base, adapter)
     if split_lora_reference(host):
         raise InputError(f"{adapter}: adapter folders apply to the base, and the base {host} is a model+lora "
                          "reference, which the audit cannot check an adapter against; give a model folder or hub id")
-    return require_verified(adapter, host, force=config.force, allow_pickle=config.allow_pickle)
+    return gate_adapter(adapter, host, force=config.force, allow_pickle=config.allow_pickle,
+                        require_verified=require_verified)
+
+
+def require_verified_inputs(pre: str, references: list[str]) -> None:
+    """--require-verified for a sweep, before anything is evaluated: every adapter it applies (an adapter folder
+    given as a model, applied to `pre`, or the adapter of a model+lora reference) must be VERIFIED."""
+    from mergekit_lite.io.lora import LoraAdapter
+
+    for reference in (str(reference) for reference in references if reference):
+        if split_lora_reference(reference):
+            host, adapter = split_lora_reference(reference)
+            gate_adapter(adapter, host, forcible=False, require_verified=True)
+        elif LoraAdapter.is_adapter_dir(reference):
+            gate_adapter(reference, pre, forcible=False, require_verified=True)
 
 
 def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
-              card_sections: list[tuple[str, str]] = (), **files) -> engine.MergeResult:
-    """Plan and stream a merge into `out` (engine.run_merge), adapters audited first; `card_sections` are added
-    to its model card; `files`: engine.run_merge's copy_tokenizer and model_card."""
-    return engine.run_merge(config, out, overwrite=overwrite, progress=progress, gate=audit_gate,
-                            card_sections=card_sections, **files)
+              card_sections: list[tuple[str, str]] = (), require_verified: bool = False,
+              **files) -> engine.MergeResult:
+    """Plan and stream a merge into `out` (engine.run_merge), adapters audited first (with `require_verified`, only
+    VERIFIED ones merge); `card_sections` are added to its model card; `files`: engine.run_merge's copy_tokenizer
+    and model_card."""
+    return engine.run_merge(config, out, overwrite=overwrite, progress=progress,
+                            gate=partial(audit_gate, require_verified=require_verified), card_sections=card_sections,
+                            **files)
+
+
+def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, **options) -> Extraction:
+    """merge.extract.extract_lora, with the base's fingerprint shipped in the adapter folder (base_fingerprint.json,
+    written before the folder appears): whoever audits the adapter later can check their base is the one it was
+    factored against, wherever the adapter has moved. The weights are fingerprinted without running the model."""
+    from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
+
+    def ship_fingerprint(folder: Path, base: str) -> None:
+        write_fingerprint(compute_fingerprint(base, behaviour=False), folder / FINGERPRINT_FILE, base_dir=base)
+
+    return extract.extract_lora(base_dir, tuned_dir, out_dir, side_files=ship_fingerprint, **options)
 
 
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from audits.adapter import audit_adapter
 from mergekit_lite.audited import run_merge
 from mergekit_lite.io.sources import open_inputs
-from mergekit_lite.merge.config import METHODS
+from mergekit_lite.merge.methods import NAMES as METHODS
 from mergekit_lite.merge.recall import RecallWeights
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep import SweepSettings, run_sweep
@@ -283,7 +283,7 @@ def test_vision_tower_layers_are_not_decoder_layers(checkpoints, tmp_path):
                                "parameters": {"alpha": [0.0, 1.0]}})
     from mergekit_lite.merge.plan import plan_merge
 
-    alphas = {step.name: step.parameters["alpha"] for step in plan_merge(config).steps}
+    alphas = {step.name: step.parameters.alpha for step in plan_merge(config).steps}
     assert alphas["vision_tower.encoder.layers.1.mlp.fc1.weight"] == 0.0
     assert alphas["multi_modal_projector.mm_input_projection_weight"] == 0.0
     assert alphas["language_model.model.layers.1.mlp.up_proj.weight"] == 1.0

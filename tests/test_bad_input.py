@@ -28,7 +28,7 @@ from test_safety import cli
 from tiny_models import save_random_pair, save_tiny_llama
 
 from mergekit_lite.merge.engine import all_finite
-from mergekit_lite.merge.methods import lerp
+from mergekit_lite.merge.methods.tensor_math import lerp
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

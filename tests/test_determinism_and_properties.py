@@ -1,5 +1,5 @@
 """Determinism of the real CLI (same command, same bytes; another DARE seed, other bytes) and
-hypothesis properties of the pure merge math in `mergekit_lite.merge.methods`."""
+hypothesis properties of the pure merge math in `mergekit_lite.merge.methods.tensor_math`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tiny_models import save_tiny_llama
 
 from cli.main import main
-from mergekit_lite.merge.methods import lerp, linear, slerp, task_vector_merge
+from mergekit_lite.merge.methods.tensor_math import lerp, linear, slerp, task_vector_merge
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 EPS32 = torch.finfo(torch.float32).eps

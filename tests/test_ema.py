@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from cli.main import main
-from mergekit_lite.merge.methods import ema_weights
+from mergekit_lite.merge.methods.ema import ema_weights
 
 
 def state(folder) -> dict[str, torch.Tensor]:

@@ -22,9 +22,9 @@ from mergekit_lite.io.buffers import ALIGNMENT, BufferRing, RingClosed
 from mergekit_lite.io.safetensors import open_model, read_at
 from mergekit_lite.io.sources import open_inputs
 from mergekit_lite.io.validation import open_regular
-from mergekit_lite.merge import methods
-from mergekit_lite.merge.engine import (KeepsAhead, dare_key, execute, math_threads, merge_state_dict, merge_tensor,
-                                        run_merge)
+from mergekit_lite.merge.engine import execute, math_threads, merge_state_dict, merge_tensor, run_merge
+from mergekit_lite.merge.methods import tensor_math as methods
+from mergekit_lite.merge.methods.task_vectors import KeepsAhead, dare_key
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.threads import torch_threads
@@ -336,9 +336,9 @@ def test_dare_chunks_give_the_masks_of_drawing_whole_tensors_at_any_chunk_size_a
         tensors = [_whole_tensor(folder, step.name) for folder in trio]
         parameters = step.parameters
         whole = methods.task_vector_merge(
-            tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier="random",
-            drops=parameters["drops"], keys=[dare_key(config.seed, step.name, i) for i in (0, 1)],
-            consensus=True, normalize=parameters["normalize"], rescale=parameters["rescale"])
+            tensors[0], tensors[1:], parameters.weights, scale=parameters.scale, sparsifier="random",
+            drops=parameters.drops, keys=[dare_key(config.seed, step.name, i) for i in (0, 1)],
+            consensus=True, normalize=parameters.normalize, rescale=parameters.rescale)
         for chunk, threads in ((100, 1), (37, 2), (4096, 2)):
             monkeypatch.setattr(methods, "ELEMENTWISE_CHUNK", chunk)
             with torch_threads(threads):

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from mergekit_lite.audited import run_merge
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter, open_model
-from mergekit_lite.merge import methods, slabs
+from mergekit_lite.merge import slabs
+from mergekit_lite.merge.methods import tensor_math as methods
 from mergekit_lite.merge.engine import execute
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict

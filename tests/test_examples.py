@@ -12,9 +12,9 @@ MERGE_EXAMPLES = sorted(p for p in EXAMPLES.glob("*.yaml") if {"models", "slices
 
 
 def test_there_is_an_example_for_every_method():
-    from mergekit_lite.merge.config import METHODS
+    from mergekit_lite.merge.methods import NAMES
 
-    assert {load_config(p).method for p in MERGE_EXAMPLES} == set(METHODS)
+    assert {load_config(p).method for p in MERGE_EXAMPLES} == set(NAMES)
 
 
 @pytest.mark.parametrize("path", MERGE_EXAMPLES, ids=lambda p: p.name)

@@ -1,6 +1,6 @@
 """The compiled merge math (mergekit_lite/merge/kernels.c) against torch's arithmetic: the same bytes.
 
-The kernels are an optional extension; where it was not built, the merge runs the torch code in methods.py
+The kernels are an optional extension; where it was not built, the merge runs the torch code in merge/methods/tensor_math.py
 instead (`angle_sums`, `linear`'s float32 sum, `task_vector_merge`'s passes, `TrimThreshold`'s numpy count).
 Each test here checks that the two agree bit for bit, on random and hostile values (overflow, subnormals, signed
 zeros, ties, negative weights, short last blocks), and that whole merges write the same files either way."""
@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from mergekit_lite.audited import run_merge
-from mergekit_lite.merge import methods, slabs
+from mergekit_lite.merge import slabs
+from mergekit_lite.merge.methods import tensor_math as methods
 from mergekit_lite.merge.schema import config_from_dict
 
 compiled = pytest.mark.skipif(methods._kernels is None, reason="the optional extension was not built here")

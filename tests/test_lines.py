@@ -70,7 +70,7 @@ def test_the_plan_names_each_tensors_depth(checkpoints):
     n_layers, folders = checkpoints
     config = config_from_dict({"method": "lines", "base": str(folders[0]), "models": [str(folders[1])],
                                     "parameters": {"alpha": 0.2, "beta": 0.4}})
-    steps = {step.name: step.parameters for step in plan_merge(config).steps}
+    steps = {step.name: step.parameters.shown() for step in plan_merge(config).steps}
     assert steps["model.layers.1.mlp.up_proj.weight"] == {"alpha": 0.2, "beta": 0.4, "layer": 1, "n_layers": n_layers,
                                                           "weights": [1.0]}
     for outside in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):

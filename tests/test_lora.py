@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -277,18 +278,32 @@ def test_zero3_empty_factors_say_so(saved_adapter, tmp_path):
     {"layers_to_transform": [1], "layers_pattern": ["h", "layers"]},
 ], ids=["list", "int", "pattern", "pattern-list"])
 def test_layers_to_transform_as_peft_loads_it(tmp_path, edit):
-    """An adapter file holding factors for every layer, whose config lists only some: PEFT loads LoRA layers only
-    on the listed ones (the other factors are left out), so its merge_and_unload is the reference."""
+    """PEFT trained on the listed layers only: the adapter holds their factors, and merges as PEFT merges it.
+    The same factors under a config listing fewer layers disagree with it: PEFT would load the adapter without
+    the other layers' factors (its merge_and_unload leaves those layers untouched), so the adapter is refused."""
     from peft import PeftModel
 
     model = tiny_llama()
     base_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    layers = edit["layers_to_transform"]
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                  init_lora_weights=False))
+                                                  init_lora_weights=False, **edit))
     peft_model.save_pretrained(tmp_path / "adapter")
-    config_file = tmp_path / "adapter" / "adapter_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **edit}))
     merged = PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter").merge_and_unload().state_dict()
     adapter = LoraAdapter.open(tmp_path / "adapter")
     assert len(adapter.targets()) == 2  # q_proj and v_proj of the one listed layer, not of both
     assert_matches_peft(adapter, base_state, merged)
+
+    every = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                    init_lora_weights=False))
+    every.save_pretrained(tmp_path / "every")
+    config_file = tmp_path / "every" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **edit}))
+    untouched = 1 - (layers[0] if isinstance(layers, list) else layers)
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "every").merge_and_unload().state_dict()
+    name = f"model.layers.{untouched}.self_attn.q_proj.weight"
+    assert torch.equal(loaded[name], base_state[name]), "PEFT leaves the unlisted layer's factors out"
+    expected = (f"2 modules in layers that layers_to_transform {layers!r} leaves out (PEFT would not load them): "
+                f"model.layers.{untouched}.self_attn.q_proj")
+    with pytest.raises(InputError, match=re.escape(expected)):
+        LoraAdapter.open(tmp_path / "every")

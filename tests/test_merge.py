@@ -19,8 +19,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from mergekit_lite.audited import merge_state_dict, run_merge
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import STAGE_BYTES
-from mergekit_lite.merge import cost, methods, slabs
-from mergekit_lite.merge.config import METHODS, MergeConfig
+from mergekit_lite.merge import cost
+from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.methods import REGISTRY
+from mergekit_lite.merge.methods import tensor_math as methods
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict, load_config
 
@@ -296,17 +298,18 @@ def test_dry_run_estimates_wall_time_and_memory_for_every_method(models, tmp_pat
     statistics' working memory, computed beside the math: next to none for SLERP's compiled angle, whose sums live
     on the stack)."""
     rates, where = cost.load_rates()
-    assert set(rates.math_ns_per_element) == set(METHODS) == set(rates.memory_bytes_per_element)
-    assert set(rates.statistics_peak_bytes) == {method for method in METHODS if slabs.needs_statistics(method)}
+    assert set(rates.math_ns_per_element) == set(REGISTRY) == set(rates.memory_bytes_per_element)
+    assert set(rates.statistics_peak_bytes) == {name for name, method in REGISTRY.items() if method.slab_statistics}
     assert rates.statistics_peak_bytes["ties"] > 0, rates.statistics_peak_bytes
     compiled_angle = torch.bfloat16 in methods.ANGLE_DTYPES
     assert rates.statistics_peak_bytes["slerp"] < 1 << 20 if compiled_angle else rates.statistics_peak_bytes["slerp"] > 0
     assert f"measured {rates.measured_at} at load " in cost.load_rates()[1] and cost.cache_file().is_file()
-    for method in METHODS:
-        if method in cost.SAME_MATH:  # RECALL combines layers linearly; its forward passes are not estimated
-            assert rates.math_ns_per_element[method] == rates.math_ns_per_element[cost.SAME_MATH[method]]
+    for method, declared in REGISTRY.items():
+        if declared.same_math_as:  # RECALL combines layers linearly; its forward passes are not estimated
+            assert rates.math_ns_per_element[method] == rates.math_ns_per_element[declared.same_math_as]
             continue
-        parameters, count, with_base = cost.CALIBRATION_MERGES.get(method, ({}, 2, True))
+        calibration = declared.calibration
+        parameters, count, with_base = calibration.parameters, calibration.models, calibration.with_base
         inputs = [str(models[name]) for name in ("base", "a", "b")]
         config = config_from_dict({"method": method, "base": inputs[0] if with_base else None,
                                         "models": inputs[1:count + 1] if with_base else inputs[:count],

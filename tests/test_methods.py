@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from mergekit_lite.merge import methods
-from mergekit_lite.merge.engine import dare_key
-from mergekit_lite.merge.recipes import TASK_VECTOR_METHODS
+from mergekit_lite.merge.methods import REGISTRY, geometric, task_vectors
+from mergekit_lite.merge.methods import tensor_math as methods
+from mergekit_lite.merge.methods.task_vectors import TaskVectorMethod, dare_key
 
 
 def t(*values):
@@ -351,7 +351,7 @@ def test_task_arithmetic_allows_negative_weights():
 
 
 def test_family_recipes_name_the_documented_combinations():
-    recipes = TASK_VECTOR_METHODS
+    recipes = {name: method for name, method in REGISTRY.items() if isinstance(method, TaskVectorMethod)}
     assert (recipes["ties"].sparsifier, recipes["ties"].consensus) == ("magnitude", True)
     assert (recipes["dare_ties"].sparsifier, recipes["dare_ties"].consensus) == ("random", True)
     assert (recipes["dare_linear"].sparsifier, recipes["dare_linear"].consensus) == ("random", False)
@@ -367,23 +367,23 @@ def test_model_stock_ratio_follows_the_paper_formula():
     base = t(0.0, 0.0)
     for angle, expected in ((60.0, 2 / 3), (0.0, 1.0), (90.0, 0.0)):
         gram = methods.gram_matrix([unit(0.0), 3 * unit(angle)], origin=base)
-        assert methods.model_stock_ratio(gram).item() == pytest.approx(expected, abs=1e-7)  # float32 inputs
-    coefficients = methods.model_stock_coefficients(methods.gram_matrix([unit(0.0), unit(60.0)], origin=base))
+        assert geometric.model_stock_ratio(gram).item() == pytest.approx(expected, abs=1e-7)  # float32 inputs
+    coefficients = geometric.model_stock_coefficients(methods.gram_matrix([unit(0.0), unit(60.0)], origin=base))
     assert coefficients.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3])
 
 
 def test_karcher_mean_of_points_on_a_circle_is_their_mean_angle():
     """On a great circle the Fréchet mean of nearby points is the point at their mean angle; norms average."""
     points = [unit(0.0), 2 * unit(30.0), 3 * unit(90.0)]
-    coefficients = methods.karcher_coefficients(methods.gram_matrix(points), max_iter=50, tol=1e-12)
+    coefficients = geometric.karcher_coefficients(methods.gram_matrix(points), max_iter=50, tol=1e-12)
     merged = methods.linear(points, coefficients.tolist(), normalize=False)
     assert torch.allclose(merged, 2.0 * unit(40.0), atol=1e-6)
 
 
 def test_nuslerp_is_slerp_and_multislerp_of_two_symmetric_points_is_their_bisector():
     gram = methods.gram_matrix([unit(0.0), unit(90.0)])
-    assert methods.nuslerp_coefficients(gram, 1 / 3).tolist() == pytest.approx(list(methods.spherical_weights(0.0, 1 / 3)))
-    bisector = methods.linear([unit(0.0), unit(80.0)], methods.multislerp_coefficients(
+    assert geometric.nuslerp_coefficients(gram, 1 / 3).tolist() == pytest.approx(list(methods.spherical_weights(0.0, 1 / 3)))
+    bisector = methods.linear([unit(0.0), unit(80.0)], geometric.multislerp_coefficients(
         methods.gram_matrix([unit(0.0), unit(80.0)]), [0.5, 0.5]).tolist(), normalize=False)
     assert torch.allclose(bisector, unit(40.0), atol=1e-6)
 
@@ -474,7 +474,7 @@ def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, sca
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dare_and_dense_merges_carry_every_nonfinite_input_entry_into_the_result(
         weights, scale, sparsifier, consensus, normalize, mergekit_rules, rescale, dtype):
-    """Why the engine checks only the result of these methods (engine.hides_nonfinite): NaN, +Inf and -Inf in the
+    """Why the engine checks only the result of these methods (Method.hides_nonfinite): NaN, +Inf and -Inf in the
     base or in any model, alone or together, dropped by DARE's mask or kept, stay non-finite in that entry."""
     generator = torch.Generator().manual_seed(5)
     size = 64
@@ -502,12 +502,12 @@ def test_sce_selects_by_variance_weighs_by_mean_square_and_erases_by_sign():
     models agree on entry 2), so a share of the two non-zero variances keeps int(2 * share) entries."""
     base = torch.zeros(3)
     first, second = torch.tensor([4.0, -1.0, 1.0]), torch.tensor([-2.0, 1.0, 1.0])
-    assert methods.variance_keep(torch.stack([first, second]), 1.0).tolist() == [1.0, 1.0, 0.0]
-    assert methods.variance_keep(torch.stack([first, second]), 2 / 3).tolist() == [1.0, 0.0, 0.0]
-    merged = methods.sce(base, [first, second], select_topk=1.0)
+    assert task_vectors.variance_keep(torch.stack([first, second]), 1.0).tolist() == [1.0, 1.0, 0.0]
+    assert task_vectors.variance_keep(torch.stack([first, second]), 2 / 3).tolist() == [1.0, 0.0, 0.0]
+    merged = task_vectors.sce(base, [first, second], select_topk=1.0)
     # weights: mean squares 18/3 and 6/3, shares 3/4 and 1/4; entry 0: sum +2, so only the first (+4) is kept;
     # entry 1: sum 0 elects +, only the second (+1) is kept; entry 2: both agree: (3/4 + 1/4) * 1 / 1
     torch.testing.assert_close(merged, torch.tensor([4.0, 1.0, 1.0]))
-    selected = methods.sce(base, [first, second], select_topk=0.5)  # int(2 * 0.5) = 1 entry: entry 0 only
+    selected = task_vectors.sce(base, [first, second], select_topk=0.5)  # int(2 * 0.5) = 1 entry: entry 0 only
     torch.testing.assert_close(selected, torch.tensor([4.0, 0.0, 0.0]))
-    assert torch.equal(methods.sce(base, [base, base]), base)  # no task vector: equal shares, nothing to add
+    assert torch.equal(task_vectors.sce(base, [base, base]), base)  # no task vector: equal shares, nothing to add

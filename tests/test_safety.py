@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import save_random_pair, save_tiny_llama
 
 from cli.main import main
-from mergekit_lite.merge.methods import lerp
+from mergekit_lite.merge.methods.tensor_math import lerp
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

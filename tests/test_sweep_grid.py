@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.config import MAIN_COEFFICIENT
+from mergekit_lite.merge.methods import SWEEPABLE
 from mergekit_lite.sweep import SweepSettings, method_settings, run_comparison, run_sweep
 from mergekit_lite.sweep.budget import halving_plan
 from mergekit_lite.sweep.report import report_markdown, results_json
@@ -191,7 +191,7 @@ def test_a_comparison_entry_may_be_a_grid(toy_pair, tmp_path):
         method_settings(data, [{"method": "ties", "drops": [0.1]}])
 
 
-@pytest.mark.parametrize("method", list(MAIN_COEFFICIENT))
+@pytest.mark.parametrize("method", list(SWEEPABLE))
 def test_every_sweepable_method_gets_a_report(ties_grid, method):
     """results.json and report.md render for every method `sweep` accepts (the grid's scores stand in: the text
     depends on the method only through its name and coefficient)."""
@@ -199,7 +199,7 @@ def test_every_sweepable_method_gets_a_report(ties_grid, method):
     result.settings = copy.copy(ties_grid.settings)
     result.settings.method = method
     results = results_json(result)
-    assert results["alpha_means"] and results["coefficient"] == MAIN_COEFFICIENT[method]
+    assert results["alpha_means"] and results["coefficient"] == SWEEPABLE[method].main_coefficient
     assert f"# Sweep: {method} between pre and post" in report_markdown(result, results)
 
 

@@ -340,7 +340,7 @@ def peft_transforms(config: dict, weight_name: str) -> bool:
     """Whether PEFT puts a LoRA layer on this weight's module under `layers_to_transform` / `layers_pattern`
     (peft.tuners.tuners_utils.check_target_module_exists): the module's first numbered segment (after a
     `layers_pattern` name, when given) must be a listed layer. Factors of other modules are left out when
-    PEFT loads the adapter, so merge_and_unload never adds them; neither do we."""
+    PEFT loads the adapter; PEFT never saves them, so an adapter that holds them is refused (_check_layers)."""
     layers = config.get("layers_to_transform")
     if layers is None or layers == []:
         return True
@@ -352,6 +352,16 @@ def peft_transforms(config: dict, weight_name: str) -> bool:
     if match is None:
         return False
     return int(match["idx"]) in (layers if isinstance(layers, list) else [layers])
+
+
+def _check_layers(config: dict, names: list[str], path: Path) -> None:
+    """Factors for a layer the config's layers_to_transform leaves out: PEFT would load the adapter without them, so
+    the config and the tensors disagree about what the adapter is (as a rank that is not the config's r)."""
+    left_out = sorted(name for name in names if not peft_transforms(config, name))
+    if left_out:
+        shown = ", ".join(left_out[:3]) + (f" (+{len(left_out) - 3} more)" if len(left_out) > 3 else "")
+        raise InputError(f"{path}: LoRA tensors for {len(left_out)} modules in layers that layers_to_transform "
+                         f"{config.get('layers_to_transform')!r} leaves out (PEFT would not load them): {shown}")
 
 
 @dataclass
@@ -384,8 +394,7 @@ class LoraAdapter:
         weights = _open_weights(folder, allow_pickle)
         sides, embeddings, full_tensors = _classify_keys(weights)
         factors, scaling = _module_factors(weights, config, sides, embeddings)
-        factors = {name: factor for name, factor in factors.items() if peft_transforms(config, name)}
-        scaling = {name: scale for name, scale in scaling.items() if name in factors}
+        _check_layers(config, list(factors), weights.path)
         replacements, base_copies = _full_tensor_roles(weights, full_tensors, factors)
         biases = {_bias_name(name): name for name, factor in factors.items() if factor.bias_key}
         return cls(folder, config, scaling, weights.path, weights, factors, replacements, base_copies, biases)

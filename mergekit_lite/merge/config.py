@@ -1,5 +1,5 @@
-"""What to merge: the merge configuration, validated before any tensor is read, the method registry
-(METHOD_PARAMETERS, MAIN_COEFFICIENT, defaults and ranges) and how a parameter's value spec resolves per tensor.
+"""What to merge: the merge configuration, validated before any tensor is read against its method's declaration
+(merge/methods/), and how a parameter's value spec resolves per tensor.
 
 A `MergeConfig` is built from either YAML schema (ours or mergekit's) by `merge/schema.py`, which reads
 files and flags into it; this module knows nothing of the schemas.
@@ -16,7 +16,6 @@ Parameter values take three forms, as in mergekit:
 from __future__ import annotations
 
 import copy
-import difflib
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -27,71 +26,12 @@ import numpy as np
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import reference_paths, resolve_model
 from mergekit_lite.io.validation import parse_size, require_regular
-from mergekit_lite.merge.recipes import DARE_MASK_VERSION, TASK_VECTOR_METHODS
+from mergekit_lite.merge import methods
+from mergekit_lite.merge.methods.registry import Method, did_you_mean
+from mergekit_lite.merge.methods.task_vectors import DARE_MASK_VERSION
 
-# The method registry: the parameters each method takes, and its main coefficient (what a sweep varies).
-METHOD_PARAMETERS = {
-    "linear": {"alpha", "weight", "normalize"},
-    "slerp": {"t"},
-    "nearswap": {"t"},
-    "sce": {"select_topk", "int8_mask"},
-    "task_arithmetic": {"lambda", "weight", "normalize", "int8_mask", "rescale"},
-    "ties": {"lambda", "weight", "density", "normalize", "int8_mask", "rescale"},
-    "dare_linear": {"lambda", "weight", "drop", "density", "normalize", "int8_mask", "rescale"},
-    "dare_ties": {"lambda", "weight", "drop", "density", "normalize", "int8_mask", "rescale"},
-    "della": {"lambda", "weight", "density", "epsilon", "normalize", "int8_mask", "rescale"},
-    "della_linear": {"lambda", "weight", "density", "epsilon", "normalize", "int8_mask", "rescale"},
-    "breadcrumbs": {"lambda", "weight", "density", "gamma", "normalize", "int8_mask", "rescale"},
-    "breadcrumbs_ties": {"lambda", "weight", "density", "gamma", "normalize", "int8_mask", "rescale"},
-    "model_stock": {"filter_wise"},
-    "nuslerp": {"weight", "nuslerp_flatten", "nuslerp_row_wise"},
-    "multislerp": {"weight", "normalize_weights", "eps"},
-    "karcher": {"max_iter", "tol"},
-    "passthrough": {"scale"},
-    "recall": {"temperature"},
-    "recall_lerp": {"alpha"},
-    "lines": {"alpha", "beta", "weight"},
-    "ema": {"decay"},
-}
-METHODS = tuple(METHOD_PARAMETERS)
-PER_MODEL_PARAMETERS = {"weight", "density", "drop", "epsilon", "gamma", "scale"}
-BOOLEAN_PARAMETERS = {"normalize", "int8_mask", "rescale", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise",
-                      "normalize_weights"}
-MAIN_COEFFICIENT = {
-    "linear": "alpha", "slerp": "t", "task_arithmetic": "lambda", "ties": "lambda",
-    "dare_linear": "lambda", "dare_ties": "lambda", "della": "lambda", "della_linear": "lambda",
-    "breadcrumbs": "lambda", "breadcrumbs_ties": "lambda", "recall": "temperature", "recall_lerp": "alpha",
-    "lines": "alpha",
-}
-RECALL_METHODS = ("recall", "recall_lerp")
-# epsilon, gamma and the Model Stock/NuSLERP/Multi-SLERP/Karcher/passthrough knobs: mergekit's names and defaults
-DEFAULTS = {"weight": 1.0, "lambda": 1.0, "t": 0.5, "density": 0.5, "drop": 0.5, "temperature": 1.0,
-            "int8_mask": False, "epsilon": 0.15, "gamma": 0.01, "filter_wise": False, "nuslerp_flatten": True,
-            "nuslerp_row_wise": False, "normalize_weights": True, "eps": 1e-8, "max_iter": 10, "tol": 1e-5,
-            "scale": 1.0, "select_topk": 1.0}
-# mergekit's defaults where they differ (its generalized_task_arithmetic.py and merge_methods/registry.py):
-# nothing is trimmed or dropped unless `density` is given, and DARE-TIES does not divide by the weights.
-MERGEKIT_DEFAULTS = {"density": 1.0, "drop": 0.0}
-MERGEKIT_NORMALIZE = {"dare_ties": False}
-# (low, high, low inclusive, high inclusive); None = unbounded
-RANGES = {
-    "alpha": (0.0, 1.0, True, True),
-    "t": (0.0, 1.0, True, True),
-    "density": (0.0, 1.0, False, True),
-    "drop": (0.0, 1.0, True, False),
-    "temperature": (0.0, None, False, False),
-    "epsilon": (0.0, 1.0, True, False),
-    "gamma": (0.0, 1.0, True, True),
-    "eps": (0.0, None, True, False),
-    "max_iter": (1.0, None, True, False),
-    "tol": (0.0, None, False, False),
-    "select_topk": (0.0, 1.0, True, True),
-    "decay": (0.0, 1.0, True, True),
-}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
-EMBED_RULES = ("nearest", "average", "base", "reference")
-MEDIAN_BANDWIDTH = "median"  # RECALL's sigma from the reference's own samples at each layer
 TOKENIZER_SOURCES = ("base", "union")
 
 
@@ -193,18 +133,17 @@ class MergeConfig:
         return fall_through(own, self.parameters.get(name), self.default(name))
 
     def default(self, name: str) -> Any:
-        """A parameter's default for this method, mergekit's in mergekit_compat mode."""
-        if name == "normalize":
-            recipe = TASK_VECTOR_METHODS.get(self.method)
-            if recipe is None:
-                return True
-            return MERGEKIT_NORMALIZE.get(self.method, recipe.normalize) if self.mergekit_compat else recipe.normalize
-        if name == "rescale":
-            recipe = TASK_VECTOR_METHODS.get(self.method)
-            return bool(recipe and recipe.rescale)
-        if self.mergekit_compat and name in MERGEKIT_DEFAULTS:
-            return MERGEKIT_DEFAULTS[name]
-        return DEFAULTS.get(name)
+        """A parameter's default for this method, mergekit's in mergekit_compat mode (for a parameter the method
+        does not take, the default of the methods that do)."""
+        if name in self.merge_method.parameter_names:
+            return self.merge_method.default(name, self.mergekit_compat)
+        parameter = methods.PARAMETERS.get(name)
+        return None if parameter is None else parameter.default
+
+    @property
+    def merge_method(self) -> Method:
+        """The registered method this config merges with."""
+        return methods.method(self.method)
 
     def with_parameter(self, name: str, value: Any) -> "MergeConfig":
         """A copy with one global parameter set (what a sweep varies)."""
@@ -212,13 +151,11 @@ class MergeConfig:
         return replace(copied, parameters={**copied.parameters, name: value})
 
     def validate(self) -> None:
-        if self.method not in METHOD_PARAMETERS:
-            raise InputError(f"unknown method {self.method!r}{did_you_mean(self.method, METHODS)} "
-                             f"(choose from {', '.join(METHODS)})")
+        method = self.merge_method
         if bool(self.models) == bool(self.slices):
             raise InputError("no models to merge (give --model, or models: in the config)" if not self.slices
                              else "give models: or slices:, not both")
-        allowed = METHOD_PARAMETERS[self.method]
+        allowed = method.parameter_names
         self._check_parameters(self.parameters, allowed, "parameter", per_model=False)
         for spec in self.models:
             self._check_parameters(spec.parameters, allowed, f"model {spec.path}: parameter", per_model=True)
@@ -227,15 +164,11 @@ class MergeConfig:
             self._check_slice(number, part, allowed)
         if "drop" in allowed:
             self._density_to_drop()
-        recipe = TASK_VECTOR_METHODS.get(self.method)
-        if self.parameters.get("rescale") is True and recipe and recipe.sparsifier == "magnitude":
-            raise InputError(f"rescale applies to DARE's random drop; {self.method} trims by magnitude without rescaling")
+        method.check(self)
         if not self.slices:
-            self._check_model_count()
-        if self.method in RECALL_METHODS:
-            check_bandwidth(self.recall.bandwidth)
-        if self.method in RECALL_METHODS and self.recall.embed_rule not in EMBED_RULES:
-            raise InputError(f"recall embed_rule must be one of {', '.join(EMBED_RULES)}, got {self.recall.embed_rule!r}")
+            if method.needs_base and not self.base:
+                raise InputError(f"{self.method} needs a base model (--base)")
+            method.check_inputs(self)
         if self.dtype is not None:
             if str(self.dtype).lower() not in DTYPES:
                 raise InputError(f"unknown dtype {self.dtype!r} (use bf16, fp16 or fp32)")
@@ -269,7 +202,7 @@ class MergeConfig:
             if not os.path.lexists(path):
                 raise InputError(f"{path}: no such file or folder")
         for path, what in ((self.recall.texts, "text file"), (self.recall.weights_file, "weights file")):
-            if path and self.method in RECALL_METHODS:
+            if path and self.merge_method.reads_recall_weights:
                 require_regular(path, what)
 
     def unused_settings(self) -> list[str]:
@@ -280,7 +213,7 @@ class MergeConfig:
             [(f"slices[{number}]: {source.model}", source.parameters)
              for number, part in enumerate(self.slices) for source in part.sources]
         return [f"{owner}: {name} has no effect per model (mergekit reads it from parameters: only)"
-                for owner, parameters in owners for name in parameters if name not in PER_MODEL_PARAMETERS]
+                for owner, parameters in owners for name in parameters if name not in methods.PER_MODEL_PARAMETERS]
 
     def _check_parameters(self, parameters: dict, allowed: set[str], where: str, per_model: bool) -> None:
         for name, value in parameters.items():
@@ -289,9 +222,9 @@ class MergeConfig:
                                  f"(it takes {', '.join(sorted(allowed))}){did_you_mean(name, allowed)}"
                                  if not per_model else
                                  f"{where} {name!r} cannot be set per model for method {self.method}")
-            if per_model and name not in PER_MODEL_PARAMETERS and not self.mergekit_compat:
+            if per_model and name not in methods.PER_MODEL_PARAMETERS and not self.mergekit_compat:
                 raise InputError(f"{where} {name!r} cannot be set per model for method {self.method}")
-            _check_value(name, value)
+            _check_value(self.merge_method.parameter(name), value)
 
     def _check_slice(self, number: int, part: Slice, allowed: set[str]) -> None:
         where = f"slices[{number}]"
@@ -320,43 +253,6 @@ class MergeConfig:
                                      "(the share dropped), not both")
                 parameters["drop"] = _complement(parameters.pop("density"))
 
-    def _check_model_count(self) -> None:
-        count = len(self.inputs)
-        if self.method == "slerp" and count != 2:
-            raise InputError(f"slerp merges exactly two models (a base and one model), got {count}")
-        if self.method == "nearswap" and (count != 2 or not self.base):
-            raise InputError(f"nearswap merges exactly two models, a base and one model, got {count}")
-        if self.method == "nearswap" and self.parameters.get("t") is None:
-            raise InputError("nearswap needs t, the distance below which the model's entries are taken whole")
-        if self.method == "linear" and "alpha" in self.parameters and count != 2:
-            raise InputError(f"linear with alpha interpolates exactly two models, got {count}; use per-model weights for more")
-        if self.method == "linear" and self.mergekit_compat and self.base and "alpha" not in self.parameters \
-                and "weight" not in self.base_parameters and "weight" not in self.parameters:
-            raise InputError(f"linear weights every input, the base too: give {self.base} a weight "
-                             "(list it under models: with parameters: weight)")
-        if (self.method in TASK_VECTOR_METHODS or self.method in ("sce", "lines")) and not self.base:
-            raise InputError(f"{self.method} needs a base model (--base)")
-        if self.method == "model_stock" and (not self.base or len(self.models) < 2):
-            raise InputError(f"model_stock needs a base model and at least two fine-tunes, got {count} inputs")
-        if self.method == "nuslerp" and len(self.models) != 2:
-            raise InputError(f"nuslerp merges exactly two models (plus an optional base), got {len(self.models)}")
-        if self.method == "ema" and count < 2:
-            raise InputError(f"ema averages at least two checkpoints (in training order), got {count}")
-        if self.method == "ema" and self.parameters.get("decay") is None:
-            raise InputError("ema needs decay (--decay), the weight of the running average at each checkpoint")
-        if self.method == "karcher" and count < 2:
-            raise InputError(f"karcher averages at least two models, got {count}")
-        if self.method == "passthrough" and count != 1:
-            raise InputError(f"passthrough copies one model per tensor, got {count} inputs (use slices to stack several)")
-        if self.method == "recall" and count < 2:
-            raise InputError(f"recall merges at least two models, got {count}")
-        if self.method == "recall_lerp" and (count != 2 or not self.base):
-            raise InputError(f"recall_lerp interpolates exactly two models, a base (pre) and one model (post), got {count}")
-        if self.method == "recall_lerp" and not isinstance(self.parameters.get("alpha"), (int, float)):
-            raise InputError("recall_lerp needs one number alpha (the global weight of post the layer profile centres on)")
-        if self.method == "lines" and self.parameters.get("alpha") is None:
-            raise InputError("lines needs alpha, the scale of the task vector in the first layer")
-
     def to_dict(self) -> dict:
         """mergekit-lite's own schema (what --dry-run's provenance file and flag overrides use)."""
         data = asdict(self)
@@ -367,54 +263,29 @@ class MergeConfig:
                 source["layer_range"] = list(source["layer_range"])
         source, pad = data.pop("tokenizer_source"), data.pop("pad_to_multiple_of")
         data["tokenizer"] = {"source": source, "pad_to_multiple_of": pad} if source else None
-        if uses_dare_masks(self.method):  # which masks this seed gives (README, "DARE's masks")
+        if self.merge_method.draws_dare_masks:  # which masks this seed gives (README, "DARE's masks")
             data["dare_mask_version"] = DARE_MASK_VERSION
         return data
-
-
-def uses_dare_masks(method: str) -> bool:
-    recipe = TASK_VECTOR_METHODS.get(method)
-    return recipe is not None and recipe.sparsifier == "random"
-
-
-def check_bandwidth(bandwidth) -> None:
-    """`median` or a positive number (a fixed sigma for every layer)."""
-    if bandwidth == MEDIAN_BANDWIDTH:
-        return
-    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
-        raise InputError(f"recall bandwidth must be {MEDIAN_BANDWIDTH!r} or a number > 0 (a fixed sigma), got {bandwidth!r}")
-
-
-def did_you_mean(word: str, choices) -> str:
-    """` (did you mean 'x'?)` for the known name closest to an unknown one (this module's checks and the schemas')."""
-    close = difflib.get_close_matches(word, sorted(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # -------------------------------------------------------------------------------------------- value specs
 
 
-INTEGER_PARAMETERS = {"max_iter"}  # counts: 2.5 is refused, not truncated
-
-
-def _check_value(name: str, value: Any) -> None:
-    """Check every number a value spec can produce against the parameter's range."""
-    if name in BOOLEAN_PARAMETERS:
+def _check_value(parameter: methods.Parameter, value: Any) -> None:
+    """Check every number a value spec can produce against the parameter's type and range (counts such as
+    max_iter refuse 2.5 rather than truncate it)."""
+    name = parameter.name
+    if parameter.kind is bool:
         if not isinstance(value, bool):
             raise InputError(f"{name} must be true or false, got {value!r}")
         return
     for number in _numbers_in(name, value):
-        if name in INTEGER_PARAMETERS and not isinstance(number, int):
+        if parameter.kind is int and not isinstance(number, int):
             raise InputError(f"{name} must be an integer, got {number!r}")
         if not math.isfinite(number):
             raise InputError(f"{name} must be a finite number, got {number}")
-        if name in RANGES:
-            low, high, low_in, high_in = RANGES[name]
-            below = number < low or (number == low and not low_in)
-            above = high is not None and (number > high or (number == high and not high_in))
-            if below or above:
-                left, right = "[" if low_in else "(", "]" if high_in else ")"
-                raise InputError(f"{name} must be in {left}{low}, {'inf' if high is None else high}{right}, got {number}")
+        if parameter.out_of_bounds(number):
+            raise InputError(f"{name} must be in {parameter.bounds_text()}, got {number}")
 
 
 def _numbers_in(name: str, value: Any) -> list[float]:

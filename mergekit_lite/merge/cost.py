@@ -10,7 +10,7 @@ longer; `benchmarks/predict_vs_measured.py` checks the predictions against
 measured runs. Peak memory is start-up, the engine's ring (the largest step's inputs or three row slabs, exact
 from the plan, and one more slab for TIES's and SLERP's statistics, mapped on a thread of their own), the
 writer's two direct-write stages, and the method's working memory: a few chunks' temporaries, or for the
-methods that hold whole tensors (`engine.holds_whole_tensors`) bytes per element of the step; for TIES and SLERP
+methods that hold whole tensors (`Method.holds_whole_tensors`) bytes per element of the step; for TIES and SLERP
 also their statistics' own, which the reader's and the statistician's threads compute while the math thread
 merges.
 """
@@ -42,14 +42,14 @@ import mergekit_lite
 from mergekit_lite.io.direct import STAGE_BYTES
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter, read_at
-from mergekit_lite.merge import engine, methods, slabs
-from mergekit_lite.merge.config import METHODS
+from mergekit_lite.merge import engine, slabs
+from mergekit_lite.merge.methods import NAMES, REGISTRY, tensor_math
 from mergekit_lite.merge.plan import MergePlan, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
 RATES_FORMAT = 7  # bump when what calibrate measures changes: older entries are measured again
 # Elements of the calibration tensors: two sizes split fixed from per-element costs (both at least a reduction
-# chunk, methods.CHUNK, whose float64 stacks are a fixed cost). Small, so that a dry run answers in seconds: the
+# chunk, tensor_math.CHUNK, whose float64 stacks are a fixed cost). Small, so that a dry run answers in seconds: the
 # per-tensor start-up (threads, DARE's first draws) then shows in the per-entry rates, and walls are predicted
 # long rather than short (benchmarks/RESULTS.md, the dry run's predictions, were made at 1 and 8 M entries)
 CALIBRATION_SIZES = (1 << 20, 1 << 21)
@@ -57,17 +57,6 @@ IO_BYTES = 32 << 20  # enough that a shard's final sync is not most of the write
 REPEATS = 2  # the best of two timings: one is at times far off on a busy machine
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 WRITER_BYTES = 2 * STAGE_BYTES  # the writer's two direct-write stages (none where a filesystem refuses O_DIRECT)
-# Calibration merges: the parameters a method needs beyond the defaults, and how many models (besides a base).
-CALIBRATION_MERGES = {
-    "linear": ({}, 2, False), "slerp": ({"t": 0.5}, 1, True), "nearswap": ({"t": 0.5}, 1, True),
-    "passthrough": ({"scale": 0.5}, 1, False), "nuslerp": ({}, 2, True), "multislerp": ({}, 2, True), "karcher": ({}, 2, False),
-    "model_stock": ({}, 2, True), "recall_lerp": ({"alpha": 0.5}, 1, True), "sce": ({}, 2, True),
-    "lines": ({"alpha": 0.5}, 1, True), "ema": ({"decay": 0.9}, 2, False),
-}
-# RECALL's merge is a per-layer linear combination; its measurement (forward passes over the texts) is not estimated
-SAME_MATH = {"recall": "linear", "recall_lerp": "linear"}
-
-
 @dataclass
 class Rates:
     startup_s: float
@@ -123,7 +112,8 @@ class Estimate:
     device: str = "cpu"
 
     def describe(self, source: str) -> str:
-        note = "  (excludes RECALL's forward passes over the texts)" if self.method in SAME_MATH else ""
+        note = "  (excludes RECALL's forward passes over the texts)" if REGISTRY[self.method].reads_recall_weights \
+            else ""
         if self.device != "cpu":
             note += f"  (math at this CPU's rates, not {self.device}'s)"
         return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + the longer of "
@@ -152,7 +142,7 @@ def machine_key() -> str:
         cpu = names[0] if names else cpu
     return (f"{platform.node()}|{cpu}|{len(os.sched_getaffinity(0))} cores|{torch.get_num_threads()} threads|"
             f"torch {torch.__version__}|mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}|"
-            f"kernels {'compiled' if methods._kernels is not None else 'torch'}")
+            f"kernels {'compiled' if tensor_math._kernels is not None else 'torch'}")
 
 
 def load_rates(refresh: bool = False, say: Callable[[str], None] = lambda line: None,
@@ -164,7 +154,7 @@ def load_rates(refresh: bool = False, say: Callable[[str], None] = lambda line: 
     cached, problem = read_cache(path)
     if problem:
         say(f"note: rates cache {path}: {problem}; measuring this machine again")
-    wanted = set(methods or METHODS)
+    wanted = set(methods or NAMES)
     rates = None if refresh else cached.get(key)
     if rates is not None and wanted <= set(rates.math_ns_per_element):
         return rates, f"{path}, {_when(rates)}"
@@ -219,7 +209,7 @@ def _when(rates: Rates) -> str:
 
 def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     """Wall time and peak RSS of running `plan` as a process on the machine `rates` were measured on."""
-    method = SAME_MATH.get(plan.config.method, plan.config.method)
+    method = plan.config.merge_method.same_math_as or plan.config.method
     merged = [step for step in plan.steps if step.action != "copy"]
     input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
     math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
@@ -237,18 +227,18 @@ def _working_memory(rates: Rates, method: str, step) -> float:
     """A step's memory beyond its inputs: the calibrated peak, and for the methods that hold whole tensors the
     bytes per element measured between the two calibration sizes, for this step's size."""
     peak = rates.memory_peak_bytes[method] + rates.statistics_peak_bytes.get(method, 0.0)
-    if not engine.holds_whole_tensors(method, step.parameters):
+    if not REGISTRY[method].holds_whole_tensors(step.parameters):
         return peak
     per_element = rates.memory_bytes_per_element[method]
     return max(peak - per_element * CALIBRATION_SIZES[1], 0.0) + per_element * math.prod(step.shape)
 
 
-def calibrate(methods: Iterable[str] = METHODS, known: Rates | None = None) -> Rates:
+def calibrate(methods: Iterable[str] = NAMES, known: Rates | None = None) -> Rates:
     """Measure this machine in a few seconds: start-up (a fresh interpreter importing the merge path), reading from
     the page cache and writing a synced shard (32 MB, the engine's own reader and writer), and `methods`' math
     and working memory (the engine's merge_tensor on bf16 tensors of two sizes); other methods' rates come from
     `known` (an earlier measurement of this machine), whose start-up and I/O rates are measured again."""
-    measured = {SAME_MATH.get(method, method) for method in methods}
+    measured = {REGISTRY[method].same_math_as or method for method in methods}
     tables = (known.math_ns_per_element, known.math_s_per_step, known.memory_bytes_per_element,
               known.memory_peak_bytes, known.statistics_peak_bytes) if known else ({}, {}, {}, {}, {})
     per_element, per_step, memory_per_element, memory_peak, statistics_peak = (
@@ -263,7 +253,7 @@ def calibrate(methods: Iterable[str] = METHODS, known: Rates | None = None) -> R
                 seconds, peak, statistics_bytes = _merge_rates(method, size, folder / f"{method}-{size}")
                 timings.append(seconds)
                 peaks.append(peak)
-            if slabs.needs_statistics(method):
+            if REGISTRY[method].slab_statistics:
                 statistics_peak[method] = statistics_bytes
             (small, large), (low, high) = timings, peaks
             # the larger merge's time per element (a difference of two noisy timings is noisier), the rest per step
@@ -271,10 +261,10 @@ def calibrate(methods: Iterable[str] = METHODS, known: Rates | None = None) -> R
             per_step[method] = max(small - per_element[method] * CALIBRATION_SIZES[0] * 1e-9, 0.0)
             memory_per_element[method] = max(high - low, 0) / (CALIBRATION_SIZES[1] - CALIBRATION_SIZES[0])
             memory_peak[method] = high
-        for alias, method in SAME_MATH.items():
+        for alias, declared in REGISTRY.items():
             for table in (per_element, per_step, memory_per_element, memory_peak):
-                if method in table:
-                    table[alias] = table[method]
+                if declared.same_math_as in table:  # RECALL's math is linear's; its forward passes are not timed
+                    table[alias] = table[declared.same_math_as]
     return Rates(startup_s, startup_rss, read_rate, write_rate, per_element, per_step,
                  memory_per_element, memory_peak, statistics_peak, time.strftime("%Y-%m-%d %H:%M:%S"),
                  os.getloadavg()[0])
@@ -324,7 +314,8 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]
     """Seconds (best of REPEATS) and working memory (bytes above the resident set before it) of merging one
     bf16 tensor of `size` elements with `method`'s default parameters, and the working memory of its whole-tensor
     statistics alone (`engine.tensor_statistics`; 0 for the methods without)."""
-    parameters, count, with_base = CALIBRATION_MERGES.get(method, ({}, 2, True))
+    calibration = REGISTRY[method].calibration
+    parameters, count, with_base = calibration.parameters, calibration.models, calibration.with_base
     folder.mkdir()
     generator = torch.Generator().manual_seed(0)
     shape = (size // 1024, 1024)
@@ -343,7 +334,7 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]
     out = torch.empty(step.shape, dtype=step.out_dtype)
     runs = [_measured(lambda: engine.merge_tensor(config, step, tensors, out)) for _ in range(REPEATS)]
     statistics_peak = _measured(lambda: engine.tensor_statistics(config, step, tensors))[1] \
-        if slabs.needs_statistics(method) else 0
+        if REGISTRY[method].slab_statistics else 0
     return min(seconds for seconds, _ in runs), runs[-1][1], statistics_peak
 
 

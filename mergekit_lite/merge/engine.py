@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -34,8 +33,10 @@ from mergekit_lite.io.outputs import (
 from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, write_card
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource, adapter_of
-from mergekit_lite.merge import methods, recipes, slabs
+from mergekit_lite.merge import slabs
 from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.methods import tensor_math
+from mergekit_lite.merge.methods.registry import Method
 from mergekit_lite.merge.plan import (
     PROVENANCE_FILE,
     RECALL_WEIGHTS_FILE,
@@ -44,23 +45,7 @@ from mergekit_lite.merge.plan import (
     plan_merge,
 )
 from mergekit_lite.merge.vocab import write_tokenizer
-from mergekit_lite.threads import start_on_other_cores, torch_threads
-
-
-def _draw_digest(seed: int, tensor_name: str, model_index: int) -> bytes:
-    return hashlib.sha256(f"{seed}\0{tensor_name}\0{model_index}".encode()).digest()
-
-
-def dare_key(seed: int, tensor_name: str, model_index: int) -> int:
-    """DARE's 128-bit Philox key per (seed, tensor, model) (`methods.keep_indicator`): masks depend on neither
-    tensor order, chunk size, thread count nor device."""
-    return int.from_bytes(_draw_digest(seed, tensor_name, model_index)[:16], "little")
-
-
-def magprune_generator(seed: int, tensor_name: str, model_index: int) -> torch.Generator:
-    """DELLA's seeded CPU generator per (seed, tensor, model): its draws do not depend on tensor order or device."""
-    return torch.Generator().manual_seed(int.from_bytes(_draw_digest(seed, tensor_name, model_index)[:8], "little")
-                                         & (2**63 - 1))
+from mergekit_lite.threads import torch_threads
 
 
 def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor],
@@ -80,16 +65,19 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     variants and DELLA (ranks within rows), and L1 rescaling (a norm of the sparsified delta), need whole tensors
     and get them.
     """
-    whole = _whole_tensor_merge(config, step, tensors)
+    method = config.merge_method
+    whole = method.whole_tensor_merge(step.parameters, tensors, config.seed, step.name)
     if whole is not None:
         return whole.to(step.out_dtype) if out is None else out.copy_(whole)
-    combine = _chunk_combiner(config, step, tensors, first_element, statistics)
+    if statistics is None:
+        statistics = method.tensor_statistics(step.parameters, tensors)
+    combine = method.chunk_combiner(step.parameters, tensors, statistics, config.seed, step.name, first_element)
     if out is None:
         out = torch.empty(tensors[0].shape, dtype=step.out_dtype, device=tensors[0].device)
-    size = chunk_size(config.method)
+    size = chunk_size(method)
     # every chunk's views made in one call per tensor, not sliced one by one in the loop
     chunked = zip(out.view(-1).split(size), *(tensor.reshape(-1).split(size) for tensor in tensors))
-    with torch_threads(chunk_threads(config.method)):
+    with torch_threads(chunk_threads(method)):
         for target, *chunk in chunked:
             merged = combine(chunk, target)
             if merged is not target:  # a float32 result (LERP writes straight into the output where it can)
@@ -97,144 +85,11 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     return out
 
 
-def holds_whole_tensors(method: str, parameters: dict) -> bool:
-    """Whether a step's working memory grows with its tensor: the whole-tensor merges (`_whole_tensor_merge`) and
-    Breadcrumbs' band, a selection over every magnitude; the other methods' temporaries are a few chunks."""
-    recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    return (method == "model_stock" and parameters.get("filter_wise", False)) or method == "sce" or \
-        (method == "nuslerp" and not parameters.get("flatten", True)) or \
-        (recipe is not None and recipe.sparsifier in ("magprune", "outliers"))
-
-
-def _whole_tensor_merge(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The methods whose elementwise part needs whole rows or whole-tensor statistics (SCE's variance ranks and
-    mean squares); None for the others."""
-    parameters, method = step.parameters, config.method
-    if method == "model_stock" and parameters["filter_wise"]:
-        coefficients = methods.model_stock_coefficients(methods.row_gram_matrices(tensors[1:], -1, origin=tensors[0]))
-        return methods.combine_rows(tensors, coefficients, -1)
-    if method == "nuslerp" and not parameters["flatten"]:
-        axis = 0 if parameters["row_wise"] else -1
-        ends = tensors[-2:]
-        origin = tensors[0] if parameters["base"] else None
-        pair = methods.nuslerp_coefficients(methods.row_gram_matrices(ends, axis, origin=origin), parameters["t"])
-        if origin is None:
-            return methods.combine_rows(ends, pair, axis)
-        return methods.combine_rows(tensors, torch.cat([1 - pair.sum(-1, keepdim=True), pair], -1), axis)
-    if method == "sce":
-        return methods.sce(tensors[0], tensors[1:], parameters["select_topk"])
-    recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    l1_rescaled = recipe is not None and recipe.sparsifier in recipes.L1_RESCALED and parameters["rescale"]
-    if recipe is not None and (recipe.sparsifier == "magprune" or l1_rescaled):
-        return methods.task_vector_merge(
-            tensors[0], tensors[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
-            densities=parameters["densities"], epsilons=parameters.get("epsilons"), gammas=parameters.get("gammas"),
-            generators=[magprune_generator(config.seed, step.name, i) for i in range(len(tensors) - 1)],
-            rescale=parameters["rescale"], consensus=recipe.consensus, normalize=parameters["normalize"],
-            mergekit_rules=parameters.get("mergekit_rules", False))
-    return None
-
-
-def _chunk_combiner(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor], first_element: int = 0,
-                    statistics: list[float] | tuple[float, float] | None = None):
-    """The elementwise part of the method, with its per-tensor statistics bound in (computed here unless given)."""
-    parameters = step.parameters
-    method = config.method
-    if method in ("linear", "recall_lerp") and "alpha" in parameters:
-        return lambda chunk, out: methods.lerp(chunk[0], chunk[1], parameters["alpha"], out)
-    if method in ("linear", "recall", "ema"):
-        return lambda chunk, out: methods.linear(chunk, parameters["weights"], parameters.get("normalize", True), out)
-    if statistics is None:
-        statistics = tensor_statistics(config, step, tensors)
-    if method == "slerp":
-        return lambda chunk, out: methods.linear(chunk, statistics, normalize=False, out=out)
-    if method == "passthrough":
-        return lambda chunk, out: chunk[0].to(torch.float32) * parameters["scale"]
-    if method == "lines":
-        return lambda chunk, out: methods.lines(chunk[0], chunk[1:], parameters["weights"], parameters["alpha"],
-                                                parameters["beta"], parameters["layer"], parameters["n_layers"])
-    if method == "nearswap":
-        return lambda chunk, out: methods.nearswap(chunk[0], chunk[1], parameters["t"])
-    if method in ("model_stock", "nuslerp", "multislerp", "karcher"):
-        coefficients = _geometric_coefficients(config, step, tensors)
-        return lambda chunk, out: methods.linear(chunk, coefficients, normalize=False, out=out)
-    recipe = recipes.TASK_VECTOR_METHODS[method]
-    thresholds = statistics
-    if recipe.sparsifier == "outliers":
-        thresholds = [methods.outlier_band(tensors[0], model, density, gamma)
-                      for model, density, gamma in zip(tensors[1:], parameters["densities"], parameters["gammas"])]
-    keeps = None
-    if recipe.sparsifier == "random":
-        keys = [dare_key(config.seed, step.name, i) for i in range(len(tensors) - 1)]
-        keeps = KeepsAhead(keys, parameters["drops"], tensors[0].numel(), methods.ELEMENTWISE_CHUNK, first_element)
-    return lambda chunk, out: methods.task_vector_merge(
-        chunk[0], chunk[1:], parameters["weights"], scale=parameters["lambda"], sparsifier=recipe.sparsifier,
-        thresholds=thresholds, drops=parameters.get("drops"), keeps=None if keeps is None else keeps.take(),
-        consensus=recipe.consensus, normalize=parameters["normalize"], rescale=parameters.get("rescale", True),
-        mergekit_rules=parameters.get("mergekit_rules", False), out=out)
-
-
 def tensor_statistics(config: MergeConfig, step: TensorStep,
                       tensors: list[torch.Tensor]) -> list[float] | tuple[float, float] | None:
     """What a chunked merge needs from the whole tensors before its first chunk (merge/slabs.py computes the same
-    from slabs): SLERP's two weights, TIES's trim threshold per model (one model per core: exact selections, in
-    any order); None for the other methods."""
-    parameters = step.parameters
-    if config.method == "slerp":
-        return methods.slerp_weights(tensors[0], tensors[1], parameters["t"])
-    if slabs.trims_by_magnitude(config.method):
-        return [future.result() for future in start_on_other_cores(
-            lambda pair: methods.trim_threshold(tensors[0], *pair, parameters.get("mergekit_rules", False)),
-            zip(tensors[1:], parameters["densities"]))]
-    return None
-
-
-class KeepsAhead:
-    """DARE's keep masks for a tensor's chunks, in order, drawn on the other cores up to `depth` chunks ahead of the
-    math. Each chunk's mask depends only on its model's key and its offset (`methods.keep_indicator`), so every
-    (chunk, model) is a job of its own, run in any order; a merge that stops taking leaves at most `depth` chunks
-    drawn."""
-
-    def __init__(self, keys: list[int], drops: list[float], total: int, chunk: int, first: int = 0, depth: int = 4):
-        """`total` entries from flat index `first` of the models' tensors (a row slab's), in chunks of `chunk`."""
-        self._models = list(zip(keys, drops))
-        self._chunks = iter([(first + begin, min(chunk, total - begin)) for begin in range(0, total, chunk)])
-        self._ahead: deque[list[Future]] = deque()
-        for _ in range(depth):
-            self._start_next()
-
-    def take(self) -> list[torch.Tensor | None]:
-        """The next chunk's keep masks per model (None where a model drops nothing)."""
-        jobs = self._ahead.popleft()
-        self._start_next()
-        return [job.result() for job in jobs]
-
-    def _start_next(self) -> None:
-        begin, size = next(self._chunks, (None, 0))
-        if begin is not None:
-            self._ahead.append(start_on_other_cores(
-                lambda model: methods.keep_indicator(model[0], begin, size, model[1]), self._models))
-
-
-def _geometric_coefficients(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]) -> list[float]:
-    """One coefficient per input for the methods that combine whole (flattened) tensors linearly."""
-    parameters, method = step.parameters, config.method
-    has_base = parameters.get("base", False)
-    if method == "karcher":
-        gram = methods.gram_matrix(tensors)
-        return methods.karcher_coefficients(gram, parameters["max_iter"], parameters["tol"]).tolist()
-    if method == "model_stock":
-        return methods.model_stock_coefficients(methods.gram_matrix(tensors[1:], origin=tensors[0])).tolist()
-    origin = tensors[0] if has_base else None
-    ends = tensors[1:] if has_base else tensors
-    if method == "multislerp" and len(ends) == 1:
-        return [0.0, 1.0] if has_base else [1.0]  # one model: itself, as in mergekit
-    gram = methods.gram_matrix(ends, origin=origin)
-    if method == "nuslerp":
-        weights = methods.nuslerp_coefficients(gram, parameters["t"]).tolist()
-    else:
-        weights = methods.multislerp_coefficients(gram, parameters["weights"], parameters["eps"]).tolist()
-    return [1.0 - math.fsum(weights), *weights] if has_base else weights
+    from slabs): SLERP's two weights, TIES's trim threshold per model; None for the other methods."""
+    return config.merge_method.tensor_statistics(step.parameters, tensors)
 
 
 def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
@@ -264,7 +119,7 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     units = slabs.parts(plan, in_slabs)
     ring = BufferRing(slabs.ring_capacity(plan, units), pin=device.type == "cuda")
     decided: dict[str, bool] = {}  # a slabbed step's copy decision, from its first slab
-    needs_statistics = slabs.needs_statistics(config.method)  # of the steps in slabs (a first slab: rows)
+    needs_statistics = config.merge_method.slab_statistics  # of the steps in slabs (a first slab: rows)
     with interrupts.deferred(), \
             tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
             ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer, \
@@ -303,41 +158,19 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
             ring.close()
 
 
-def hides_nonfinite(method: str) -> bool:
-    """Whether a NaN or Inf input entry may be missing from the result, so the inputs need a check of their own
-    (results are always checked): the sparsifiers that select entries (TIES's trim, DELLA, Breadcrumbs) may zero
-    it. Every other method combines every input entry with a float32 coefficient, and NaN or Inf survives that
-    (Inf x 0 is NaN); DARE too, which drops by multiplying by its 0-or-1 mask, so a dropped NaN or Inf is NaN, and
-    the sign election's products and sums, the disjoint mean's division and the scale carry it into the entry's
-    result (tests/test_methods.py, every input and option)."""
-    recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    return recipe is not None and recipe.sparsifier not in (None, "random")
+def chunk_size(method: Method) -> int:
+    """Elements per chunk of a method's loop: cache-sized for the memory-bound methods (`tensor_math.DENSE_CHUNK`),
+    larger for the compute-bound ones, whose per-chunk work outweighs the calls (`tensor_math.ELEMENTWISE_CHUNK`).
+    The bytes are the same at any size: the chunks are elementwise."""
+    return tensor_math.ELEMENTWISE_CHUNK if method.compute_bound else tensor_math.DENSE_CHUNK
 
 
-def compute_bound(method: str) -> bool:
-    """Methods whose chunk math (sparsify, elect signs, disjoint mean: ~15 float32 ops per element and model)
-    costs several times the reading and writing: those of the task-vector family that sparsify (TIES, DARE, DELLA,
-    Breadcrumbs); the others are bound by memory and I/O."""
-    recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    return recipe is not None and recipe.sparsifier is not None
-
-
-def chunk_size(method: str) -> int:
-    """Elements per chunk of a method's loop: cache-sized for the memory-bound methods (`methods.DENSE_CHUNK`),
-    larger for the compute-bound ones, whose per-chunk work outweighs the calls (`methods.ELEMENTWISE_CHUNK`). The
-    bytes are the same at any size: the chunks are elementwise."""
-    return methods.ELEMENTWISE_CHUNK if compute_bound(method) else methods.DENSE_CHUNK
-
-
-def chunk_threads(method: str) -> int:
-    """Intra-op threads for a method's chunk loop: one for DARE, whose masks the other cores draw (`KeepsAhead`),
-    and for TIES, whose thresholds the reader counts on them for the coming tensors (merge/slabs.py), else
-    `math_threads`. A second math thread was no faster for DARE with version 2's cheaper draws, and slower for
-    TIES, whose two math threads and threshold counts then contend for two cores (benchmarks/RESULTS.md)."""
-    recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    if recipe is not None and recipe.sparsifier in ("random", "magnitude"):
-        return 1
-    return math_threads(compute_bound(method))
+def chunk_threads(method: Method) -> int:
+    """Intra-op threads for a method's chunk loop: one where the other cores draw DARE's masks (`KeepsAhead`) or count
+    TIES's thresholds for the coming tensors (merge/slabs.py), else `math_threads`. A second math thread was no
+    faster for DARE with version 2's cheaper draws, and slower for TIES, whose two math threads and threshold counts
+    then contend for two cores (benchmarks/RESULTS.md)."""
+    return 1 if method.one_chunk_thread else math_threads(method.compute_bound)
 
 
 def math_threads(compute_bound: bool = False) -> int:
@@ -392,7 +225,7 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
             decided[step.name] = copied
         else:
             tensors, copied = slabs.load_part(plan, part, block, sizes), decided[step.name]
-        if not (copied or plan.config.allow_nonfinite) and hides_nonfinite(plan.config.method):
+        if not (copied or plan.config.allow_nonfinite) and plan.config.merge_method.hides_nonfinite:
             _FiniteChecks(plan, step).of_inputs(tensors)
         if part.rows is None and not copied:
             statistics = tensor_statistics(plan.config, step, tensors)
@@ -448,7 +281,10 @@ class _FiniteChecks:
     range). Most methods carry every non-finite input entry into the result, so a finite result proves the
     inputs finite and they need no pass of their own; only when the result is not finite are the inputs read
     again (the result may overlay the first one) to name the culprit. Methods that may select the bad entry
-    away (`hides_nonfinite`) have their inputs checked before the merge.
+    away (`Method.hides_nonfinite`: the sparsifiers that select entries, TIES's trim, DELLA, Breadcrumbs) have
+    their inputs checked before the merge. Every other method combines every input entry with a float32
+    coefficient, and NaN or Inf survives that (Inf x 0 is NaN); DARE too, which drops by multiplying by its
+    0-or-1 mask (tests/test_methods.py, every input and option).
     """
 
     def __init__(self, plan: MergePlan, step: TensorStep):
@@ -564,8 +400,8 @@ def _audit_adapters(config: MergeConfig, gate: AdapterGate | None) -> list:
 
 
 def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
-    """The output's model card: every input by hub id or folder name, their licenses, the method and its
-    parameters, the configuration and each adapter's audit verdict."""
+    """The output's model card: every input by hub id or folder name, their licenses, the method (with its
+    declaration's summary) and its parameters, the configuration and each adapter's audit verdict."""
     inputs = list(dict.fromkeys(path for path in [config.base, *config.inputs] if path))
     # no local paths in a card meant for the Hub: every path read (side files, texts too) by hub id or name
     names = {str(path): input_name(path) for path in [*config.read_paths, *inputs] if path}
@@ -575,7 +411,7 @@ def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
                      licenses=licenses_of(reference_paths(*inputs)),
                      audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons}
                              for r in reports],
-                     sections=list(sections))
+                     sections=[("Merge method", f"`{config.method}`: {config.merge_method.summary}."), *sections])
 
 
 def _renamed(data, names: dict[str, str]):

@@ -205,7 +205,8 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
                  exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False,
                  save_modules: tuple[str, ...] = (), skip_undecomposable: bool = False, embed_lora: bool = False,
                  sv_epsilon: float = 0.0, distribute_scale: bool = True, device: str = "cpu",
-                 model_card: bool = True) -> Extraction:
+                 model_card: bool = True,
+                 side_files: Callable[[Path, str], None] | None = None) -> Extraction:
     """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base.
 
     Factors are stored in the fine-tune's dtype (math in float32). Ranks are min(rank, out, in) per
@@ -219,6 +220,8 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
     head too (PEFT's lora_embedding_A/B); `sv_epsilon` drops singular values at or below it; `distribute_scale`
     False puts the singular values in A only. The output rules are those of merge (`check_output_folder` before
     any work, and again by `atomic_output_dir`): never an input, a folder holding one, or the working folder.
+    `side_files(folder, base_dir)` writes more files into the adapter folder before it appears (the audited API
+    ships the base's fingerprint this way: mergekit_lite.audited.extract_lora).
     """
     if rank < 1:
         raise InputError(f"rank must be at least 1, got {rank}")
@@ -284,4 +287,6 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
                 write_card(folder, ModelCard(bases=[input_name(base_dir)], relation="adapter",
                                              method="extract (truncated SVD)", parameters=parameters,
                                              licenses=licenses_of([base_dir, tuned_dir])))
+            if side_files is not None:
+                side_files(Path(folder), base_dir)
         return Extraction(list(ranks), saved, dropped)

@@ -5,7 +5,7 @@
  * In eager torch each pass is several: the angle converts both inputs to float32 before its products; the weighted
  * sum converts, scales, adds and rounds; a TIES chunk takes some fifteen passes per model (benchmarks/RESULTS.md,
  * "Merge math in one pass"). Here each entry is loaded once and the arithmetic is the one the torch code in
- * `mergekit_lite/merge/methods.py` spells out, operation for operation, so both give the same bytes and the
+ * `mergekit_lite/merge/methods/tensor_math.py` spells out, operation for operation, so both give the same bytes and the
  * package works, only slower, where this module could not be built (it is an optional extension).
  *
  * No fast-math: built with -ffp-contract=off so no multiply is fused into an addition that torch rounds apart.
@@ -29,7 +29,7 @@
 
 /* The angle's order of additions. A block of ANGLE_ROWS * ANGLE_LANES entries is read as rows of ANGLE_LANES:
  * each lane's sum adds its entries row after row from zero, then the lanes are added pairwise, lane j and lane
- * j + h for h = ANGLE_LANES/2 .. 1 (methods.py's `angle_sums` does the same with whole rows at a time). The
+ * j + h for h = ANGLE_LANES/2 .. 1 (tensor_math.py's `angle_sums` does the same with whole rows at a time). The
  * lanes' sums stay in the L1 cache. */
 #define ANGLE_ROWS 64
 #define ANGLE_LANES 1024

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,9 +17,7 @@ from mergekit_lite.io.architecture import Layout, layout
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import TensorSource, check_architectures, open_inputs
 from mergekit_lite.io.validation import read_json, require_regular
-from mergekit_lite.merge import methods, recipes
 from mergekit_lite.merge.config import (
-    RECALL_METHODS,
     MergeConfig,
     ModelSpec,
     Slice,
@@ -27,7 +25,7 @@ from mergekit_lite.merge.config import (
     is_embedding,
     resolve,
 )
-from mergekit_lite.merge.recipes import BASE_IGNORED
+from mergekit_lite.merge.methods.registry import Depth, StepParameters
 from mergekit_lite.merge.vocab import align_vocabularies, limit_vocabulary_inputs
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\.")
@@ -69,13 +67,14 @@ def with_layer(tensor_name: str, index: int) -> str:
 
 @dataclass(frozen=True)
 class TensorStep:
-    """One output tensor: merge it with these resolved parameters, or copy it from the first input."""
+    """One output tensor: merge it with these resolved parameters (its method's own type), or copy it from the
+    first input."""
 
     name: str
     shape: tuple[int, ...]
     out_dtype: torch.dtype
     action: str  # "merge" or "copy"
-    parameters: dict = field(default_factory=dict)
+    parameters: StepParameters | None = None
     reason: str = ""
     inputs: tuple[tuple[int, str], ...] = ()  # (source index, tensor name) per input; () = every source, this name
 
@@ -127,7 +126,7 @@ class MergePlan:
         lines += [f"  note: {note}" for note in self.notes]
         width = max((len(step.name) for step in self.steps), default=10)
         for step in self.steps:
-            what = step.reason if step.action == "copy" else _format_parameters(step.parameters)
+            what = step.reason if step.action == "copy" else _format_parameters(step.parameters.shown())
             if any(name != step.name for _, name in step.inputs):
                 what += "  from " + ", ".join(f"{index}:{name}" for index, name in step.inputs)
             lines.append(f"{step.name:<{width}}  {str(list(step.shape)):<16} {str(step.out_dtype).replace('torch.', ''):<9} "
@@ -156,7 +155,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
     names = reference.names
     model_layout = layout(reference.config)
     n_layers = layer_count(model_layout, names)
-    recall_weights = load_recall_weights(config) if config.method in RECALL_METHODS else None
+    recall_weights = load_recall_weights(config) if config.merge_method.reads_recall_weights else None
     notes, mixed = config.unused_settings(), set()
     steps = []
     for name in names:
@@ -204,8 +203,9 @@ def _plan_step(config: MergeConfig, name, shape, stored_dtype, depth, n_layers, 
     if skipped:
         return TensorStep(name, shape, out_dtype, "copy", reason=f"matches skip filter {skipped!r}: copied from input 0")
     parameters = step_parameters(config, name, depth, n_layers, recall_weights)
-    if config.method == "passthrough" and parameters["scale"] == 1.0:
-        return TensorStep(name, shape, out_dtype, "copy", reason="passthrough: copied from its one input")
+    copied = config.merge_method.copies(parameters)
+    if copied:
+        return TensorStep(name, shape, out_dtype, "copy", reason=copied)
     return TensorStep(name, shape, out_dtype, "merge", parameters)
 
 
@@ -217,7 +217,7 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
     outside the layers come from the first slice's sources (embeddings) or the last slice's (final norm,
     head).
     """
-    if config.method in ("recall", "lines"):
+    if not config.merge_method.takes_slices:
         raise InputError(f"{config.method} does not take slices (it weighs whole models layer by layer)")
     for path in config.inputs:
         if LoraAdapter.is_adapter_dir(path):
@@ -284,7 +284,7 @@ def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeC
     """
     paths = [source.model for source in piece.sources]
     base = piece.base or config.base
-    if config.method in BASE_IGNORED or base not in paths:
+    if config.merge_method.base_ignored or base not in paths:
         base = None
     base_source = next((source for source in piece.sources if source.model == base), None)
     others = [source for source in piece.sources if source is not base_source]
@@ -305,89 +305,31 @@ def tensor_parameters(config: MergeConfig, name: str, model_layout: Layout, n_la
 
 
 def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str], n_layers: int,
-                    recall_weights) -> dict:
+                    recall_weights) -> StepParameters:
     """Resolve the method's parameters for one tensor at `depth` (layer, part), gradients and filters applied."""
     layer, part = depth
-    # a tower (an "embed" part that is not an embedding) resolves like the embeddings: position 0 of a gradient
-    position = 0 if part == "embed" and layer is None and not is_embedding(name) else layer
-
-    def value(parameter, model_index=None):
-        return resolve(parameter, config.parameter(parameter, model_index), name, position, n_layers,
-                       config.mergekit_compat)
-
-    models = range(len(config.models))
-    method = config.method
-    if method == "linear":
-        if "alpha" in config.parameters:
-            return {"alpha": value("alpha")}
-        base_weight = fall_through(config.base_parameters.get("weight"),
-                                   config.parameter("weight") if config.mergekit_compat else 1.0)
-        weights = ([resolve("weight", base_weight, name, position, n_layers, config.mergekit_compat)] if config.base else []) \
-            + [value("weight", i) for i in models]
-        if config.parameter("normalize"):
-            _weight_total(weights, name, method)
-        return {"weights": weights, "normalize": config.parameter("normalize")}
-    if method == "ema":  # every input in training order: the base (if given) is c_0
-        return {"weights": methods.ema_weights(len(config.inputs), value("decay")), "normalize": False}
-    if method in ("slerp", "nearswap"):
-        return {"t": value("t")}
-    if method in RECALL_METHODS:
-        if method == "recall_lerp":
-            return {"alpha": recall_weights.lerp_alpha(value("alpha"), layer, part, config.recall.embed_rule)}
-        return {"weights": recall_weights.for_tensor(layer, part, config.recall.embed_rule)}
-    if method == "lines":  # beta defaults to 1 - alpha: the last layer keeps the whole task vector (the authors'
-        alpha = value("alpha")  # single-task editing, src/eval/eval.py `evaluate`)
-        beta = value("beta") if config.parameter("beta") is not None else 1.0 - alpha
-        return {"alpha": alpha, "beta": beta, "layer": layer, "n_layers": n_layers,
-                "weights": [value("weight", i) for i in models]}
-    if method == "model_stock":
-        return {"filter_wise": value("filter_wise")}
-    if method == "nuslerp":
-        second = value("weight", 1)
-        return {"t": second / _weight_total([value("weight", 0), second], name, method), "base": config.base is not None,
-                "flatten": value("nuslerp_flatten"), "row_wise": value("nuslerp_row_wise")}
-    if method == "multislerp":
-        weights = [value("weight", i) for i in models]
-        if value("normalize_weights"):
-            total = _weight_total(weights, name, method)
-            weights = [w / total for w in weights]
-        return {"weights": weights, "eps": value("eps"), "base": config.base is not None}
-    if method == "karcher":
-        return {"max_iter": int(value("max_iter")), "tol": value("tol")}
-    if method == "sce":
-        return {"select_topk": value("select_topk")}
-    if method == "passthrough":
-        return {"scale": value("scale", 0)}
-    recipe = recipes.TASK_VECTOR_METHODS[method]
-    parameters = {"lambda": value("lambda"), "weights": [value("weight", i) for i in models],
-                  "normalize": config.parameter("normalize")}
-    if recipe.sparsifier in ("magnitude", "magprune", "outliers"):
-        parameters["densities"] = [value("density", i) for i in models]
-    if recipe.sparsifier == "random":
-        parameters["drops"] = [value("drop", i) for i in models]
-    if recipe.sparsifier == "magprune":
-        parameters["epsilons"] = [value("epsilon", i) for i in models]
-        for density, epsilon in zip(parameters["densities"], parameters["epsilons"]):
-            if density < 1.0 and not (density - epsilon > 0.0 and density + epsilon < 1.0):
-                raise InputError(f"tensor {name}: della needs 0 < density - epsilon and density + epsilon < 1, "
-                                 f"got density {density:g}, epsilon {epsilon:g}")
-    if recipe.sparsifier == "outliers":
-        parameters["gammas"] = [value("gamma", i) for i in models]
-    if recipe.sparsifier in ("random", *recipes.L1_RESCALED):
-        parameters["rescale"] = config.parameter("rescale")
-    if config.mergekit_compat and (recipe.sparsifier == "magnitude" or recipe.consensus):
-        parameters["mergekit_rules"] = True
-    return parameters
+    return config.merge_method.step_parameters(config, TensorValues(config, name, depth, n_layers),
+                                               Depth(name, layer, part, n_layers, recall_weights))
 
 
-def _weight_total(weights: list[float], name: str, method: str) -> float:
-    """The sum the weights are divided by, refused where it is (nearly) zero: the weights would then be no
-    proportions at all (a division by zero, or mergekit's silent fallback to an even mix for nuslerp)."""
-    total = math.fsum(weights)
-    if abs(total) < 1e-6:
-        raise InputError(f"tensor {name}: {method} weights {', '.join(f'{w:g}' for w in weights)} sum to zero; "
-                         "they are divided by their sum (give weights with a non-zero sum)")
-    return total
+class TensorValues:
+    """A config's parameter values at one tensor: `values(name, model_index)` the model's own else the global one
+    else the default, resolved there (gradients and filters applied)."""
+
+    def __init__(self, config: MergeConfig, name: str, depth: tuple[int | None, str], n_layers: int):
+        layer, part = depth
+        self.config, self.name, self.n_layers = config, name, n_layers
+        # a tower (an "embed" part that is not an embedding) resolves like the embeddings: position 0 of a gradient
+        self.position = 0 if part == "embed" and layer is None and not is_embedding(name) else layer
+
+    def __call__(self, parameter: str, model_index: int | None = None):
+        return self.of_spec(parameter, self.config.parameter(parameter, model_index))
+
+    def of_spec(self, parameter: str, spec):
+        """A raw value spec resolved at this tensor."""
+        return resolve(parameter, spec, self.name, self.position, self.n_layers, self.config.mergekit_compat)
+
+    fall_through = staticmethod(fall_through)
 
 
 def load_recall_weights(config: MergeConfig):

@@ -43,7 +43,7 @@ import torch
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.validation import read_text, require_regular
-from mergekit_lite.merge.config import EMBED_RULES, MEDIAN_BANDWIDTH, check_bandwidth
+from mergekit_lite.merge.methods.recall import EMBED_RULES, MEDIAN_BANDWIDTH, check_bandwidth
 
 KMEANS_ITERATIONS = 30
 DEFAULT_TEMPERATURE = 1.0  # the plain softmax of Fig. 4, stage 3
@@ -490,9 +490,10 @@ def jsonl_text(line: str, number: int, path: Path) -> str:
     return record["text"]
 
 
-def post_coefficients(weights: RecallWeights, method: str, alpha: float) -> list[float]:
+def post_coefficients(weights: RecallWeights, interpolates: bool, alpha: float) -> list[float]:
     """The reference's (post's) weight in every depth row at one sweep point: the softmax weight at
-    temperature alpha (recall) or the layer-wise LERP coefficient at global alpha (recall_lerp)."""
-    if method == "recall_lerp":
+    temperature alpha (recall), or with `interpolates` the layer-wise LERP coefficient at global alpha
+    (recall_lerp)."""
+    if interpolates:
         return layer_alphas(weights.similarity, alpha)
     return [row[weights.reference] for row in weights.with_temperature(alpha).weights]

@@ -2,7 +2,7 @@
 - mergekit-lite's own: `method`, `base`, `models` (with `weight` / `density` / `drop`), `dtype` (stored dtype), ...
 - mergekit's, as it is: `merge_method`, `base_model`, `models` or `slices`, `dtype` (its compute dtype) and
   `out_dtype`, `tokenizer_source` or `tokenizer: {source: ...}`, `chat_template`, ... A file in this schema runs
-  in `mergekit_compat` mode unless it says `mergekit_compat: false`: mergekit's defaults (MERGEKIT_DEFAULTS)
+  in `mergekit_compat` mode unless it says `mergekit_compat: false`: mergekit's defaults (`Parameter.mergekit_default`)
   and its rules where ours differ on purpose (see the README's "Coming from mergekit").
 Strict pydantic models check the structure (a quoted "false" is not a boolean, `skip` must be a list);
 errors name the file, the key and what was expected, and an unknown key gets a did-you-mean.
@@ -28,8 +28,8 @@ from pydantic import (
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import split_lora_reference
+from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import (
-    BOOLEAN_PARAMETERS,
     MergeConfig,
     ModelSpec,
     RecallSettings,
@@ -37,7 +37,7 @@ from mergekit_lite.merge.config import (
     SliceSource,
     did_you_mean,
 )
-from mergekit_lite.merge.recipes import BASE_IGNORED, DARE_MASK_VERSION
+from mergekit_lite.merge.methods.task_vectors import DARE_MASK_VERSION
 
 
 class _Schema(BaseModel):
@@ -210,7 +210,8 @@ class _MergekitConfig(_Options):
 def _check_slice_base(number: int, method: str, base: str | None, sources: list[_SliceSource]) -> None:
     """mergekit merges each slice against its base (the slice's, else the config's), which must be one of the
     slice's sources: it refuses a slice without it, where the slice's first source would otherwise stand in."""
-    if base and method not in BASE_IGNORED and base not in [source.model for source in sources]:
+    declared = methods.REGISTRY.get(method)  # an unknown method is refused with the config
+    if base and not (declared and declared.base_ignored) and base not in [source.model for source in sources]:
         raise InputError(f"slices[{number}]: the base model {base} is not among this slice's sources; {method} merges "
                          "each slice against its base, so list it there with a layer_range (mergekit refuses this too)")
 
@@ -244,7 +245,7 @@ def _typed(name: str, value: Any) -> Any:
         return [_typed(name, entry) for entry in value]
     if isinstance(value, dict):
         return {**value, "value": _typed(name, value["value"])} if "value" in value else value
-    if name in BOOLEAN_PARAMETERS:
+    if name in methods.BOOLEAN_PARAMETERS:
         return bool(value) if type(value) in (int, float) and value in (0, 1) else value
     if isinstance(value, str):
         try:

@@ -1,14 +1,15 @@
 """Large tensors merged in row slabs, so the engine holds a few slabs at a time, not the largest tensor's inputs.
 
 A method whose every output entry depends only on the same entry of each input (and, for DARE, on that entry's
-own draw: `methods.keep_indicator`) gives the same bytes whether a tensor is merged whole or a band of rows at a
-time. Slabs start at multiples of `methods.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
-masks drawn per chunk, are exactly the whole tensor's. Two methods need a statistic of the whole tensor first,
-which a thread of the engine computes in a pass over the slabs mapped from the shards (no copy), tensors ahead
-of the reader (`decide`): TIES's trim (and its mergekit form) each model's magnitude threshold, from a sample of
-rows and one counting pass (`methods.TrimThreshold`, the same value), and SLERP its angle, whose reductions run
-chunk by chunk of `methods.CHUNK` entries (`methods.SlerpAngle`): its slabs start at multiples of that chunk, so
-the sums, the weights and the bytes are the whole tensor's. This module also reads the parts into the engine's ring and
+own draw: `tensor_math.keep_indicator`; its declaration says `elementwise`) gives the same bytes whether a tensor is merged whole or a band of rows at a
+time. Slabs start at multiples of `tensor_math.ELEMENTWISE_CHUNK` entries, so the chunks inside a slab, and the DARE
+masks drawn per chunk, are exactly the whole tensor's. Methods that declare `slab_statistics` need a statistic of
+the whole tensor first, which a thread of the engine computes in a pass over the slabs mapped from the shards (no
+copy), tensors ahead of the reader (`decide`, handing the method a `SlabPass`): TIES's trim (and its mergekit
+form) each model's magnitude threshold, from a sample of rows and one counting pass (`tensor_math.TrimThreshold`,
+the same value), and SLERP its angle, whose reductions run chunk by chunk of `tensor_math.CHUNK` entries
+(`tensor_math.SlerpAngle`): its slabs start at multiples of that chunk (its `slab_unit`), so the sums, the
+weights and the bytes are the whole tensor's. This module also reads the parts into the engine's ring and
 decides, slab by slab, whether a tensor is the same in every input. Methods with other per-tensor statistics
 (the Gram matrices of the geometric methods, the L1 rescales, row-wise variants) read whole tensors as before;
 so do inputs that are not plain safetensors (adapters, pickles, untied heads).
@@ -23,39 +24,10 @@ import torch
 
 from mergekit_lite.io.buffers import aligned
 from mergekit_lite.io.safetensors import ModelSource
-from mergekit_lite.merge import methods, recipes
 from mergekit_lite.merge.plan import MergePlan, TensorStep
-from mergekit_lite.threads import start_on_other_cores
 
 SLAB_BYTES = 32 << 20  # the inputs' bytes one slab reads, all inputs together
 RING_SLABS = 3  # slabs in flight: one being read, one in the math, one being written
-ELEMENTWISE_METHODS = ("linear", "recall", "recall_lerp", "ema", "passthrough", "lines", "nearswap")
-
-
-def merges_elementwise(method: str) -> bool:
-    """Whether each output entry of `method` depends on the same entry of the inputs alone (see the module)."""
-    if method in ELEMENTWISE_METHODS:
-        return True
-    recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    return recipe is not None and recipe.sparsifier in (None, "random")
-
-
-def trims_by_magnitude(method: str) -> bool:
-    """TIES's trim: elementwise once each model's magnitude threshold is known."""
-    recipe = recipes.TASK_VECTOR_METHODS.get(method)
-    return recipe is not None and recipe.sparsifier == "magnitude"
-
-
-def needs_statistics(method: str) -> bool:
-    """Methods whose steps in slabs first read every slab for a statistic of the whole tensor (TIES's trim
-    thresholds, SLERP's angle), and so go over their inputs twice (the first time mapped: `map_slab`)."""
-    return trims_by_magnitude(method) or method == "slerp"
-
-
-def slab_unit(method: str) -> int:
-    """The entries a slab's first entry is a multiple of: the chunk of the method's reductions (SLERP's angle) or of
-    its elementwise passes and DARE's draws."""
-    return methods.CHUNK if method == "slerp" else methods.ELEMENTWISE_CHUNK
 
 
 @dataclass(frozen=True)
@@ -85,14 +57,14 @@ def slab_rows(plan: MergePlan, step: TensorStep) -> int | None:
     inputs whose method merges elementwise (or does once TIES's thresholds or SLERP's angle are known) and whose
     inputs exceed SLAB_BYTES."""
     inputs = plan.inputs_of(step)
-    method = plan.config.method
-    in_slabs = merges_elementwise(method) or needs_statistics(method)
+    method = plan.config.merge_method
+    in_slabs = method.elementwise or method.slab_statistics
     if step.action != "merge" or len(step.shape) < 2 or not in_slabs \
             or any(type(source) is not ModelSource for source, _ in inputs):
         return None
     row_elements = math.prod(step.shape[1:])
     row_bytes = sum(row_elements * source.dtype(name).itemsize for source, name in inputs)
-    chunk = slab_unit(method)
+    chunk = method.slab_unit
     unit = chunk // math.gcd(row_elements, chunk)  # rows per whole chunk
     rows = SLAB_BYTES // max(row_bytes, 1) // unit * unit
     return rows if 0 < rows < step.shape[0] else None
@@ -144,37 +116,28 @@ def map_slab(plan: MergePlan, part: Part) -> list[torch.Tensor]:
     return [source.map_rows(name, *part.rows) for source, name in plan.inputs_of(part.step)]
 
 
-def trim_thresholds_in_slabs(plan: MergePlan, step: TensorStep, rows: int) -> list[float]:
-    """Each model's TIES trim threshold (`methods.TrimThreshold`, the value `trim_threshold` gives on whole
-    tensors): sampled from rows spread over the tensor (a few hundred small reads), then counted in one pass
-    over the mapped slabs, the models on other cores."""
-    inputs = plan.inputs_of(step)
-    trims = [methods.TrimThreshold(math.prod(step.shape), density, step.parameters.get("mergekit_rules", False))
-             for density in step.parameters["densities"]]
-    sampled_rows = max(methods.THRESHOLD_SAMPLE // math.prod(step.shape[1:]), 1)
-    for row in range(0, step.shape[0], max(step.shape[0] // sampled_rows, 1)):
-        base, *models = [source.load_rows(name, row, row + 1) for source, name in inputs]
-        for trim, model in zip(trims, models):
-            trim.sample(base, model)
-    for part in row_slabs(step, rows):
-        _count_slab(trims, *map_slab(plan, part))  # unmapped on return, before the next slab is mapped
-    return [trim.select(lambda i=i: (inputs[0][0].load(inputs[0][1]), inputs[i][0].load(inputs[i][1])))
-            for i, trim in enumerate(trims, start=1)]
+class SlabPass:
+    """A step's inputs for a method's statistics in slabs (`Method.statistics_in_slabs`): its slabs mapped one at a
+    time, single rows read, or whole inputs loaded."""
 
+    def __init__(self, plan: MergePlan, step: TensorStep, rows: int):
+        self.plan, self.step, self.rows = plan, step, rows
+        self.inputs = plan.inputs_of(step)
+        self.shape = step.shape
 
-def _count_slab(trims: list[methods.TrimThreshold], base: torch.Tensor, *models: torch.Tensor) -> None:
-    """One slab's counts for every model's threshold, the models on other cores."""
-    for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models)):
-        job.result()
+    def for_each(self, action) -> None:
+        """`action(*inputs)` on each slab in order, mapped (unmapped on return, before the next slab is mapped)."""
+        for part in row_slabs(self.step, self.rows):
+            action(*map_slab(self.plan, part))
 
+    def row(self, row: int) -> list[torch.Tensor]:
+        """One row of every input."""
+        return [source.load_rows(name, row, row + 1) for source, name in self.inputs]
 
-def slerp_weights_in_slabs(plan: MergePlan, step: TensorStep, rows: int) -> tuple[float, float]:
-    """SLERP's two weights from the mapped slabs in order: `methods.SlerpAngle`'s sums over blocks that are the
-    whole tensor's."""
-    angle = methods.SlerpAngle()
-    for part in row_slabs(step, rows):
-        angle.add(*map_slab(plan, part))
-    return angle.weights(step.parameters["t"])
+    def whole(self, index: int) -> torch.Tensor:
+        """Input `index`, whole."""
+        source, name = self.inputs[index]
+        return source.load(name)
 
 
 def first_slab(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
@@ -193,7 +156,7 @@ def later_slabs_identical(plan: MergePlan, first: Part) -> bool:
 def statistics_slab_bytes(plan: MergePlan, found: list[Part]) -> int:
     """The most bytes `decide` maps at once for the plan cut into `found` (`parts`), resident while they are
     mapped: the largest first slab of a step whose statistics need a pass of their own (0 where none does)."""
-    if not needs_statistics(plan.config.method):
+    if not plan.config.merge_method.slab_statistics:
         return 0
     return max((sum(block_sizes(plan, part)) for part in found if part.rows is not None and part.rows[0] == 0),
                default=0)
@@ -202,15 +165,13 @@ def statistics_slab_bytes(plan: MergePlan, found: list[Part]) -> int:
 def decide(plan: MergePlan, first: Part) -> tuple[bool, list[float] | tuple[float, float] | None]:
     """What a step in slabs, whose method needs statistics, has decided before its `first` slab is merged, looking
     at its slabs mapped one at a time (`statistics_slab_bytes`): whether it is a copy (`first_slab`'s rule)
-    and else its statistics: TIES's trim thresholds, one per model, or SLERP's weights.
+    and else its statistics (`Method.statistics_in_slabs`: TIES's trim thresholds, one per model, SLERP's weights).
     The engine runs this on a thread of its own, tensors ahead of the reader, so the pass over every slab overlaps
     the merge of earlier tensors instead of holding the reader; mapped, it copies nothing the reader copies again."""
     if all_identical(map_slab(plan, first)) and later_slabs_identical(plan, first):
         return True, None
-    step, rows = first.step, first.rows[1]
-    if plan.config.method == "slerp":
-        return False, slerp_weights_in_slabs(plan, step, rows)
-    return False, trim_thresholds_in_slabs(plan, step, rows)
+    step = first.step
+    return False, plan.config.merge_method.statistics_in_slabs(step.parameters, SlabPass(plan, step, first.rows[1]))
 
 
 def all_identical(tensors: list[torch.Tensor]) -> bool:

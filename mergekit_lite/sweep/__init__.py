@@ -11,7 +11,7 @@ doc_hash into a selection part, which picks alpha, and a disjoint report part, o
 is reported. A paired bootstrap over the report samples (every model is scored on the same samples)
 gives intervals for old, new, the harmonic mean and each alpha's difference to the pick. [ours]
 
-What alpha is depends on the method (its main coefficient, `config.MAIN_COEFFICIENT`):
+What alpha is depends on the method (its main coefficient, `Method.main_coefficient` in merge/methods/):
 linear -> weight of post (0 = pre, 1 = post); slerp -> t; task_arithmetic, ties, dare_* -> lambda,
 the scale of post's task vector (post - pre) added to pre; recall -> the softmax temperature of its
 layer weights; recall_lerp -> the global weight of post its per-layer profile centres on (for both, the

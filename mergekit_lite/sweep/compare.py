@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
-from mergekit_lite.merge.config import METHOD_PARAMETERS
+from mergekit_lite.merge import methods as merge_methods
 from mergekit_lite.sweep.result import SweepResult, pick_fields
 from mergekit_lite.sweep.scoring import PointResult, paired_bootstrap
 from mergekit_lite.sweep.settings import SECOND_AXES, SweepSettings, settings_from_dict
@@ -73,12 +73,12 @@ def method_settings(data: dict, methods: list) -> list[SweepSettings]:
             raise InputError(f"methods: each entry is a method name or {{method: NAME, "
                              f"{', '.join(PER_METHOD)}}}, got {entry if name else 'no method'}")
         shared = {key: value for key, value in data.items()  # --density 0.5 beside linear,ties is ties' density
-                  if key not in METHOD_OPTIONS or METHOD_OPTIONS[key] in METHOD_PARAMETERS.get(name, ())}
+                  if key not in METHOD_OPTIONS or METHOD_OPTIONS[key] in merge_methods.parameters_of(name)}
         own = {**shared, **entry, "method": name}
         settings.append(settings_from_dict({**own, "out": str(Path(own["out"]) / name) if own.get("out") else None}))
     names = [s.method for s in settings]
     for key in (key for key in METHOD_OPTIONS if data.get(key) is not None):
-        if not any(METHOD_OPTIONS[key] in METHOD_PARAMETERS[name] for name in names):
+        if not any(METHOD_OPTIONS[key] in merge_methods.parameters_of(name) for name in names):
             raise InputError(f"{key}: none of the methods ({', '.join(names)}) takes {METHOD_OPTIONS[key]}")
     if len(set(names)) != len(names):
         raise InputError(f"methods: {', '.join(sorted({n for n in names if names.count(n) > 1}))} given twice")

@@ -12,7 +12,8 @@ from pathlib import Path
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
-from mergekit_lite.merge.config import RECALL_METHODS, MergeConfig
+from mergekit_lite.merge import methods
+from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.sweep.settings import SweepSettings
 from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
 
@@ -29,9 +30,10 @@ class MergeConfigs:
         self.similarity = None
 
     def __call__(self, alpha: float) -> MergeConfig:
-        if self.settings.method not in RECALL_METHODS:
+        method = methods.method(self.settings.method)
+        if not method.reads_recall_weights:
             return self.settings.merge_config(alpha)
-        if self.settings.method == "recall_lerp":
+        if method.interpolates:
             return self.settings.merge_config(alpha, recall_weights_file=str(self.similarity_file()))
         path = self.folder / RECALL_DIR / f"temperature_{alpha!r}.json"
         write_atomic(path, json.dumps(self.weights().with_temperature(alpha).to_json(), indent=2) + "\n")
@@ -134,15 +136,13 @@ class ResidentPair:
         import torch
 
         from mergekit_lite.io.architecture import layout
-        from mergekit_lite.merge.recipes import TASK_VECTOR_METHODS
         from mergekit_lite.merge.plan import layer_count
 
-        self.method = settings.method
+        self.method = methods.method(settings.method)
         self.model = loader.from_folder(settings.pre)
         self.parameters = dict(self.model.named_parameters())
         self.pre = {name: parameter.detach().clone() for name, parameter in self.parameters.items()}
-        recipe = TASK_VECTOR_METHODS.get(settings.method)
-        self.sparsified = recipe is not None and recipe.sparsifier is not None
+        self.sparsified = self.method.sparsifies
         self.loader, self.sources = loader, sources
         if self.sparsified:
             self._hold_task_vector(config)
@@ -160,7 +160,7 @@ class ResidentPair:
     def exact(self) -> bool:
         """False for SLERP on a model whose parameters fuse on-disk tensors: its angle is per on-disk tensor,
         so such a sweep merges through a folder on disk instead."""
-        return self.method != "slerp" or not converts_tensors(self.model)
+        return self.method.exact_on_fused_parameters or not converts_tensors(self.model)
 
     def _hold_task_vector(self, config: MergeConfig) -> None:
         """The sparsified task vector of `config` at lambda 1 (its density, drop and seed decide it)."""
@@ -187,7 +187,7 @@ class ResidentPair:
             tensor_parameters,
         )
 
-        weights = load_recall_weights(config) if config.method in RECALL_METHODS else None
+        weights = load_recall_weights(config) if config.merge_method.reads_recall_weights else None
         if self.sparsified and _sparsifier_key(config) != self.held_for:
             self._hold_task_vector(config)
 
@@ -195,7 +195,7 @@ class ResidentPair:
             pre, held = self.pre[name], self.held[name]
             parameters = tensor_parameters(config, name, self.layout, self.n_layers, weights)
             if self.sparsified:
-                return held.to(torch.float32, copy=True).mul_(parameters["lambda"]).add_(pre).to(self.stored[name])
+                return held.to(torch.float32, copy=True).mul_(parameters.scale).add_(pre).to(self.stored[name])
             if name in self.identical:
                 return pre
             step = TensorStep(name, tuple(pre.shape), self.stored[name], "merge", parameters)

@@ -17,6 +17,7 @@ from mergekit_lite.evaluate.forgetting import format_table
 from mergekit_lite.io.hub import hub_id_of
 from mergekit_lite.io.model_card import selection_section
 from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.merge import methods
 from mergekit_lite.sweep.budget import budget_lines
 from mergekit_lite.sweep.grid import cell_key, cell_text, grid_json, grid_lines, plot_heatmap
 from mergekit_lite.sweep.realign import realign_lines
@@ -27,21 +28,6 @@ from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
 
 RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE = "results.json", "report.md", "sweep.png", "forgetting_map.png"
 LAYERS_PLOT_FILE = "layers.png"
-ALPHA_MEANING = {
-    "linear": "weight of post (0 = pre, 1 = post)",
-    "slerp": "t, spherical interpolation from pre (0) to post (1)",
-    "task_arithmetic": "lambda, the scale of post's task vector (post - pre) added to pre",
-    "ties": "lambda, the scale of post's TIES-trimmed task vector added to pre",
-    "dare_linear": "lambda, the scale of post's DARE-dropped task vector added to pre",
-    "dare_ties": "lambda, the scale of post's DARE-dropped, sign-elected task vector added to pre",
-    "della": "lambda, the scale of post's DELLA-pruned (magnitude-ranked drop), sign-elected task vector added to pre",
-    "della_linear": "lambda, the scale of post's DELLA-pruned (magnitude-ranked drop) task vector added to pre",
-    "breadcrumbs": "lambda, the scale of post's task vector without its largest and smallest entries, added to pre",
-    "breadcrumbs_ties": "lambda, the scale of post's Breadcrumbs-trimmed, sign-elected task vector added to pre",
-    "recall": "softmax temperature of RECALL's per-layer weights (low = each layer follows the closer model)",
-    "recall_lerp": "global weight of post; layer l takes alpha ** (its drift / mean drift), flat drift = linear",
-    "lines": "LiNeS: post's task vector scaled by alpha in the first layer, rising linearly to 1 in the last",
-}
 DEFINITIONS = {
     "old": "score over the old tasks (what pre could do): per task the mean of its 0/1 metric, then the "
            "unweighted mean over tasks (aggregation paper) or the share of all samples (pooled)",
@@ -95,7 +81,7 @@ def results_json(result: SweepResult) -> dict:
     return {
         "settings": settings.to_dict(),
         "coefficient": settings.coefficient,
-        "alpha_means": ALPHA_MEANING[settings.method],
+        "alpha_means": methods.method(settings.method).alpha_meaning,
         "definitions": DEFINITIONS,
         "selection": {"method": settings.selection, "fraction": settings.selection_fraction, "seed": settings.seed,
                       "docs": {task: {"selection": len(keys[0]), "report": len(keys[1])}
@@ -382,7 +368,7 @@ def pick_coefficients(result: SweepResult, folder: Path) -> list[float] | None:
     if not similarity_file.is_file():
         return None
     weights = RecallWeights.from_json(json.loads(similarity_file.read_text()))
-    return post_coefficients(weights, result.settings.method, result.best.alpha)
+    return post_coefficients(weights, methods.method(result.settings.method).interpolates, result.best.alpha)
 
 
 def layer_profile(result: SweepResult, folder: Path) -> str:
@@ -395,12 +381,13 @@ def layer_profile(result: SweepResult, folder: Path) -> str:
     if coefficients is None:
         return ""
     method, alpha = result.settings.method, result.best.alpha
+    interpolates = methods.method(method).interpolates
     labels = ["embed"] + [str(layer) for layer in range(len(coefficients) - 1)]
     figure = Figure(figsize=(7, 3.5))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     axes.plot(range(len(coefficients)), coefficients, "o-", color="tab:purple", label=f"{method} at alpha={alpha!r}")
-    if method == "recall_lerp":
+    if interpolates:
         axes.axhline(alpha, color="gray", linestyle="--", linewidth=1, label="linear at the same alpha")
     axes.set_xticks(range(len(coefficients)), labels)
     axes.set_xlabel("layer (the head follows the last layer)")

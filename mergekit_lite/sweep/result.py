@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.merge import methods
 from mergekit_lite.sweep.scoring import (
     PointResult,
     Scores,
@@ -19,12 +20,6 @@ from mergekit_lite.sweep.search import ProbeEstimate, SearchTrace
 from mergekit_lite.sweep.settings import SweepSettings
 
 TIE_TOLERANCE = 1e-9
-# methods whose merge at coefficient 0 is pre itself (post's contribution scaled to nothing), and those whose merge at
-# coefficient 1 is post itself (nothing of post's task vector trimmed, dropped or reweighted); lines is post at 1 only
-# with its default beta (1 - alpha = 0: the scale is 1 in every layer)
-PRE_AT_ZERO = ("linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties", "della", "della_linear",
-               "breadcrumbs", "breadcrumbs_ties", "recall_lerp")
-POST_AT_ONE = ("linear", "slerp", "task_arithmetic", "recall_lerp")
 
 
 def dominates(a: Scores, b: Scores) -> bool:
@@ -95,11 +90,12 @@ class SweepResult:
         """"pre" or "post" when the merge at the pick is that model itself (e.g. linear at alpha 0 or 1): then the
         sweep found no merge better than an endpoint, and a recovery percentage would describe no merge."""
         settings, best = self.settings, self.best
-        if best.alpha == 0 and settings.method in PRE_AT_ZERO:
+        method = methods.method(settings.method)  # its declaration says which coefficients give pre or post
+        if best.alpha == 0 and method.pre_at_zero:
             return "pre"
         beta = best.second[1] if best.second and best.second[0] == "beta" else settings.beta
-        if best.alpha == 1 and (settings.method in POST_AT_ONE and best.second is None
-                                or settings.method == "lines" and not beta):
+        if best.alpha == 1 and (method.post_at_one and best.second is None
+                                or method.post_at_one_without_beta and not beta):
             return "post"
         return None
 

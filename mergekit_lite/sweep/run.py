@@ -231,9 +231,9 @@ def audit_adapter_post(settings: SweepSettings) -> None:
     """A LoRA adapter as post is audited against pre before anything is evaluated, as `merge` audits an adapter
     (a point streamed to disk merges through that gate, one held in memory would not): REJECTED stops the sweep."""
     if (Path(settings.post) / "adapter_config.json").is_file():
-        from audits.adapter import require_verified
+        from mergekit_lite.audited import gate_adapter
 
-        require_verified(settings.post, settings.pre, forcible=False)
+        gate_adapter(settings.post, settings.pre, forcible=False)
 
 
 def prepared(out, inputs: list, own) -> Path:

@@ -19,15 +19,8 @@ from mergekit_lite.evaluate.outcomes import Scoring
 from mergekit_lite.io.hub import resolve_model
 from mergekit_lite.io.layout import content_identity
 from mergekit_lite.io.validation import read_yaml, require_regular, validate
-from mergekit_lite.merge.config import (
-    DTYPES,
-    MAIN_COEFFICIENT,
-    METHOD_PARAMETERS,
-    METHODS,
-    RECALL_METHODS,
-    MergeConfig,
-    did_you_mean,
-)
+from mergekit_lite.merge import methods
+from mergekit_lite.merge.config import DTYPES, MergeConfig, did_you_mean
 from mergekit_lite.merge.schema import config_from_dict
 
 IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
@@ -187,9 +180,9 @@ class SweepSettings:
         for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best", "copy_files_from"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
-        if self.method not in MAIN_COEFFICIENT:
-            kind = "has no coefficient to sweep between pre and post" if self.method in METHODS else "is unknown"
-            raise InputError(f"method {self.method!r} {kind} (choose from {', '.join(MAIN_COEFFICIENT)})")
+        if self.method not in methods.SWEEPABLE:
+            kind = "has no coefficient to sweep between pre and post" if self.method in methods.REGISTRY else "is unknown"
+            raise InputError(f"method {self.method!r} {kind} (choose from {', '.join(methods.SWEEPABLE)})")
         if not self.old_tasks or not self.new_tasks:
             raise InputError("give at least one old task and one new task (--old-tasks, --new-tasks)")
         shared = [task for task in self.old_tasks if task in self.new_tasks]
@@ -213,7 +206,7 @@ class SweepSettings:
             raise InputError(f"unknown eval dtype {self.eval_dtype!r} (use bf16, fp16 or fp32)")
         self.eval_dtype = DTYPES[dtype]
         self._check_representable()
-        if self.method in RECALL_METHODS and not self.recall_texts:
+        if methods.SWEEPABLE[self.method].reads_recall_weights and not self.recall_texts:
             raise InputError(f"a {self.method} sweep needs typical samples: --recall-texts (one text per line)")
         for value in self.second_values() or [None]:
             for alpha in self.alphas:
@@ -237,7 +230,7 @@ class SweepSettings:
             raise InputError(f"sweep one second coefficient at a time (got {' and '.join(given)})")
         for name in given:
             setattr(self, name, parse_alphas(getattr(self, name), name))
-            if SECOND_AXES[name] not in METHOD_PARAMETERS.get(self.method, ()):
+            if SECOND_AXES[name] not in methods.parameters_of(self.method):
                 raise InputError(f"{name}: method {self.method!r} has no {SECOND_AXES[name]} to sweep")
             if len(self.alphas) * len(getattr(self, name)) > MAX_ALPHA_POINTS:
                 raise InputError(f"alphas x {name}: {len(self.alphas)} x {len(getattr(self, name))} points; at most "
@@ -266,7 +259,7 @@ class SweepSettings:
     @property
     def coefficient(self) -> str:
         """The merge parameter alpha stands for with this method."""
-        return MAIN_COEFFICIENT[self.method]
+        return methods.method(self.method).main_coefficient
 
     def merge_config(self, alpha: float, recall_weights_file: str | None = None,
                      cell: float | None = None) -> MergeConfig:

@@ -1,14 +1,16 @@
-"""Merge math: pure functions, tensors in, one float32 tensor out (`lerp` may write its result straight into a
-given output instead). No files, no names, no config.
+"""The math several merge methods share: pure functions, tensors in, one float32 tensor out (`lerp` may write its
+result straight into a given output instead). No files, no names, no config. A method's own math sits in its
+module (`geometric.py`'s coefficients, `task_vectors.py`'s SCE, `lines.py`, `nearswap.py`, `ema.py`).
 
 Task arithmetic, TIES, DARE, DELLA and Model Breadcrumbs are one family (`task_vector_merge`): task
 vectors (model - base), an optional sparsifier (magnitude trim, random drop, magnitude-ranked random
 drop, or an outlier band), an optional sign consensus, and a weighted sum added back to the base. Each
-method in `recipes.TASK_VECTOR_METHODS` names one combination, as mergekit's generalized task arithmetic does.
+method of `task_vectors.py` names one combination, as mergekit's generalized task arithmetic does.
 
 The geometric methods (SLERP, NuSLERP, Multi-SLERP, Karcher mean, Model Stock) all return a linear
 combination of their inputs whose coefficients depend only on the inputs' inner products. So each is a
-`*_coefficients` function of a Gram matrix (`gram_matrix`, one chunked pass in float64) and the merge
+`*_coefficients` function (`geometric.py`; SLERP's `slerp_weights` here) of a Gram matrix (`gram_matrix`, one
+chunked pass in float64) and the merge
 itself is `linear` with those coefficients, chunk by chunk. Their row-wise variants take a batch of
 Gram matrices, one per row.
 """
@@ -21,7 +23,6 @@ from typing import Sequence
 import numpy
 import torch
 
-from mergekit_lite.merge.recipes import L1_RESCALED
 
 try:  # the merge math fused in C (kernels.c), an optional extension: the same bytes as the torch code below
     from mergekit_lite.merge import _kernels
@@ -48,6 +49,7 @@ DENSE_CHUNK = 1 << 16
 # CUDA kernels alike), and `task_vector` converts them before subtracting
 EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 THRESHOLD_SAMPLE = 1 << 16  # strided sample that brackets TIES's trim threshold on large tensors
+L1_RESCALED = {"magprune", "outliers"}  # sparsifiers whose `rescale` restores the L1 norm (DARE's divides by 1-drop)
 
 
 def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True,
@@ -68,14 +70,6 @@ def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize:
     for tensor, weight in zip(tensors[1:], weights[1:]):
         merged.add_(tensor.to(torch.float32), alpha=weight)  # converted first: a mixed-dtype add is slower
     return merged
-
-
-def ema_weights(count: int, decay: float) -> list[float]:
-    """The weights of checkpoints c_0 .. c_n (training order) in their exponential moving average
-    s_0 = c_0, s_i = decay * s_(i-1) + (1 - decay) * c_i: w_0 = decay^n, w_i = (1 - decay) * decay^(n - i).
-    They sum to 1, so the EMA is `linear` with these weights, unnormalised (computed in float64)."""
-    last = count - 1
-    return [decay ** last] + [(1.0 - decay) * decay ** (last - i) for i in range(1, count)]
 
 
 def lerp(start: torch.Tensor, end: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,15 +180,6 @@ def spherical_weights(cosine: float, t: float) -> tuple[float, float]:
 def slerp(start: torch.Tensor, end: torch.Tensor, t: float) -> torch.Tensor:
     """Spherical interpolation of two tensors seen as flat vectors (see `slerp_weights`)."""
     return linear([start, end], slerp_weights(start, end, t), normalize=False)
-
-
-def nearswap(base: torch.Tensor, model: torch.Tensor, t: float) -> torch.Tensor:
-    """NearSwap (alchemonaut's QuartetAnemoi merges; mergekit's `nearswap`): the model's entries where they lie
-    within `t` of the base's, and elsewhere a step of t/|model - base| from the base toward them, so entries
-    that moved far in fine-tuning stay close to the base. The step is clamped to [0, 1], the distance at 1e-6."""
-    base32, model32 = base.to(torch.float32), model.to(torch.float32)
-    step = (t / (base32 - model32).abs_().clamp_min_(1e-6)).clamp_(0.0, 1.0)
-    return step * model32 + (1.0 - step) * base32
 
 
 def task_vector(model: torch.Tensor, base: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -442,43 +427,6 @@ def l1_rescaled(sparse: torch.Tensor, dense_l1: float) -> torch.Tensor:
     return sparse.mul_(dense_l1 / sparse_l1)
 
 
-def sce(base: torch.Tensor, models: Sequence[torch.Tensor], select_topk: float = 1.0) -> torch.Tensor:
-    """SCE (Wan et al. 2024, FuseChat-2.0, arXiv 2408.07990, §3.3 "Select, Calculate, Erase"), as mergekit's `sce`:
-
-    Select keeps the entries whose variance across the task vectors is among the top `select_topk` share of the
-    non-zero variances (`variance_keep`); Calculate weighs each model by the mean square of its selected task
-    vector, as a share of their sum (`sce_weights`); Erase keeps, entry by entry, the deltas whose sign agrees
-    with the sign of their sum (+ on a zero sum, as in mergekit). The merge is the weighted mean of what is
-    kept, added to the base. Whole tensors: the selection ranks and the weights are per tensor.
-    """
-    base32 = base.to(torch.float32)
-    deltas = torch.stack([task_vector(model, base32) for model in models])
-    if select_topk < 1.0:
-        deltas.mul_(variance_keep(deltas, select_topk))
-    agree = sign_consensus(deltas, zero_sum_positive=True).to(torch.float32)
-    weighted = agree * sce_weights(deltas).view(-1, *[1] * base32.dim())
-    return base32 + (deltas * weighted).sum(dim=0) / weighted.sum(dim=0).clamp_min(1e-6)  # mergekit's floor
-
-
-def variance_keep(deltas: torch.Tensor, share: float) -> torch.Tensor:
-    """1.0 where the variance across the models (population variance, dim 0) is among the top `share` of the
-    non-zero variances, else 0.0. Variances tied at the threshold are kept alike (mergekit's topk keeps exactly k,
-    breaking ties by position)."""
-    variance = deltas.var(dim=0, unbiased=False)
-    keep = int(torch.count_nonzero(variance).item() * share)
-    if keep == 0:
-        return torch.zeros_like(variance)
-    return at_least(variance.clone(), magnitude_threshold(variance, keep))
-
-
-def sce_weights(deltas: torch.Tensor) -> torch.Tensor:
-    """Each model's mean squared (selected) task vector as a share of their sum; equal shares where the sum is
-    below 1e-6, when the models barely moved (SCE's Calculate step, mergekit's threshold)."""
-    weights = deltas.square().reshape(deltas.shape[0], -1).mean(dim=1)
-    total = weights.sum().item()
-    return torch.full_like(weights, 1.0 / len(weights)) if abs(total) < 1e-6 else weights / total
-
-
 def sum_of_products(rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """Σ rows[i]·factors[i] added model after model from +0.0, one addcmul per row: a fixed rounding order,
     unlike torch's blocked sum(dim=0) (the same bytes for up to four rows). For factors of exact 0s and 1s (the
@@ -651,27 +599,6 @@ def fused_task_vectors(out: torch.Tensor, base: torch.Tensor, models: Sequence[t
     return out
 
 
-def lines_factor(alpha: float, beta: float, layer: int | None, n_layers: int) -> float:
-    """LiNeS's scale of a tensor's task vector (Wang et al., ICLR 2025, arXiv 2410.17146, Sec. 3:
-    lambda(l) = alpha + beta * (l - 1) / (L - 1) for blocks l = 1..L), written with decoder layers l = 0..L-1 as
-    alpha + beta * l / (L - 1). A tensor outside the decoder layers (embeddings, final norm, head) takes alpha, as
-    the authors' `LiNeS_scaling` (src/eval/eval.py) scales every key that names no residual block by alpha; one
-    layer (L = 1) is the first layer, alpha (their code divides by zero there)."""
-    if layer is None or n_layers < 2:
-        return alpha
-    return alpha + beta * (layer / (n_layers - 1))
-
-
-def lines(base: torch.Tensor, models: Sequence[torch.Tensor], weights: Sequence[float], alpha: float, beta: float,
-          layer: int | None, n_layers: int) -> torch.Tensor:
-    """LiNeS: base + lines_factor(...) * sum_i w_i (model_i - base). With several models the factor scales the
-    merged task vector, task arithmetic's weighted sum: the authors' multi-task form scales their merged vector
-    (the "sum" method's plain sum for task arithmetic; src/eval/aggregation.py `create_task_vector`). They then fix
-    alpha = (||sum tau||_1 / ||merged tau||_1) / T, which is 1/T for the plain sum, and sweep beta; here alpha is
-    given (a streaming merge sees one tensor, not the whole model's norms): pass 1/T to follow them."""
-    return task_vector_merge(base, models, weights, scale=lines_factor(alpha, beta, layer, n_layers))
-
-
 def gram_matrix(tensors: Sequence[torch.Tensor], origin: torch.Tensor | None = None) -> torch.Tensor:
     """The float64 [k, k] inner products <x_i, x_j> of flattened tensors (minus `origin` when given), chunked."""
     flats = [tensor.reshape(-1) for tensor in tensors]
@@ -719,115 +646,3 @@ def combine_rows(tensors: Sequence[torch.Tensor], coefficients: torch.Tensor, ax
     return merged.reshape(moved).movedim(-1, axis)
 
 
-def model_stock_ratio(offset_gram: torch.Tensor) -> torch.Tensor:
-    """Model Stock's interpolation ratio t = N·cosθ / (1 + (N-1)·cosθ) (Jang et al. 2024, eq. 3 and §3).
-
-    cosθ is the mean pairwise cosine between the N fine-tunes' offsets from the base (from their Gram
-    matrix, [..., N, N]). Where the denominator vanishes there is no finite estimate and t is 0 (the
-    base is kept), as in mergekit.
-    """
-    count = offset_gram.shape[-1]
-    norms = offset_gram.diagonal(dim1=-2, dim2=-1).clamp(min=0).sqrt()
-    cosines = [(offset_gram[..., i, j] / (norms[..., i] * norms[..., j]).clamp(min=1e-6)).clamp(-1, 1)
-               for i in range(count) for j in range(i + 1, count)]
-    cosine = torch.stack(cosines).mean(dim=0)
-    denominator = 1 + (count - 1) * cosine
-    singular = denominator.abs() < 1e-6
-    return torch.where(singular, torch.zeros_like(cosine), count * cosine / torch.where(singular, 1.0, denominator))
-
-
-def model_stock_coefficients(offset_gram: torch.Tensor) -> torch.Tensor:
-    """Coefficients on [base, model_1..model_N]: t·mean(models) + (1-t)·base ([..., N+1])."""
-    count = offset_gram.shape[-1]
-    ratio = model_stock_ratio(offset_gram).unsqueeze(-1)
-    return torch.cat([1 - ratio, (ratio / count).expand(*ratio.shape[:-1], count)], dim=-1)
-
-
-def nuslerp_coefficients(gram: torch.Tensor, t: float) -> torch.Tensor:
-    """NuSLERP's two coefficients ([..., 2]) for vectors with Gram matrix [..., 2, 2], as mergekit's nuslerp.
-
-    The SLERP formula (`spherical_weights`) on the vectors' angle; only exactly colinear vectors
-    (1 - cos² <= 1e-16) fall back to linear, unlike `slerp_weights`' wider band.
-    """
-    norms = gram.diagonal(dim1=-2, dim2=-1).clamp(min=0).sqrt().clamp(min=1e-7)
-    cosine = (gram[..., 0, 1] / (norms[..., 0] * norms[..., 1])).clamp(-1, 1)
-    colinear = (1 - cosine.square()) <= 1e-16
-    theta = torch.acos(torch.where(colinear, 0.0, cosine))
-    sin_theta = torch.where(colinear, 1.0, torch.sin(theta))
-    spherical = torch.stack([torch.sin((1 - t) * theta), torch.sin(t * theta)], dim=-1) / sin_theta.unsqueeze(-1)
-    linear_pair = torch.tensor([1 - t, t], dtype=gram.dtype).expand_as(spherical)
-    return torch.where(colinear.unsqueeze(-1), linear_pair, spherical)
-
-
-def multislerp_coefficients(gram: torch.Tensor, weights: Sequence[float], eps: float = 1e-8) -> torch.Tensor:
-    """Multi-SLERP's coefficients on its k vectors (Goddard 2024, "multislerp"), from their Gram matrix.
-
-    The points are projected on the unit sphere, their weighted mean direction m taken, the points mapped
-    to the tangent plane at m, averaged there with the weights, mapped back with the exponential map, and
-    scaled by the weighted mean norm. Every step stays in the span of the inputs, so the result is a
-    combination of them computed here from inner products alone. Weights are used as given (normalize
-    them first for a barycentre).
-    """
-    w = torch.tensor(list(weights), dtype=torch.float64)
-    norms = gram.diagonal().clamp(min=0).sqrt()
-    to_unit = 1.0 / (norms + eps)
-    unit_gram = gram * to_unit[:, None] * to_unit[None, :]
-    mean_norm = (w @ unit_gram @ w).clamp(min=0).sqrt()
-    if mean_norm < eps:
-        if len(w) == 2:
-            return w
-        raise ValueError("multislerp: the weighted mean direction is zero (antipodal inputs whose weights cancel)")
-    mean = w / mean_norm
-    dots = unit_gram @ mean
-    tangent = w - (w * dots).sum() * mean
-    tangent_norm = (tangent @ unit_gram @ tangent).clamp(min=0).sqrt() + eps
-    on_sphere = mean * torch.cos(tangent_norm) + tangent * (torch.sin(tangent_norm) / tangent_norm)
-    return on_sphere * (norms * w).sum() * to_unit
-
-
-def karcher_coefficients(gram: torch.Tensor, max_iter: int = 10, tol: float = 1e-5) -> torch.Tensor:
-    """The equal-weight Karcher (Riemannian, Fréchet) mean on the unit sphere, scaled by the mean norm.
-
-    Karcher 1977; the fixed-point iteration of Buss & Fillmore 2001 (§3): map the points to the tangent
-    plane at the current mean with the log map, average, step back with the exponential map, until the
-    step is below `tol` or `max_iter` steps. As in mergekit, zero-norm inputs (<= tol) take no part in
-    the direction but count in the norm. Coefficients on the inputs, from their Gram matrix.
-    """
-    count = gram.shape[0]
-    norms = gram.diagonal().clamp(min=0).sqrt()
-    valid = [index for index in range(count) if norms[index] > tol]
-    coefficients = torch.zeros(count, dtype=torch.float64)
-    if not valid:
-        return coefficients
-    units = gram[valid][:, valid] / (norms[valid][:, None] * norms[valid][None, :])
-    alphas = torch.full((len(valid),), 1.0 / len(valid), dtype=torch.float64)
-
-    def length(vector):
-        return (vector @ units @ vector).clamp(min=0).sqrt()
-
-    mean = alphas.clone()
-    mean_norm = length(mean)
-    if mean_norm < tol:
-        mean = torch.zeros_like(alphas)
-        mean[0] = 1.0
-    else:
-        mean = mean / mean_norm
-    for _ in range(max_iter):
-        dots = (units @ mean).clamp(-1, 1)
-        thetas = torch.arccos(dots)
-        tangent = torch.zeros_like(mean)
-        for index in range(len(valid)):
-            if thetas[index] < tol:
-                continue
-            direction = -dots[index] * mean
-            direction[index] += 1.0
-            tangent += alphas[index] * (thetas[index] / torch.sin(thetas[index])) * direction
-        tangent_norm = length(tangent)
-        if tangent_norm < tol:
-            break
-        mean = torch.cos(tangent_norm) * mean + torch.sin(tangent_norm) * tangent / tangent_norm
-        unit_norm = length(mean)
-        if unit_norm > tol:
-            mean = mean / unit_norm
-    coefficients[valid] = mean * (norms.sum() / count) / norms[valid]
-    return coefficients
