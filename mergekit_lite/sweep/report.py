@@ -438,6 +438,6 @@ def write_report(result: SweepResult) -> None:
     write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     drift = ""
     if result.drift is not None:
-        recall_lerp = pick_coefficients(result, folder) if result.settings.method == "recall_lerp" else None
-        drift = "\n" + "\n".join(drift_lines(result, recall_lerp))
+        interpolated = methods.method(result.settings.method).interpolates  # recall_lerp's weights per layer
+        drift = "\n" + "\n".join(drift_lines(result, pick_coefficients(result, folder) if interpolated else None))
     write_atomic(folder / REPORT_FILE, report_markdown(result, results) + layer_profile(result, folder) + drift)
