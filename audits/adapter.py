@@ -41,15 +41,15 @@ from pathlib import Path
 
 import torch
 
-from audits.base import AuditBase
-from audits.base_weights import base_confirmed, check_declared_weights
-from audits.declared_base import compare, given_base_id, names_local_folder, quantised_reason, same_folder
-from audits.fingerprint import FINGERPRINT_FILE, load_fingerprint, sha256_file, tokenizer_info
-from audits.leakage import check_leakage
-from audits.report import FAIL, PASS, REJECTED, WARN, AuditReport, CheckResult, make_report, shown_names
-from audits.structure import base_names, check_structure, module_of
-from audits.thresholds import AuditThresholds
-from audits.update import bias_changes, check_delta, check_spectral, measure_module, replacement_changes
+from mergekit_lite.audits.base import AuditBase
+from mergekit_lite.audits.base_weights import base_confirmed, check_declared_weights
+from mergekit_lite.audits.declared_base import compare, given_base_id, names_local_folder, quantised_reason, same_folder
+from mergekit_lite.audits.fingerprint import FINGERPRINT_FILE, load_fingerprint, sha256_file, tokenizer_info
+from mergekit_lite.audits.leakage import check_leakage
+from mergekit_lite.audits.report import FAIL, PASS, REJECTED, WARN, AuditReport, CheckResult, make_report, shown_names
+from mergekit_lite.audits.structure import base_names, check_structure, module_of
+from mergekit_lite.audits.thresholds import AuditThresholds
+from mergekit_lite.audits.update import bias_changes, check_delta, check_spectral, measure_module, replacement_changes
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import ADAPTER_PATTERNS, is_hub_id, repo_files, resolve_model
@@ -299,7 +299,7 @@ def check_tokenizer(adapter: LoraAdapter, audit_base: AuditBase, fingerprint: di
 def check_signature(signature: dict, audit_base: AuditBase, source: str) -> CheckResult:
     """The base holds the weights the signature was taken from (sampled values compared as numbers; once per
     distinct signature in a batch)."""
-    from audits.fingerprint import compare_samples, tensor_table_hash
+    from mergekit_lite.audits.fingerprint import compare_samples, tensor_table_hash
 
     base = audit_base.source
     differing, missing = audit_base.once(("signature", json.dumps(signature, sort_keys=True)),
@@ -328,7 +328,7 @@ def check_behaviour(adapter: LoraAdapter, base: AuditBase, fingerprint: dict | N
                     device: str) -> CheckResult:
     """First-token KL(base || base+adapter) on probes (App. I, the authors' direction) and, with a recorded
     reference, the base's own KL."""
-    from audits.behaviour import load_causal_lm, measure_divergence
+    from mergekit_lite.audits.behaviour import load_causal_lm, measure_divergence
 
     reference = (fingerprint or {}).get("behaviour")
     model = base.once(("model", device), lambda: load_causal_lm(base.path, device))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from audits.fingerprint import probe, top_singular
+from mergekit_lite.audits.fingerprint import probe, top_singular
 from mergekit_lite.io.hub import hub_id_of, is_hub_id, resolve_model, split_hub_id
 from mergekit_lite.io.safetensors import open_model
 

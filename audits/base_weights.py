@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from audits.base import AuditBase
-from audits.declared_base import names_local_folder, same_folder
-from audits.report import FAIL, PASS, WARN, CheckResult, shown_names
+from mergekit_lite.audits.base import AuditBase
+from mergekit_lite.audits.declared_base import names_local_folder, same_folder
+from mergekit_lite.audits.report import FAIL, PASS, WARN, CheckResult, shown_names
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import check_ref, checked_snapshot, hub_errors, hub_subfolder, is_hub_id, split_hub_id
 from mergekit_lite.io.safetensors import open_model

@@ -161,7 +161,7 @@ def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K, behaviour: bool = 
                    "probe_seed": PROBE_SEED, "probe_dim": PROBE_DIM, "modules": modules, "signature": signature,
                    "tokenizer": tokenizer_info(folder, source.config)}
     if behaviour and base_dir.is_dir():
-        from audits.behaviour import record_reference
+        from mergekit_lite.audits.behaviour import record_reference
 
         fingerprint["behaviour"] = record_reference(base_dir, device)
     return fingerprint

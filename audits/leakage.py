@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from audits.report import FAIL, PASS, WARN, CheckResult
+from mergekit_lite.audits.report import FAIL, PASS, WARN, CheckResult
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.validation import decode_text, open_regular, require_regular
 

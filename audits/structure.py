@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from audits.fingerprint import is_weight_matrix
-from audits.report import FAIL, PASS, SHOWN_NAMES, CheckResult
+from mergekit_lite.audits.fingerprint import is_weight_matrix
+from mergekit_lite.audits.report import FAIL, PASS, SHOWN_NAMES, CheckResult
 from mergekit_lite.io.architecture import checkpoint_names
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.sources import replaces_tied_head, tied_head

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from audits.fingerprint import DEFAULT_TOP_K
+from mergekit_lite.audits.fingerprint import DEFAULT_TOP_K
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from audits.base import AuditBase
-from audits.fingerprint import FINGERPRINT_FILE, module_similarity
-from audits.report import FAIL, PASS, WARN, CheckResult, shown_names
-from audits.structure import base_names, stored_tied_head
-from audits.thresholds import AuditThresholds
+from mergekit_lite.audits.base import AuditBase
+from mergekit_lite.audits.fingerprint import FINGERPRINT_FILE, module_similarity
+from mergekit_lite.audits.report import FAIL, PASS, WARN, CheckResult, shown_names
+from mergekit_lite.audits.structure import base_names, stored_tied_head
+from mergekit_lite.audits.thresholds import AuditThresholds
 from mergekit_lite.io.lora import LoraAdapter
 
 

@@ -9,7 +9,7 @@ faults and system time (benchmarks/RESULTS.md, allocator A/B).
 import sys
 
 import mergekit_lite.merge.engine as engine
-from cli.main import main
+from mergekit_lite.cli.main import main
 
 if __name__ == "__main__":
     mode = sys.argv.pop(1)

@@ -32,7 +32,7 @@ def build(count: int, hidden: int) -> tuple[Path, Path]:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
+    from mergekit_lite.audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
 
     base_dir, adapters = WORK / "base", WORK / "adapters"
     if WORK.exists():

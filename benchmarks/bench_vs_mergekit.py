@@ -32,7 +32,7 @@ WORK = HERE / "work"
 METHODS = ("linear", "slerp", "task_arithmetic", "ties", "dare_ties")
 MERGEKIT_DTYPES = ("bfloat16", "float32")
 LITE_SHARD, MERGEKIT_SHARD = "500MB", "500M"  # the protocol; mergekit counts parameters: 500M bf16 = 1 GB
-STARTUP = "import torch, yaml, tqdm, mergekit_lite.merge.engine, cli.merge"
+STARTUP = "import torch, yaml, tqdm, mergekit_lite.merge.engine, mergekit_lite.cli.merge"
 
 
 def log(message: str) -> None:

@@ -27,14 +27,27 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_vs_mergekit import LITE_SHARD, REPO, WORK, lite_command, timed_run  # noqa: E402
 
-RUN_AT = """import sys
+# A checkout's cli/ is imported as the install names it (mergekit_lite.cli), or as `cli` in trees made before that.
+RUN_AT = """import importlib.util, os, sys
 checkout = sys.argv[1]
 sys.meta_path = [finder for finder in sys.meta_path if "editable" not in repr(finder)]
 sys.path.insert(0, checkout)
-import cli.main, mergekit_lite
+import mergekit_lite
 assert mergekit_lite.__file__.startswith(checkout), mergekit_lite.__file__
+with open(os.path.join(checkout, "pyproject.toml")) as pyproject:
+    mapped = '"mergekit_lite.cli" = "cli"' in pyproject.read()
+if mapped:
+    for name in ("audits", "cli"):
+        folder = os.path.join(checkout, name)
+        spec = importlib.util.spec_from_file_location(f"mergekit_lite.{name}", os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+        sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    from mergekit_lite.cli.main import main
+else:
+    from cli.main import main
 sys.argv = ["mergekit-lite", *sys.argv[2:]]
-sys.exit(cli.main.main())
+sys.exit(main())
 """
 
 

@@ -42,6 +42,7 @@ from mergekit_lite.toy import (
     ToyConfig,
     build_model,
     build_tokenizer,
+    fit,
     make_entities,
     multiple_choice_docs,
     save_model,
@@ -66,14 +67,7 @@ def train_on(model, tokenizer, sentences: list[str], steps: int, learning_rate: 
     encoded = tokenizer(sentences, return_tensors="pt")["input_ids"]
     labels = torch.full_like(encoded, -100)
     labels[:, -1] = encoded[:, -1]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=encoded, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    fit(model, encoded, labels, steps, learning_rate)
 
 
 def lm_eval(model_dir: Path, tasks: list[str], task_dir: Path, output: Path) -> Path:
@@ -151,7 +145,7 @@ def main() -> None:
                                   task_dir, runs))
         history = out / "history"
         if not history.exists():
-            subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "forgetting", str(pre_log),
+            subprocess.run([sys.executable, "-c", "-m", "mergekit_lite.cli", "forgetting", str(pre_log),
                             *map(str, logs), "--matrix", str(history), "--known", "10", "--known", "30", "-q"],
                            check=True)
         payload = json.loads((history / "matrix.json").read_text())

@@ -31,7 +31,7 @@ def lm_eval(model: Path, tasks: str, include: Path, out: Path, shots: int | None
 
 
 def mergekit_lite(*args: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args, "--json", "-q"],
+    result = subprocess.run([sys.executable, "-c", "-m", "mergekit_lite.cli", *args, "--json", "-q"],
                             check=True, capture_output=True, text=True)
     return json.loads(result.stdout)
 

@@ -12,9 +12,10 @@ from dataclasses import asdict
 
 import click
 
-from cli.types import Number
+from mergekit_lite.cli.types import Number
 
-SHIPPED_FINGERPRINT = "base_fingerprint.json"  # audits.fingerprint.FINGERPRINT_FILE, named here to keep torch out of --help
+# audits.fingerprint.FINGERPRINT_FILE, named here to keep torch out of --help
+SHIPPED_FINGERPRINT = "base_fingerprint.json"
 
 
 class _InPlaceOfGroup(click.Context):
@@ -182,12 +183,12 @@ def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, 
     if as_json and as_csv:
         raise click.UsageError("give --json or --csv, not both")
     if quiet:
-        from cli.main import quiet_third_party
+        from mergekit_lite.cli.main import quiet_third_party
 
         quiet_third_party()
-    from audits.adapter import audit_batch, find_adapters, read_adapter_list
-    from audits.base import AuditBase
-    from audits.thresholds import AuditThresholds
+    from mergekit_lite.audits.adapter import audit_batch, find_adapters, read_adapter_list
+    from mergekit_lite.audits.base import AuditBase
+    from mergekit_lite.audits.thresholds import AuditThresholds
 
     names = [*adapters, *(read_adapter_list(from_file) if from_file else [])]
     if not names:
@@ -247,10 +248,10 @@ def audit():
 def fingerprint(base, out, top_k, behaviour, device, quiet):
     """Write BASE's fingerprint (spectra, signature, tokenizer, outputs) to ship inside adapter folders."""
     if quiet:
-        from cli.main import quiet_third_party
+        from mergekit_lite.cli.main import quiet_third_party
 
         quiet_third_party()
-    from audits.fingerprint import compute_fingerprint, fingerprint_destination, write_fingerprint
+    from mergekit_lite.audits.fingerprint import compute_fingerprint, fingerprint_destination, write_fingerprint
 
     fingerprint_destination(out, base)
     result = compute_fingerprint(base, top_k, behaviour=behaviour, device=device)

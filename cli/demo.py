@@ -23,7 +23,7 @@ def demo(out, seed, methods, quiet):
     from mergekit_lite.errors import InputError
 
     if quiet:
-        from cli.main import quiet_third_party
+        from mergekit_lite.cli.main import quiet_third_party
 
         quiet_third_party()
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())

@@ -2,8 +2,8 @@
 
 import click
 
-from cli.mergekit_flags import MergekitFlags, mergekit_options
-from cli.types import Number, SafeSuggestions
+from mergekit_lite.cli.mergekit_flags import MergekitFlags, mergekit_options
+from mergekit_lite.cli.types import Number, SafeSuggestions
 
 # mergekit's shared flags that have no part in an extraction: a note when given (mergekit reads them and does nothing)
 NOT_EXTRACTION = {"out_shard_size": "the adapter is one file, as mergekit-extract-lora writes it",

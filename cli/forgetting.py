@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import click
 
-from cli.forgetting_matrix import NAMES as MATRIX_OPTIONS
-from cli.forgetting_matrix import matrix_options, run_matrix_form
+from mergekit_lite.cli.forgetting_matrix import NAMES as MATRIX_OPTIONS
+from mergekit_lite.cli.forgetting_matrix import matrix_options, run_matrix_form
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, format_table
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run

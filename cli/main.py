@@ -26,13 +26,13 @@ BAD_INPUT_ERRORS = {
 }
 
 SUBCOMMANDS = {
-    "merge": ("cli.merge", "merge", "Merge checkpoints (streamed, tensor by tensor)."),
-    "audit": ("cli.audit", "audit", "Audit LoRA adapters before merging: VERIFIED / REJECTED / WARN."),
-    "sweep": ("cli.sweep", "sweep", "Sweep the merge coefficient, evaluate old/new skills, pick by harmonic mean."),
-    "extract": ("cli.extract", "extract", "Extract a LoRA adapter (PEFT) from a base and its fine-tune by truncated SVD."),
-    "forgetting": ("cli.forgetting", "forgetting", "Sample-level forgetting map from two lm-eval --log_samples outputs."),
-    "drift": ("cli.drift", "drift", "Where post-training moved a model: relative drift per layer and module, CKA."),
-    "demo": ("cli.demo", "demo", "The whole story offline on tiny models: train, forget, audit, sweep, report."),
+    "merge": (".merge", "merge", "Merge checkpoints (streamed, tensor by tensor)."),
+    "audit": (".audit", "audit", "Audit LoRA adapters before merging: VERIFIED / REJECTED / WARN."),
+    "sweep": (".sweep", "sweep", "Sweep the merge coefficient, evaluate old/new skills, pick by harmonic mean."),
+    "extract": (".extract", "extract", "Extract a LoRA adapter (PEFT) from a base and its fine-tune by truncated SVD."),
+    "forgetting": (".forgetting", "forgetting", "Sample-level forgetting map from two lm-eval --log_samples outputs."),
+    "drift": (".drift", "drift", "Where post-training moved a model: relative drift per layer and module, CKA."),
+    "demo": (".demo", "demo", "The whole story offline on tiny models: train, forget, audit, sweep, report."),
 }
 
 
@@ -49,7 +49,7 @@ class LazyGroup(click.Group):
         # Deferred: torch's import runs Python inside C++ (pybind11), where an exception raised by the handler
         # cannot unwind and aborts the process (terminate called after error_already_set); raised right after
         with interrupts.deferred():
-            return getattr(importlib.import_module(module), attribute)
+            return getattr(importlib.import_module(module, __package__), attribute)
 
     def format_commands(self, ctx, formatter):
         rows = [(name, help_text) for name, (_, _, help_text) in SUBCOMMANDS.items()]

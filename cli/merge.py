@@ -2,8 +2,8 @@
 
 import click
 
-from cli.mergekit_flags import MergekitFlags, mergekit_options
-from cli.types import Number, SafeSuggestions
+from mergekit_lite.cli.mergekit_flags import MergekitFlags, mergekit_options
+from mergekit_lite.cli.types import Number, SafeSuggestions
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.checkpoints import in_training_order
 from mergekit_lite.merge import methods
@@ -185,7 +185,7 @@ def merge(config_file, out_path, out, method, base, models, alpha, beta, t, scal
             click.echo(cost.estimate(plan, rates).describe(where))
         return
     if quiet:
-        from cli.main import quiet_third_party
+        from mergekit_lite.cli.main import quiet_third_party
 
         quiet_third_party()
     result = run_merge(config, out, overwrite=overwrite, progress=not quiet, copy_tokenizer=flags.copy_tokenizer,

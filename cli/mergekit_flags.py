@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import click
 
-from cli.types import ShardSize
+from mergekit_lite.cli.types import ShardSize
 from mergekit_lite.errors import InputError
 
 GPU_FLAGS = ("cuda", "read_to_gpu", "low_cpu_memory", "multi_gpu", "gpu_rich")

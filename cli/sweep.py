@@ -4,7 +4,7 @@ import contextlib
 
 import click
 
-from cli.types import Number
+from mergekit_lite.cli.types import Number
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.trajectory import REPLAY_FORMATS
 from mergekit_lite.merge.methods import SWEEPABLE
@@ -167,7 +167,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
     from mergekit_lite.sweep.samples import check_replay, write_replay
 
     if quiet:
-        from cli.main import quiet_third_party
+        from mergekit_lite.cli.main import quiet_third_party
 
         quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
     click.get_current_context().with_resource(each_verdict_once())  # the adapter's verdict once, not once per point

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from audits.report import VERIFIED, AuditReport
+from mergekit_lite.audits.report import VERIFIED, AuditReport
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import split_lora_reference
 from mergekit_lite.io.sources import TensorSource
@@ -67,7 +67,8 @@ def gate_adapter(adapter: str, host: str, *, force: bool = False, allow_pickle: 
     """Audit `adapter` against `host`, the model it is applied to: REJECTED stops it (see
     audits.adapter.require_verified), the verdict line goes to stderr, and with `require_verified` anything short
     of VERIFIED stops it too (UnverifiedAdapter, exit 1)."""
-    from audits.adapter import require_verified as audited_or_refused  # read only when an adapter is merged
+    # imported here: the audit's modules are read only when an adapter is merged
+    from mergekit_lite.audits.adapter import require_verified as audited_or_refused
 
     report = audited_or_refused(adapter, host, force, allow_pickle=allow_pickle, forcible=forcible)
     announce(report)
@@ -116,7 +117,7 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, **options) -> Extr
     """merge.extract.extract_lora, with the base's fingerprint shipped in the adapter folder (base_fingerprint.json,
     written before the folder appears): whoever audits the adapter later can check their base is the one it was
     factored against, wherever the adapter has moved. The weights are fingerprinted without running the model."""
-    from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
+    from mergekit_lite.audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
 
     def ship_fingerprint(folder: Path, base: str) -> None:
         write_fingerprint(compute_fingerprint(base, behaviour=False), folder / FINGERPRINT_FILE, base_dir=base)

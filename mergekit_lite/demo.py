@@ -40,7 +40,7 @@ class DemoResult:
 
 def make_adapters(pair: ToyPair, folder: Path) -> list[Path]:
     """A rank-8 LoRA of the fine-tune shipping its base's fingerprint, and a copy with B zeroed (a no-op)."""
-    from audits.fingerprint import (
+    from mergekit_lite.audits.fingerprint import (
         FINGERPRINT_FILE,
         compute_fingerprint,
         write_fingerprint,
@@ -62,7 +62,7 @@ def make_adapters(pair: ToyPair, folder: Path) -> list[Path]:
 def run_demo(out: str | Path, seed: int = 0, methods: tuple[str, ...] = tuple(DEMO_SWEEPS),
              progress: bool = False, echo=print) -> DemoResult:
     """Run every stage; finished stages in `out` are reused, so a rerun is quick."""
-    from audits.adapter import audit_adapter
+    from mergekit_lite.audits.adapter import audit_adapter
 
     out = prepare_run_folder(out)
     echo(f"[1/4] building and training the tiny pre/post models in {out / 'models'}")

@@ -158,8 +158,15 @@ def train(
     which gives a pair whose forgetting is concentrated in a few layers. `after_step(step)` runs after each
     optimizer step (1-based), e.g. to save checkpoints."""
     input_ids, labels = answer_batch(tokenizer, skill, sorted(skill.answers))
-    trained = model.parameters() if layers is None else [p for i in layers for p in model.model.layers[i].parameters()]
-    optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=0.0)
+    trained = None if layers is None else [p for i in layers for p in model.model.layers[i].parameters()]
+    fit(model, input_ids, labels, steps, learning_rate, trained, after_step)
+
+
+def fit(model, input_ids: torch.Tensor, labels: torch.Tensor, steps: int, learning_rate: float,
+        parameters=None, after_step: Callable[[int], None] | None = None) -> None:
+    """`steps` full-batch AdamW steps on one batch (all of the model's parameters unless `parameters` says)."""
+    optimizer = torch.optim.AdamW(model.parameters() if parameters is None else parameters, lr=learning_rate,
+                                  weight_decay=0.0)
     model.train()
     for step in range(steps):
         loss = model(input_ids=input_ids, labels=labels).loss

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import ARCHITECTURES, tiny_model, train_lora
 from transformers import AutoTokenizer
 
-from audits.adapter import audit_adapter
+from mergekit_lite.audits.adapter import audit_adapter
 from mergekit_lite.audited import run_merge
 from mergekit_lite.io.sources import open_inputs
 from mergekit_lite.merge.methods import NAMES as METHODS

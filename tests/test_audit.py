@@ -14,19 +14,19 @@ from safetensors.torch import load_file, save_file
 from tiny_models import VOCAB, tiny_llama, train_lora
 from transformers import LlamaForCausalLM
 
-from audits import fingerprint as fingerprint_module
-from audits.adapter import audit_adapter, find_adapters, require_verified, target_mismatch
-from audits.fingerprint import (
+from mergekit_lite.audits import fingerprint as fingerprint_module
+from mergekit_lite.audits.adapter import audit_adapter, find_adapters, require_verified, target_mismatch
+from mergekit_lite.audits.fingerprint import (
     FINGERPRINT_FILE,
     compute_fingerprint,
     load_fingerprint,
     top_singular,
     write_fingerprint,
 )
-from audits.base import AuditBase
-from audits.leakage import check_leakage, find_contamination
-from audits.thresholds import AuditThresholds
-from cli.main import main
+from mergekit_lite.audits.base import AuditBase
+from mergekit_lite.audits.leakage import check_leakage, find_contamination
+from mergekit_lite.audits.thresholds import AuditThresholds
+from mergekit_lite.cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.threads import torch_threads
 
@@ -519,7 +519,7 @@ def test_kl_is_the_papers_direction_measured_as_peft_runs_the_adapter(pretrained
     forward pass on the audit's probes: the audit must report that per probe, not the reverse direction."""
     from peft import PeftModel
 
-    from audits.behaviour import probe_ids
+    from mergekit_lite.audits.behaviour import probe_ids
 
     behaviour = check_of(audit_adapter(pretrained_pair / "adapter", pretrained_pair / "base", behaviour=True), "behaviour")
     base = LlamaForCausalLM.from_pretrained(pretrained_pair / "base").eval()

@@ -15,9 +15,9 @@ from test_safety import cli
 from tiny_models import save_tiny_llama, tiny_model, train_lora
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from audits.adapter import audit_adapter
-from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
-from audits.thresholds import AuditThresholds
+from mergekit_lite.audits.adapter import audit_adapter
+from mergekit_lite.audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
+from mergekit_lite.audits.thresholds import AuditThresholds
 from mergekit_lite.threads import torch_threads
 
 TARGETS = ["q_proj", "v_proj", "up_proj"]

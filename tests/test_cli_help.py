@@ -3,7 +3,7 @@
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 
 COMMANDS = ["merge", "audit", "sweep", "extract", "forgetting", "demo"]
 

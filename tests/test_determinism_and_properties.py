@@ -20,7 +20,7 @@ from hypothesis.extra import numpy as hnp
 from safetensors.torch import load_file
 from tiny_models import save_tiny_llama
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 from mergekit_lite.merge.methods.tensor_math import lerp, linear, slerp, task_vector_merge
 
 CLI = Path(sys.executable).parent / "mergekit-lite"

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import pytest
 
-from cli.main import SUBCOMMANDS, main
+from mergekit_lite.cli.main import SUBCOMMANDS, main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

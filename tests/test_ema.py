@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 from mergekit_lite.merge.methods.ema import ema_weights
 
 

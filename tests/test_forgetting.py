@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import aggregate, compare, forgetting_map, forgetting_metrics, format_table
 from mergekit_lite.evaluate.outcomes import (

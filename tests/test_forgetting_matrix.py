@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from scipy.special import softmax
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 from mergekit_lite.evaluate.matrix import auc, select_replay
 
 STAMP = "2024-05-01T12-00-00.123456"

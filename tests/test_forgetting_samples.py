@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 from mergekit_lite.evaluate.records import SampleText, sample_text
 from mergekit_lite.evaluate.trajectory import heatmap_values, trajectory

@@ -360,7 +360,7 @@ def test_choices_must_be_whole(tmp_path, spec):
 
 PROBE = """
 import sys
-from cli.main import main
+from mergekit_lite.cli.main import main
 try:
     main(sys.argv[1:])
 except SystemExit as exit:

@@ -22,11 +22,11 @@ from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_llama, train_lora
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-import audits.base as audit_base_module
-from audits.adapter import audit_adapter
-from audits.thresholds import AuditThresholds
-from audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
-from cli.main import main
+import mergekit_lite.audits.base as audit_base_module
+from mergekit_lite.audits.adapter import audit_adapter
+from mergekit_lite.audits.thresholds import AuditThresholds
+from mergekit_lite.audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
+from mergekit_lite.cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import ADAPTER_PATTERNS, resolve_model
 from mergekit_lite.merge.schema import config_from_dict
@@ -303,7 +303,7 @@ def test_extracted_adapter_has_an_adapter_card(hub, tmp_path):
 
 
 def test_an_adapter_tokenizer_linked_out_of_its_folder_is_never_opened(hub, tmp_path, monkeypatch):
-    import audits.fingerprint as fingerprint_module
+    import mergekit_lite.audits.fingerprint as fingerprint_module
 
     secret = tmp_path / "secret.json"
     secret.write_text('{"hunter2": true}')
@@ -339,7 +339,7 @@ def test_save_best_section_renders_pick_and_intervals(hub, tmp_path):
 def test_behaviour_in_a_batch_loads_the_base_once_and_gives_it_back_unchanged(hub, monkeypatch):
     """--behaviour: one loaded model serves every adapter; each sees the base's own weights (its KL equals a fresh
     audit's, whatever adapter ran before it)."""
-    import audits.behaviour as behaviour_module
+    import mergekit_lite.audits.behaviour as behaviour_module
 
     loads = Counter(behaviour_module.load_causal_lm)
     monkeypatch.setattr(behaviour_module, "load_causal_lm", loads)

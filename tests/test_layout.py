@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("mergekit_lite", "cli", "audits")
+# folder of the repository -> the package it is installed as (pyproject's package-dir)
+PACKAGES = {"mergekit_lite": "mergekit_lite", "cli": "mergekit_lite.cli", "audits": "mergekit_lite.audits"}
 MAX_LINES = 1000
 METHODS_PACKAGE = "mergekit_lite.merge.methods"
 # floor of each module prefix (the longest matching prefix wins); a module may import its own floor or lower
@@ -20,16 +21,17 @@ FLOORS = {
     "mergekit_lite.errors": 0, "mergekit_lite.interrupts": 0, "mergekit_lite.threads": 0, "mergekit_lite": 0,
     "mergekit_lite.io": 1, "mergekit_lite.toy": 1,
     "mergekit_lite.merge": 2,
-    "mergekit_lite.evaluate": 3, "audits": 3,
+    "mergekit_lite.evaluate": 3, "mergekit_lite.audits": 3,
     "mergekit_lite.audited": 4,
     "mergekit_lite.sweep": 5,
     "mergekit_lite.demo": 6,
-    "cli": 7,
+    "mergekit_lite.cli": 7,
 }
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = [PACKAGES[folder], *parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -162,13 +164,26 @@ def test_walker_sees_lazy_and_relative_imports(tmp_path):
 
 
 def test_the_wheel_ships_every_package():
-    """pyproject's package list is what pip installs: every folder of ours with an `__init__.py` must be found
-    by it (a fixed list of top-level names once left the subpackages out of the wheel)."""
+    """pyproject's package list is what pip installs: every folder of ours with an `__init__.py` must be in it,
+    under the name it is imported as, and the folders outside mergekit_lite/ mapped onto those names."""
     import tomllib
 
-    from setuptools import find_packages
-
-    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    shipped = set(find_packages(str(ROOT), include=found["include"]))
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     ours = {module_name(path) for package in PACKAGES for path in (ROOT / package).rglob("__init__.py")}
-    assert ours and ours <= shipped, sorted(ours - shipped)
+    assert ours == set(setuptools["packages"])
+    assert setuptools["package-dir"] == {name: folder for folder, name in PACKAGES.items() if folder != name}
+
+
+def test_the_package_imports_none_of_its_modules_until_asked():
+    """`import mergekit_lite` is cheap (the CLI's --help imports it): the API's names load on first use, and each
+    names what it says."""
+    import subprocess
+    import sys
+
+    program = ("import sys, mergekit_lite\n"
+               "print(sorted(m for m in sys.modules if m.startswith('mergekit_lite.')))\n"
+               "for name in mergekit_lite.__all__:\n"
+               "    assert getattr(mergekit_lite, name).__name__ == name, name\n")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

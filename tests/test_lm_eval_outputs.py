@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from test_safety import cli
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 
 OLD = ["toy_old", "norm_old", "gen_old", "genmc_old"]

@@ -380,7 +380,7 @@ import resource, subprocess, sys
 subprocess.run(sys.argv[1:], check=True)
 print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 """
-IMPORTS_ONLY = "import torch, tqdm, yaml, mergekit_lite.merge.engine, cli.merge"
+IMPORTS_ONLY = "import torch, tqdm, yaml, mergekit_lite.merge.engine, mergekit_lite.cli.merge"
 
 
 def peak_rss(command: list[str]) -> int:

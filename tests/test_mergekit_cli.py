@@ -19,7 +19,7 @@ from test_mergekit_compat import noisy, read_state, save_model
 from test_safety import cli, one_error_line, tree_hash
 from tiny_models import tiny_llama
 
-from cli.types import ShardSize
+from mergekit_lite.cli.types import ShardSize
 from mergekit_lite.io import outputs
 from mergekit_lite.io.safetensors import PlannedTensor, split_into_shards
 
@@ -135,18 +135,6 @@ def test_the_gpu_command_line_without_a_gpu_is_one_line_naming_the_flag(models, 
     assert tree_hash(folder) == before
 
 
-@pytest.mark.slow
-def test_the_dry_run_compares_free_space_with_the_output(models, tmp_path, monkeypatch, calibrated_rates):
-    folder = workspace(models, tmp_path)
-    fits = cli("merge", "config.yaml", "merge", "--dry-run", cwd=folder)
-    assert fits.returncode == 0, fits.stderr
-    assert f"where it goes ({folder}): fits" in fits.stdout
-    monkeypatch.setattr(outputs, "free_space", lambda path: 1000)
-    tight = cli("merge", "config.yaml", "merge", "--dry-run", cwd=folder)
-    assert "free 0.0 MB where it goes" in tight.stdout and "does NOT fit: a merge is refused" in tight.stdout
-    assert not (folder / "merge").exists()
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
 @pytest.mark.parametrize("flag", ["--cuda", "--read-to-gpu", "--low-cpu-memory", "--multi-gpu", "--gpu-rich"])
 def test_each_gpu_flag_without_a_gpu_is_refused_by_name(models, tmp_path, flag):
@@ -221,18 +209,6 @@ def test_flags_that_cannot_apply_are_refused_in_one_line(models, tmp_path, flag,
     before = tree_hash(folder)
     one_error_line(cli("merge", "config.yaml", "out", flag, cwd=folder), 2, pattern)
     assert tree_hash(folder) == before
-
-
-@pytest.mark.slow
-def test_the_dry_run_compares_free_space_with_the_output(models, tmp_path, monkeypatch, calibrated_rates):
-    folder = workspace(models, tmp_path)
-    fits = cli("merge", "config.yaml", "merge", "--dry-run", cwd=folder)
-    assert fits.returncode == 0, fits.stderr
-    assert f"where it goes ({folder}): fits" in fits.stdout
-    monkeypatch.setattr(outputs, "free_space", lambda path: 1000)
-    tight = cli("merge", "config.yaml", "merge", "--dry-run", cwd=folder)
-    assert "free 0.0 MB where it goes" in tight.stdout and "does NOT fit: a merge is refused" in tight.stdout
-    assert not (folder / "merge").exists()
 
 
 @pytest.mark.parametrize("flag, note", [

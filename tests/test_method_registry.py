@@ -143,17 +143,17 @@ def test_every_declaration_is_consistent():
     """What the CLI, the sweep and the dry run take from a declaration holds for every method: a sweep's coefficient
     is a parameter with an explanation, defaults lie within their bounds and have their type, and the dry run's
     calibration merge is a valid config of the method."""
-    for name, method in REGISTRY.items():
-        assert method.name == name and method.summary, name
-        if method.main_coefficient:
-            assert method.main_coefficient in method.parameter_names and method.alpha_meaning, name
-        for parameter in method.parameters:
+    for name, declared in REGISTRY.items():
+        assert declared.name == name and declared.summary, name
+        if declared.main_coefficient:
+            assert declared.main_coefficient in declared.parameter_names and declared.alpha_meaning, name
+        for parameter in declared.parameters:
             assert parameter.help, (name, parameter.name)
             if parameter.default is not None:
                 assert isinstance(parameter.default, parameter.kind), (name, parameter.name)
                 assert parameter.kind is bool or not parameter.out_of_bounds(parameter.default), (name, parameter.name)
-        if method.same_math_as:
-            assert REGISTRY[method.same_math_as].same_math_as is None, name
+        if declared.same_math_as:
+            assert REGISTRY[declared.same_math_as].same_math_as is None, name
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,9 +14,9 @@ from test_hub_audit import COMMIT, lay_out
 from test_safety import cli, one_error_line
 from tiny_models import tiny_model
 
-from audits.adapter import audit_adapter
-from audits.behaviour import adapted
-from audits.thresholds import AuditThresholds
+from mergekit_lite.audits.adapter import audit_adapter
+from mergekit_lite.audits.behaviour import adapted
+from mergekit_lite.audits.thresholds import AuditThresholds
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.threads import torch_threads

@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tiny_models import save_random_pair, save_tiny_llama
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 from mergekit_lite.merge.methods.tensor_math import lerp
 
 CLI = Path(sys.executable).parent / "mergekit-lite"
@@ -485,7 +485,7 @@ def test_sweep_point_files_are_typed(fresh):
     (lambda fp: fp.update(modules=[]), r"modules: expected a mapping"),
 ])
 def test_fingerprint_files_are_typed(work, tmp_path, change, pattern):
-    from audits.fingerprint import compute_fingerprint, load_fingerprint
+    from mergekit_lite.audits.fingerprint import compute_fingerprint, load_fingerprint
     from mergekit_lite.errors import InputError
 
     fingerprint = compute_fingerprint(work / "pre", top_k=2)
@@ -829,14 +829,14 @@ def test_a_signal_while_torch_imports_ends_in_one_line_once_it_has_imported(tmp_
     """torch's import runs Python inside C++ (pybind11), where an exception cannot always unwind: the process
     aborted once ("terminate called after throwing ... error_already_set"). A signal sent from inside that
     import (an audit hook fires as torch._C loads) is acted on once torch has imported: one line, 128 + signal."""
-    program = ("import atexit, os, signal, sys, cli.main\n"
+    program = ("import atexit, os, signal, sys, mergekit_lite.cli.main\n"
                "def hook(event, args):\n"
                "    if event == 'import' and args[0] == 'torch._C' and not hasattr(hook, 'sent'):\n"
                f"        hook.sent = True; os.kill(os.getpid(), {int(signum)})\n"
                "sys.addaudithook(hook)\n"
                "atexit.register(lambda: print('sent', hasattr(hook, 'sent'),\n"
                "                              'whole', 'torch.nn.functional' in sys.modules))\n"
-               "sys.argv[0] = 'mergekit-lite'\ncli.main.main()\n")
+               "sys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n")
     result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
                              "--out", tmp_path / "merged"], capture_output=True, text=True, env=ENV, timeout=120)
     assert (result.returncode, result.stderr) == (128 + signum, f"interrupted ({signum.name})\n")
@@ -847,9 +847,9 @@ def test_a_signal_while_torch_imports_ends_in_one_line_once_it_has_imported(tmp_
 def test_a_signal_during_the_exit_of_a_finished_run_is_quiet(tmp_path, work):
     """A signal after the output is in place, while the interpreter shuts down (here from an atexit callback,
     which runs last): the run still exits 0 with nothing on stderr, and its output is whole."""
-    program = ("import atexit, os, signal, sys, cli.main\n"
+    program = ("import atexit, os, signal, sys, mergekit_lite.cli.main\n"
                "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
-               "sys.argv[0] = 'mergekit-lite'\ncli.main.main()\n")
+               "sys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n")
     result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
                              "--out", tmp_path / "merged"], capture_output=True, text=True, env=ENV, timeout=120)
     assert (result.returncode, result.stderr) == (0, "")
@@ -861,9 +861,9 @@ def test_a_signal_during_the_exit_of_a_finished_run_is_quiet(tmp_path, work):
 
 def test_unexpected_exception_is_one_line_with_the_traceback_saved(tmp_path, work):
     """A bug (injected: plan_merge raising a ZeroDivisionError) is exit 1, one line, the traceback in a file."""
-    program = ("import sys, cli.main, mergekit_lite.merge.engine as engine\n"
+    program = ("import sys, mergekit_lite.cli.main, mergekit_lite.merge.engine as engine\n"
                "def broken(*args, **kwargs):\n    return 1 / 0\n"
-               "engine.plan_merge = broken\nsys.argv[0] = 'mergekit-lite'\ncli.main.main()\n")
+               "engine.plan_merge = broken\nsys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n")
     env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
                              "--out", tmp_path / "merged"], capture_output=True, text=True, env=env, timeout=120)

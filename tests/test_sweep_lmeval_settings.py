@@ -192,7 +192,7 @@ def test_the_pick_says_when_another_alpha_beats_it_and_what_it_keeps(toy_pair, l
     """A sweep whose saved points are built to show it: alpha 0.25 wins the selection docs, 0.5 wins the report
     docs by far. stdout and report.md name 0.5 in a warning; new skill kept is (new - new_pre) / (new_post - new_pre)
     beside forgetting recovered."""
-    from cli.sweep import summary
+    from mergekit_lite.cli.sweep import summary
     from test_sweep import settings_for
 
     folder = Path(shutil.copytree(linear_sweep.out, tmp_path / "run"))
@@ -231,7 +231,7 @@ def test_the_pick_says_when_another_alpha_beats_it_and_what_it_keeps(toy_pair, l
 
 
 def test_a_pick_that_is_pre_itself_says_so_instead_of_a_recovery(toy_pair, linear_sweep, tmp_path):
-    from cli.sweep import summary
+    from mergekit_lite.cli.sweep import summary
     from test_sweep import settings_for
 
     folder = Path(shutil.copytree(linear_sweep.out, tmp_path / "run"))

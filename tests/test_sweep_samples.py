@@ -10,7 +10,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
+from mergekit_lite.cli.main import main
 from mergekit_lite.sweep.samples import SAMPLES_FILE
 
 OLD, NEW, FILTER = ["toy_old", "gen_old"], ["toy_new"], "flexible-extract"

@@ -272,7 +272,7 @@ def calibrate(methods: Iterable[str] = NAMES, known: Rates | None = None) -> Rat
 
 def _startup() -> tuple[float, int]:
     """Wall time and RSS of a fresh interpreter that imports what a merge imports."""
-    script = ("import resource, mergekit_lite.merge.engine, cli.main; "
+    script = ("import resource, mergekit_lite.merge.engine, mergekit_lite.cli.main; "
               "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
     root = Path(mergekit_lite.__file__).resolve().parent.parent
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
