@@ -438,6 +438,7 @@ def write_report(result: SweepResult) -> None:
     write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     drift = ""
     if result.drift is not None:
-        interpolated = methods.method(result.settings.method).interpolates  # recall_lerp's weights per layer
+        method = methods.method(result.settings.method)
+        interpolated = method.reads_recall_weights and method.interpolates  # recall_lerp's weights per layer
         drift = "\n" + "\n".join(drift_lines(result, pick_coefficients(result, folder) if interpolated else None))
     write_atomic(folder / REPORT_FILE, report_markdown(result, results) + layer_profile(result, folder) + drift)
