@@ -138,6 +138,9 @@ def _flag_values(data: dict, **flags) -> dict:
               help="Probe mode: score each alpha only on the selection docs where pre and post disagree plus this "
                    "share of the others (seeded), estimate its scores with standard errors, then score the pick on "
                    "every doc (e.g. 0.1; default: every doc at every alpha).")
+@click.option("--realign-shots", type=int, metavar="K",
+              help="After pre and post, score post again with K demonstrations (lm-eval's few-shot docs) on the docs "
+                   "it forgot, and split the forgetting into spurious (K shots bring it back) and genuine.")
 @click.option("--replay", "replay_out", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
               help="Write the docs post forgot that the pick still loses as training data (TRL's prompt/completion "
                    "JSONL, as `forgetting --replay`), both splits.")
@@ -153,7 +156,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
           selection, selection_fraction, bootstrap, confidence, ray_address, search, copy_files_from, eval_dtype,
           backend, vllm_args, probe, quiet, beta, betas, densities, drops, budget, replay_out, replay_format,
           replay_all, num_fewshot, apply_chat_template, fewshot_as_multiturn, system_instruction, gen_kwargs,
-          model_args, require_verified):
+          model_args, require_verified, realign_shots):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -179,7 +182,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
                         densities=densities, drops=drops, budget=budget, num_fewshot=num_fewshot,
                         apply_chat_template=True if apply_chat_template == "default" else apply_chat_template,
                         fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction,
-                        gen_kwargs=gen_kwargs, model_args=model_args)
+                        gen_kwargs=gen_kwargs, model_args=model_args, realign_shots=realign_shots)
     listed = data.pop("methods", None)
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
     if (replay_format != "prompt-completion" or replay_all) and not replay_out:

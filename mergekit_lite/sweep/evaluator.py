@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mergekit_lite.evaluate.lm_eval_settings import LmEvalSettings
 from mergekit_lite.evaluate.records import logged_names
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.sweep.models import ModelLoader, ResidentPair, fits_in_memory, post_model
@@ -27,7 +28,6 @@ class PointEvaluator:
     def __init__(self, settings: SweepSettings, folder: Path, bar):
         import torch
 
-        from mergekit_lite.evaluate.lm_harness import Evaluator
         from mergekit_lite.io.sources import open_inputs
         from mergekit_lite.merge.recall import find_tokenizer_dir
 
@@ -42,27 +42,41 @@ class PointEvaluator:
             resident = ResidentPair(self.loader, settings, self.sources, settings.merge_config(settings.alphas[0]))
             self.resident = resident if resident.exact else None
         self.tokenizer = evaluation_tokenizer(settings, self.tokenizer_dir)
-        self.evaluators = {
-            group: Evaluator(tasks, include_path=settings.include_path, limit=settings.limit,
-                             batch_size=settings.batch_size, device=settings.device, quiet=True,
-                             settings=settings.lm_eval)
-            for group, tasks in (("old", settings.old_tasks), ("new", settings.new_tasks))
-        }
+        self.evaluators = self.group_evaluators(settings.lm_eval)
+
+    def group_evaluators(self, lm_eval: LmEvalSettings) -> dict:
+        """An lm-eval Evaluator per group (old, new) under `lm_eval`'s settings."""
+        from mergekit_lite.evaluate.lm_harness import Evaluator
+
+        settings = self.settings
+        return {group: Evaluator(tasks, include_path=settings.include_path, limit=settings.limit,
+                                 batch_size=settings.batch_size, device=settings.device, quiet=True, settings=lm_eval)
+                for group, tasks in (("old", settings.old_tasks), ("new", settings.new_tasks))}
 
     def close(self) -> None:
         """Close the inputs' files (a later merge would open them again)."""
         for source in self.sources:
             source.close()
 
-    def endpoint(self, index: int) -> list[TaskRun]:
-        """pre (0) or post (1) itself."""
+    def endpoint(self, index: int, samples: dict[str, dict[str, list[int]]] | None = None) -> list[TaskRun]:
+        """pre (0) or post (1) itself, on every doc or only on `samples`."""
         if self.settings.backend == "vllm":
-            return self.evaluate_folder(self.settings.pre if index == 0 else self.settings.post)
+            return self.evaluate_folder(self.settings.pre if index == 0 else self.settings.post, samples)
         if self.resident is not None and self.resident.endpoint(index):
-            return self.evaluate(self.resident.model)
+            return self.evaluate(self.resident.model, samples)
         if index == 0:
-            return self.evaluate(self.loader.from_folder(self.settings.pre))
-        return self.evaluate(post_model(self.loader, self.settings, self.sources))
+            return self.evaluate(self.loader.from_folder(self.settings.pre), samples)
+        return self.evaluate(post_model(self.loader, self.settings, self.sources), samples)
+
+    def realigned_post(self, shots: int, samples: dict[str, dict[str, list[int]]]) -> list[TaskRun]:
+        """post scored again with `shots` demonstrations (lm-eval picks them as its --num_fewshot does), the sweep's
+        other lm-eval settings kept, only on `samples` ({group: {task: doc ids}}; a group left out is not scored)."""
+        every_doc = self.evaluators
+        self.evaluators = self.group_evaluators(replace(self.settings.lm_eval, num_fewshot=shots))
+        try:
+            return self.endpoint(1, samples)
+        finally:
+            self.evaluators = every_doc
 
     def merged(self, config: MergeConfig, samples: dict[str, dict[str, list[int]]] | None = None) -> list[TaskRun]:
         """A merge written into the resident model, or streamed to a folder in the run folder and loaded from it;
@@ -97,6 +111,8 @@ class PointEvaluator:
     def _runs(self, scores, samples=None) -> list[TaskRun]:
         runs, scoring, metrics, filters = [], self.settings.scoring(), set(), set()
         for group, evaluator in self.evaluators.items():
+            if samples is not None and not samples.get(group):
+                continue
             for task, score in scores(evaluator, None if samples is None else samples[group]).items():
                 runs.append(score_task(task, group, score, scoring))
                 logged = logged_names(score.samples)

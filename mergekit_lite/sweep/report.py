@@ -20,8 +20,9 @@ from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.merge import methods
 from mergekit_lite.sweep.budget import budget_lines
 from mergekit_lite.sweep.grid import cell_key, cell_text, grid_json, grid_lines, plot_heatmap
+from mergekit_lite.sweep.realign import realign_lines
 from mergekit_lite.sweep.result import SweepResult, pick_fields
-from mergekit_lite.sweep.samples import samples_json, samples_lines, write_samples
+from mergekit_lite.sweep.samples import realign_json_of, samples_json, samples_lines, write_samples
 from mergekit_lite.sweep.scoring import PointResult, task_accuracy
 from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
 
@@ -103,6 +104,8 @@ def results_json(result: SweepResult) -> dict:
                    "grid": settings.alphas, "stopped": result.search.reason if result.search else None},
         "probe": probe_json(result),
         "samples": samples_json(result),
+        **({"realign": realign_json_of(result)} if result.realigned is not None else {}),
+        **({"drift": drift_json(result.drift)} if result.drift is not None else {}),
         **{name: value for name, value in (("grid", grid_json(result)), ("budget", result.budget)) if value},
     }
 
@@ -270,8 +273,43 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         forgetting_section("Forgetting map (report split): pre -> post", result.post),
         forgetting_section(f"Forgetting map (report split): pre -> merge at {chosen}", result.best),
         *samples_lines(results["samples"]),
+        *(realign_lines(results["realign"]) if "realign" in results else []),
     ]
     return "\n".join(lines)
+
+
+def drift_json(report) -> dict:
+    """results.json's `drift`: post's relative Frobenius drift from pre, whole, per decoder layer and outside them."""
+    data = report.to_json()
+    return {name: data[name] for name in ("relative_drift", "layers", "outside_layers", "modules")}
+
+
+def drift_lines(result: SweepResult, coefficients: list[float] | None) -> list[str]:
+    """report.md: post's drift per layer (evaluate.drift), beside recall_lerp's weight of post at the pick when that
+    is the method (`coefficients`: embeddings, each layer, the head following the last layer)."""
+    report = result.drift
+
+    def number(value):
+        return "-" if value is None else f"{value:.4g}"
+
+    rows = [("embed", report.outside.get("embed"), 0)] + [
+        (f"layer {row.layer}", row.relative_drift, row.layer + 1) for row in report.layers] + [
+        ("head", report.outside.get("head"), -1)]
+    rows = [row for row in rows if row[1] is not None or row[0] not in ("embed", "head")]
+    shown = coefficients is not None and len(coefficients) == len(report.layers) + 1
+    alpha = result.best.alpha
+    header = ["weights", "relative drift", *([f"{result.settings.method} weight of post (alpha {alpha!r})"]
+                                           if shown else [])]
+    lines = ["## Where post moved: relative drift per layer", "",
+             "Post's relative drift `||post - pre|| / ||pre||` over each layer's weights (Frobenius; "
+             f"`mergekit-lite drift` gives every tensor); whole model {number(report.total)}."
+             + (" Beside it, the pick's weight of post per layer (recall_lerp sets it from its own per-layer drift "
+                " measure, on --recall-texts): are the layers that moved most the ones the merge took least of?"
+                if shown else ""), "",
+             "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for name, drift, index in rows:
+        lines.append(f"| {name} | {number(drift)} |" + (f" {coefficients[index]:.3f} |" if shown else ""))
+    return lines + [""]
 
 
 def card_section(result: SweepResult) -> tuple[str, str]:
@@ -321,21 +359,29 @@ def plot(result: SweepResult, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def pick_coefficients(result: SweepResult, folder: Path) -> list[float] | None:
+    """RECALL methods: post's weight per depth row at the pick (embeddings, each layer; the head follows the last);
+    None for the other methods."""
+    from mergekit_lite.merge.recall import RecallWeights, post_coefficients
+
+    similarity_file = folder / RECALL_DIR / SIMILARITY_FILE
+    if not similarity_file.is_file():
+        return None
+    weights = RecallWeights.from_json(json.loads(similarity_file.read_text()))
+    return post_coefficients(weights, methods.method(result.settings.method).interpolates, result.best.alpha)
+
+
 def layer_profile(result: SweepResult, folder: Path) -> str:
     """RECALL methods only: post's coefficient per layer at the pick, plotted into layers.png, and the
     report section that shows it (empty for the other methods, whose coefficient is one number)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from mergekit_lite.merge.recall import RecallWeights, post_coefficients
-
-    similarity_file = folder / RECALL_DIR / SIMILARITY_FILE
-    if not similarity_file.is_file():
+    coefficients = pick_coefficients(result, folder)
+    if coefficients is None:
         return ""
     method, alpha = result.settings.method, result.best.alpha
     interpolates = methods.method(method).interpolates
-    coefficients = post_coefficients(RecallWeights.from_json(json.loads(similarity_file.read_text())), interpolates,
-                                     alpha)
     labels = ["embed"] + [str(layer) for layer in range(len(coefficients) - 1)]
     figure = Figure(figsize=(7, 3.5))
     FigureCanvasAgg(figure)
@@ -390,4 +436,9 @@ def write_report(result: SweepResult) -> None:
     write_samples(result)
     results = results_json(result)
     write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
-    write_atomic(folder / REPORT_FILE, report_markdown(result, results) + layer_profile(result, folder))
+    drift = ""
+    if result.drift is not None:
+        method = methods.method(result.settings.method)
+        interpolated = method.reads_recall_weights and method.interpolates  # recall_lerp's weights per layer
+        drift = "\n" + "\n".join(drift_lines(result, pick_coefficients(result, folder) if interpolated else None))
+    write_atomic(folder / REPORT_FILE, report_markdown(result, results) + layer_profile(result, folder) + drift)

@@ -68,6 +68,8 @@ class SweepResult:
     probe: ProbeTrace | None = None  # probe mode's estimates; None when every point was scored in full
     rows: list[dict] | None = None  # a 2-D grid: each row's search (golden / probe), as sweep.grid reports it
     budget: dict | None = None  # --budget: the successive-halving rounds (sweep.budget)
+    realigned: list[TaskRun] | None = None  # --realign-shots: post again with K demonstrations on the docs it forgot
+    drift: object | None = None  # evaluate.drift.DriftReport of post against pre
 
     @property
     def recovered(self) -> float | None:

@@ -113,6 +113,14 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         total = len(plan) + (len(rows) if probe_mode else 0)  # probe mode: every alpha, then each row's pick
         with tqdm(total=total * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
                   desc="sweep", disable=not progress) as bar, ExitStack() as opened:
+            evaluator = None
+
+            def point_evaluator() -> PointEvaluator:
+                nonlocal evaluator
+                interrupts.check()
+                evaluator = evaluator or opened.enter_context(closing(PointEvaluator(rows[0], folder, bar)))
+                return evaluator
+
             if settings.ray is not None and todo:
                 from mergekit_lite.sweep.distributed import run_points_on_ray
 
@@ -124,14 +132,6 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                 runs.update(load_points(folder, identity))
                 evaluated = [label for label, _ in todo]
             else:
-                evaluator = None
-
-                def point_evaluator() -> PointEvaluator:
-                    nonlocal evaluator
-                    interrupts.check()
-                    evaluator = evaluator or opened.enter_context(closing(PointEvaluator(rows[0], folder, bar)))
-                    return evaluator
-
                 def evaluate(label: str, alpha: float | None) -> None:
                     if label in runs:
                         return
@@ -167,8 +167,11 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                         traces.append(grid.row_trace(row, search, None))
                     bar.total = (sum(len(trace["evaluated"]) for trace in traces) + 2) * n_tasks
                     bar.refresh()
+            realigned = None if settings.realign_shots is None else realign_post(settings, folder, runs,
+                                                                                 point_evaluator)
         plan = [(label, alpha) for label, alpha in plan if label in runs]
         result = build_result(settings, folder, plan, runs, evaluated, grid.seconds(found))
+        result.realigned, result.drift = realigned, post_drift(settings)
         if settings.second is None:
             result.search, result.probe = search, probed
         else:
@@ -187,6 +190,28 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                       card_sections=[card_section(result)])
             record_written(folder, "save_best", settings.save_best)
     return result
+
+
+def realign_post(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]],
+                 point_evaluator) -> list[TaskRun]:
+    """--realign-shots: post again with K demonstrations on the docs it forgot, saved as a point of its own (resumed
+    when there)."""
+    from mergekit_lite.sweep.realign import evaluate_realigned, realigned_identity, realigned_label
+
+    def score(shots: int, docs: dict) -> list[TaskRun]:
+        realigned = point_evaluator().realigned_post(shots, docs)
+        label = realigned_label(shots)
+        save_point(point_file(folder, label), realigned_identity(settings), label, None, realigned)
+        return realigned
+
+    return evaluate_realigned(settings, runs, score)
+
+
+def post_drift(settings: SweepSettings):
+    """Post's relative Frobenius drift from pre per tensor, grouped per layer (evaluate.drift), for the report."""
+    from mergekit_lite.evaluate.drift import summarise, weight_drift
+
+    return summarise(settings.pre, settings.post, weight_drift(settings.pre, settings.post))
 
 
 def check_evaluation(settings: SweepSettings) -> None:

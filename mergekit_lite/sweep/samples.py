@@ -49,6 +49,7 @@ def sample_rows(result: SweepResult) -> list[dict]:
     [pre, post, pick]."""
     models = (result.pre, result.post, result.best)
     outcomes = [{run.task: run.outcomes for run in point.tasks if run.outcomes is not None} for point in models]
+    kinds = result_kinds(result)
     rows = []
     for task in sorted(outcomes[0]):
         report = set(result.splits[task][1])
@@ -62,7 +63,28 @@ def sample_rows(result: SweepResult) -> list[dict]:
                          "models": ["pre", "post", result.best.label], "seed": row["seed"], "scores": row["scores"],
                          "prompt": row["prompt"], "gold": row["gold"], "answers": row["answers"],
                          "answer_rule": row["answer_rule"] or None, "completion": row["completion"]})
+            if kinds is not None:  # --realign-shots: spurious or genuine where post forgot the doc, else null
+                rows[-1]["forgetting_kind"] = kinds[task].get(key)
     return rows
+
+
+def realign_json_of(result: SweepResult) -> dict:
+    """results.json's `realign` (sweep.realign.realign_json) from the sample rows' classes and the report split."""
+    from mergekit_lite.sweep.realign import realign_json
+
+    classes = {(row["task"], row["key"]): row["class"] for row in sample_rows(result)}
+    report = {task: set(keys[1]) for task, keys in result.splits.items()}
+    return realign_json(result.settings, result.pre.tasks, result_kinds(result), report, classes)
+
+
+def result_kinds(result: SweepResult) -> dict[str, dict[str, str]] | None:
+    """--realign-shots: task -> each doc post forgot -> spurious or genuine (sweep.realign); None without it."""
+    if result.realigned is None:
+        return None
+    from mergekit_lite.sweep.realign import forgetting_kinds, realigned_label
+
+    where = f"{result.out}/{realigned_label(result.settings.realign_shots)}"
+    return forgetting_kinds(result.pre.tasks, result.post.tasks, result.realigned, where)
 
 
 def class_counts(rows: list[tuple[str, dict]]) -> dict[str, dict[str, int]]:

@@ -32,7 +32,7 @@ PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 # a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
-OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget")  # settings written out only when given
+OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots")  # settings written out only when given
 
 
 def parse_alphas(spec, name: str = "alphas") -> list[float]:
@@ -133,6 +133,7 @@ class SweepSettings:
     densities: list[float] | None = None
     drops: list[float] | None = None
     budget: int | None = None  # sweep.budget: at most this many full evaluations' worth of scored docs
+    realign_shots: int | None = None  # sweep.realign: post scored again with K demonstrations on the docs it forgot
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -188,6 +189,9 @@ class SweepSettings:
         if shared:
             raise InputError(f"task {shared[0]!r} is both an old and a new task")
         self.limit = parse_limit(self.limit)
+        if self.realign_shots is not None and (isinstance(self.realign_shots, bool)
+                                               or not isinstance(self.realign_shots, int) or self.realign_shots < 1):
+            raise InputError(f"realign_shots must be a whole number of demonstrations >= 1, got {self.realign_shots!r}")
         if isinstance(self.lm_eval, dict):  # as asdict() gives it (a Ray actor's settings)
             self.lm_eval = LmEvalSettings(**self.lm_eval)
         if self.lm_eval.model_args and self.backend != "hf":
@@ -372,6 +376,7 @@ class SweepFile(BaseModel):
     densities: str | float | list[float] | None = None
     drops: str | float | list[float] | None = None
     budget: int | None = Field(None, ge=3)
+    realign_shots: int | None = None  # checked by SweepSettings (one message for a flag and a file)
     # lm-eval's evaluation settings (LmEvalSettings), as its CLI flags of the same names
     num_fewshot: int | None = Field(None, ge=0)
     apply_chat_template: bool | str | None = None
