@@ -1,6 +1,7 @@
 """`mergekit-lite sweep`: merge pre and post at every alpha of a grid, score old and new skills, pick the best."""
 
 import contextlib
+import os
 
 import click
 
@@ -200,7 +201,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
 
         every = method_settings(data, methods)
         _warn_remote_code(every[0])
-        with _resume_hint(), each_verdict_once():  # a sweep audits its adapter at each point: one line
+        with _resume_hint(data.get("out")), each_verdict_once():  # a sweep audits its adapter at each point: one line
             comparison = run_comparison(every, baseline or "linear", progress=not quiet)
         click.echo(comparison_summary(comparison))
         return
@@ -208,7 +209,7 @@ def sweep(config_file, pre, post, method, baseline, alphas, old_tasks, new_tasks
     if replay_out:
         check_replay(replay_out, settings)
     _warn_remote_code(settings)
-    with _resume_hint(), each_verdict_once():  # a sweep audits its adapter at each point: one line
+    with _resume_hint(settings.out), each_verdict_once():  # a sweep audits its adapter at each point: one line
         result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
     if settings.save_best:
@@ -227,14 +228,16 @@ def _warn_remote_code(settings) -> None:
 
 
 @contextlib.contextmanager
-def _resume_hint():
+def _resume_hint(out: str | None):
     """An interrupted sweep keeps every finished point: say that the same command resumes it (a handled SIGTERM is a
-    KeyboardInterrupt too)."""
+    KeyboardInterrupt too), where a run folder is left to resume (one interrupted before its first point is taken
+    back)."""
     try:
         yield
     except KeyboardInterrupt:
-        click.echo("sweep interrupted: the points finished so far are saved in the run folder; run the same command "
-                   "again to resume from them", err=True)
+        if out and os.path.isdir(out):
+            click.echo("sweep interrupted: the points finished so far are saved in the run folder; run the same "
+                       "command again to resume from them", err=True)
         raise
 
 

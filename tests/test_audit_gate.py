@@ -125,7 +125,8 @@ def test_merge_of_a_warn_adapter_says_so_and_require_verified_refuses_it(gate_zo
     assert merged.returncode == 0, merged.stderr
     assert warn_line(merged.stderr, gate_zoo["anonymous"]).startswith(
         f"audit: {gate_zoo['anonymous']}: WARN (base-id: adapter_config.json declares no base_model_name_or_path")
-    assert "| `anonymous` | WARN | base-id: adapter_config.json declares no" in (tmp_path / "merged" / "README.md").read_text()
+    card = (tmp_path / "merged" / "README.md").read_text()  # reasons as plain markdown text: `_` escaped
+    assert "| `anonymous` | WARN | base-id: adapter\\_config.json declares no" in card
     refused = cli(*args, "--out", tmp_path / "refused", "-q", "--require-verified")
     assert refused.returncode == 1 and not (tmp_path / "refused").exists()
     assert refused.stderr.strip().splitlines()[-1].startswith(

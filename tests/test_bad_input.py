@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from test_safety import cli
 from tiny_models import save_random_pair, save_tiny_llama
 
+from mergekit_lite.io import outputs
 from mergekit_lite.merge.engine import all_finite
 from mergekit_lite.merge.methods.tensor_math import lerp
 
@@ -559,8 +560,14 @@ def tiny_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_disk_is_one_line_and_leaves_nothing(models, tiny_disk):
+def test_full_disk_is_one_line_and_leaves_nothing(models, tiny_disk, monkeypatch):
+    """Refused before writing when the disk says it has no room; and when it says it has room it does not have
+    (quotas, another writer), the write fails midway: one line either way, nothing left."""
     out = tiny_disk / "merged"
+    result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "-q")
+    assert_clean_error(result, out, [r"has 0\.\d MB free; nothing was written"])
+    assert list(tiny_disk.iterdir()) == []
+    monkeypatch.setattr(outputs, "free_space", lambda folder: 1 << 40)
     result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "-q")
     line = assert_clean_error(result, out, [r"No space left on device", r"merged\.partial-\d+/model\.safetensors"])
     assert list(tiny_disk.iterdir()) == [], line
@@ -577,13 +584,14 @@ def fill(disk: Path) -> None:
 
 
 @pytest.mark.slow
-def test_full_disk_for_run_folders_and_files_names_the_file_and_leaves_nothing(models, tiny_disk):
+def test_full_disk_for_run_folders_and_files_names_the_file_and_leaves_nothing(models, tiny_disk, toy_pair):
     """A sweep's run folder and a fingerprint file on a full disk: one line naming the file, and no empty
     marker, run folder or temp file left behind (an empty marker would make the folder look like ours)."""
     fill(tiny_disk)
     before = sorted(p.name for p in tiny_disk.iterdir())
-    sweep = cli("sweep", "--pre", models["base"], "--post", models["other"], "--alphas", "0,1", "--old-tasks", "a",
-                "--new-tasks", "b", "--out", tiny_disk / "run")
+    sweep = cli("sweep", "--pre", models["base"], "--post", models["other"], "--alphas", "0,1", "--old-tasks",
+                toy_pair.old_tasks[0], "--new-tasks", toy_pair.new_tasks[0], "--include-path", toy_pair.task_dir,
+                "--out", tiny_disk / "run")
     assert sweep.returncode == 2 and "Traceback" not in sweep.stderr, sweep.stderr
     assert sweep.stderr.strip() == f"error: No space left on device ({tiny_disk / 'run' / '.mergekit-lite-output'})"
     fingerprint = cli("audit", "fingerprint", models["base"], "--out", tiny_disk / "fp.json", "-q")

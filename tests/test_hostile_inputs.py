@@ -453,8 +453,11 @@ def test_a_run_folder_holding_anything_else_is_refused_before_any_work(fresh, pl
     ("cuda:99", r"device 'cuda:99' is not available here"),
 ])
 @pytest.mark.slow
-def test_sweep_device_is_checked_before_any_work(fresh, device, pattern):
-    refused(fresh, *sweep("--device", device), patterns=[pattern])
+def test_sweep_device_is_checked_before_any_work(fresh, toy_pair, device, pattern):
+    """Real tasks: the sweep checks them (no torch needed) before the device (which loads torch)."""
+    args = ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0,1", "--old-tasks", toy_pair.old_tasks[0],
+            "--new-tasks", toy_pair.new_tasks[0], "--include-path", str(toy_pair.task_dir), "--out", "runs"]
+    refused(fresh, *args, "--device", device, patterns=[pattern])
     assert not (fresh / "runs").exists()
 
 

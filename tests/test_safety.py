@@ -472,13 +472,17 @@ def test_sweep_config_is_typed(fresh, text, pattern):
     assert time.monotonic() - started < 30 and not (fresh / "runs").exists()
 
 
-def test_sweep_point_files_are_typed(fresh):
+def test_sweep_point_files_are_typed(fresh, toy_pair):
+    """Real tasks (the sweep refuses unknown ones first), then a point file of the wrong types."""
     points = fresh / "runs" / "points"
     points.mkdir(parents=True)
     (fresh / "runs" / ".mergekit-lite-output").write_text("")
+    old, new = toy_pair.old_tasks[0], toy_pair.new_tasks[0]
     (points / "pre.json").write_text(json.dumps({"identity": {}, "label": "pre", "alpha": None, "tasks": [
-        {"task": "a", "group": "old", "metric": "acc", "filter": "none", "n_choices": "4", "correct": {}}]}))
-    one_error_line(cli(*sweep_args("pre", "post", "runs"), cwd=fresh), 2,
+        {"task": old, "group": "old", "metric": "acc", "filter": "none", "n_choices": "4", "correct": {}}]}))
+    args = ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0,1", "--old-tasks", old, "--new-tasks", new,
+            "--include-path", str(toy_pair.task_dir), "--out", "runs"]
+    one_error_line(cli(*args, cwd=fresh), 2,
                    r"pre\.json: tasks\.0\.n_choices", r"\(got a string\)", "not a sweep point file")
 
 
@@ -885,7 +889,7 @@ def test_unexpected_exception_is_one_line_with_the_traceback_saved(tmp_path, wor
 
 
 @pytest.mark.parametrize("args, pattern", [
-    (["--out-shard-size", "inf"], r"bad size 'inf'"),
+    (["--out-shard-size", "inf"], r"'inf' is no size"),
     (["--device", "cuda:7"], r"device 'cuda:7' is not available here"),
 ])
 def test_huge_numbers_and_missing_devices_are_one_line(fresh, args, pattern):

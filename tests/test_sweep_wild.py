@@ -46,7 +46,7 @@ def test_a_range_must_end_on_its_stop():
 
 @pytest.mark.parametrize("where, message", [
     ("run/best", "must lie outside the run folder"),
-    ("taken", "already exists; --save-best writes a new model folder"),
+    ("taken", "exists and is not the model this run folder's sweep saved there"),
 ])
 def test_save_best_is_a_new_folder_outside_the_run_folder(toy_pair, tmp_path, where, message):
     """Inside the run folder it would stop every resume (a run folder holds only its own files); an existing
@@ -127,8 +127,9 @@ def save_as(source: Path, folder: Path, dtype=None, extra_tokens: int = 0) -> Pa
 def test_a_post_with_another_vocabulary_is_refused_before_the_run_folder(toy_pair, tmp_path):
     """The sweep merges tensor by tensor: refused from the headers, not after pre is evaluated and torch fails."""
     post = save_as(toy_pair.post_dir, tmp_path / "post", extra_tokens=3)
-    done = cli("sweep", "--pre", toy_pair.pre_dir, "--post", post, "--alphas", "0.5", "--old-tasks", "a",
-               "--new-tasks", "b", "--out", tmp_path / "run")
+    done = cli("sweep", "--pre", toy_pair.pre_dir, "--post", post, "--alphas", "0.5", "--old-tasks",
+               toy_pair.old_tasks[0], "--new-tasks", toy_pair.new_tasks[0], "--include-path", toy_pair.task_dir,
+               "--out", tmp_path / "run")
     one_error_line(done, 2, r"embed_tokens.weight: shape \[\d+, \d+\] in post", "--tokenizer-source base")
     assert not (tmp_path / "run").exists()
 

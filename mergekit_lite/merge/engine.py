@@ -21,7 +21,7 @@ from mergekit_lite import interrupts
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import BufferRing, reuse_freed_memory
-from mergekit_lite.io.hub import lora_host, reference_paths
+from mergekit_lite.io.hub import lora_host, reference_paths, split_lora_reference
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.outputs import (
     atomic_output_dir,
@@ -396,7 +396,9 @@ def _audit_adapters(config: MergeConfig, gate: AdapterGate | None) -> list:
     if gate is None:
         raise InputError(f"adapter {adapters[0]} is merged only after its audit: use mergekit_lite.audited.run_merge "
                          "(or pass the engine a gate)")
-    return [gate(adapter, config) for adapter in adapters]
+    # adapter folders (applied to the base) first: a base they cannot be audited against is refused before any
+    # model+lora reference's verdict is printed
+    return [gate(adapter, config) for adapter in sorted(adapters, key=lambda path: bool(split_lora_reference(path)))]
 
 
 def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:

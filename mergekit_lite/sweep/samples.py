@@ -156,12 +156,12 @@ def write_samples(result: SweepResult) -> None:
 def check_replay(path: str | os.PathLike, settings: SweepSettings) -> None:
     """--replay, checked before any work: a new file, or the one this run folder's sweep wrote there before (the same
     command run again writes it again); outside the inputs and the folders the sweep writes."""
-    check_output_file(path, [settings.pre, settings.post, settings.include_path, settings.recall_texts],
-                      recognise=lambda existing: wrote_before(settings.out, "replay", existing))
-    parents = Path(os.path.realpath(path)).parents
+    parents = Path(os.path.realpath(path)).parents  # the sweep's own folders first: they may not exist yet
     for what, folder in (("the run folder", settings.out), ("--save-best", settings.save_best)):
         if folder is not None and Path(os.path.realpath(folder)) in parents:
             raise InputError(f"{path}: is inside {what} {folder}; write the replay set elsewhere")
+    check_output_file(path, [settings.pre, settings.post, settings.include_path, settings.recall_texts],
+                      recognise=lambda existing: wrote_before(settings.out, "replay", existing))
 
 
 def write_replay(result: SweepResult, path: str | os.PathLike, replay_format: str = "prompt-completion",
