@@ -98,10 +98,16 @@ def find_adapters(paths) -> list[AdapterRef]:
 def no_adapter_in_repo(reference: str, snapshot: Path) -> str:
     """Why a hub id names no adapter, with the subfolders of the repository that hold one (PEFT saves an adapter
     named other than "default" in a subfolder of that name) when its file listing shows any."""
-    folders = sorted(name.removesuffix("/adapter_config.json") for name in repo_files(reference, snapshot)
-                     if name.endswith("/adapter_config.json"))
-    hint = (f"; its adapters are in {', '.join(folders[:5])}: name one as {reference.split('@')[0]}/{folders[0]}"
-            if folders else "; an adapter in a subfolder is named org/name/SUBFOLDER")
+    folders = sorted(
+        name.removesuffix("/adapter_config.json")
+        for name in repo_files(reference, snapshot)
+        if name.endswith("/adapter_config.json")
+    )
+    hint = (
+        f"; its adapters are in {', '.join(folders[:5])}: name one as {reference.split('@')[0]}/{folders[0]}"
+        if folders
+        else "; an adapter in a subfolder is named org/name/SUBFOLDER"
+    )
     return f"{reference}: no adapter_config.json at its top (not a PEFT adapter){hint}"
 
 
@@ -159,7 +165,9 @@ def target_mismatch(config: dict, modules: list[str]) -> str | None:
         if targets == "all-linear":
             return None
         unmatched = [m for m in modules if not re.fullmatch(targets, m)]
-        return f"LoRA tensors for modules target_modules does not match: {shown_names(unmatched)}" if unmatched else None
+        return (
+            f"LoRA tensors for modules target_modules does not match: {shown_names(unmatched)}" if unmatched else None
+        )
     matches = {t: [m for m in modules if m == t or m.endswith(f".{t}")] for t in targets}
     unmatched = [m for m in modules if not any(m in hits for hits in matches.values())]
     unused = [t for t, hits in matches.items() if not hits]
@@ -181,7 +189,9 @@ def describe_format(adapter: LoraAdapter) -> str:
         text += f", scaling {scaling} ({rule})"
     biases = len(adapter.bias_targets())
     with_bias = f" ({biases} with lora_bias)" if biases else ""
-    return f"{text}; {len(adapter.weight_targets())} LoRA modules{with_bias}, {len(adapter.replaced())} replaced tensors"
+    return (
+        f"{text}; {len(adapter.weight_targets())} LoRA modules{with_bias}, {len(adapter.replaced())} replaced tensors"
+    )
 
 
 def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, LoraAdapter | None]:
@@ -195,11 +205,19 @@ def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, Lo
     bad = non_finite_counts(adapter)
     total = sum(bad.values())
     if bad:
-        return CheckResult("format", FAIL, total, 0, f"NaN/Inf values in {len(bad)} tensors: {shown_names(list(bad))}"), None
+        return CheckResult(
+            "format", FAIL, total, 0, f"NaN/Inf values in {len(bad)} tensors: {shown_names(list(bad))}"
+        ), None
     overflowing = overflowing_updates(adapter)
     if overflowing:
-        return CheckResult("format", FAIL, len(overflowing), 0, f"the update scaling*B@A overflows float32 in "
-                           f"{len(overflowing)} modules: {shown_names(overflowing)} ({describe_format(adapter)})"), None
+        return CheckResult(
+            "format",
+            FAIL,
+            len(overflowing),
+            0,
+            f"the update scaling*B@A overflows float32 in "
+            f"{len(overflowing)} modules: {shown_names(overflowing)} ({describe_format(adapter)})",
+        ), None
     warnings = []
     if adapter.weights_file.suffix == ".bin":
         warnings.append("pickle weights loaded because --allow-pickle was given (weights_only=True)")
@@ -208,30 +226,50 @@ def check_format(adapter_dir: Path, allow_pickle: bool) -> tuple[CheckResult, Lo
         warnings.append(mismatch)
     negative = sorted(name for name, scale in adapter.scaling.items() if scale < 0)
     if negative:
-        warnings.append(f"negative lora_alpha (scaling {adapter.scaling[negative[0]]:g} on {shown_names(negative)}): "
-                        "the merge subtracts what the adapter learned")
+        warnings.append(
+            f"negative lora_alpha (scaling {adapter.scaling[negative[0]]:g} on {shown_names(negative)}): "
+            "the merge subtracts what the adapter learned"
+        )
     detail = "; ".join(warnings + [f"no NaN/Inf; {describe_format(adapter)}"])
     return CheckResult("format", WARN if warnings else PASS, 0, 0, detail), adapter
 
 
-def check_declared_base(adapter: LoraAdapter, audit_base: AuditBase, base_id: str | None,
-                        card_base: str | None = None) -> CheckResult:
+def check_declared_base(
+    adapter: LoraAdapter, audit_base: AuditBase, base_id: str | None, card_base: str | None = None
+) -> CheckResult:
     """The paper's base check: the declared base_model_name_or_path (else the `base_model` of the adapter's model
     card) names the given base (aliases normalised): --base-id, else the base's hub id when it was given as one."""
     base, base_dir = audit_base.source, audit_base.path
     declared = adapter.config.get("base_model_name_or_path") or card_base
     given, given_from = given_base_id(base_dir, base_id, base.config, audit_base.hub_id)
-    measurements = {"declared": declared, "declared_in": "adapter_config.json" if adapter.config.get(
-        "base_model_name_or_path") else ("README.md base_model" if card_base else None),
-                    "given": given, "given_from": given_from or None}
+    measurements = {
+        "declared": declared,
+        "declared_in": "adapter_config.json"
+        if adapter.config.get("base_model_name_or_path")
+        else ("README.md base_model" if card_base else None),
+        "given": given,
+        "given_from": given_from or None,
+    }
     quantisation = (base.config or {}).get("quantization_config")
     if quantisation:
         method = quantisation.get("quant_method", "?") if isinstance(quantisation, dict) else "?"
-        return CheckResult("base-id", FAIL, None, None, f"the given base is quantised (quant_method {method}): "
-                           "a merge needs the full-precision base weights", measurements)
+        return CheckResult(
+            "base-id",
+            FAIL,
+            None,
+            None,
+            f"the given base is quantised (quant_method {method}): a merge needs the full-precision base weights",
+            measurements,
+        )
     if not declared:
-        return CheckResult("base-id", WARN, None, None, "adapter_config.json declares no base_model_name_or_path: "
-                           "nothing says which base the adapter was made on", measurements)
+        return CheckResult(
+            "base-id",
+            WARN,
+            None,
+            None,
+            "adapter_config.json declares no base_model_name_or_path: nothing says which base the adapter was made on",
+            measurements,
+        )
     if names_local_folder(declared) and same_folder(declared, base_dir):
         measurements["same_folder"] = True
         return CheckResult("base-id", PASS, None, None, f"declares this base folder ({declared})", measurements)
@@ -241,13 +279,28 @@ def check_declared_base(adapter: LoraAdapter, audit_base: AuditBase, base_id: st
     if weighed is not None:
         return weighed
     if given is None:
-        return CheckResult("base-id", WARN, None, None, f"declares {declared}, but the given base has no hub id (its "
-                           "config.json has no _name_or_path that is one): pass --base-id to verify", measurements)
+        return CheckResult(
+            "base-id",
+            WARN,
+            None,
+            None,
+            f"declares {declared}, but the given base has no hub id (its "
+            "config.json has no _name_or_path that is one): pass --base-id to verify",
+            measurements,
+        )
     reasons = compare(declared, given)
     if reasons:
-        return CheckResult("base-id", FAIL, None, None, f"{'; '.join(reasons)} (declared {declared}, given {given} "
-                           f"from {given_from})", measurements)
-    return CheckResult("base-id", PASS, None, None, f"declared {declared} is the given {given} ({given_from})", measurements)
+        return CheckResult(
+            "base-id",
+            FAIL,
+            None,
+            None,
+            f"{'; '.join(reasons)} (declared {declared}, given {given} from {given_from})",
+            measurements,
+        )
+    return CheckResult(
+        "base-id", PASS, None, None, f"declared {declared} is the given {given} ({given_from})", measurements
+    )
 
 
 def _tokenizer_vocab(folder: Path) -> int | None:
@@ -271,22 +324,34 @@ def check_tokenizer(adapter: LoraAdapter, audit_base: AuditBase, fingerprint: di
     if not shipped and not recorded and not refused:
         return None
     vocab = base_info["vocab_size"]
-    measurements = {"base_vocab_size": vocab, "base_files": base_info["files"], "adapter_files": shipped,
-                    "fingerprint": recorded}
+    measurements = {
+        "base_vocab_size": vocab,
+        "base_files": base_info["files"],
+        "adapter_files": shipped,
+        "fingerprint": recorded,
+    }
     failures = []
-    warnings = [f"not read: {', '.join(refused)} (not a regular file inside {adapter.path}: a link out of it?)"] if refused else []
+    warnings = (
+        [f"not read: {', '.join(refused)} (not a regular file inside {adapter.path}: a link out of it?)"]
+        if refused
+        else []
+    )
     adapter_vocab = _tokenizer_vocab(adapter.path) if "tokenizer.json" in shipped else None
     measurements["adapter_tokenizer_size"] = adapter_vocab
     if adapter_vocab and vocab and adapter_vocab > vocab:
-        failures.append(f"the adapter's tokenizer has {adapter_vocab} tokens, the base's embeddings {vocab} rows: "
-                        "its added tokens need embeddings this base does not have")
+        failures.append(
+            f"the adapter's tokenizer has {adapter_vocab} tokens, the base's embeddings {vocab} rows: "
+            "its added tokens need embeddings this base does not have"
+        )
     differing = sorted(name for name, digest in shipped.items() if base_info["files"].get(name) != digest)
     if differing:
         warnings.append(f"the adapter ships tokenizer files that differ from the base's: {', '.join(differing)}")
     if recorded:
         if recorded.get("vocab_size") and vocab and recorded["vocab_size"] != vocab:
             failures.append(f"vocab_size {vocab} in the base, {recorded['vocab_size']} in the base fingerprint")
-        changed = sorted(name for name, digest in recorded.get("files", {}).items() if base_info["files"].get(name) != digest)
+        changed = sorted(
+            name for name, digest in recorded.get("files", {}).items() if base_info["files"].get(name) != digest
+        )
         if changed:
             warnings.append(f"tokenizer files differ from the fingerprinted base's: {', '.join(changed)}")
     if failures:
@@ -302,30 +367,63 @@ def check_signature(signature: dict, audit_base: AuditBase, source: str) -> Chec
     from mergekit_lite.audits.fingerprint import compare_samples, tensor_table_hash
 
     base = audit_base.source
-    differing, missing = audit_base.once(("signature", json.dumps(signature, sort_keys=True)),
-                                         lambda: compare_samples(signature, base))
+    differing, missing = audit_base.once(
+        ("signature", json.dumps(signature, sort_keys=True)), lambda: compare_samples(signature, base)
+    )
     signed = len(signature["samples"])
     base_folder = base.path if base.path.is_dir() else base.path.parent
     same_config = signature.get("config_sha256") == audit_base.once(
-        "config_sha256", lambda: sha256_file(base_folder / "config.json"))
+        "config_sha256", lambda: sha256_file(base_folder / "config.json")
+    )
     same_table = signature.get("tensor_table_sha256") == audit_base.once("table", lambda: tensor_table_hash(base))
-    measurements = {"digest": signature.get("digest"), "signed_tensors": signed, "differing": differing,
-                    "missing": missing, "same_config": same_config, "same_tensor_table": same_table}
+    measurements = {
+        "digest": signature.get("digest"),
+        "signed_tensors": signed,
+        "differing": differing,
+        "missing": missing,
+        "same_config": same_config,
+        "same_tensor_table": same_table,
+    }
     share = (len(differing) + len(missing)) / max(signed, 1)
     if differing or missing:
-        parts = [f"{len(differing)} of {signed} signed tensors hold other values ({shown_names(differing)})"] if differing else []
+        parts = (
+            [f"{len(differing)} of {signed} signed tensors hold other values ({shown_names(differing)})"]
+            if differing
+            else []
+        )
         parts += [f"{len(missing)} signed tensors are missing ({shown_names(missing)})"] if missing else []
-        return CheckResult("signature", FAIL, share, 0.0, f"not the base in the signature ({source}, digest "
-                           f"{signature.get('digest')}): {'; '.join(parts)}", measurements)
-    notes = [] if same_config and same_table else [
-        "same weights, but " + " and ".join(part for part, same in (("config.json", same_config),
-                                                                     ("dtypes/shapes", same_table)) if not same) + " differ"]
-    return CheckResult("signature", PASS, share, 0.0, "; ".join(notes + [f"all {signed} signed tensors match "
-                       f"({source}, digest {signature.get('digest')})"]), measurements)
+        return CheckResult(
+            "signature",
+            FAIL,
+            share,
+            0.0,
+            f"not the base in the signature ({source}, digest {signature.get('digest')}): {'; '.join(parts)}",
+            measurements,
+        )
+    notes = (
+        []
+        if same_config and same_table
+        else [
+            "same weights, but "
+            + " and ".join(
+                part for part, same in (("config.json", same_config), ("dtypes/shapes", same_table)) if not same
+            )
+            + " differ"
+        ]
+    )
+    return CheckResult(
+        "signature",
+        PASS,
+        share,
+        0.0,
+        "; ".join(notes + [f"all {signed} signed tensors match ({source}, digest {signature.get('digest')})"]),
+        measurements,
+    )
 
 
-def check_behaviour(adapter: LoraAdapter, base: AuditBase, fingerprint: dict | None, thresholds: AuditThresholds,
-                    device: str) -> CheckResult:
+def check_behaviour(
+    adapter: LoraAdapter, base: AuditBase, fingerprint: dict | None, thresholds: AuditThresholds, device: str
+) -> CheckResult:
     """First-token KL(base || base+adapter) on probes (App. I, the authors' direction) and, with a recorded
     reference, the base's own KL."""
     from mergekit_lite.audits.behaviour import load_causal_lm, measure_divergence
@@ -334,28 +432,60 @@ def check_behaviour(adapter: LoraAdapter, base: AuditBase, fingerprint: dict | N
     model = base.once(("model", device), lambda: load_causal_lm(base.path, device))
     divergence, probes, skipped = measure_divergence(base.path, adapter, device, reference, model=model)
     kl, agreement, base_kl = divergence.mean_kl, divergence.top1_agreement, divergence.mean_base_kl
-    measurements = {"mean_kl": kl, "per_probe_kl": divergence.kl, "kl_direction": "KL(base || base+adapter)",
-                    "mean_reverse_kl": divergence.mean_reverse_kl, "top1_agreement": agreement,
-                    "base_vs_fingerprint_kl": base_kl, "probes": probes, "device": device, "not_applied": skipped,
-                    "min_kl": thresholds.min_kl, "min_noop_top1": thresholds.min_noop_top1,
-                    "max_kl": thresholds.max_kl, "max_base_kl": thresholds.max_base_kl}
-    summary = (f"first-token KL(base || base+adapter) {kl:.3g} nats, greedy token kept on {agreement:.0%} of "
-               f"{len(divergence.kl)} probes ({probes})")
+    measurements = {
+        "mean_kl": kl,
+        "per_probe_kl": divergence.kl,
+        "kl_direction": "KL(base || base+adapter)",
+        "mean_reverse_kl": divergence.mean_reverse_kl,
+        "top1_agreement": agreement,
+        "base_vs_fingerprint_kl": base_kl,
+        "probes": probes,
+        "device": device,
+        "not_applied": skipped,
+        "min_kl": thresholds.min_kl,
+        "min_noop_top1": thresholds.min_noop_top1,
+        "max_kl": thresholds.max_kl,
+        "max_base_kl": thresholds.max_base_kl,
+    }
+    summary = (
+        f"first-token KL(base || base+adapter) {kl:.3g} nats, greedy token kept on {agreement:.0%} of "
+        f"{len(divergence.kl)} probes ({probes})"
+    )
     if base_kl is not None:
         summary += f"; the base's KL from the fingerprinted base's outputs {base_kl:.3g}"
     if base_kl is not None and base_kl > thresholds.max_base_kl:
-        return CheckResult("behaviour", FAIL, base_kl, thresholds.max_base_kl, "the base does not behave like the "
-                           f"base the adapter's fingerprint recorded (KL {base_kl:.3g} > {thresholds.max_base_kl:g}): "
-                           f"another base; {summary}", measurements)
+        return CheckResult(
+            "behaviour",
+            FAIL,
+            base_kl,
+            thresholds.max_base_kl,
+            "the base does not behave like the "
+            f"base the adapter's fingerprint recorded (KL {base_kl:.3g} > {thresholds.max_base_kl:g}): "
+            f"another base; {summary}",
+            measurements,
+        )
     if kl < thresholds.min_kl and agreement > thresholds.min_noop_top1:
-        return CheckResult("behaviour", FAIL, kl, thresholds.min_kl, f"no-op: {summary} (KL < {thresholds.min_kl:g})",
-                           measurements)
+        return CheckResult(
+            "behaviour", FAIL, kl, thresholds.min_kl, f"no-op: {summary} (KL < {thresholds.min_kl:g})", measurements
+        )
     if kl > thresholds.max_kl:
-        return CheckResult("behaviour", FAIL, kl, thresholds.max_kl, f"extreme divergence, likely another base: "
-                           f"{summary} (> {thresholds.max_kl:g})", measurements)
+        return CheckResult(
+            "behaviour",
+            FAIL,
+            kl,
+            thresholds.max_kl,
+            f"extreme divergence, likely another base: {summary} (> {thresholds.max_kl:g})",
+            measurements,
+        )
     if skipped:
-        return CheckResult("behaviour", WARN, kl, thresholds.min_kl, f"{shown_names(skipped)} not applied (no such "
-                           f"parameter in the loaded model); {summary}", measurements)
+        return CheckResult(
+            "behaviour",
+            WARN,
+            kl,
+            thresholds.min_kl,
+            f"{shown_names(skipped)} not applied (no such parameter in the loaded model); {summary}",
+            measurements,
+        )
     return CheckResult("behaviour", PASS, kl, thresholds.min_kl, summary, measurements)
 
 
@@ -369,9 +499,19 @@ def _fingerprint_for(adapter_dir: Path, fingerprint) -> tuple[dict | None, str |
     return None, None
 
 
-def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, holdout=None,
-                  thresholds: AuditThresholds = AuditThresholds(), allow_pickle: bool = False,
-                  base_id: str | None = None, behaviour: bool = False, device: str = "cpu") -> AuditReport:
+def audit_adapter(
+    adapter_dir,
+    base_dir,
+    *,
+    fingerprint=None,
+    train_data=None,
+    holdout=None,
+    thresholds: AuditThresholds = AuditThresholds(),
+    allow_pickle: bool = False,
+    base_id: str | None = None,
+    behaviour: bool = False,
+    device: str = "cpu",
+) -> AuditReport:
     """Run every applicable check on one adapter; unusable input (no adapter, bad base) raises InputError.
 
     `adapter_dir`: a folder, a hub id or an AdapterRef (find_adapters); `base_dir`: a folder, a hub id or an
@@ -380,7 +520,11 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
     if isinstance(adapter_dir, AdapterRef):
         ref = adapter_dir
     else:
-        ref = find_adapters([adapter_dir])[0] if is_hub_id(str(adapter_dir)) else AdapterRef(str(adapter_dir), Path(adapter_dir))
+        ref = (
+            find_adapters([adapter_dir])[0]
+            if is_hub_id(str(adapter_dir))
+            else AdapterRef(str(adapter_dir), Path(adapter_dir))
+        )
     if not LoraAdapter.is_adapter_dir(ref.path):
         raise InputError(f"{ref.name}: no adapter_config.json (not a PEFT adapter folder)")
     if (train_data is None) != (holdout is None):
@@ -388,8 +532,11 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
     if behaviour:
         usable_device(device)
     # a base opened here is closed here; a batch's shared base stays open for its next adapter
-    with nullcontext(base_dir) if isinstance(base_dir, AuditBase) else \
-            closing(AuditBase.open(base_dir, allow_pickle)) as audit_base:
+    with (
+        nullcontext(base_dir)
+        if isinstance(base_dir, AuditBase)
+        else closing(AuditBase.open(base_dir, allow_pickle)) as audit_base
+    ):
         base = audit_base.source
         fingerprint_data, fingerprint_source = _fingerprint_for(ref.path, fingerprint)
         top_k = fingerprint_data["top_k"] if fingerprint_data else thresholds.top_k
@@ -409,12 +556,17 @@ def audit_adapter(adapter_dir, base_dir, *, fingerprint=None, train_data=None, h
             if structure.status != FAIL:
                 entries = fingerprint_data["modules"] if fingerprint_data else {}
                 on_disk = base_names(adapter, base)
-                measures = [measure_module(adapter, audit_base, name, on_disk[name], top_k, entries.get(on_disk[name]))
-                            for name in adapter.weight_targets()]
+                measures = [
+                    measure_module(adapter, audit_base, name, on_disk[name], top_k, entries.get(on_disk[name]))
+                    for name in adapter.weight_targets()
+                ]
                 if measures:
-                    checks.append(check_spectral(measures, fingerprint_source, thresholds, base_confirmed(declared_base)))
-                checks.append(check_delta(measures, replacement_changes(adapter, base), thresholds,
-                                          bias_changes(adapter, base)))
+                    checks.append(
+                        check_spectral(measures, fingerprint_source, thresholds, base_confirmed(declared_base))
+                    )
+                checks.append(
+                    check_delta(measures, replacement_changes(adapter, base), thresholds, bias_changes(adapter, base))
+                )
                 if behaviour:
                     checks.append(check_behaviour(adapter, audit_base, fingerprint_data, thresholds, device))
         if train_data is not None:
@@ -428,9 +580,16 @@ def _pickle_only(ref: AdapterRef) -> tuple[CheckResult, None] | None:
     files = repo_files(ref.name, ref.path)
     if SAFETENSORS_FILE in files or PICKLE_FILE not in files:
         return None
-    return CheckResult("format", FAIL, None, None, f"{ref.name} ships only pickled weights ({PICKLE_FILE}), which can "
-                       "run code when loaded: refused without downloading or unpickling them (ask for "
-                       f"{SAFETENSORS_FILE})", {"repo_files": files}), None
+    return CheckResult(
+        "format",
+        FAIL,
+        None,
+        None,
+        f"{ref.name} ships only pickled weights ({PICKLE_FILE}), which can "
+        "run code when loaded: refused without downloading or unpickling them (ask for "
+        f"{SAFETENSORS_FILE})",
+        {"repo_files": files},
+    ), None
 
 
 def card_base_model(folder: Path) -> str | None:
@@ -453,8 +612,9 @@ def audit_batch(adapters: list[AdapterRef], base: AuditBase, **options):
 UNMERGEABLE = ("format", "structure")  # an adapter that cannot be read, or does not fit the base, cannot be merged
 
 
-def require_verified(adapter_dir, base_dir, force: bool = False, *, allow_pickle: bool = False,
-                     forcible: bool = True) -> AuditReport:
+def require_verified(
+    adapter_dir, base_dir, force: bool = False, *, allow_pickle: bool = False, forcible: bool = True
+) -> AuditReport:
     """The gate before a merge: a REJECTED adapter stops it unless forced; WARN passes. Failed format or
     structure checks stop it even when forced, and the error does not offer --force: there is nothing to merge
     (nor where the command has no --force: `forcible` False)."""

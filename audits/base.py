@@ -38,7 +38,7 @@ class AuditBase:
     cache: dict = field(default_factory=dict)
 
     @classmethod
-    def open(cls, reference, allow_pickle: bool = False) -> "AuditBase":
+    def open(cls, reference, allow_pickle: bool = False) -> AuditBase:
         """A base folder or file, or a hub id (the snapshot of it in the Hugging Face cache, weights and config)."""
         reference = str(reference)
         hub_id = split_hub_id(reference)[0] if is_hub_id(reference) else None
@@ -54,8 +54,9 @@ class AuditBase:
         if key not in self.matrices:
             weight = self.source.load(name).to(torch.float32)
             left_vectors, singular_values = top_singular(weight, top_k)
-            self.matrices[key] = BaseMatrix(tuple(weight.shape), float(weight.norm()), left_vectors, singular_values,
-                                            probe(weight))
+            self.matrices[key] = BaseMatrix(
+                tuple(weight.shape), float(weight.norm()), left_vectors, singular_values, probe(weight)
+            )
         return self.matrices[key]
 
     def once(self, key, compute):

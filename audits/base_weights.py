@@ -116,41 +116,78 @@ def check_declared_weights(declared: str, audit_base: AuditBase, measurements: d
     try:
         location = locate_declared(declared)
     except InputError as error:
-        return CheckResult("base-id", WARN, None, None, f"the declared base {declared} cannot be read: {error}",
-                           measurements)
+        return CheckResult(
+            "base-id", WARN, None, None, f"the declared base {declared} cannot be read: {error}", measurements
+        )
     measurements["declared_location"] = location.kind
     if location.kind == UNCACHED:
         return None
     if location.kind == MISSING:
-        return CheckResult("base-id", WARN, None, None, f"declares the local folder {declared}, which does not exist "
-                           "here: its weights cannot be compared with the given base's", measurements)
+        return CheckResult(
+            "base-id",
+            WARN,
+            None,
+            None,
+            f"declares the local folder {declared}, which does not exist "
+            "here: its weights cannot be compared with the given base's",
+            measurements,
+        )
     where = "cached snapshot of " if location.kind == "cached" else "folder "
     if same_folder(str(location.path), audit_base.path):
         measurements["same_folder"] = True
-        return CheckResult("base-id", PASS, None, None, f"the declared {where}{declared} is the given base",
-                           measurements)
+        return CheckResult(
+            "base-id", PASS, None, None, f"the declared {where}{declared} is the given base", measurements
+        )
     key = ("declared-weights", os.path.realpath(location.path))
     try:
         comparison = audit_base.once(key, lambda: compare_weights(location.path, audit_base.source))
     except InputError as error:
-        return CheckResult("base-id", WARN, None, None, f"the declared base {declared} cannot be read as a model, so "
-                           f"its weights cannot be compared with the given base's: {error}", measurements)
+        return CheckResult(
+            "base-id",
+            WARN,
+            None,
+            None,
+            f"the declared base {declared} cannot be read as a model, so "
+            f"its weights cannot be compared with the given base's: {error}",
+            measurements,
+        )
     total = comparison.compared + len(comparison.only_declared) + len(comparison.only_given)
-    measurements.update(weights_compared=total, weights_differing=len(comparison.different),
-                        weights_same=comparison.same)
+    measurements.update(
+        weights_compared=total, weights_differing=len(comparison.different), weights_same=comparison.same
+    )
     if comparison.same:
-        return CheckResult("base-id", PASS, 0, 0, f"the declared {where}{declared} holds the given base's weights "
-                           f"(all {total} tensors equal)", measurements)
-    parts = [f"{count} {what}" for count, what in (
-        (len(comparison.differing), "hold other values"), (len(comparison.reshaped), "have other shapes"),
-        (len(comparison.only_declared), "only in the declared base"), (len(comparison.only_given), "only in the given base"))
-        if count]
-    return CheckResult("base-id", FAIL, len(comparison.different), 0, f"made on another base: the declared "
-                       f"{where}{declared} holds other weights than the given base ({len(comparison.different)} of "
-                       f"{total} tensors differ: {', '.join(parts)}; e.g. {shown_names(comparison.different)})",
-                       measurements)
+        return CheckResult(
+            "base-id",
+            PASS,
+            0,
+            0,
+            f"the declared {where}{declared} holds the given base's weights (all {total} tensors equal)",
+            measurements,
+        )
+    parts = [
+        f"{count} {what}"
+        for count, what in (
+            (len(comparison.differing), "hold other values"),
+            (len(comparison.reshaped), "have other shapes"),
+            (len(comparison.only_declared), "only in the declared base"),
+            (len(comparison.only_given), "only in the given base"),
+        )
+        if count
+    ]
+    return CheckResult(
+        "base-id",
+        FAIL,
+        len(comparison.different),
+        0,
+        f"made on another base: the declared "
+        f"{where}{declared} holds other weights than the given base ({len(comparison.different)} of "
+        f"{total} tensors differ: {', '.join(parts)}; e.g. {shown_names(comparison.different)})",
+        measurements,
+    )
 
 
 def base_confirmed(check: CheckResult) -> bool:
     """The base-id check found the declared base to be the given one by its weights or its folder, not by name."""
-    return check.status == PASS and bool(check.measurements.get("weights_same") or check.measurements.get("same_folder"))
+    return check.status == PASS and bool(
+        check.measurements.get("weights_same") or check.measurements.get("same_folder")
+    )

@@ -80,8 +80,10 @@ def load_causal_lm(base_dir, device: str):
         with interrupts.deferred():  # transformers builds the model through torch's device modes: see interrupts
             model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     except Exception as error:  # transformers raises many types for an unloadable folder
-        raise InputError(f"{base_dir}: cannot load the base as a causal LM for the behavioural check "
-                         f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+        raise InputError(
+            f"{base_dir}: cannot load the base as a causal LM for the behavioural check "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        ) from None
     return model.to(device).eval()
 
 
@@ -117,8 +119,11 @@ def reference_of(logprobs: torch.Tensor, probes: list[list[int]]) -> dict:
     """What a fingerprint records: the probe ids and each probe's top tokens with their log-probabilities."""
     k = min(REFERENCE_TOP_K, logprobs.shape[-1])
     top = logprobs.topk(k, dim=-1)
-    return {"probe_ids": probes, "top_ids": top.indices.tolist(),
-            "top_logprobs": [[float(f"{v:.7g}") for v in row] for row in top.values.tolist()]}
+    return {
+        "probe_ids": probes,
+        "top_ids": top.indices.tolist(),
+        "top_logprobs": [[float(f"{v:.7g}") for v in row] for row in top.values.tolist()],
+    }
 
 
 def kl_to_reference(logprobs: torch.Tensor, reference: dict) -> list[float]:
@@ -146,7 +151,11 @@ def apply_adapter_(model, adapter) -> list[str]:
             if name == "lm_head.weight" and head is not None:
                 head.weight = torch.nn.Parameter(adapter.replacement(name).to(torch.float32).to(head.weight.device))
             elif name in parameters:
-                if head is not None and head.weight is parameters[name] and not adapter.config.get("ensure_weight_tying"):
+                if (
+                    head is not None
+                    and head.weight is parameters[name]
+                    and not adapter.config.get("ensure_weight_tying")
+                ):
                     head.weight = torch.nn.Parameter(head.weight.detach().clone())  # PEFT trains a copy; the head stays
                 parameters[name].copy_(adapter.replacement(name))
             else:
@@ -173,8 +182,9 @@ def adapted(model, adapter):
                 parameters[name].copy_(value)
 
 
-def measure_divergence(base_dir, adapter, device: str = "cpu", reference: dict | None = None,
-                       model=None) -> tuple[Divergence, str, list[str]]:
+def measure_divergence(
+    base_dir, adapter, device: str = "cpu", reference: dict | None = None, model=None
+) -> tuple[Divergence, str, list[str]]:
     """Base and base+adapter on the same probes (the fingerprint's ids when it has them); also base vs reference.
     `model`: the base already loaded (a batch loads it once); it is given back unchanged."""
     model = model if model is not None else load_causal_lm(base_dir, device)
@@ -187,9 +197,12 @@ def measure_divergence(base_dir, adapter, device: str = "cpu", reference: dict |
     with adapted(model, adapter) as skipped:
         adapted_logprobs = first_token_logprobs(model, probes)
     # KL(base || base+adapter), as the authors' check_output_divergence computes it (src/audit_checks.py)
-    divergence = Divergence(kl_divergence(base, adapted_logprobs).tolist(),
-                            (adapted_logprobs.argmax(-1) == base.argmax(-1)).tolist(),
-                            base_vs_reference, reverse_kl=kl_divergence(adapted_logprobs, base).tolist())
+    divergence = Divergence(
+        kl_divergence(base, adapted_logprobs).tolist(),
+        (adapted_logprobs.argmax(-1) == base.argmax(-1)).tolist(),
+        base_vs_reference,
+        reverse_kl=kl_divergence(adapted_logprobs, base).tolist(),
+    )
     return divergence, how, skipped
 
 

@@ -19,8 +19,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Name parts that mark a quantised checkpoint: its weights are not the full-precision ones the merge adds to.
-QUANTISED_MARKERS = ("bnb", "4bit", "8bit", "gptq", "awq", "gguf", "exl2", "nf4", "int4", "int8", "fp8", "hqq",
-                     "aqlm", "w4a16", "w8a8", "quantized")
+QUANTISED_MARKERS = (
+    "bnb",
+    "4bit",
+    "8bit",
+    "gptq",
+    "awq",
+    "gguf",
+    "exl2",
+    "nf4",
+    "int4",
+    "int8",
+    "fp8",
+    "hqq",
+    "aqlm",
+    "w4a16",
+    "w8a8",
+    "quantized",
+)
 # Name parts that mark the instruction/chat-tuned variant of a model.
 TUNED_MARKERS = ("instruct", "chat", "it", "inst", "sft", "rlhf")
 SIZE = re.compile(r"^\d+(\.\d+)?[bm]$|^\d+x\d+b$")  # 8b, 0.5b, 125m, 8x7b: model size, not a version
@@ -80,8 +96,14 @@ def _variant(tuned: bool) -> str:
 def quantised_reason(declared: str) -> str | None:
     """Why a declared base that names a quantised checkpoint fails, whatever it is compared with (None if not)."""
     quantised = parse(declared).quantised
-    return (f"declares a quantised base ({'-'.join(quantised)}): the adapter was trained against quantisation "
-            "error, not against these full-precision weights") if quantised else None
+    return (
+        (
+            f"declares a quantised base ({'-'.join(quantised)}): the adapter was trained against quantisation "
+            "error, not against these full-precision weights"
+        )
+        if quantised
+        else None
+    )
 
 
 def compare(declared: str, given: str) -> list[str]:
@@ -98,8 +120,9 @@ def compare(declared: str, given: str) -> list[str]:
     return reasons
 
 
-def given_base_id(base_dir, base_id: str | None, base_config: dict | None,
-                  hub_id: str | None = None) -> tuple[str | None, str]:
+def given_base_id(
+    base_dir, base_id: str | None, base_config: dict | None, hub_id: str | None = None
+) -> tuple[str | None, str]:
     """The id to compare with: --base-id, else the hub id the base was given as (or its cache snapshot is of),
     else the base config's `_name_or_path` when it is a hub id."""
     if base_id:

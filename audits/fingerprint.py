@@ -31,7 +31,6 @@ import json
 import os
 from contextlib import closing
 from pathlib import Path
-from typing import Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,8 +42,14 @@ VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
 SAMPLES_PER_TENSOR = 16
 SAMPLE_TOLERANCE = 1e-2  # relative to the sample's norm: a bf16 copy differs by ~4e-3, other weights by ~1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+)
 FINGERPRINT_FILE = "base_fingerprint.json"
 DEFAULT_TOP_K = 8
 PROBE_DIM = 16
@@ -111,7 +116,10 @@ def tensor_sample(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def tensor_table_hash(source) -> str:
-    table = [[name, str(source.dtype(name)).removeprefix("torch."), list(source.shape(name))] for name in sorted(source.names)]
+    table = [
+        [name, str(source.dtype(name)).removeprefix("torch."), list(source.shape(name))]
+        for name in sorted(source.names)
+    ]
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()
 
 
@@ -123,9 +131,11 @@ def tokenizer_info(base_dir: Path, config: dict | None) -> dict:
     text_config = (config or {}).get("text_config") or config or {}
     present = [name for name in TOKENIZER_FILES if os.path.lexists(base_dir / name)]
     inside = [name for name in present if is_regular_inside(base_dir / name, base_dir)]
-    return {"vocab_size": text_config.get("vocab_size"),
-            "files": {name: sha256_file(base_dir / name) for name in inside},
-            "refused": [name for name in present if name not in inside]}
+    return {
+        "vocab_size": text_config.get("vocab_size"),
+        "files": {name: sha256_file(base_dir / name) for name in inside},
+        "refused": [name for name in present if name not in inside],
+    }
 
 
 def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K, behaviour: bool = True, device: str = "cpu") -> dict:
@@ -154,12 +164,23 @@ def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K, behaviour: bool = 
     if not modules:
         raise InputError(f"{base_dir}: no 2-D weight matrices to fingerprint")
     folder = base_dir if base_dir.is_dir() else base_dir.parent
-    signature = {"config_sha256": sha256_file(folder / "config.json"), "tensor_table_sha256": tensor_table_hash(source),
-                 "samples": samples}
+    signature = {
+        "config_sha256": sha256_file(folder / "config.json"),
+        "tensor_table_sha256": tensor_table_hash(source),
+        "samples": samples,
+    }
     signature["digest"] = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
-    fingerprint = {"format": FORMAT, "version": VERSION, "base": base_dir.name, "top_k": top_k,
-                   "probe_seed": PROBE_SEED, "probe_dim": PROBE_DIM, "modules": modules, "signature": signature,
-                   "tokenizer": tokenizer_info(folder, source.config)}
+    fingerprint = {
+        "format": FORMAT,
+        "version": VERSION,
+        "base": base_dir.name,
+        "top_k": top_k,
+        "probe_seed": PROBE_SEED,
+        "probe_dim": PROBE_DIM,
+        "modules": modules,
+        "signature": signature,
+        "tokenizer": tokenizer_info(folder, source.config),
+    }
     if behaviour and base_dir.is_dir():
         from mergekit_lite.audits.behaviour import record_reference
 
@@ -176,7 +197,9 @@ def compare_samples(signature: dict, source) -> tuple[list[str], list[str]]:
             continue
         measured = tensor_sample(source.load(name), name)
         recorded = torch.tensor(recorded, dtype=torch.float32)
-        if measured.shape != recorded.shape or float((measured - recorded).norm()) > SAMPLE_TOLERANCE * max(float(recorded.norm()), 1e-6):
+        if measured.shape != recorded.shape or float((measured - recorded).norm()) > SAMPLE_TOLERANCE * max(
+            float(recorded.norm()), 1e-6
+        ):
             differing.append(name)
     return differing, missing
 
@@ -199,9 +222,9 @@ class FingerprintFile(BaseModel):
     probe_seed: int
     probe_dim: int
     modules: dict[str, FingerprintModule]
-    signature: Optional[dict] = None  # version 2: base signature, tokenizer, recorded first-token outputs
-    tokenizer: Optional[dict] = None
-    behaviour: Optional[dict] = None
+    signature: dict | None = None  # version 2: base signature, tokenizer, recorded first-token outputs
+    tokenizer: dict | None = None
+    behaviour: dict | None = None
 
 
 def fingerprint_destination(path, base_dir=None) -> Path:
@@ -236,10 +259,14 @@ def load_fingerprint(path) -> dict:
         raise InputError(f"{path}: no such fingerprint file")
     fingerprint = read_json(path)
     if not isinstance(fingerprint, dict) or fingerprint.get("format") != FORMAT:
-        raise InputError(f"{path}: not a mergekit-lite base fingerprint (write one with `mergekit-lite audit fingerprint BASE`)")
+        raise InputError(
+            f"{path}: not a mergekit-lite base fingerprint (write one with `mergekit-lite audit fingerprint BASE`)"
+        )
     if fingerprint.get("version") not in SUPPORTED_VERSIONS:
-        raise InputError(f"{path}: fingerprint version {str(fingerprint.get('version'))[:20]} is not supported "
-                         f"(expected one of {SUPPORTED_VERSIONS})")
+        raise InputError(
+            f"{path}: fingerprint version {str(fingerprint.get('version'))[:20]} is not supported "
+            f"(expected one of {SUPPORTED_VERSIONS})"
+        )
     validate(FingerprintFile, fingerprint, path)
     return fingerprint
 
@@ -251,8 +278,9 @@ def cosine(a, b) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
-def module_similarity(entry: dict, shape: tuple[int, ...], singular_values: torch.Tensor,
-                      probe_vector: torch.Tensor) -> tuple[float, float]:
+def module_similarity(
+    entry: dict, shape: tuple[int, ...], singular_values: torch.Tensor, probe_vector: torch.Tensor
+) -> tuple[float, float]:
     """(spectrum cosine, probe cosine) of one base matrix against its fingerprint entry; 0 if shapes differ."""
     if tuple(entry.get("shape", ())) != tuple(shape):
         return 0.0, 0.0

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from mergekit_lite.audits.report import FAIL, PASS, WARN, CheckResult
 from mergekit_lite.errors import InputError
@@ -52,7 +52,7 @@ def iter_items(path) -> Iterator[tuple[str, str]]:
             except ValueError:
                 raise InputError(f"{path}:{number}: not a JSON line") from None
             if not isinstance(record, dict) or not isinstance(record.get(TEXT_FIELD), str):
-                raise InputError(f"{path}:{number}: no \"{TEXT_FIELD}\" string field")
+                raise InputError(f'{path}:{number}: no "{TEXT_FIELD}" string field')
             yield str(record.get("id", number)), record[TEXT_FIELD]
 
 
@@ -62,7 +62,7 @@ def normalize(text: str) -> str:
 
 def ngrams(normalized: str, n: int) -> set[tuple[str, ...]]:
     words = normalized.split()
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def find_contamination(train_data, holdout, n: int) -> Contamination:
@@ -85,8 +85,9 @@ def find_contamination(train_data, holdout, n: int) -> Contamination:
         for gram in ngrams(normalized, n):
             overlapping.update(owners.get(gram, ()))
     contaminated = overlapping | duplicates
-    return Contamination(n, len(holdout_ids), [i for i in holdout_ids if i in contaminated],
-                         [i for i in holdout_ids if i in duplicates])
+    return Contamination(
+        n, len(holdout_ids), [i for i in holdout_ids if i in contaminated], [i for i in holdout_ids if i in duplicates]
+    )
 
 
 def check_leakage(train_data, holdout, n: int, max_share: float) -> CheckResult:
@@ -94,13 +95,19 @@ def check_leakage(train_data, holdout, n: int, max_share: float) -> CheckResult:
     found = find_contamination(train_data, holdout, n)
     count = len(found.contaminated_ids)
     shown = ", ".join(found.contaminated_ids[:SHOWN_IDS]) + (", ..." if count > SHOWN_IDS else "")
-    summary = (f"{count} of {found.holdout_items} holdout items share a {n}-gram with the training data "
-               f"({len(found.exact_duplicate_ids)} exact duplicates)")
+    summary = (
+        f"{count} of {found.holdout_items} holdout items share a {n}-gram with the training data "
+        f"({len(found.exact_duplicate_ids)} exact duplicates)"
+    )
     if count == 0:
         status, detail = PASS, summary
     else:
         status = FAIL if found.share > max_share else WARN
         detail = f"{summary}: ids {shown}"
-    measurements = {"contaminated_ids": found.contaminated_ids, "exact_duplicate_ids": found.exact_duplicate_ids,
-                    "holdout_items": found.holdout_items, "ngram": n}
+    measurements = {
+        "contaminated_ids": found.contaminated_ids,
+        "exact_duplicate_ids": found.exact_duplicate_ids,
+        "holdout_items": found.holdout_items,
+        "ngram": n,
+    }
     return CheckResult("leakage", status, found.share, max_share, detail, measurements)

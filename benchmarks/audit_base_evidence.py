@@ -37,17 +37,39 @@ from peft import LoraConfig, PeftModel, get_peft_model
 VOCAB, HIDDEN, LAYERS, LENGTH = 128, 64, 2, 24
 OUT = Path(__file__).resolve().parent / "work" / "audit-evidence"
 ARCHITECTURES = {  # class, config, LoRA targets
-    "llama": ("LlamaForCausalLM", lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=LENGTH, tie_word_embeddings=False),
-              ["q_proj", "v_proj", "up_proj", "down_proj"]),
-    "qwen2": ("Qwen2ForCausalLM", lambda: transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH, tie_word_embeddings=True),
-              ["q_proj", "v_proj", "up_proj", "down_proj"]),
-    "gpt2": ("GPT2LMHeadModel", lambda: transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=LENGTH),
-             ["c_attn", "c_fc"]),
+    "llama": (
+        "LlamaForCausalLM",
+        lambda: transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=LENGTH,
+            tie_word_embeddings=False,
+        ),
+        ["q_proj", "v_proj", "up_proj", "down_proj"],
+    ),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        lambda: transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=LENGTH,
+            tie_word_embeddings=True,
+        ),
+        ["q_proj", "v_proj", "up_proj", "down_proj"],
+    ),
+    "gpt2": (
+        "GPT2LMHeadModel",
+        lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=LENGTH),
+        ["c_attn", "c_fc"],
+    ),
 }
 STATISTICS = ("corr", "top-subspace", "B-activations", "loss-typical", "loss-task")
 LOWER_MEANS_THIS_BASE = {"loss-typical", "loss-task"}
@@ -61,7 +83,9 @@ def markov_batches(chain_seed: int, sample_seed: int, count: int, batch: int = 1
         tokens = torch.zeros(batch, LENGTH, dtype=torch.long)
         tokens[:, 0] = torch.randint(0, VOCAB, (batch,), generator=generator)
         for position in range(1, LENGTH):
-            tokens[:, position] = successors[tokens[:, position - 1], torch.randint(0, 3, (batch,), generator=generator)]
+            tokens[:, position] = successors[
+                tokens[:, position - 1], torch.randint(0, 3, (batch,), generator=generator)
+            ]
         yield tokens
 
 
@@ -78,7 +102,9 @@ def fit(model, batches, learning_rate: float) -> None:
 def build_bases(architecture: str, folder: Path, pretrain_steps: int) -> dict[str, Path]:
     """base and other (same text, other init seed), variant (base + a short fine-tune on another chain)."""
     class_name, make_config, _ = ARCHITECTURES[architecture]
-    if all((folder / name / "config.json").is_file() for name in ("base", "other", "variant")):  # an earlier run's bases
+    if all(
+        (folder / name / "config.json").is_file() for name in ("base", "other", "variant")
+    ):  # an earlier run's bases
         return {name: folder / name for name in ("base", "other", "variant")}
     paths = {}
     for name, seed in (("base", 0), ("other", 1)):
@@ -99,9 +125,10 @@ def train_adapter(architecture: str, made_on: Path, out: Path, rank: int, steps:
     if (out / "adapter_config.json").is_file():  # trained by an earlier, interrupted run of the same settings
         return out
     torch.manual_seed(task)
-    model = get_peft_model(getattr(transformers, class_name).from_pretrained(made_on),
-                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                                      fan_in_fan_out=architecture == "gpt2"))
+    model = get_peft_model(
+        getattr(transformers, class_name).from_pretrained(made_on),
+        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, fan_in_fan_out=architecture == "gpt2"),
+    )
     fit(model, markov_batches(200 + task, 2000 + task, steps), 3e-3)
     model.save_pretrained(out)
     return out
@@ -132,8 +159,13 @@ def measure(architecture: str, base_dir: Path, adapter_dir: Path, task: int, top
     hooks = []
     for name, module in model.named_modules():
         if hasattr(module, "lora_B") and "default" in getattr(module, "lora_B", {}):
-            hooks.append(module.base_layer.register_forward_hook(
-                lambda _module, _inputs, output, name=name: outputs.setdefault(name, []).append(output.reshape(-1, output.shape[-1]))))
+            hooks.append(
+                module.base_layer.register_forward_hook(
+                    lambda _module, _inputs, output, name=name: outputs.setdefault(name, []).append(
+                        output.reshape(-1, output.shape[-1])
+                    )
+                )
+            )
     with model.disable_adapter():
         model(input_ids=typical[0])
     for hook in hooks:
@@ -162,9 +194,13 @@ def measure(architecture: str, base_dir: Path, adapter_dir: Path, task: int, top
         principal = torch.linalg.svd(activations, full_matrices=False)[2][:k].T  # [out, k]
         b_align.append(subspace_share(lora_b, principal) / (k / lora_b.shape[0]))
     del base_state
-    return {"corr": statistics.median(corr), "top-subspace": statistics.median(top),
-            "B-activations": statistics.median(b_align), "loss-typical": with_typical - loss_typical,
-            "loss-task": with_task - loss_task}
+    return {
+        "corr": statistics.median(corr),
+        "top-subspace": statistics.median(top),
+        "B-activations": statistics.median(b_align),
+        "loss-typical": with_typical - loss_typical,
+        "loss-task": with_task - loss_task,
+    }
 
 
 def roc_auc(positives: list[float], negatives: list[float]) -> float:
@@ -188,16 +224,21 @@ def oriented(rows: list[dict], statistic: str) -> dict[str, list[float]]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| statistic | architecture | AUC vs other base | false rejects at 0 false accepts (other) | "
-             "AUC vs close variant | false rejects (variant) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| statistic | architecture | AUC vs other base | false rejects at 0 false accepts (other) | "
+        "AUC vs close variant | false rejects (variant) |",
+        "|---|---|---|---|---|---|",
+    ]
     for statistic in STATISTICS:
         for architecture in [*dict.fromkeys(row["architecture"] for row in rows), "all"]:
             chosen = [row for row in rows if architecture in ("all", row["architecture"])]
             values = oriented(chosen, statistic)
             cells = []
             for negative in ("other", "variant"):
-                cells += [f"{roc_auc(values['base'], values[negative]):.2f}",
-                          f"{false_rejects(values['base'], values[negative]):.0%}"]
+                cells += [
+                    f"{roc_auc(values['base'], values[negative]):.2f}",
+                    f"{false_rejects(values['base'], values[negative]):.0%}",
+                ]
             lines.append(f"| {statistic} | {architecture} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -221,16 +262,30 @@ def main() -> None:
             for rank in map(int, args.ranks.split(",")):
                 for steps in map(int, args.steps.split(",")):
                     for task in map(int, args.tasks.split(",")):
-                        adapter = train_adapter(architecture, bases[made_on],
-                                                folder / "adapters" / f"{made_on}-r{rank}-s{steps}-t{task}",
-                                                rank, steps, task)
-                        rows.append({"architecture": architecture, "made_on": made_on, "rank": rank, "steps": steps,
-                                     "task": task, **measure(architecture, bases["base"], adapter, task)})
+                        adapter = train_adapter(
+                            architecture,
+                            bases[made_on],
+                            folder / "adapters" / f"{made_on}-r{rank}-s{steps}-t{task}",
+                            rank,
+                            steps,
+                            task,
+                        )
+                        rows.append(
+                            {
+                                "architecture": architecture,
+                                "made_on": made_on,
+                                "rank": rank,
+                                "steps": steps,
+                                "task": task,
+                                **measure(architecture, bases["base"], adapter, task),
+                            }
+                        )
                         print(json.dumps(rows[-1]), flush=True)
         print(f"{architecture}: done at {time.perf_counter() - started:.0f} s", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows,
-                                                  "seconds": time.perf_counter() - started}, indent=1))
+    (OUT / "results.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows, "seconds": time.perf_counter() - started}, indent=1)
+    )
     print(f"{len(rows)} adapters in {time.perf_counter() - started:.0f} s\n")
     print(table(rows))
 

@@ -23,8 +23,10 @@ from pathlib import Path
 WORK = Path(__file__).resolve().parent / "work" / "audit-batch"
 CLI = Path(sys.executable).parent / "mergekit-lite"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
-WAIT_AND_MEASURE = ("import resource, subprocess, sys; run = subprocess.run(sys.argv[1:], capture_output=True); "
-                    "print(run.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+WAIT_AND_MEASURE = (
+    "import resource, subprocess, sys; run = subprocess.run(sys.argv[1:], capture_output=True); "
+    "print(run.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
 
 
 def build(count: int, hidden: int) -> tuple[Path, Path]:
@@ -38,14 +40,22 @@ def build(count: int, hidden: int) -> tuple[Path, Path]:
     if WORK.exists():
         shutil.rmtree(WORK)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(base_dir)
     write_fingerprint(compute_fingerprint(base_dir, behaviour=False), WORK / FINGERPRINT_FILE)
     for index in range(count):
-        model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
-                               LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+        model = get_peft_model(
+            LlamaForCausalLM.from_pretrained(base_dir), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS)
+        )
         optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(index))
         model(input_ids=tokens, labels=tokens).loss.backward()
@@ -76,8 +86,15 @@ def main() -> None:
     rows = []
     for count in sorted({1, min(10, len(adapters)), len(adapters)}):
         seconds, peak, status = audit(base_dir, adapters[:count])
-        rows.append({"adapters": count, "seconds": seconds, "seconds_per_adapter": seconds / count,
-                     "peak_rss_mib": peak, "exit": status})
+        rows.append(
+            {
+                "adapters": count,
+                "seconds": seconds,
+                "seconds_per_adapter": seconds / count,
+                "peak_rss_mib": peak,
+                "exit": status,
+            }
+        )
     one = rows[0]["seconds"]
     (WORK / "results.json").write_text(json.dumps(rows, indent=2))
     print(f"base: Llama hidden {args.hidden}, 4 layers; adapters: r=8 on {', '.join(TARGETS)}")
@@ -85,8 +102,10 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         added = "-" if row["adapters"] == 1 else f"{(row['seconds'] - one) / (row['adapters'] - 1):.3f}"
-        print(f"| {row['adapters']} | {row['seconds']:.1f} | {row['seconds_per_adapter']:.3f} | {added} | "
-              f"{row['peak_rss_mib']} | {row['exit']} |")
+        print(
+            f"| {row['adapters']} | {row['seconds']:.1f} | {row['seconds_per_adapter']:.3f} | {added} | "
+            f"{row['peak_rss_mib']} | {row['exit']} |"
+        )
 
 
 if __name__ == "__main__":

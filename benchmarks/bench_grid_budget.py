@@ -45,8 +45,14 @@ def main() -> None:
     for name in args.pairs.split(","):
         folder = Path(args.out).resolve() / name
         pair = build_toy_pair(folder / "pair", seed=0, **PAIRS[name])
-        shared = {"pre": str(pair.pre_dir), "post": str(pair.post_dir), "alphas": args.alphas,
-                  "old_tasks": pair.old_tasks, "new_tasks": pair.new_tasks, "include_path": str(pair.task_dir)}
+        shared = {
+            "pre": str(pair.pre_dir),
+            "post": str(pair.post_dir),
+            "alphas": args.alphas,
+            "old_tasks": pair.old_tasks,
+            "new_tasks": pair.new_tasks,
+            "include_path": str(pair.task_dir),
+        }
         run_sweep(method_settings({**shared, "alphas": [0.5], "out": str(folder / "warmup")}, ["linear"])[0])
         for grid in args.grids.split(","):
             options = dict(GRIDS[grid])
@@ -62,21 +68,34 @@ def main() -> None:
             same = budgeted.best.key == full.best.key
             close = same or budgeted.best.key in full.indistinguishable + full.ties
             in_full = next(point for point in full.points if point.key == budgeted.best.key)
-            row = {"cells": len(full.points), "full_pick": cell(full.best), "full_hm": full.best.harmonic_mean,
-                   "full_interval": full.best.intervals.get("harmonic_mean"), "full_evaluations": len(full.evaluated),
-                   "full_seconds": round(full_s, 1), "budget_pick": cell(budgeted.best),
-                   "budget_pick_hm_in_full_grid": in_full.harmonic_mean, "same": same, "indistinguishable": close,
-                   "budget": args.budget, "budget_cost": round(budgeted.budget["cost"], 2),
-                   "budget_evaluations": budgeted.budget["evaluations"], "budget_seconds": round(budget_s, 1),
-                   "rounds": [len(entry["estimates"]) for entry in budgeted.budget["rounds"]],
-                   "survivors": len(budgeted.budget["full"])}
+            row = {
+                "cells": len(full.points),
+                "full_pick": cell(full.best),
+                "full_hm": full.best.harmonic_mean,
+                "full_interval": full.best.intervals.get("harmonic_mean"),
+                "full_evaluations": len(full.evaluated),
+                "full_seconds": round(full_s, 1),
+                "budget_pick": cell(budgeted.best),
+                "budget_pick_hm_in_full_grid": in_full.harmonic_mean,
+                "same": same,
+                "indistinguishable": close,
+                "budget": args.budget,
+                "budget_cost": round(budgeted.budget["cost"], 2),
+                "budget_evaluations": budgeted.budget["evaluations"],
+                "budget_seconds": round(budget_s, 1),
+                "rounds": [len(entry["estimates"]) for entry in budgeted.budget["rounds"]],
+                "survivors": len(budgeted.budget["full"]),
+            }
             results[f"{name}/{grid}"] = row
-            print(f"{name} {grid}: {row['cells']} cells; full pick {row['full_pick']} HM {row['full_hm']:.3f} "
-                  f"({row['full_evaluations']} evaluations, {full_s:.0f} s); budget {args.budget} pick "
-                  f"{row['budget_pick']} HM in the full grid {in_full.harmonic_mean:.3f} "
-                  f"({'same' if same else 'indistinguishable' if close else 'distinguishable'}; cost "
-                  f"{row['budget_cost']}, {row['budget_evaluations']} evaluations, rounds {row['rounds']}, "
-                  f"{row['survivors']} in full, {budget_s:.0f} s)", flush=True)
+            print(
+                f"{name} {grid}: {row['cells']} cells; full pick {row['full_pick']} HM {row['full_hm']:.3f} "
+                f"({row['full_evaluations']} evaluations, {full_s:.0f} s); budget {args.budget} pick "
+                f"{row['budget_pick']} HM in the full grid {in_full.harmonic_mean:.3f} "
+                f"({'same' if same else 'indistinguishable' if close else 'distinguishable'}; cost "
+                f"{row['budget_cost']}, {row['budget_evaluations']} evaluations, rounds {row['rounds']}, "
+                f"{row['survivors']} in full, {budget_s:.0f} s)",
+                flush=True,
+            )
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 

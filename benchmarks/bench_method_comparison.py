@@ -40,9 +40,15 @@ def main() -> None:
         options = PAIRS[name]
         folder = Path(args.out).resolve() / name
         pair = build_toy_pair(folder / "pair", seed=0, **options)
-        shared = {"pre": str(pair.pre_dir), "post": str(pair.post_dir), "alphas": args.alphas,
-                  "old_tasks": pair.old_tasks, "new_tasks": pair.new_tasks, "include_path": str(pair.task_dir),
-                  "recall_texts": str(pair.typical_texts)}
+        shared = {
+            "pre": str(pair.pre_dir),
+            "post": str(pair.post_dir),
+            "alphas": args.alphas,
+            "old_tasks": pair.old_tasks,
+            "new_tasks": pair.new_tasks,
+            "include_path": str(pair.task_dir),
+            "recall_texts": str(pair.typical_texts),
+        }
         # warm-up, untimed: imports, lm-eval's task index and the first model load, which the first run would pay
         run_sweep(method_settings({**shared, "alphas": [0.5], "out": str(folder / "warmup")}, ["linear"])[0])
         start = time.perf_counter()
@@ -56,23 +62,43 @@ def main() -> None:
             if (alone.best.alpha, alone.best.harmonic_mean) != (row.pick.alpha, row.pick.harmonic_mean):
                 raise SystemExit(f"{name} {method}: alone picks {alone.best.alpha}, together {row.pick.alpha}")
         one_by_one = time.perf_counter() - start
-        rows = [{"method": row.method, "pick": row.pick.alpha, "old": row.pick.old, "new": row.pick.new,
-                 "harmonic_mean": row.pick.harmonic_mean, "interval": row.pick.intervals.get("harmonic_mean"),
-                 "diff_to_baseline": row.diff_to_baseline, "indistinguishable": row.indistinguishable}
-                for row in comparison.rows]
-        results[name] = {"toy_options": options, "pre": [comparison.pre.old, comparison.pre.new],
-                         "post": [comparison.post.old, comparison.post.new], "rows": rows,
-                         "together": {"evaluations": comparison.evaluations, "seconds": round(together, 1)},
-                         "one_by_one": {"evaluations": alone_evaluations, "seconds": round(one_by_one, 1)}}
-        print(f"{name}: pre old/new {comparison.pre.old:.3f}/{comparison.pre.new:.3f}, "
-              f"post {comparison.post.old:.3f}/{comparison.post.new:.3f}")
+        rows = [
+            {
+                "method": row.method,
+                "pick": row.pick.alpha,
+                "old": row.pick.old,
+                "new": row.pick.new,
+                "harmonic_mean": row.pick.harmonic_mean,
+                "interval": row.pick.intervals.get("harmonic_mean"),
+                "diff_to_baseline": row.diff_to_baseline,
+                "indistinguishable": row.indistinguishable,
+            }
+            for row in comparison.rows
+        ]
+        results[name] = {
+            "toy_options": options,
+            "pre": [comparison.pre.old, comparison.pre.new],
+            "post": [comparison.post.old, comparison.post.new],
+            "rows": rows,
+            "together": {"evaluations": comparison.evaluations, "seconds": round(together, 1)},
+            "one_by_one": {"evaluations": alone_evaluations, "seconds": round(one_by_one, 1)},
+        }
+        print(
+            f"{name}: pre old/new {comparison.pre.old:.3f}/{comparison.pre.new:.3f}, "
+            f"post {comparison.post.old:.3f}/{comparison.post.new:.3f}"
+        )
         for row in rows:
             low, high = row["diff_to_baseline"]
-            print(f"  {row['method']:<16} pick {row['pick']:<5g} old {row['old']:.3f} new {row['new']:.3f} "
-                  f"HM {row['harmonic_mean']:.3f} vs linear [{low:+.3f}, {high:+.3f}]"
-                  + (" indistinguishable" if row["indistinguishable"] else ""))
-        print(f"  together: {comparison.evaluations} evaluations, {together:.0f} s; "
-              f"one by one: {alone_evaluations} evaluations, {one_by_one:.0f} s", flush=True)
+            print(
+                f"  {row['method']:<16} pick {row['pick']:<5g} old {row['old']:.3f} new {row['new']:.3f} "
+                f"HM {row['harmonic_mean']:.3f} vs linear [{low:+.3f}, {high:+.3f}]"
+                + (" indistinguishable" if row["indistinguishable"] else "")
+            )
+        print(
+            f"  together: {comparison.evaluations} evaluations, {together:.0f} s; "
+            f"one by one: {alone_evaluations} evaluations, {one_by_one:.0f} s",
+            flush=True,
+        )
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 

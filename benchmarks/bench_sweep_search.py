@@ -25,14 +25,30 @@ from mergekit_lite.toy import build_toy_pair
 WORK = Path(__file__).resolve().parent / "work"
 PAIRS = {"demo": {}, "larger": {"n_entities": 128, "hidden_size": 96}}
 GRIDS = {"linear": [round(i / 20, 4) for i in range(21)], "task_arithmetic": [round(i / 10, 4) for i in range(16)]}
-MODES = {"grid": {}, "golden": {"search": "golden"}, "probe": {"probe": 0.2},
-         "probe+golden": {"probe": 0.2, "search": "golden"}}
+MODES = {
+    "grid": {},
+    "golden": {"search": "golden"},
+    "probe": {"probe": 0.2},
+    "probe+golden": {"probe": 0.2, "search": "golden"},
+}
 
 
 def timed_sweep(pair, method: str, grid: list[float], out: Path, limit: int | None, **options):
     started = time.perf_counter()
-    result = run_sweep(SweepSettings(pair.pre_dir, pair.post_dir, method, grid, pair.old_tasks, pair.new_tasks,
-                                     pair.task_dir, str(out), limit=limit, **options))
+    result = run_sweep(
+        SweepSettings(
+            pair.pre_dir,
+            pair.post_dir,
+            method,
+            grid,
+            pair.old_tasks,
+            pair.new_tasks,
+            pair.task_dir,
+            str(out),
+            limit=limit,
+            **options,
+        )
+    )
     return result, time.perf_counter() - started
 
 
@@ -47,8 +63,10 @@ def estimate_coverage(result, grid_result) -> tuple[int, int]:
     """(probed alphas whose interval holds the grid's selection HM, probed alphas)."""
     z = NormalDist().inv_cdf((1 + result.settings.confidence) / 2)
     truth = {point.alpha: point.selection.harmonic_mean for point in grid_result.points}
-    held = sum(abs(estimate.harmonic_mean - truth[alpha]) <= z * estimate.harmonic_mean_se + 1e-12
-               for alpha, estimate in result.probe.estimates.items())
+    held = sum(
+        abs(estimate.harmonic_mean - truth[alpha]) <= z * estimate.harmonic_mean_se + 1e-12
+        for alpha, estimate in result.probe.estimates.items()
+    )
     return held, len(result.probe.estimates)
 
 
@@ -62,30 +80,43 @@ def main() -> None:
         pair = build_toy_pair(WORK / f"pair-{pair_name}", seed=0, **PAIRS[pair_name])
         for method, grid in GRIDS.items():
             runs = WORK / f"sweep-{pair_name}-{method}"
-            results = {mode: timed_sweep(pair, method, grid, runs / mode.replace("+", "-"), args.limit, **options)
-                       for mode, options in MODES.items()}
+            results = {
+                mode: timed_sweep(pair, method, grid, runs / mode.replace("+", "-"), args.limit, **options)
+                for mode, options in MODES.items()
+            }
             grid_result = results["grid"][0]
             agreeing = [grid_result.best.alpha, *grid_result.ties, *grid_result.indistinguishable]
             for mode, (result, seconds) in results.items():
-                row = {"pair": pair_name, "method": method, "mode": mode, "grid_points": len(grid),
-                       "full_models": len(result.evaluated),
-                       "probed_alphas": len(result.probe.estimates) if result.probe else 0,
-                       "doc_evaluations": doc_evaluations(result), "seconds": round(seconds, 1),
-                       "pick": result.best.alpha, "pick_hm": round(result.best.harmonic_mean, 4),
-                       "pick_agrees_with_grid": result.best.alpha in agreeing}
+                row = {
+                    "pair": pair_name,
+                    "method": method,
+                    "mode": mode,
+                    "grid_points": len(grid),
+                    "full_models": len(result.evaluated),
+                    "probed_alphas": len(result.probe.estimates) if result.probe else 0,
+                    "doc_evaluations": doc_evaluations(result),
+                    "seconds": round(seconds, 1),
+                    "pick": result.best.alpha,
+                    "pick_hm": round(result.best.harmonic_mean, 4),
+                    "pick_agrees_with_grid": result.best.alpha in agreeing,
+                }
                 if result.probe:
                     row["estimates_covering_grid"] = list(estimate_coverage(result, grid_result))
                 rows.append(row)
     WORK.mkdir(exist_ok=True)
     (WORK / "sweep-search.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print("| pair | method | mode | models in full + alphas probed | doc evaluations | s | pick (report HM) | "
-          "pick = grid's or indistinguishable | probe intervals holding the grid's HM |")
+    print(
+        "| pair | method | mode | models in full + alphas probed | doc evaluations | s | pick (report HM) | "
+        "pick = grid's or indistinguishable | probe intervals holding the grid's HM |"
+    )
     print("|---|---|---|---|---:|---:|---|---|---|")
     for row in rows:
         coverage = "{}/{}".format(*row["estimates_covering_grid"]) if "estimates_covering_grid" in row else "-"
-        print(f"| {row['pair']} | {row['method']} | {row['mode']} | {row['full_models']} + {row['probed_alphas']} | "
-              f"{row['doc_evaluations']} | {row['seconds']} | {row['pick']} ({row['pick_hm']}) | "
-              f"{row['pick_agrees_with_grid']} | {coverage} |")
+        print(
+            f"| {row['pair']} | {row['method']} | {row['mode']} | {row['full_models']} + {row['probed_alphas']} | "
+            f"{row['doc_evaluations']} | {row['seconds']} | {row['pick']} ({row['pick_hm']}) | "
+            f"{row['pick_agrees_with_grid']} | {coverage} |"
+        )
 
 
 if __name__ == "__main__":

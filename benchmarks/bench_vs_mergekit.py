@@ -45,6 +45,7 @@ def load_average() -> list[float]:
 
 # ---------------------------------------------------------------- commands
 
+
 def merge_inputs(method: str, ckpt: Path) -> list[Path]:
     return [ckpt / "base", ckpt / "ft1"] + ([] if method in ("linear", "slerp") else [ckpt / "ft2"])
 
@@ -54,15 +55,55 @@ def lite_command(method: str, ckpt: Path, out: Path) -> list[str]:
     args = {
         "linear": ["--method", "linear", "--model", f"{b}:0.5", "--model", f"{f1}:0.5"],
         "slerp": ["--method", "slerp", "--base", b, "--model", f1, "--t", "0.5"],
-        "task_arithmetic": ["--method", "task_arithmetic", "--base", b, "--model", f"{f1}:1", "--model", f"{f2}:1",
-                            "--lambda", "1"],
-        "ties": ["--method", "ties", "--base", b, "--model", f"{f1}:1", "--model", f"{f2}:1", "--density", "0.5",
-                 "--normalize"],
-        "dare_ties": ["--method", "dare_ties", "--base", b, "--model", f"{f1}:1", "--model", f"{f2}:1",
-                      "--drop", "0.5", "--normalize"],
+        "task_arithmetic": [
+            "--method",
+            "task_arithmetic",
+            "--base",
+            b,
+            "--model",
+            f"{f1}:1",
+            "--model",
+            f"{f2}:1",
+            "--lambda",
+            "1",
+        ],
+        "ties": [
+            "--method",
+            "ties",
+            "--base",
+            b,
+            "--model",
+            f"{f1}:1",
+            "--model",
+            f"{f2}:1",
+            "--density",
+            "0.5",
+            "--normalize",
+        ],
+        "dare_ties": [
+            "--method",
+            "dare_ties",
+            "--base",
+            b,
+            "--model",
+            f"{f1}:1",
+            "--model",
+            f"{f2}:1",
+            "--drop",
+            "0.5",
+            "--normalize",
+        ],
     }[method]
-    return [str(Path(sys.executable).parent / "mergekit-lite"), "merge", *args, "--out", str(out),
-            "--out-shard-size", LITE_SHARD, "--quiet"]
+    return [
+        str(Path(sys.executable).parent / "mergekit-lite"),
+        "merge",
+        *args,
+        "--out",
+        str(out),
+        "--out-shard-size",
+        LITE_SHARD,
+        "--quiet",
+    ]
 
 
 ESTIMATE = re.compile(r"estimate on this machine: wall ([\d.]+) s .*peak RSS (\d+) MB")
@@ -71,11 +112,20 @@ ESTIMATE = re.compile(r"estimate on this machine: wall ([\d.]+) s .*peak RSS (\d
 def predicted(method: str, ckpt: Path, calibrate: bool) -> dict:
     """`--dry-run`'s estimate for the merge, parsed from its own line: what a user sees."""
     command = [arg for arg in lite_command(method, ckpt, WORK / "never") if arg != "--quiet"]
-    result = subprocess.run([*command, "--dry-run", *(["--calibrate"] if calibrate else [])], capture_output=True,
-                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    result = subprocess.run(
+        [*command, "--dry-run", *(["--calibrate"] if calibrate else [])],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=True,
+    )
     match = ESTIMATE.search(result.stdout)
-    return {"wall_s": float(match.group(1)), "rss_mb": int(match.group(2)),
-            "line": result.stdout[match.start():].splitlines()[0]}
+    return {
+        "wall_s": float(match.group(1)),
+        "rss_mb": int(match.group(2)),
+        "line": result.stdout[match.start() :].splitlines()[0],
+    }
 
 
 def mergekit_config(method: str, ckpt: Path, dtype: str) -> dict:
@@ -83,33 +133,58 @@ def mergekit_config(method: str, ckpt: Path, dtype: str) -> dict:
     b, f1, f2 = (str(ckpt / n) for n in ("base", "ft1", "ft2"))
     common = {"dtype": dtype, "out_dtype": "bfloat16"}
     if method == "linear":
-        return {"merge_method": "linear", "models": [{"model": b, "parameters": {"weight": 0.5}},
-                                                     {"model": f1, "parameters": {"weight": 0.5}}], **common}
+        return {
+            "merge_method": "linear",
+            "models": [{"model": b, "parameters": {"weight": 0.5}}, {"model": f1, "parameters": {"weight": 0.5}}],
+            **common,
+        }
     if method == "slerp":
-        return {"merge_method": "slerp", "base_model": b, "models": [{"model": b}, {"model": f1}],
-                "parameters": {"t": 0.5}, **common}
+        return {
+            "merge_method": "slerp",
+            "base_model": b,
+            "models": [{"model": b}, {"model": f1}],
+            "parameters": {"t": 0.5},
+            **common,
+        }
     per_model = {"weight": 1.0, **({"density": 0.5} if method in ("ties", "dare_ties") else {})}
-    config = {"merge_method": method, "base_model": b,
-              "models": [{"model": f1, "parameters": dict(per_model)}, {"model": f2, "parameters": dict(per_model)}],
-              "parameters": {"lambda": 1.0}, **common}
+    config = {
+        "merge_method": method,
+        "base_model": b,
+        "models": [{"model": f1, "parameters": dict(per_model)}, {"model": f2, "parameters": dict(per_model)}],
+        "parameters": {"lambda": 1.0},
+        **common,
+    }
     if method in ("ties", "dare_ties"):
         config["parameters"]["normalize"] = True
     return config
 
 
 def mergekit_command(venv: Path, config_file: Path, out: Path) -> list[str]:
-    return [str(venv / "bin" / "mergekit-yaml"), str(config_file), str(out), "--lazy-unpickle", "--out-shard-size",
-            MERGEKIT_SHARD, "--no-copy-tokenizer", "--no-write-model-card", "--quiet", "--random-seed", "0"]
+    return [
+        str(venv / "bin" / "mergekit-yaml"),
+        str(config_file),
+        str(out),
+        "--lazy-unpickle",
+        "--out-shard-size",
+        MERGEKIT_SHARD,
+        "--no-copy-tokenizer",
+        "--no-write-model-card",
+        "--quiet",
+        "--random-seed",
+        "0",
+    ]
 
 
 def mergekit_version(venv: Path | None) -> str | None:
     if venv is None or not (venv / "bin" / "mergekit-yaml").exists():
         return None
-    return subprocess.check_output([str(venv / "bin" / "python"), "-c",
-                                    "import importlib.metadata as m; print(m.version('mergekit'))"], text=True).strip()
+    return subprocess.check_output(
+        [str(venv / "bin" / "python"), "-c", "import importlib.metadata as m; print(m.version('mergekit'))"], text=True
+    ).strip()
 
 
 # ---------------------------------------------------------------- measuring
+
 
 def timed_run(command: list[str], log_file: Path) -> dict:
     """One fresh process under /usr/bin/time -v: wall, peak RSS of the process, user/sys CPU, minor faults."""
@@ -117,14 +192,25 @@ def timed_run(command: list[str], log_file: Path) -> dict:
     os.sync()  # no dirty pages left over from the previous run
     with open(log_file, "w") as out:
         started = time.perf_counter()
-        rc = subprocess.call(["/usr/bin/time", "-v", "-o", str(stats), *command], stdout=out, stderr=subprocess.STDOUT,
-                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        rc = subprocess.call(
+            ["/usr/bin/time", "-v", "-o", str(stats), *command],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         wall = time.perf_counter() - started
     text = stats.read_text()
     field = lambda label: re.search(rf"{re.escape(label)}: (.+)", text).group(1).strip()
-    run = {"rc": rc, "wall_s": round(wall, 2), "rss_mb": round(int(field("Maximum resident set size (kbytes)")) / 1024),
-           "user_s": float(field("User time (seconds)")), "sys_s": float(field("System time (seconds)")),
-           "minor_faults": int(field("Minor (reclaiming a frame) page faults")), "load": load_average()[0]}
+    run = {
+        "rc": rc,
+        "wall_s": round(wall, 2),
+        "rss_mb": round(int(field("Maximum resident set size (kbytes)")) / 1024),
+        "user_s": float(field("User time (seconds)")),
+        "sys_s": float(field("System time (seconds)")),
+        "minor_faults": int(field("Minor (reclaiming a frame) page faults")),
+        "load": load_average()[0],
+    }
     if rc:
         run["error"] = log_file.read_text()[-1500:]
     return run
@@ -156,15 +242,17 @@ def write_seconds(nbytes: int) -> dict[str, float]:
         folder.mkdir(parents=True)
         for index, begin in enumerate(range(0, nbytes, len(block))):
             handle = open_file(folder / f"shard-{index}")
-            handle.write(block[:min(len(block), nbytes - begin)])
+            handle.write(block[: min(len(block), nbytes - begin)])
             if sync:
                 handle.flush()
                 os.fsync(handle.fileno())
             handle.close()
 
-    seconds = {"buffered": best_of(lambda: timed(lambda: write(lambda path: open(path, "wb"), sync=True))),
-               "direct": best_of(lambda: timed(lambda: write(DirectFile))),
-               "unsynced": best_of(lambda: timed(lambda: write(lambda path: open(path, "wb"))))}
+    seconds = {
+        "buffered": best_of(lambda: timed(lambda: write(lambda path: open(path, "wb"), sync=True))),
+        "direct": best_of(lambda: timed(lambda: write(DirectFile))),
+        "unsynced": best_of(lambda: timed(lambda: write(lambda path: open(path, "wb")))),
+    }
     shutil.rmtree(folder, ignore_errors=True)
     return seconds
 
@@ -200,6 +288,7 @@ def timed(action) -> float:
 
 # ---------------------------------------------------------------- agreement
 
+
 def agreement(method: str, lite_out: Path, mergekit_out: Path, base: Path) -> dict:
     """Tensor by tensor, in bf16 steps at the larger value; DARE (other RNG) and TIES (other tie rules,
     RESULTS.md) also by the share of entries left equal to the base and the std of (merged - base)."""
@@ -224,7 +313,7 @@ def agreement(method: str, lite_out: Path, mergekit_out: Path, base: Path) -> di
         a, b = lite(name).to(torch.float32), mergekit(name).to(torch.float32)
         diff = (a - b).abs()
         spacing = torch.ldexp(torch.ones_like(a), torch.frexp(torch.maximum(a.abs(), b.abs())).exponent - 8)
-        steps = max(steps, (diff / spacing.clamp_min_(2.0 ** -133)).max().item())
+        steps = max(steps, (diff / spacing.clamp_min_(2.0**-133)).max().item())
         differing += int(torch.count_nonzero(diff))
         total += diff.numel()
         if compare_to_base:
@@ -242,27 +331,41 @@ def agreement(method: str, lite_out: Path, mergekit_out: Path, base: Path) -> di
 
 # ---------------------------------------------------------------- the run
 
+
 def run_size(size: str, methods: list[str], args, venv: Path | None, summary: dict) -> None:
     ckpt = WORK / f"ckpt-{size}"
     log(f"checkpoints {ckpt}")
     subprocess.check_call([sys.executable, str(HERE / "make_checkpoints.py"), "--size", size, "--out", str(ckpt)])
     output_bytes = sum(f.stat().st_size for f in (ckpt / "base").glob("*.safetensors"))
     writes = write_seconds(output_bytes)
-    bounds = {"startup_s": startup_seconds(), "write_s": min(writes["buffered"], writes["direct"]),
-              "write_buffered_s": writes["buffered"], "write_direct_s": writes["direct"],
-              "write_unsynced_s": writes["unsynced"], "copy_gb_per_s": copy_gb_per_s()}
-    entry = summary["sizes"][size] = {"checkpoint_gb": round(output_bytes / 1e9, 2), "bounds": bounds, "methods": {},
-                                      "command": summary["command"], "started": time.strftime("%H:%M:%S"),
-                                      "load_at_start": load_average()}
+    bounds = {
+        "startup_s": startup_seconds(),
+        "write_s": min(writes["buffered"], writes["direct"]),
+        "write_buffered_s": writes["buffered"],
+        "write_direct_s": writes["direct"],
+        "write_unsynced_s": writes["unsynced"],
+        "copy_gb_per_s": copy_gb_per_s(),
+    }
+    entry = summary["sizes"][size] = {
+        "checkpoint_gb": round(output_bytes / 1e9, 2),
+        "bounds": bounds,
+        "methods": {},
+        "command": summary["command"],
+        "started": time.strftime("%H:%M:%S"),
+        "load_at_start": load_average(),
+    }
     tools = ["lite"] + ([f"mergekit-{dtype}" for dtype in args.mergekit_dtypes] if venv else [])
     for method in methods:
         inputs = merge_inputs(method, ckpt)
         read = read_seconds(inputs)
         moved = (len(inputs) + 1) * output_bytes  # every input byte read once, every output byte written once
-        row = {"read_s": read, "bound_s": round(read + bounds["write_s"] + bounds["startup_s"], 2),
-               "unsynced_bound_s": round(read + bounds["write_unsynced_s"] + bounds["startup_s"], 2),
-               "bandwidth_s": round(moved / (bounds["copy_gb_per_s"] * 1e9), 2),
-               "runs": {tool: [] for tool in tools}}
+        row = {
+            "read_s": read,
+            "bound_s": round(read + bounds["write_s"] + bounds["startup_s"], 2),
+            "unsynced_bound_s": round(read + bounds["write_unsynced_s"] + bounds["startup_s"], 2),
+            "bandwidth_s": round(moved / (bounds["copy_gb_per_s"] * 1e9), 2),
+            "runs": {tool: [] for tool in tools},
+        }
         row["predicted"] = predicted(method, ckpt, args.calibrate)
         args.calibrate = False  # the rates measured once, before the first dry run
         commands = {}
@@ -275,7 +378,7 @@ def run_size(size: str, methods: list[str], args, venv: Path | None, summary: di
                 config.write_text(json.dumps(mergekit_config(method, ckpt, tool.split("-", 1)[1])))
                 commands[tool] = (out, mergekit_command(venv, config, out))
         for rep in range(args.repeat):
-            for tool in (tools if rep % 2 == 0 else tools[::-1]):
+            for tool in tools if rep % 2 == 0 else tools[::-1]:
                 runs = row["runs"][tool]
                 if runs and (runs[0]["rc"] or runs[0]["wall_s"] > args.repeat_below):
                     continue
@@ -283,22 +386,29 @@ def run_size(size: str, methods: list[str], args, venv: Path | None, summary: di
                 shutil.rmtree(out, ignore_errors=True)
                 run = timed_run(command, WORK / f"{size}-{method}-{tool}-{rep}.log")
                 runs.append(run)
-                log(f"{size} {method:<15} {tool:<17} wall {run['wall_s']:7.2f} s  rss {run['rss_mb']:5d} MB  "
-                    f"user {run['user_s']:6.2f}  sys {run['sys_s']:5.2f}  load {run['load']:.1f}  rc {run['rc']}")
+                log(
+                    f"{size} {method:<15} {tool:<17} wall {run['wall_s']:7.2f} s  rss {run['rss_mb']:5d} MB  "
+                    f"user {run['user_s']:6.2f}  sys {run['sys_s']:5.2f}  load {run['load']:.1f}  rc {run['rc']}"
+                )
                 if run["rc"]:
                     log(run["error"])
         for tool, runs in row["runs"].items():
             good = [r for r in runs if r["rc"] == 0]
-            row[tool] = {"wall_s": statistics.median(r["wall_s"] for r in good) if good else None,
-                         "rss_mb": statistics.median(r["rss_mb"] for r in good) if good else None,
-                         "cpu_s": round(statistics.median(r["user_s"] + r["sys_s"] for r in good), 2) if good else None,
-                         "sys_s": statistics.median(r["sys_s"] for r in good) if good else None,
-                         "runs": len(good), "walls": [r["wall_s"] for r in runs], "loads": [r["load"] for r in runs]}
+            row[tool] = {
+                "wall_s": statistics.median(r["wall_s"] for r in good) if good else None,
+                "rss_mb": statistics.median(r["rss_mb"] for r in good) if good else None,
+                "cpu_s": round(statistics.median(r["user_s"] + r["sys_s"] for r in good), 2) if good else None,
+                "sys_s": statistics.median(r["sys_s"] for r in good) if good else None,
+                "runs": len(good),
+                "walls": [r["wall_s"] for r in runs],
+                "loads": [r["load"] for r in runs],
+            }
         reference = "mergekit-float32" if "mergekit-float32" in tools else (tools[1] if len(tools) > 1 else None)
         if reference and not args.skip_compare and row["lite"]["runs"] and row[reference]["runs"]:
             log(f"{size} {method}: comparing with {reference}")
-            row["agreement_with_" + reference] = agreement(method, commands["lite"][0], commands[reference][0],
-                                                           ckpt / "base")
+            row["agreement_with_" + reference] = agreement(
+                method, commands["lite"][0], commands[reference][0], ckpt / "base"
+            )
         del row["runs"]
         for out, _ in commands.values():
             shutil.rmtree(out, ignore_errors=True)
@@ -321,13 +431,26 @@ def error_of(guess, measured) -> str:
 def print_table(summary: dict) -> None:
     for size, entry in summary["sizes"].items():
         bounds = entry["bounds"]
-        print(f"\n{size} ({entry['checkpoint_gb']} GB per checkpoint): start-up {bounds['startup_s']} s, "
-              f"write {bounds['write_s']} s synced ({bounds['write_unsynced_s']} s unsynced), copy "
-              f"{bounds['copy_gb_per_s']} GB/s; bound = read + synced write + start-up (unsynced: with the unsynced "
-              f"write); bw = inputs + output at copy speed")
+        print(
+            f"\n{size} ({entry['checkpoint_gb']} GB per checkpoint): start-up {bounds['startup_s']} s, "
+            f"write {bounds['write_s']} s synced ({bounds['write_unsynced_s']} s unsynced), copy "
+            f"{bounds['copy_gb_per_s']} GB/s; bound = read + synced write + start-up (unsynced: with the unsynced "
+            f"write); bw = inputs + output at copy speed"
+        )
         dtypes = [d for d in MERGEKIT_DTYPES if f"mergekit-{d}" in next(iter(entry["methods"].values()), {})]
-        header = ["method", "lite s", "lite cpu", "lite MB", "dry run s", "dry run MB", "bound s", "lite/bound",
-                  "lite/unsynced", "bw s", "lite/bw"]
+        header = [
+            "method",
+            "lite s",
+            "lite cpu",
+            "lite MB",
+            "dry run s",
+            "dry run MB",
+            "bound s",
+            "lite/bound",
+            "lite/unsynced",
+            "bw s",
+            "lite/bw",
+        ]
         for dtype in dtypes:
             tag = {"bfloat16": "mk-bf16", "float32": "mk-fp32"}[dtype]
             header += [f"{tag} s", f"{tag} cpu", f"{tag} MB", f"wall/{tag}", f"cpu/{tag}", f"rss/{tag}"]
@@ -336,24 +459,44 @@ def print_table(summary: dict) -> None:
         for method, row in entry["methods"].items():
             lite = row["lite"]
             guess = row.get("predicted", {})
-            cells = [method, str(lite["wall_s"]), str(lite["cpu_s"]), str(lite["rss_mb"]),
-                     error_of(guess.get("wall_s"), lite["wall_s"]), error_of(guess.get("rss_mb"), lite["rss_mb"]),
-                     str(row["bound_s"]),
-                     ratio(lite["wall_s"], row["bound_s"]), ratio(lite["wall_s"], row["unsynced_bound_s"]),
-                     str(row["bandwidth_s"]),
-                     ratio(lite["wall_s"], row["bandwidth_s"])]
+            cells = [
+                method,
+                str(lite["wall_s"]),
+                str(lite["cpu_s"]),
+                str(lite["rss_mb"]),
+                error_of(guess.get("wall_s"), lite["wall_s"]),
+                error_of(guess.get("rss_mb"), lite["rss_mb"]),
+                str(row["bound_s"]),
+                ratio(lite["wall_s"], row["bound_s"]),
+                ratio(lite["wall_s"], row["unsynced_bound_s"]),
+                str(row["bandwidth_s"]),
+                ratio(lite["wall_s"], row["bandwidth_s"]),
+            ]
             for dtype in dtypes:
                 mk = row[f"mergekit-{dtype}"]
-                cells += [str(mk["wall_s"]), str(mk["cpu_s"]), str(mk["rss_mb"]), ratio(lite["wall_s"], mk["wall_s"]),
-                          ratio(lite["cpu_s"], mk["cpu_s"]), ratio(lite["rss_mb"], mk["rss_mb"])]
+                cells += [
+                    str(mk["wall_s"]),
+                    str(mk["cpu_s"]),
+                    str(mk["rss_mb"]),
+                    ratio(lite["wall_s"], mk["wall_s"]),
+                    ratio(lite["cpu_s"], mk["cpu_s"]),
+                    ratio(lite["rss_mb"], mk["rss_mb"]),
+                ]
             agree = next((v for k, v in row.items() if k.startswith("agreement")), {})
-            cells.append(f"max {agree['max_diff_bf16_steps']} bf16 steps, {agree['share_differing']:.2%} differ"
-                         if agree else "-")
+            cells.append(
+                f"max {agree['max_diff_bf16_steps']} bf16 steps, {agree['share_differing']:.2%} differ"
+                if agree
+                else "-"
+            )
             rows.append(cells)
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for cells in rows:
-            print("  ".join(c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w)
-                            for i, (c, w) in enumerate(zip(cells, widths))))
+            print(
+                "  ".join(
+                    c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(cells, widths))
+                )
+            )
 
 
 def main(argv=None) -> int:
@@ -361,16 +504,27 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1gb,4gb", help="checkpoint sizes, comma-separated (1gb, 4gb, tiny)")
     parser.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
     parser.add_argument("--repeat", type=int, default=3, help="runs per tool and merge; medians (default 3)")
-    parser.add_argument("--repeat-below", type=float, default=60.0,
-                        help="repeat only runs whose first run took less than this many seconds (default 60)")
-    parser.add_argument("--mergekit-venv", type=Path, default=os.environ.get("MERGEKIT_VENV"),
-                        help="venv with mergekit-yaml (default: $MERGEKIT_VENV)")
+    parser.add_argument(
+        "--repeat-below",
+        type=float,
+        default=60.0,
+        help="repeat only runs whose first run took less than this many seconds (default 60)",
+    )
+    parser.add_argument(
+        "--mergekit-venv",
+        type=Path,
+        default=os.environ.get("MERGEKIT_VENV"),
+        help="venv with mergekit-yaml (default: $MERGEKIT_VENV)",
+    )
     parser.add_argument("--mergekit-dtypes", default=",".join(MERGEKIT_DTYPES), help="mergekit configs to run")
     parser.add_argument("--skip-compare", action="store_true", help="do not compare the outputs")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep benchmarks/work/ckpt-SIZE afterwards")
     parser.add_argument("--json", type=Path, default=HERE / "results.json", help="summary file (default results.json)")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="measure this machine's rates before the first dry run (`--dry-run --calibrate`)")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's rates before the first dry run (`--dry-run --calibrate`)",
+    )
     args = parser.parse_args(argv)
     args.mergekit_dtypes = [d for d in args.mergekit_dtypes.split(",") if d]
     methods = [m for m in args.methods.split(",") if m]
@@ -384,11 +538,19 @@ def main(argv=None) -> int:
         venv = None
     import torch
 
-    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip()
-    summary = {"command": " ".join(["python", "benchmarks/bench_vs_mergekit.py", *(argv or sys.argv[1:])]),
-               "commit": commit, "mergekit": version, "torch": torch.__version__, "cpus": os.cpu_count(),
-               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_at_start": load_average(), "sizes": {}}
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True
+    ).stdout.strip()
+    summary = {
+        "command": " ".join(["python", "benchmarks/bench_vs_mergekit.py", *(argv or sys.argv[1:])]),
+        "commit": commit,
+        "mergekit": version,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_at_start": load_average(),
+        "sizes": {},
+    }
     if args.json.exists():  # sizes measured by an earlier invocation stay, each with its own command and times
         earlier = json.loads(args.json.read_text())
         summary["earlier_runs"] = [*earlier.pop("earlier_runs", []), {k: v for k, v in earlier.items() if k != "sizes"}]

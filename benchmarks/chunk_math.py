@@ -68,34 +68,55 @@ def main() -> None:
     if args.chunk_threads is not None:
         engine.chunk_threads = lambda method: args.chunk_threads
     if not (args.ckpt / "base").is_dir():
-        raise SystemExit(f"error: no checkpoints in {args.ckpt}; run benchmarks/make_checkpoints.py --size 1gb "
-                         f"--out {args.ckpt}")
+        raise SystemExit(
+            f"error: no checkpoints in {args.ckpt}; run benchmarks/make_checkpoints.py --size 1gb --out {args.ckpt}"
+        )
     reuse_freed_memory()  # as the engine does before its chunk loops
     loaded = {name: layer_tensors(args.ckpt / name) for name in ("base", "ft1", "ft2")}
     rows = []
     for method in args.methods.split(","):
         config = config_from_dict(mergekit_config(method, args.ckpt, "bfloat16"))
         steps = [step for step in plan_merge(config).steps if step.name.startswith(LAYER) and len(step.shape) == 2]
-        inputs = {step.name: [loaded[path.name][step.name] for path in merge_inputs(method, args.ckpt)]
-                  for step in steps}
+        inputs = {
+            step.name: [loaded[path.name][step.name] for path in merge_inputs(method, args.ckpt)] for step in steps
+        }
         outputs = {step.name: torch.empty(step.shape, dtype=step.out_dtype) for step in steps}
         elements = sum(output.numel() for output in outputs.values())
-        merge_s = fastest(lambda: [engine.merge_tensor(config, step, inputs[step.name], out=outputs[step.name])
-                                   for step in steps], args.repeat)
+        merge_s = fastest(
+            lambda: [engine.merge_tensor(config, step, inputs[step.name], out=outputs[step.name]) for step in steps],
+            args.repeat,
+        )
         moved = sum(t.nbytes for tensors in inputs.values() for t in tensors) + sum(o.nbytes for o in outputs.values())
         source, target = torch.empty(moved // 2, dtype=torch.uint8), torch.empty(moved // 2, dtype=torch.uint8)
         source.fill_(1)
         copy_s = fastest(lambda: target.copy_(source), args.repeat)
-        row = {"method": method, "inputs": len(merge_inputs(method, args.ckpt)), "elements": elements,
-               "merge_ns_per_element": round(merge_s / elements * 1e9, 2),
-               "copy_ns_per_element": round(copy_s / elements * 1e9, 3),
-               "times_copy": round(merge_s / copy_s, 1)}
+        row = {
+            "method": method,
+            "inputs": len(merge_inputs(method, args.ckpt)),
+            "elements": elements,
+            "merge_ns_per_element": round(merge_s / elements * 1e9, 2),
+            "copy_ns_per_element": round(copy_s / elements * 1e9, 3),
+            "times_copy": round(merge_s / copy_s, 1),
+        }
         rows.append(row)
-        print(f"{method:>16}: {row['merge_ns_per_element']:6.2f} ns per element, copy of the same bytes "
-              f"{row['copy_ns_per_element']:.3f} ns ({row['times_copy']}x)", flush=True)
+        print(
+            f"{method:>16}: {row['merge_ns_per_element']:6.2f} ns per element, copy of the same bytes "
+            f"{row['copy_ns_per_element']:.3f} ns ({row['times_copy']}x)",
+            flush=True,
+        )
     if args.json:
-        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "elementwise_chunk": methods.ELEMENTWISE_CHUNK,
-                                         "dense_chunk": methods.DENSE_CHUNK, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "threads": torch.get_num_threads(),
+                    "elementwise_chunk": methods.ELEMENTWISE_CHUNK,
+                    "dense_chunk": methods.DENSE_CHUNK,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,10 @@ def worktree(commit: str, folder: Path) -> tuple[str, Path]:
     if not path.exists():
         subprocess.check_call(["git", "worktree", "add", "--detach", "--quiet", str(path), sha], cwd=REPO)
         if (path / "mergekit_lite" / "merge" / "kernels.c").is_file():
-            subprocess.check_call([sys.executable, "-c", "from setuptools import setup; setup()", "--quiet",
-                                   "build_ext", "--inplace"], cwd=path)
+            subprocess.check_call(
+                [sys.executable, "-c", "from setuptools import setup; setup()", "--quiet", "build_ext", "--inplace"],
+                cwd=path,
+            )
             if not list((path / "mergekit_lite" / "merge").glob("_kernels*")):
                 raise SystemExit(f"error: the kernels of {sha} did not build")
     return sha, path
@@ -100,18 +102,28 @@ def main() -> None:
                     run["sha256"] = output_hash(out)
                     shutil.rmtree(out)
                     results.setdefault(method, {}).setdefault(sha, []).append(run)
-                    print(f"{method:>16} {sha}: wall {run['wall_s']:6.2f} s  user {run['user_s']:6.2f}  "
-                          f"sys {run['sys_s']:5.2f}  rss {run['rss_mb']} MB  load {run['load']}  {run['sha256']}",
-                          flush=True)
+                    print(
+                        f"{method:>16} {sha}: wall {run['wall_s']:6.2f} s  user {run['user_s']:6.2f}  "
+                        f"sys {run['sys_s']:5.2f}  rss {run['rss_mb']} MB  load {run['load']}  {run['sha256']}",
+                        flush=True,
+                    )
             hashes = {run["sha256"] for runs in results[method].values() for run in runs}
             print(f"{method:>16}: {'same bytes at every commit' if len(hashes) == 1 else 'OUTPUTS DIFFER'}")
     finally:
         for _, path in checkouts:
             subprocess.call(["git", "worktree", "remove", "--force", str(path)], cwd=REPO)
-    summary = {method: {sha: {"median_wall_s": statistics.median(r["wall_s"] for r in runs),
-                              "median_user_s": statistics.median(r["user_s"] for r in runs),
-                              "median_sys_s": statistics.median(r["sys_s"] for r in runs), "runs": runs}
-                        for sha, runs in by_sha.items()} for method, by_sha in results.items()}
+    summary = {
+        method: {
+            sha: {
+                "median_wall_s": statistics.median(r["wall_s"] for r in runs),
+                "median_user_s": statistics.median(r["user_s"] for r in runs),
+                "median_sys_s": statistics.median(r["sys_s"] for r in runs),
+                "runs": runs,
+            }
+            for sha, runs in by_sha.items()
+        }
+        for method, by_sha in results.items()
+    }
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "shard": LITE_SHARD, "results": summary}, indent=1) + "\n")
 

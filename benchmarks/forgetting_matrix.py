@@ -76,10 +76,28 @@ def lm_eval(model_dir: Path, tasks: list[str], task_dir: Path, output: Path) -> 
     from lm_eval.__main__ import cli_evaluate
 
     if not list(output.rglob("samples_*.jsonl")):
-        saved, sys.argv = sys.argv, ["lm_eval", "run", "--model", "hf", "--model_args",
-                                     f"pretrained={model_dir},dtype=float32", "--tasks", ",".join(tasks),
-                                     "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "64",
-                                     "--log_samples", "--output_path", str(output)]
+        saved, sys.argv = (
+            sys.argv,
+            [
+                "lm_eval",
+                "run",
+                "--model",
+                "hf",
+                "--model_args",
+                f"pretrained={model_dir},dtype=float32",
+                "--tasks",
+                ",".join(tasks),
+                "--include_path",
+                str(task_dir),
+                "--device",
+                "cpu",
+                "--batch_size",
+                "64",
+                "--log_samples",
+                "--output_path",
+                str(output),
+            ],
+        )
         try:
             cli_evaluate()
         finally:
@@ -89,14 +107,20 @@ def lm_eval(model_dir: Path, tasks: list[str], task_dir: Path, output: Path) -> 
 
 def f_true_interval(pre, post, tasks: list[str], draws: int = 2000, seed: int = 0) -> dict:
     """F_true pooled over the held-out docs, and a 95 % bootstrap interval over docs."""
-    pairs = [(pre.outcomes[t][s].correct[key], post.outcomes[t][s].correct[key], pre.outcomes[t][s].n_choices)
-             for t in tasks for s in pre.outcomes[t] for key in pre.outcomes[t][s].correct]
+    pairs = [
+        (pre.outcomes[t][s].correct[key], post.outcomes[t][s].correct[key], pre.outcomes[t][s].n_choices)
+        for t in tasks
+        for s in pre.outcomes[t]
+        for key in pre.outcomes[t][s].correct
+    ]
     k = pairs[0][2]
     before, after = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
     point = forgetting_metrics(before.tolist(), after.tolist(), k).F_true
     rng = np.random.default_rng(seed)
-    samples = [forgetting_metrics(before[idx].tolist(), after[idx].tolist(), k).F_true
-               for idx in (rng.integers(0, len(pairs), len(pairs)) for _ in range(draws))]
+    samples = [
+        forgetting_metrics(before[idx].tolist(), after[idx].tolist(), k).F_true
+        for idx in (rng.integers(0, len(pairs), len(pairs)) for _ in range(draws))
+    ]
     low, high = np.percentile(samples, [2.5, 97.5])
     return {"F_true": point, "low": float(low), "high": float(high), "docs": len(pairs)}
 
@@ -124,8 +148,9 @@ def main() -> None:
     tasks = []
     for table in old:
         for split, members in (("old", pool), ("held", held)):
-            part = Skill(table.task.replace("toy_old", f"toy_{split}"), table.relation,
-                         {e: table.answers[e] for e in members})
+            part = Skill(
+                table.task.replace("toy_old", f"toy_{split}"), table.relation, {e: table.answers[e] for e in members}
+            )
             write_task(task_dir, part.task, multiple_choice_docs(part, part, rng))
             tasks.append(part.task)
     config = ToyConfig(seed=args.seed)
@@ -141,45 +166,74 @@ def main() -> None:
             members = random.Random(args.seed * 100 + index).sample(entities, len(entities) // 2)
             new_skills.append(skill(f"toy_new_{relation}", relation, members, rng, avoid=old))
         for index, table in enumerate(new_skills[:-1]):
-            logs.append(fine_tune(out, tokenizer, config, table, [], f"ft{index}_{table.relation}", args, tasks,
-                                  task_dir, runs))
+            logs.append(
+                fine_tune(out, tokenizer, config, table, [], f"ft{index}_{table.relation}", args, tasks, task_dir, runs)
+            )
         history = out / "history"
         if not history.exists():
-            subprocess.run([sys.executable, "-c", "-m", "mergekit_lite.cli", "forgetting", str(pre_log),
-                            *map(str, logs), "--matrix", str(history), "--known", "10", "--known", "30", "-q"],
-                           check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "-m",
+                    "mergekit_lite.cli",
+                    "forgetting",
+                    str(pre_log),
+                    *map(str, logs),
+                    "--matrix",
+                    str(history),
+                    "--known",
+                    "10",
+                    "--known",
+                    "30",
+                    "-q",
+                ],
+                check=True,
+            )
         payload = json.loads((history / "matrix.json").read_text())
-        replay = replay_experiment(out, tokenizer, config, new_skills[-1], pre_log, history, args, tasks, task_dir,
-                                   runs)
-    report = {"command": " ".join(sys.argv), "fine_tunes": len(logs), "docs": payload["docs"],
-              "mean": payload["mean"], "r2_by_rank": payload["r2_by_rank"], "completion": payload["completion"],
-              "replay": replay, "seconds": round(time.perf_counter() - started, 1)}
+        replay = replay_experiment(
+            out, tokenizer, config, new_skills[-1], pre_log, history, args, tasks, task_dir, runs
+        )
+    report = {
+        "command": " ".join(sys.argv),
+        "fine_tunes": len(logs),
+        "docs": payload["docs"],
+        "mean": payload["mean"],
+        "r2_by_rank": payload["r2_by_rank"],
+        "completion": payload["completion"],
+        "replay": replay,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
 
 
-def fine_tune(out, tokenizer, config, table: Skill, replay_sentences: list[str], name: str, args, tasks, task_dir,
-              runs) -> Path:
+def fine_tune(
+    out, tokenizer, config, table: Skill, replay_sentences: list[str], name: str, args, tasks, task_dir, runs
+) -> Path:
     """PRE fine-tuned on `table` (plus replayed sentences in the same batch), evaluated on the old tasks."""
     folder = out / "models" / name
     if not (folder / "config.json").exists():
         model = LlamaForCausalLM.from_pretrained(out / "models" / "pre")
-        train_on(model, tokenizer, [table.sentence(e) for e in sorted(table.answers)] + replay_sentences,
-                 args.steps, args.lr)
+        train_on(
+            model, tokenizer, [table.sentence(e) for e in sorted(table.answers)] + replay_sentences, args.steps, args.lr
+        )
         save_model(model, tokenizer, folder, config)
     return lm_eval(folder, tasks, task_dir, runs / name)
 
 
-def replay_experiment(out, tokenizer, config, table: Skill, pre_log: Path, history: Path, args, tasks, task_dir,
-                      runs) -> dict:
+def replay_experiment(
+    out, tokenizer, config, table: Skill, pre_log: Path, history: Path, args, tasks, task_dir, runs
+) -> dict:
     """No replay, random replay and predicted replay of `args.budget` pool docs for one more fine-tune."""
     matrix, payload = read_history(history)
     pre = load_lm_eval_run(pre_log)
     docs, chosen = pre_docs(pre)
     seeds = pre_seeds(pre)
     plain_log = fine_tune(out, tokenizer, config, table, [], "replay_none", args, tasks, task_dir, runs)
-    values, covered = forgetting_row(chosen, load_lm_eval_run(plain_log), str(plain_log), matrix.value,
-                                     partial=True, pre_seeds=seeds)
+    values, covered = forgetting_row(
+        chosen, load_lm_eval_run(plain_log), str(plain_log), matrix.value, partial=True, pre_seeds=seeds
+    )
     in_pool = np.char.startswith(docs.tasks.astype(str), "toy_old_")
     rng = np.random.default_rng(args.seed)
     probe = np.zeros(len(docs), dtype=bool)
@@ -189,18 +243,25 @@ def replay_experiment(out, tokenizer, config, table: Skill, pre_log: Path, histo
     rows = prediction_rows(matrix, prediction, chosen, seeds)
     candidates = np.flatnonzero(in_pool & matrix.forgettable)
     truth = values[candidates] > 0.5
-    results = {"method": method, "budget": args.budget, "candidates": len(candidates),
-               "pool_forgotten_without_replay": int(truth.sum())}
+    results = {
+        "method": method,
+        "budget": args.budget,
+        "candidates": len(candidates),
+        "pool_forgotten_without_replay": int(truth.sum()),
+    }
     for strategy in ("random", "sample"):
         selection = select_replay(prediction.scores[candidates], args.budget, strategy, 0.1, args.seed)
         picked = candidates[selection.chosen]
         sentences = [rows[i]["prompt"] + rows[i]["completion"] for i in picked]
         name = "replay_random" if strategy == "random" else "replay_predicted"
         log = fine_tune(out, tokenizer, config, table, sentences, name, args, tasks, task_dir, runs)
-        results[name] = {"forgotten_among_replayed": int((values[picked] > 0.5).sum()),
-                         "held_out": f_true_interval(pre, load_lm_eval_run(log), [t for t in tasks if "held" in t])}
-    results["replay_none"] = {"held_out": f_true_interval(pre, load_lm_eval_run(plain_log),
-                                                          [t for t in tasks if "held" in t])}
+        results[name] = {
+            "forgotten_among_replayed": int((values[picked] > 0.5).sum()),
+            "held_out": f_true_interval(pre, load_lm_eval_run(log), [t for t in tasks if "held" in t]),
+        }
+    results["replay_none"] = {
+        "held_out": f_true_interval(pre, load_lm_eval_run(plain_log), [t for t in tasks if "held" in t])
+    }
     return results
 
 

@@ -35,8 +35,12 @@ def synthetic(rows: int, docs: int, value: str, seed: int = 0) -> ForgettingMatr
     else:
         z = scores
     names = np.array([f"h{i}" for i in range(docs)])
-    return ForgettingMatrix(z.astype(np.float32), Docs(np.full(docs, "task"), names, np.arange(docs), pre_correct),
-                            [f"ft{i}" for i in range(rows)], value)
+    return ForgettingMatrix(
+        z.astype(np.float32),
+        Docs(np.full(docs, "task"), names, np.arange(docs), pre_correct),
+        [f"ft{i}" for i in range(rows)],
+        value,
+    )
 
 
 def timed(function, *args, **kwargs):
@@ -52,8 +56,13 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=100_000)
     parser.add_argument("--known", type=int, default=30)
     args = parser.parse_args()
-    report = {"rows": args.rows, "docs": args.docs, "known": args.known, "cpus": os.cpu_count(),
-              "load_average": os.getloadavg()[0]}
+    report = {
+        "rows": args.rows,
+        "docs": args.docs,
+        "known": args.known,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
+    }
     for value in ("outcome", "logprob"):
         matrix = synthetic(args.rows, args.docs, value)
         r2, r2_seconds = timed(r2_by_rank, matrix.z)
@@ -63,10 +72,15 @@ def main() -> None:
         prediction, predict_seconds = timed(predict_row, matrix, matrix.z[0], observed, table.best)
         _, replay_seconds = timed(select_replay, prediction.scores, 1000, "sample", 0.1)
         metric = "f1" if matrix.binary else "rmse"
-        report[value] = {"matrix_mb": matrix.z.nbytes / 2**20, "r2_rank_1_3_5": [r2[0], r2[2], r2[4]],
-                         "r2_seconds": r2_seconds, "completion_seconds": completion_seconds,
-                         "predict_seconds": predict_seconds, "replay_seconds": replay_seconds,
-                         metric: {name: row[metric] for name, row in table.scores.items()}}
+        report[value] = {
+            "matrix_mb": matrix.z.nbytes / 2**20,
+            "r2_rank_1_3_5": [r2[0], r2[2], r2[4]],
+            "r2_seconds": r2_seconds,
+            "completion_seconds": completion_seconds,
+            "predict_seconds": predict_seconds,
+            "replay_seconds": replay_seconds,
+            metric: {name: row[metric] for name, row in table.scores.items()},
+        }
     report["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(report, indent=2))
 

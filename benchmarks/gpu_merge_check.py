@@ -40,15 +40,34 @@ def merge_config(method: str, ckpt: Path) -> dict:
     models = [str(ckpt / f"ft{index}") for index in range(1, count + 1)]
     if not with_base:
         models = [str(ckpt / "base"), *models][:count]
-    return {"method": method, "base": str(ckpt / "base") if with_base else None, "models": models,
-            "parameters": parameters, "out_shard_size": "500MB"}
+    return {
+        "method": method,
+        "base": str(ckpt / "base") if with_base else None,
+        "models": models,
+        "parameters": parameters,
+        "out_shard_size": "500MB",
+    }
 
 
 def run(config_file: Path, out: Path, device: str) -> float:
     started = time.perf_counter()
-    result = subprocess.run([str(Path(sys.executable).parent / "mergekit-lite"), "merge", str(config_file), "--out",
-                             str(out), "--device", device, "--quiet", "--overwrite"], capture_output=True, text=True,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "mergekit-lite"),
+            "merge",
+            str(config_file),
+            "--out",
+            str(out),
+            "--device",
+            device,
+            "--quiet",
+            "--overwrite",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     if result.returncode:
         raise SystemExit(f"{config_file.stem} on {device} failed: {result.stderr.strip()}")
     return time.perf_counter() - started
@@ -85,7 +104,9 @@ def compare(cpu: Path, cuda: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="4gb", help="make_checkpoints.py preset (default 4gb)")
-    parser.add_argument("--methods", default=",".join(name for name, m in REGISTRY.items() if not m.reads_recall_weights))
+    parser.add_argument(
+        "--methods", default=",".join(name for name, m in REGISTRY.items() if not m.reads_recall_weights)
+    )
     parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
@@ -106,9 +127,14 @@ def main(argv=None) -> int:
             shutil.rmtree(out)
         config_file.unlink()
         results["methods"][method] = {"wall_s": walls, **agreement}
-        same = "identical" if agreement["identical"] else (
-            agreement.get("error") or f"{agreement['differing_share']:.2e} differ, at most "
-                                      f"{agreement['largest_bf16_steps']} bf16 steps")
+        same = (
+            "identical"
+            if agreement["identical"]
+            else (
+                agreement.get("error")
+                or f"{agreement['differing_share']:.2e} differ, at most {agreement['largest_bf16_steps']} bf16 steps"
+            )
+        )
         print(f"| {method} | {walls['cpu']:.1f} | {walls['cuda']:.1f} | {same} |", flush=True)
         log(f"{method} done")
     if not args.keep_checkpoints:

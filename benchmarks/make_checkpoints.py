@@ -35,9 +35,9 @@ PRESETS = {
     "4gb": dict(hidden=2048, layers=42, intermediate=5632, vocab=32000, heads=16, kv_heads=4),
     "tiny": dict(hidden=256, layers=2, intermediate=688, vocab=1000, heads=4, kv_heads=2),
 }
-WEIGHT_STD = 0.02      # base weights ~ N(0, 0.02^2), like an initialized Llama
-DELTA_STD = 0.002      # task vectors: 10% of the weights' scale (survives bf16 rounding)
-SHARED = 0.5           # share of each task vector common to all fine-tunes (partial sign agreement)
+WEIGHT_STD = 0.02  # base weights ~ N(0, 0.02^2), like an initialized Llama
+DELTA_STD = 0.002  # task vectors: 10% of the weights' scale (survives bf16 rounding)
+SHARED = 0.5  # share of each task vector common to all fine-tunes (partial sign agreement)
 
 
 def llama_tensors(hidden, layers, intermediate, vocab, heads, kv_heads) -> list[tuple[str, tuple[int, ...]]]:
@@ -155,8 +155,14 @@ def main(argv=None) -> int:
     if args.layers:
         dims["layers"] = args.layers
     tag = json.dumps(dims, sort_keys=True)
-    stamp = {"dims": dims, "finetunes": args.finetunes, "shard_size_mb": args.shard_size_mb,
-             "weight_std": WEIGHT_STD, "delta_std": DELTA_STD, "shared": SHARED}
+    stamp = {
+        "dims": dims,
+        "finetunes": args.finetunes,
+        "shard_size_mb": args.shard_size_mb,
+        "weight_std": WEIGHT_STD,
+        "delta_std": DELTA_STD,
+        "shared": SHARED,
+    }
     stamp_file = args.out / "checkpoints.json"
     if not args.force and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         print(f"{args.out}: checkpoints already made ({stamp_file}); --force rewrites them")

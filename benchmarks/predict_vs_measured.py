@@ -53,11 +53,16 @@ def main(argv=None) -> int:
                 runs.append(run)
             wall = statistics.median(run["wall_s"] for run in runs)
             rss = statistics.median(run["rss_mb"] for run in runs)
-            rows[method] = {"predicted": guess, "measured": {"wall_s": wall, "rss_mb": rss, "runs": runs},
-                            "wall_error": round(guess["wall_s"] / wall - 1, 3),
-                            "rss_error": round(guess["rss_mb"] / rss - 1, 3)}
-            log(f"{size} {method}: wall {guess['wall_s']:.1f} predicted / {wall:.1f} s measured, "
-                f"RSS {guess['rss_mb']} / {rss:.0f} MB")
+            rows[method] = {
+                "predicted": guess,
+                "measured": {"wall_s": wall, "rss_mb": rss, "runs": runs},
+                "wall_error": round(guess["wall_s"] / wall - 1, 3),
+                "rss_error": round(guess["rss_mb"] / rss - 1, 3),
+            }
+            log(
+                f"{size} {method}: wall {guess['wall_s']:.1f} predicted / {wall:.1f} s measured, "
+                f"RSS {guess['rss_mb']} / {rss:.0f} MB"
+            )
         if not args.keep_checkpoints:
             shutil.rmtree(ckpt, ignore_errors=True)
     print("\n| size | method | wall s: predicted / measured (error) | peak RSS MB: predicted / measured (error) |")
@@ -67,9 +72,11 @@ def main(argv=None) -> int:
         for method, row in rows.items():
             wall_hit, rss_hit = (abs(row[key]) <= args.tolerance for key in ("wall_error", "rss_error"))
             hits, total = hits + wall_hit + rss_hit, total + 2
-            print(f"| {size} | {method} | {row['predicted']['wall_s']:.1f} / {row['measured']['wall_s']:.1f} "
-                  f"({row['wall_error']:+.0%}{'' if wall_hit else ', missed'}) | {row['predicted']['rss_mb']} / "
-                  f"{row['measured']['rss_mb']:.0f} ({row['rss_error']:+.0%}{'' if rss_hit else ', missed'}) |")
+            print(
+                f"| {size} | {method} | {row['predicted']['wall_s']:.1f} / {row['measured']['wall_s']:.1f} "
+                f"({row['wall_error']:+.0%}{'' if wall_hit else ', missed'}) | {row['predicted']['rss_mb']} / "
+                f"{row['measured']['rss_mb']:.0f} ({row['rss_error']:+.0%}{'' if rss_hit else ', missed'}) |"
+            )
     print(f"\n{hits} of {total} predictions within {args.tolerance:.0%}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

@@ -38,25 +38,40 @@ def main() -> None:
         pair = build_toy_pair(folder, seed=0, **options)
         results[name] = {"toy_options": options}
         for method in METHODS:
-            settings = SweepSettings(pre=str(pair.pre_dir), post=str(pair.post_dir), method=method, alphas=args.alphas,
-                                     old_tasks=pair.old_tasks, new_tasks=pair.new_tasks,
-                                     include_path=str(pair.task_dir), out=str(folder / f"sw_{method}"),
-                                     recall_texts=str(pair.typical_texts))
+            settings = SweepSettings(
+                pre=str(pair.pre_dir),
+                post=str(pair.post_dir),
+                method=method,
+                alphas=args.alphas,
+                old_tasks=pair.old_tasks,
+                new_tasks=pair.new_tasks,
+                include_path=str(pair.task_dir),
+                out=str(folder / f"sw_{method}"),
+                recall_texts=str(pair.typical_texts),
+            )
             sweep = run_sweep(settings)
-            entry = {"pick": sweep.best.alpha, "old": sweep.best.old, "new": sweep.best.new,
-                     "harmonic_mean": sweep.best.harmonic_mean, "recovered": sweep.recovered,
-                     "points": {p.alpha: round(p.harmonic_mean, 4) for p in sweep.points}}
+            entry = {
+                "pick": sweep.best.alpha,
+                "old": sweep.best.old,
+                "new": sweep.best.new,
+                "harmonic_mean": sweep.best.harmonic_mean,
+                "recovered": sweep.recovered,
+                "points": {p.alpha: round(p.harmonic_mean, 4) for p in sweep.points},
+            }
             if method == "recall_lerp":
-                similarity = RecallWeights.from_json(json.loads(
-                    (folder / f"sw_{method}" / RECALL_DIR / SIMILARITY_FILE).read_text())).similarity
+                similarity = RecallWeights.from_json(
+                    json.loads((folder / f"sw_{method}" / RECALL_DIR / SIMILARITY_FILE).read_text())
+                ).similarity
                 entry["layer_alphas_at_pick"] = [round(a, 4) for a in layer_alphas(similarity, sweep.best.alpha)]
             results[name][method] = entry
             results[name]["pre"] = {"old": sweep.pre.old, "new": sweep.pre.new}
             results[name]["post"] = {"old": sweep.post.old, "new": sweep.post.new}
-            print(f"{name:<5} {method:<12} pick alpha {sweep.best.alpha:<5g} old {sweep.best.old:.3f} "
-                  f"new {sweep.best.new:.3f} HM {sweep.best.harmonic_mean:.4f}"
-                  + (f"  layers {entry['layer_alphas_at_pick']}" if "layer_alphas_at_pick" in entry else ""),
-                  flush=True)
+            print(
+                f"{name:<5} {method:<12} pick alpha {sweep.best.alpha:<5g} old {sweep.best.old:.3f} "
+                f"new {sweep.best.new:.3f} HM {sweep.best.harmonic_mean:.4f}"
+                + (f"  layers {entry['layer_alphas_at_pick']}" if "layer_alphas_at_pick" in entry else ""),
+                flush=True,
+            )
         linear, lerp = results[name]["linear"]["harmonic_mean"], results[name]["recall_lerp"]["harmonic_mean"]
         print(f"{name:<5} recall_lerp best HM - linear best HM = {lerp - linear:+.4f}", flush=True)
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2) + "\n")

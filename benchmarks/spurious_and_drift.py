@@ -19,20 +19,44 @@ import sys
 from pathlib import Path
 
 
-
 def lm_eval(model: Path, tasks: str, include: Path, out: Path, shots: int | None = None) -> Path:
     """lm-eval's CLI with --log_samples; the folder it wrote the samples into."""
-    command = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-               f"pretrained={model},dtype=float32", "--tasks", tasks, "--include_path", str(include), "--device",
-               "cpu", "--batch_size", "32", "--log_samples", "--output_path", str(out), "--seed", "0"]
-    subprocess.run(command + (["--num_fewshot", str(shots)] if shots is not None else []), check=True,
-                   capture_output=True)
+    command = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model},dtype=float32",
+        "--tasks",
+        tasks,
+        "--include_path",
+        str(include),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "32",
+        "--log_samples",
+        "--output_path",
+        str(out),
+        "--seed",
+        "0",
+    ]
+    subprocess.run(
+        command + (["--num_fewshot", str(shots)] if shots is not None else []), check=True, capture_output=True
+    )
     return next(out.rglob("samples_*.jsonl")).parent
 
 
 def mergekit_lite(*args: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", "-m", "mergekit_lite.cli", *args, "--json", "-q"],
-                            check=True, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", "-m", "mergekit_lite.cli", *args, "--json", "-q"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(result.stdout)
 
 
@@ -49,8 +73,9 @@ def main() -> None:
     tasks = ",".join(pair.old_tasks + pair.new_tasks)
     pre = lm_eval(pair.pre_dir, tasks, pair.task_dir, options.out / "pre")
     post = lm_eval(pair.post_dir, tasks, pair.task_dir, options.out / "post")
-    realigned = lm_eval(pair.post_dir, ",".join(pair.old_tasks), pair.task_dir, options.out / "realigned",
-                        options.shots)
+    realigned = lm_eval(
+        pair.post_dir, ",".join(pair.old_tasks), pair.task_dir, options.out / "realigned", options.shots
+    )
     split = mergekit_lite("forgetting", str(pre), str(post), "--realigned", str(realigned))
     drift = mergekit_lite("drift", str(pair.pre_dir), str(pair.post_dir), "--texts", str(pair.typical_texts))
     weights = compute_recall_weights([str(pair.pre_dir), str(pair.post_dir)], read_texts(pair.typical_texts))
@@ -61,9 +86,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in split["tasks"]:
         if "spurious" in row:
-            print(f"| {row['task']} | {row['k']} | {row['F']:.3f} | {row['F_true']:.3f} | {row['forgotten']:.0f} | "
-                  f"{row['spurious']:.0f} | {row['genuine']:.0f} | {row['spurious_share']:.3f} | "
-                  f"{row['spurious_share_true']:.3f} |")
+            print(
+                f"| {row['task']} | {row['k']} | {row['F']:.3f} | {row['F_true']:.3f} | {row['forgotten']:.0f} | "
+                f"{row['spurious']:.0f} | {row['genuine']:.0f} | {row['spurious_share']:.3f} | "
+                f"{row['spurious_share_true']:.3f} |"
+            )
     columns = [c for c in ("q", "k", "v", "o", "gate", "up", "down", "norm") if c in drift["layers"][0]["modules"]]
     print("\n## Drift per decoder layer and module type (relative Frobenius), CKA and recall_lerp\n")
     print(f"| layer | all | {' | '.join(columns)} | CKA | recall_lerp post weight (alpha {options.alpha}) |")
@@ -76,8 +103,10 @@ def main() -> None:
     moved = max(drift["layers"], key=lambda row: row["relative_drift"])["layer"]
     represented = min(drift["layers"], key=lambda row: row["cka"])["layer"]
     held_back = min(range(len(alphas)), key=lambda layer: alphas[layer])
-    print(f"\nlayer with the largest weight drift: {moved}; with the lowest CKA: {represented}; "
-          f"where recall_lerp keeps least of post (moves its weights least from pre): {held_back}")
+    print(
+        f"\nlayer with the largest weight drift: {moved}; with the lowest CKA: {represented}; "
+        f"where recall_lerp keeps least of post (moves its weights least from pre): {held_back}"
+    )
 
 
 if __name__ == "__main__":

@@ -52,9 +52,17 @@ def random_pair(hidden: int) -> tuple[str, str]:
     pre, post = root / "pre", root / "post"
     if not (post / "config.json").is_file():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                                             num_hidden_layers=8, num_attention_heads=hidden // 64,
-                                             num_key_value_heads=hidden // 256 or 1, tie_word_embeddings=False))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=8000,
+                hidden_size=hidden,
+                intermediate_size=hidden * 8 // 3,
+                num_hidden_layers=8,
+                num_attention_heads=hidden // 64,
+                num_key_value_heads=hidden // 256 or 1,
+                tie_word_embeddings=False,
+            )
+        )
         model.save_pretrained(pre)
         with torch.no_grad():
             for parameter in model.parameters():
@@ -80,11 +88,23 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="sweep-point-"))
     try:
         print(f"pre {args.pre}\npost {args.post}\n")
-        print("| method | state dict + load_state_dict (s) | streamed + from_pretrained (s) | in place (s) | speed-up vs state dict |")
+        print(
+            "| method | state dict + load_state_dict (s) | streamed + from_pretrained (s) | in place (s) | speed-up vs state dict |"
+        )
         print("|---|---|---|---|---|")
         for method, options in METHODS.items():
-            settings = SweepSettings(args.pre, args.post, method, [0.5], ["old"], ["new"], None, str(work / "run"),
-                                     eval_dtype=args.eval_dtype, **options)
+            settings = SweepSettings(
+                args.pre,
+                args.post,
+                method,
+                [0.5],
+                ["old"],
+                ["new"],
+                None,
+                str(work / "run"),
+                eval_dtype=args.eval_dtype,
+                **options,
+            )
             config = settings.merge_config(0.5)
             sources = open_inputs([args.pre, args.post], args.pre, allow_pickle=False)
             loader = ModelLoader(args.pre, getattr(torch, settings.eval_dtype), "cpu")

@@ -38,7 +38,7 @@ def write_files(folder: Path, payload: memoryview, total: int, file_bytes: int, 
         handle = DirectFile(path) if direct else open(path, "wb")
         with memoryview(payload) as view:
             for begin in range(0, size, len(view)):
-                handle.write(view[:min(len(view), size - begin)])
+                handle.write(view[: min(len(view), size - begin)])
         if not direct:
             handle.flush()
             os.fsync(handle.fileno())
@@ -46,8 +46,11 @@ def write_files(folder: Path, payload: memoryview, total: int, file_bytes: int, 
         written += size
         index += 1
     after = resource.getrusage(resource.RUSAGE_SELF)
-    return {"wall_s": round(time.perf_counter() - started, 2), "sys_s": round(after.ru_stime - before.ru_stime, 2),
-            "user_s": round(after.ru_utime - before.ru_utime, 2)}
+    return {
+        "wall_s": round(time.perf_counter() - started, 2),
+        "sys_s": round(after.ru_stime - before.ru_stime, 2),
+        "user_s": round(after.ru_utime - before.ru_utime, 2),
+    }
 
 
 def main() -> None:
@@ -72,20 +75,42 @@ def main() -> None:
                 result = write_files(folder, payload, total, file_bytes, direct=kind == "direct")
                 shutil.rmtree(folder)
                 runs[kind].append(result)
-                print(f"round {round_index + 1} {kind:>8}: {result['wall_s']:6.2f} s wall, "
-                      f"{result['sys_s']:6.2f} s sys", flush=True)
+                print(
+                    f"round {round_index + 1} {kind:>8}: {result['wall_s']:6.2f} s wall, {result['sys_s']:6.2f} s sys",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    summary = {kind: {"median_wall_s": statistics.median(r["wall_s"] for r in results),
-                      "median_sys_s": statistics.median(r["sys_s"] for r in results), "runs": results}
-               for kind, results in runs.items()}
+    summary = {
+        kind: {
+            "median_wall_s": statistics.median(r["wall_s"] for r in results),
+            "median_sys_s": statistics.median(r["sys_s"] for r in results),
+            "runs": results,
+        }
+        for kind, results in runs.items()
+    }
     for kind, numbers in summary.items():
-        print(f"{kind:>8}: median {numbers['median_wall_s']:.2f} s wall, {numbers['median_sys_s']:.2f} s sys "
-              f"({args.gb:g} GB in {args.file_mb} MB files)")
+        print(
+            f"{kind:>8}: median {numbers['median_wall_s']:.2f} s wall, {numbers['median_sys_s']:.2f} s sys "
+            f"({args.gb:g} GB in {args.file_mb} MB files)"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"command": "python benchmarks/write_ab.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("gb", "file_mb", "rounds")),
-            "load_at_start": load_at_start, **summary}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": "python benchmarks/write_ab.py "
+                    + " ".join(
+                        f"--{k.replace('_', '-')} {v}"
+                        for k, v in vars(args).items()
+                        if k in ("gb", "file_mb", "rounds")
+                    ),
+                    "load_at_start": load_at_start,
+                    **summary,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -52,10 +52,12 @@ def paper_measures(report) -> tuple[str, str, str, str]:
     checks = {check.name: check for check in report.checks}
     delta = checks.get("delta")
     behaviour = checks.get("behaviour")
-    return (checks["base-id"].status if "base-id" in checks else "-",
-            f"{delta.measurements['total_norm']:.3g}" if delta else "-",
-            f"{delta.measurements['per_module_mean_norm']:.3g}" if delta else "-",
-            f"{behaviour.measurements['mean_kl']:.3g}" if behaviour else "-")
+    return (
+        checks["base-id"].status if "base-id" in checks else "-",
+        f"{delta.measurements['total_norm']:.3g}" if delta else "-",
+        f"{delta.measurements['per_module_mean_norm']:.3g}" if delta else "-",
+        f"{behaviour.measurements['mean_kl']:.3g}" if behaviour else "-",
+    )
 
 
 def table_header(width: int) -> str:
@@ -65,10 +67,14 @@ def table_header(width: int) -> str:
 def table_row(report, width: int, verbose: bool) -> str:
     """One adapter's row (verdict, the paper's measures, reasons); with `verbose`, every check under it."""
     base_id, norm, per_module, kl = paper_measures(report)
-    lines = [f"{report.adapter:<{width}}  {report.verdict:<8}  {base_id:<7}  {norm:>7}  {per_module:>7}  {kl:>7}  "
-             f"{'; '.join(report.reasons) or '-'}"]
+    lines = [
+        f"{report.adapter:<{width}}  {report.verdict:<8}  {base_id:<7}  {norm:>7}  {per_module:>7}  {kl:>7}  "
+        f"{'; '.join(report.reasons) or '-'}"
+    ]
     if verbose:
-        lines.extend(f"    {check.status:<4}  {check.name:<9}  {_measured(check)}  {check.detail}" for check in report.checks)
+        lines.extend(
+            f"    {check.status:<4}  {check.name:<9}  {_measured(check)}  {check.detail}" for check in report.checks
+        )
     return "\n".join(lines)
 
 
@@ -87,8 +93,15 @@ def render_csv(reports) -> str:
 
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["adapter", "base", "verdict", *(f"{name}_{part}" for name in CHECK_ORDER
-                                                      for part in ("status", "value", "threshold")), "reasons"])
+    writer.writerow(
+        [
+            "adapter",
+            "base",
+            "verdict",
+            *(f"{name}_{part}" for name in CHECK_ORDER for part in ("status", "value", "threshold")),
+            "reasons",
+        ]
+    )
     for report in reports:
         checks = {check.name: check for check in report.checks}
         cells = []
@@ -110,41 +123,126 @@ def _measured(check) -> str:
 
 @click.command(cls=_AdaptersCommand)
 @click.argument("adapters", metavar="ADAPTER...", nargs=-1, type=click.Path())
-@click.option("--from-file", "from_file", type=click.Path(dir_okay=False),
-              help="Also audit the adapters listed in FILE: one folder or hub id per line, # comments.")
-@click.option("--base", required=True, help="The base model the adapters claim: a folder, a .safetensors file or a hub "
-              "id org/name[@revision].")
-@click.option("--fingerprint", type=click.Path(dir_okay=False),
-              help=f"Base fingerprint to check the base against [default: {SHIPPED_FINGERPRINT} inside each adapter folder].")
-@click.option("--train-data", type=click.Path(dir_okay=False),
-              help='Training data for the leakage check: .jsonl with a "text" field (and optional "id"), or one text per line.')
-@click.option("--holdout", type=click.Path(dir_okay=False), help="Evaluation holdout, same formats; needs --train-data.")
-@click.option("--ngram", default=13, show_default=True, type=click.IntRange(min=1), help="Leakage n-gram length (whitespace words).")
-@click.option("--max-contaminated", default=0.01, show_default=True, type=Number(0, 1),
-              help="Fail when a larger share of holdout items is found in the training data.")
-@click.option("--base-id", help="Hub id of the given base (e.g. meta-llama/Llama-3.1-8B-Instruct) to compare the declared "
-              "base_model_name_or_path with [default: --base when it is a hub id, else the base config's _name_or_path].")
-@click.option("--min-delta", default=1e-4, show_default=True, type=Number(min=0),
-              help="Reject as a no-op when the largest ||dW||/||W|| is below this.")
-@click.option("--min-total-norm", default=1.0, show_default=True, type=Number(min=0),
-              help="Reject as a no-op when sqrt(sum ||scaling*B@A||^2) is below this (the paper's rule, for 7-8B models).")
-@click.option("--behaviour", is_flag=True, help="Also run the model: first-token KL(base || base+adapter) on probe texts.")
-@click.option("--device", default="cpu", show_default=True, help="Device for --behaviour (cpu for tiny models, cuda for real ones).")
-@click.option("--max-kl", default=20.0, show_default=True, type=Number(min=0),
-              help="With --behaviour: reject above this KL as likely made on another base.")
-@click.option("--min-similarity", default=0.95, show_default=True, type=Number(-1, 1),
-              help="Reject when any module's similarity to the base fingerprint is below this.")
-@click.option("--allow-pickle", is_flag=True, help="Load adapter_model.bin pickles of local folders (weights_only=True); "
-              "reported as a warning. A hub adapter's pickle is never downloaded.")
-@click.option("--require-verified", is_flag=True, help="Exit 1 unless every adapter is VERIFIED (a WARN counts as a "
-              "refusal, for scripts).")
+@click.option(
+    "--from-file",
+    "from_file",
+    type=click.Path(dir_okay=False),
+    help="Also audit the adapters listed in FILE: one folder or hub id per line, # comments.",
+)
+@click.option(
+    "--base",
+    required=True,
+    help="The base model the adapters claim: a folder, a .safetensors file or a hub id org/name[@revision].",
+)
+@click.option(
+    "--fingerprint",
+    type=click.Path(dir_okay=False),
+    help=f"Base fingerprint to check the base against [default: {SHIPPED_FINGERPRINT} inside each adapter folder].",
+)
+@click.option(
+    "--train-data",
+    type=click.Path(dir_okay=False),
+    help='Training data for the leakage check: .jsonl with a "text" field (and optional "id"), or one text per line.',
+)
+@click.option(
+    "--holdout", type=click.Path(dir_okay=False), help="Evaluation holdout, same formats; needs --train-data."
+)
+@click.option(
+    "--ngram",
+    default=13,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Leakage n-gram length (whitespace words).",
+)
+@click.option(
+    "--max-contaminated",
+    default=0.01,
+    show_default=True,
+    type=Number(0, 1),
+    help="Fail when a larger share of holdout items is found in the training data.",
+)
+@click.option(
+    "--base-id",
+    help="Hub id of the given base (e.g. meta-llama/Llama-3.1-8B-Instruct) to compare the declared "
+    "base_model_name_or_path with [default: --base when it is a hub id, else the base config's _name_or_path].",
+)
+@click.option(
+    "--min-delta",
+    default=1e-4,
+    show_default=True,
+    type=Number(min=0),
+    help="Reject as a no-op when the largest ||dW||/||W|| is below this.",
+)
+@click.option(
+    "--min-total-norm",
+    default=1.0,
+    show_default=True,
+    type=Number(min=0),
+    help="Reject as a no-op when sqrt(sum ||scaling*B@A||^2) is below this (the paper's rule, for 7-8B models).",
+)
+@click.option(
+    "--behaviour", is_flag=True, help="Also run the model: first-token KL(base || base+adapter) on probe texts."
+)
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="Device for --behaviour (cpu for tiny models, cuda for real ones).",
+)
+@click.option(
+    "--max-kl",
+    default=20.0,
+    show_default=True,
+    type=Number(min=0),
+    help="With --behaviour: reject above this KL as likely made on another base.",
+)
+@click.option(
+    "--min-similarity",
+    default=0.95,
+    show_default=True,
+    type=Number(-1, 1),
+    help="Reject when any module's similarity to the base fingerprint is below this.",
+)
+@click.option(
+    "--allow-pickle",
+    is_flag=True,
+    help="Load adapter_model.bin pickles of local folders (weights_only=True); "
+    "reported as a warning. A hub adapter's pickle is never downloaded.",
+)
+@click.option(
+    "--require-verified",
+    is_flag=True,
+    help="Exit 1 unless every adapter is VERIFIED (a WARN counts as a refusal, for scripts).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON instead of a table.")
-@click.option("--csv", "as_csv", is_flag=True, help="Print one CSV line per adapter: every check's status, value and threshold.")
+@click.option(
+    "--csv", "as_csv", is_flag=True, help="Print one CSV line per adapter: every check's status, value and threshold."
+)
 @click.option("-v", "--verbose", is_flag=True, help="Show every check with its value, threshold and detail.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, loading bars or library logs on stderr.")
-def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, ngram, max_contaminated, base_id,
-                   min_delta, min_total_norm, behaviour, device, max_kl, min_similarity, allow_pickle, require_verified,
-                   as_json, as_csv, verbose, quiet):
+def audit_adapters(
+    adapters,
+    from_file,
+    base,
+    fingerprint,
+    train_data,
+    holdout,
+    ngram,
+    max_contaminated,
+    base_id,
+    min_delta,
+    min_total_norm,
+    behaviour,
+    device,
+    max_kl,
+    min_similarity,
+    allow_pickle,
+    require_verified,
+    as_json,
+    as_csv,
+    verbose,
+    quiet,
+):
     """Audit LoRA adapters against the base they claim: VERIFIED, WARN or REJECTED.
 
     ADAPTER is a PEFT adapter folder, a folder of adapter folders, or a hub id
@@ -193,8 +291,14 @@ def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, 
     names = [*adapters, *(read_adapter_list(from_file) if from_file else [])]
     if not names:
         raise click.UsageError("name at least one ADAPTER (or --from-file FILE)")
-    thresholds = AuditThresholds(min_fingerprint_similarity=min_similarity, min_delta=min_delta, ngram=ngram,
-                                 max_contaminated_share=max_contaminated, min_total_norm=min_total_norm, max_kl=max_kl)
+    thresholds = AuditThresholds(
+        min_fingerprint_similarity=min_similarity,
+        min_delta=min_delta,
+        ngram=ngram,
+        max_contaminated_share=max_contaminated,
+        min_total_norm=min_total_norm,
+        max_kl=max_kl,
+    )
     found = find_adapters(names)
     reports = []
     width = max(len("ADAPTER"), *(len(ref.name) for ref in found))
@@ -203,17 +307,29 @@ def audit_adapters(adapters, from_file, base, fingerprint, train_data, holdout, 
         if streaming:
             click.echo(table_header(width))
         bar = _progress(len(found), quiet)
-        for report in audit_batch(found, audit_base, fingerprint=fingerprint, train_data=train_data, holdout=holdout,
-                                  thresholds=thresholds, allow_pickle=allow_pickle, base_id=base_id,
-                                  behaviour=behaviour, device=device):
+        for report in audit_batch(
+            found,
+            audit_base,
+            fingerprint=fingerprint,
+            train_data=train_data,
+            holdout=holdout,
+            thresholds=thresholds,
+            allow_pickle=allow_pickle,
+            base_id=base_id,
+            behaviour=behaviour,
+            device=device,
+        ):
             reports.append(report)
             if streaming:
                 bar.write(table_row(report, width, verbose), file=sys.stdout)
             bar.update()
         bar.close()
     if as_json:
-        click.echo(json.dumps({"thresholds": asdict(thresholds), "reports": [report.to_dict() for report in reports]},
-                              indent=2))
+        click.echo(
+            json.dumps(
+                {"thresholds": asdict(thresholds), "reports": [report.to_dict() for report in reports]}, indent=2
+            )
+        )
     elif as_csv:
         click.echo(render_csv(reports))
     else:
@@ -227,8 +343,14 @@ def _progress(total: int, quiet: bool):
     """A bar on stderr, only when stderr is a terminal and not -q (tqdm.write keeps rows on stdout whole)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="adapter", desc="audit", file=sys.stderr, leave=False,
-                disable=quiet or not sys.stderr.isatty())
+    return tqdm(
+        total=total,
+        unit="adapter",
+        desc="audit",
+        file=sys.stderr,
+        leave=False,
+        disable=quiet or not sys.stderr.isatty(),
+    )
 
 
 @click.group(cls=AuditGroup, default_command=audit_adapters, context_settings={"ignore_unknown_options": True})
@@ -238,11 +360,22 @@ def audit():
 
 @audit.command("fingerprint")
 @click.argument("base", type=click.Path())
-@click.option("--out", default=SHIPPED_FINGERPRINT, show_default=True, type=click.Path(dir_okay=False),
-              help="Where to write the fingerprint JSON.")
-@click.option("--top-k", default=8, show_default=True, type=click.IntRange(min=1), help="Singular values kept per weight matrix.")
-@click.option("--behaviour/--no-behaviour", default=True, show_default=True,
-              help="Run the base once to record its first-token outputs on the probes.")
+@click.option(
+    "--out",
+    default=SHIPPED_FINGERPRINT,
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the fingerprint JSON.",
+)
+@click.option(
+    "--top-k", default=8, show_default=True, type=click.IntRange(min=1), help="Singular values kept per weight matrix."
+)
+@click.option(
+    "--behaviour/--no-behaviour",
+    default=True,
+    show_default=True,
+    help="Run the base once to record its first-token outputs on the probes.",
+)
 @click.option("--device", default="cpu", show_default=True, help="Device for --behaviour.")
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
 def fingerprint(base, out, top_k, behaviour, device, quiet):
@@ -256,6 +389,8 @@ def fingerprint(base, out, top_k, behaviour, device, quiet):
     fingerprint_destination(out, base)
     result = compute_fingerprint(base, top_k, behaviour=behaviour, device=device)
     write_fingerprint(result, out, base_dir=base)
-    click.echo(f"wrote {out}: {len(result['modules'])} weight matrices (top-{top_k} singular values and a probe each), "
-               f"signature {result['signature']['digest']} over {len(result['signature']['samples'])} tensors"
-               + (", first-token outputs on the probes" if "behaviour" in result else ""))
+    click.echo(
+        f"wrote {out}: {len(result['modules'])} weight matrices (top-{top_k} singular values and a probe each), "
+        f"signature {result['signature']['digest']} over {len(result['signature']['samples'])} tensors"
+        + (", first-token outputs on the probes" if "behaviour" in result else "")
+    )

@@ -4,11 +4,21 @@ import click
 
 
 @click.command()
-@click.option("--out", "-o", default="demo-run", show_default=True, type=click.Path(file_okay=False),
-              help="Folder for models, adapters, sweeps and the summary (finished stages are reused).")
+@click.option(
+    "--out",
+    "-o",
+    default="demo-run",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for models, adapters, sweeps and the summary (finished stages are reused).",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed for data, training and DARE.")
-@click.option("--methods", default="linear,ties,recall,recall_lerp", show_default=True,
-              help="Comma-separated merge methods to sweep (any of linear, ties, recall, recall_lerp).")
+@click.option(
+    "--methods",
+    default="linear,ties,recall,recall_lerp",
+    show_default=True,
+    help="Comma-separated merge methods to sweep (any of linear, ties, recall, recall_lerp).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def demo(out, seed, methods, quiet):
     """Build a tiny Llama, teach it an old skill, post-train it on a new one until it forgets, audit LoRA

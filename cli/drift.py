@@ -19,14 +19,28 @@ Examples:
 @click.command("drift", epilog=EXAMPLES)
 @click.argument("pre", type=click.Path(exists=True, file_okay=False))
 @click.argument("post", type=click.Path(exists=True, file_okay=False))
-@click.option("--texts", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="Texts (one per line, or .jsonl with a \"text\" field): adds each layer's linear CKA, pre vs post.")
-@click.option("--max-length", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Tokens kept per text for --texts.")
-@click.option("--heatmap", "heatmap_out", type=click.Path(dir_okay=False), metavar="FILE.png",
-              help="Plot the drift, decoder layers by module type (and 1 - CKA per layer with --texts).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print JSON ({tensors, layers, outside_layers, modules}) instead of the table.")
+@click.option(
+    "--texts",
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help='Texts (one per line, or .jsonl with a "text" field): adds each layer\'s linear CKA, pre vs post.',
+)
+@click.option(
+    "--max-length", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens kept per text for --texts."
+)
+@click.option(
+    "--heatmap",
+    "heatmap_out",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.png",
+    help="Plot the drift, decoder layers by module type (and 1 - CKA per layer with --texts).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON ({tensors, layers, outside_layers, modules}) instead of the table.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
 def drift(pre, post, texts, max_length, heatmap_out, as_json, quiet):
     """Relative Frobenius drift ||post - pre|| / ||pre|| of every tensor, per decoder layer and module type

@@ -39,15 +39,17 @@ def parse_group(spec: str) -> tuple[str, list[str]]:
     return name.strip(), patterns
 
 
-def group_tasks(name: str, patterns: list[str], compared: Sequence[str], known_tasks: set[str],
-                lm_eval_groups: dict[str, list[str]]) -> list[str]:
+def group_tasks(
+    name: str, patterns: list[str], compared: Sequence[str], known_tasks: set[str], lm_eval_groups: dict[str, list[str]]
+) -> list[str]:
     """The compared tasks a group names: task names, shell patterns, or lm-eval groups (e.g. mmlu: the tasks
     under it in the results files' group_subtasks); a pattern naming no task on either side is a typo, so it
     errors."""
     members = []
     for pattern in patterns:
-        named = (leaf_tasks(pattern, lm_eval_groups) if pattern in lm_eval_groups
-                 else fnmatch.filter(known_tasks, pattern))
+        named = (
+            leaf_tasks(pattern, lm_eval_groups) if pattern in lm_eval_groups else fnmatch.filter(known_tasks, pattern)
+        )
         if not set(named) & known_tasks:
             raise InputError(f"--group {name}: {pattern!r} matches no task in either samples input")
         members += [task for task in compared if task in named and task not in members]
@@ -76,40 +78,116 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
     metavar="NAME=TASK,...",
     help="A group of tasks, e.g. old=arc_easy,hellaswag, new=mmlu_* or an lm-eval group (old=mmlu). Repeatable.",
 )
-@click.option("--metric", "metrics", multiple=True, metavar="[TASK=]METRIC",
-              help="0/1 metric to score by, global (used where logged) or per task (default: the task's first).")
-@click.option("--filter", "filters", multiple=True, metavar="[TASK=]FILTER",
-              help="lm-eval filter to score, e.g. flexible-extract or gsm8k=strict-match (default: the first logged).")
-@click.option("--choices", "choices", multiple=True, metavar="TASK=K",
-              help="Number of options of a generative multiple-choice task (default: from the docs; inf if none).")
-@click.option("--aggregation", type=click.Choice(AGGREGATIONS), default="paper", show_default=True,
-              help="Group values: paper = unweighted mean of the tasks' values; pooled = all samples pooled.")
-@click.option("--overall", is_flag=True,
-              help="Add the paper's OVERALL row: the mean of the --group rows, each group weighing the same.")
-@click.option("--samples", "samples_out", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
-              help="Write one line per compared (task, doc, seed): outcome, scores, prompt, gold and answers.")
-@click.option("--replay", "replay_out", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
-              help="Write the forgotten samples as training data (TRL's prompt/completion JSONL).")
-@click.option("--replay-format", type=click.Choice(REPLAY_FORMATS), show_default=REPLAY_FORMATS[0],
-              help="--replay records: prompt/completion, or chat messages (user, assistant).")
-@click.option("--heatmap", "heatmap_out", type=click.Path(dir_okay=False), metavar="FILE.png",
-              help="Plot F_true and BT_true per group (or task) and checkpoint.")
-@click.option("--alert", "alerts", multiple=True, metavar="GROUP:METRIC>VALUE",
-              help="Exit 3 when a checkpoint's group value crosses VALUE (> or <), e.g. old:F_true>0.1. Repeatable.")
-@click.option("--overwrite", is_flag=True, help="Replace --samples, --replay and --heatmap files an earlier run "
-              "wrote (only while unchanged; never another file).")
+@click.option(
+    "--metric",
+    "metrics",
+    multiple=True,
+    metavar="[TASK=]METRIC",
+    help="0/1 metric to score by, global (used where logged) or per task (default: the task's first).",
+)
+@click.option(
+    "--filter",
+    "filters",
+    multiple=True,
+    metavar="[TASK=]FILTER",
+    help="lm-eval filter to score, e.g. flexible-extract or gsm8k=strict-match (default: the first logged).",
+)
+@click.option(
+    "--choices",
+    "choices",
+    multiple=True,
+    metavar="TASK=K",
+    help="Number of options of a generative multiple-choice task (default: from the docs; inf if none).",
+)
+@click.option(
+    "--aggregation",
+    type=click.Choice(AGGREGATIONS),
+    default="paper",
+    show_default=True,
+    help="Group values: paper = unweighted mean of the tasks' values; pooled = all samples pooled.",
+)
+@click.option(
+    "--overall",
+    is_flag=True,
+    help="Add the paper's OVERALL row: the mean of the --group rows, each group weighing the same.",
+)
+@click.option(
+    "--samples",
+    "samples_out",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.jsonl",
+    help="Write one line per compared (task, doc, seed): outcome, scores, prompt, gold and answers.",
+)
+@click.option(
+    "--replay",
+    "replay_out",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.jsonl",
+    help="Write the forgotten samples as training data (TRL's prompt/completion JSONL).",
+)
+@click.option(
+    "--replay-format",
+    type=click.Choice(REPLAY_FORMATS),
+    show_default=REPLAY_FORMATS[0],
+    help="--replay records: prompt/completion, or chat messages (user, assistant).",
+)
+@click.option(
+    "--heatmap",
+    "heatmap_out",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.png",
+    help="Plot F_true and BT_true per group (or task) and checkpoint.",
+)
+@click.option(
+    "--alert",
+    "alerts",
+    multiple=True,
+    metavar="GROUP:METRIC>VALUE",
+    help="Exit 3 when a checkpoint's group value crosses VALUE (> or <), e.g. old:F_true>0.1. Repeatable.",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace --samples, --replay and --heatmap files an earlier run "
+    "wrote (only while unchanged; never another file).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
 # re-alignment: spurious against genuine forgetting (mergekit_lite/evaluate/spurious.py)
-@click.option("--realigned", "realigned", type=click.Path(exists=True), metavar="LOG",
-              help="POST's lm-eval samples under a re-alignment (few-shot, chat template): forgotten docs it gets "
-                   "right are spurious, the rest genuine.")
-@click.option("--replay-spurious", is_flag=True,
-              help="With --realigned: keep spurious docs in --replay (left out by default: they need format, not "
-                   "knowledge).")
+@click.option(
+    "--realigned",
+    "realigned",
+    type=click.Path(exists=True),
+    metavar="LOG",
+    help="POST's lm-eval samples under a re-alignment (few-shot, chat template): forgotten docs it gets "
+    "right are spurious, the rest genuine.",
+)
+@click.option(
+    "--replay-spurious",
+    is_flag=True,
+    help="With --realigned: keep spurious docs in --replay (left out by default: they need format, not knowledge).",
+)
 @matrix_options
-def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, samples_out, replay_out,
-               replay_format, heatmap_out, alerts, overwrite, as_json, quiet, realigned, replay_spurious, **matrix):
+def forgetting(
+    inputs,
+    groups,
+    metrics,
+    filters,
+    choices,
+    aggregation,
+    overall,
+    samples_out,
+    replay_out,
+    replay_format,
+    heatmap_out,
+    alerts,
+    overwrite,
+    as_json,
+    quiet,
+    realigned,
+    replay_spurious,
+    **matrix,
+):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected
     as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2), or along a training run.
 
@@ -133,17 +211,34 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
       mergekit-lite forgetting runs/pre runs/ft-new-probe --history history/ \\
           --replay replay.jsonl --replay-budget 200
     """
-    trajectory_options = [name for name, given in (("--group", groups), ("--overall", overall),
-                                                    ("--heatmap", heatmap_out), ("--alert", alerts),
-                                                    ("--realigned", realigned), ("--replay-spurious", replay_spurious),
-                                                    ("--overwrite", overwrite))
-                          if given]
-    if run_matrix_form(inputs, {name: matrix[name] for name in MATRIX_OPTIONS},
-                       Scoring.from_specs(metrics, filters, choices), samples_out, replay_out,
-                       replay_format or REPLAY_FORMATS[0], as_json, trajectory_options):
+    trajectory_options = [
+        name
+        for name, given in (
+            ("--group", groups),
+            ("--overall", overall),
+            ("--heatmap", heatmap_out),
+            ("--alert", alerts),
+            ("--realigned", realigned),
+            ("--replay-spurious", replay_spurious),
+            ("--overwrite", overwrite),
+        )
+        if given
+    ]
+    if run_matrix_form(
+        inputs,
+        {name: matrix[name] for name in MATRIX_OPTIONS},
+        Scoring.from_specs(metrics, filters, choices),
+        samples_out,
+        replay_out,
+        replay_format or REPLAY_FORMATS[0],
+        as_json,
+        trajectory_options,
+    ):
         return
     if len(inputs) < 2:
-        raise InputError("forgetting needs at least two lm-eval outputs: PRE POST, or the checkpoints of a run in order")
+        raise InputError(
+            "forgetting needs at least two lm-eval outputs: PRE POST, or the checkpoints of a run in order"
+        )
     parsed_groups = [parse_group(spec) for spec in groups]
     names = [name for name, _ in parsed_groups]
     if len(set(names)) != len(names):
@@ -156,8 +251,11 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
     check_realigned_options(realigned, replay_spurious, inputs)
     if replay_format is not None and not replay_out:
         raise InputError("--replay-format shapes --replay's file: give --replay FILE.jsonl")
-    outputs = check_outputs({"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out},
-                            [*inputs, *([realigned] if realigned else [])], overwrite)
+    outputs = check_outputs(
+        {"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out},
+        [*inputs, *([realigned] if realigned else [])],
+        overwrite,
+    )
     scoring = Scoring.from_specs(metrics, filters, choices)
     runs = [load_lm_eval_run(path, scoring) for path in inputs]
     series = trajectory(runs, inputs)
@@ -165,14 +263,20 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
     group_rows = []
     for position, result in enumerate(series.maps, start=1):  # an error is one line, before any warning
         if not result.rows:
-            raise InputError(f"no task could be compared between {inputs[0]} and {inputs[position]}: " +
-                             "; ".join(f"{task} ({reason})" for task, reason in result.skipped.items()))
+            raise InputError(
+                f"no task could be compared between {inputs[0]} and {inputs[position]}: "
+                + "; ".join(f"{task} ({reason})" for task, reason in result.skipped.items())
+            )
         known_tasks = set(runs[0].outcomes) | set(runs[position].outcomes) | set(result.skipped)
         lm_eval_groups = {**runs[0].groups, **runs[position].groups}
-        members = [(name, group_tasks(name, patterns, list(result.rows), known_tasks, lm_eval_groups))
-                   for name, patterns in parsed_groups]
-        group_rows.append([result.group(name, tasks, aggregation) for name, tasks in members] +
-                          ([result.overall(members, aggregation)] if overall else []))
+        members = [
+            (name, group_tasks(name, patterns, list(result.rows), known_tasks, lm_eval_groups))
+            for name, patterns in parsed_groups
+        ]
+        group_rows.append(
+            [result.group(name, tasks, aggregation) for name, tasks in members]
+            + ([result.overall(members, aggregation)] if overall else [])
+        )
     split = realigned_split(series, realigned, scoring, group_rows[0]) if realigned else None  # errors first
     for position, result in enumerate(series.maps, start=1):
         where = "" if two_models else f"checkpoint {position} ({inputs[position]}): "
@@ -186,8 +290,11 @@ def forgetting(inputs, groups, metrics, filters, choices, aggregation, overall, 
         render_trajectory(series, group_rows, crossed, as_json)
     write_outputs(outputs, series, group_rows, replay_format or REPLAY_FORMATS[0], split, replay_spurious, overwrite)
     for alert in crossed:
-        click.echo(f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
-                   f"{alert['value']:.3f} crosses {alert['alert']}", err=True)
+        click.echo(
+            f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
+            f"{alert['value']:.3f} crosses {alert['alert']}",
+            err=True,
+        )
     if crossed:
         raise click.exceptions.Exit(3)
 
@@ -234,13 +341,20 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
     """One row per checkpoint and task (then per checkpoint and group), checkpoint i against checkpoint 0."""
     if as_json:
         payload = {
-            "checkpoints": [{"position": position, "path": label, "model": run.model}
-                            for position, (label, run) in enumerate(zip(series.labels, series.runs))],
-            "rows": [{"checkpoint": position, "path": series.labels[position],
-                      "tasks": [row.to_dict() for row in result.rows.values()],
-                      "groups": [row.to_dict() for row in groups],
-                      "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()]}
-                     for position, (result, groups) in enumerate(zip(series.maps, group_rows), start=1)],
+            "checkpoints": [
+                {"position": position, "path": label, "model": run.model}
+                for position, (label, run) in enumerate(zip(series.labels, series.runs))
+            ],
+            "rows": [
+                {
+                    "checkpoint": position,
+                    "path": series.labels[position],
+                    "tasks": [row.to_dict() for row in result.rows.values()],
+                    "groups": [row.to_dict() for row in groups],
+                    "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()],
+                }
+                for position, (result, groups) in enumerate(zip(series.maps, group_rows), start=1)
+            ],
             "alerts": crossed,
         }
         click.echo(json.dumps(payload, indent=2))
@@ -257,8 +371,15 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
     click.echo("checkpoints: " + "; ".join(f"{label}: {name}" for label, name in zip(labels, series.labels[1:])))
 
 
-def write_outputs(outputs: dict, series: Trajectory, group_rows, replay_format: str, split=None,
-                  replay_spurious: bool = False, overwrite: bool = False) -> None:
+def write_outputs(
+    outputs: dict,
+    series: Trajectory,
+    group_rows,
+    replay_format: str,
+    split=None,
+    replay_spurious: bool = False,
+    overwrite: bool = False,
+) -> None:
     """--samples, --replay and --heatmap, written together or not at all; the counts on stderr. With
     --realigned, forgotten rows carry forgetting_kind and --replay leaves the spurious ones out unless asked."""
     rows = sample_rows(series) if {"--samples", "--replay"} & set(outputs) else []
@@ -272,8 +393,11 @@ def write_outputs(outputs: dict, series: Trajectory, group_rows, replay_format: 
         kept = replay_chooser(split is not None and not replay_spurious)
         records, unrecoverable = replay_records(rows, replay_format, kept)
         files[outputs["--replay"]] = jsonl(records)
-        note = (f"; {unrecoverable} forgotten docs left out: their gold answer or prompt is not in the log"
-                if unrecoverable else "")
+        note = (
+            f"; {unrecoverable} forgotten docs left out: their gold answer or prompt is not in the log"
+            if unrecoverable
+            else ""
+        )
         if split is not None and not replay_spurious:
             note += f"; {spurious_docs(rows)} spurious docs left out (--replay-spurious keeps them)"
         notes.append(f"replay: {len(records)} forgotten samples written to {outputs['--replay']}{note}")
@@ -312,8 +436,9 @@ def realigned_split(series: Trajectory, realigned: str, scoring: Scoring, groups
             compared.setdefault(task, {})[seed] = rows[task]
     split = spurious_map(pre, post, load_lm_eval_run(realigned, scoring), compared, realigned)
     for task in split.missing:
-        click.echo(f"warning: --realigned {realigned} has no samples of task {task!r}: its forgetting is not split",
-                   err=True)
+        click.echo(
+            f"warning: --realigned {realigned} has no samples of task {task!r}: its forgetting is not split", err=True
+        )
     return RealignedSplit(split, split.tasks, {row.group: split.group(row.group, row.tasks) for row in groups})
 
 
@@ -340,5 +465,10 @@ def replay_chooser(genuine_only: bool):
 
 def spurious_docs(rows: list[dict]) -> int:
     """Distinct (task, doc) forgotten as spurious: the docs --replay leaves out."""
-    return len({(row["task"], row["doc_hash"], row["doc_id"]) for row in rows
-                if row["outcome"] == "forgotten" and row.get("forgetting_kind") == SPURIOUS})
+    return len(
+        {
+            (row["task"], row["doc_hash"], row["doc_id"])
+            for row in rows
+            if row["outcome"] == "forgotten" and row.get("forgetting_kind") == SPURIOUS
+        }
+    )

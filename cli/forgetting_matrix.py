@@ -15,8 +15,8 @@ from mergekit_lite.evaluate.matrix import (
     VALUES,
     build_matrix,
     completion_table,
-    format_completion,
     forgetting_row,
+    format_completion,
     pre_docs,
     pre_seeds,
     predict_row,
@@ -29,29 +29,81 @@ from mergekit_lite.evaluate.trajectory import jsonl, replay_records
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_file, check_output_folder, write_atomic
 
 OPTIONS = [
-    click.option("--matrix", "matrix_dir", type=click.Path(file_okay=False), metavar="DIR",
-                 help="PRE POST_1 ... POST_M are independent fine-tunes of PRE: write their forgetting matrix, "
-                      "R^2 by rank and the completion table to DIR (matrix.json, matrix.npz, matrix.png, rank.png)."),
-    click.option("--history", "history_dir", type=click.Path(exists=True, file_okay=False), metavar="DIR",
-                 help="PRE NEW, NEW's log covering some docs: predict the others from a --matrix DIR."),
-    click.option("--value", type=click.Choice(VALUES), default="outcome", show_default=True,
-                 help="Matrix entries: outcome = 1 where pre was right and the fine-tune wrong; logprob = the drop "
-                      "of the gold answer's log-likelihood."),
-    click.option("--known", "known", type=int, multiple=True, metavar="K",
-                 help="Docs observed of each held-out fine-tune in the completion table (default 30). Repeatable."),
-    click.option("--predictor", type=click.Choice(METHODS),
-                 help="Completion method for --history (default: the best of the history's table)."),
-    click.option("--matrix-seed", type=int, default=0, show_default=True,
-                 help="Seed of the observed docs (--matrix) and of the replay draw (--history)."),
-    click.option("--replay-budget", type=int, metavar="N",
-                 help="With --history: write N distinct docs to --replay, chosen by --replay-strategy."),
-    click.option("--replay-temperature", type=float, default=0.1, show_default=True,
-                 help="T of the replay weights softmax(score / T)."),
-    click.option("--replay-strategy", type=click.Choice(STRATEGIES), default="sample", show_default=True,
-                 help="sample: drawn by weight; top: highest scores; random: uniform (the baseline)."),
+    click.option(
+        "--matrix",
+        "matrix_dir",
+        type=click.Path(file_okay=False),
+        metavar="DIR",
+        help="PRE POST_1 ... POST_M are independent fine-tunes of PRE: write their forgetting matrix, "
+        "R^2 by rank and the completion table to DIR (matrix.json, matrix.npz, matrix.png, rank.png).",
+    ),
+    click.option(
+        "--history",
+        "history_dir",
+        type=click.Path(exists=True, file_okay=False),
+        metavar="DIR",
+        help="PRE NEW, NEW's log covering some docs: predict the others from a --matrix DIR.",
+    ),
+    click.option(
+        "--value",
+        type=click.Choice(VALUES),
+        default="outcome",
+        show_default=True,
+        help="Matrix entries: outcome = 1 where pre was right and the fine-tune wrong; logprob = the drop "
+        "of the gold answer's log-likelihood.",
+    ),
+    click.option(
+        "--known",
+        "known",
+        type=int,
+        multiple=True,
+        metavar="K",
+        help="Docs observed of each held-out fine-tune in the completion table (default 30). Repeatable.",
+    ),
+    click.option(
+        "--predictor",
+        type=click.Choice(METHODS),
+        help="Completion method for --history (default: the best of the history's table).",
+    ),
+    click.option(
+        "--matrix-seed",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Seed of the observed docs (--matrix) and of the replay draw (--history).",
+    ),
+    click.option(
+        "--replay-budget",
+        type=int,
+        metavar="N",
+        help="With --history: write N distinct docs to --replay, chosen by --replay-strategy.",
+    ),
+    click.option(
+        "--replay-temperature",
+        type=float,
+        default=0.1,
+        show_default=True,
+        help="T of the replay weights softmax(score / T).",
+    ),
+    click.option(
+        "--replay-strategy",
+        type=click.Choice(STRATEGIES),
+        default="sample",
+        show_default=True,
+        help="sample: drawn by weight; top: highest scores; random: uniform (the baseline).",
+    ),
 ]
-NAMES = ("matrix_dir", "history_dir", "value", "known", "predictor", "matrix_seed", "replay_budget",
-         "replay_temperature", "replay_strategy")
+NAMES = (
+    "matrix_dir",
+    "history_dir",
+    "value",
+    "known",
+    "predictor",
+    "matrix_seed",
+    "replay_budget",
+    "replay_temperature",
+    "replay_strategy",
+)
 
 
 def matrix_options(command):
@@ -61,8 +113,16 @@ def matrix_options(command):
     return command
 
 
-def run_matrix_form(inputs, options: dict, scoring: Scoring, samples_out, replay_out, replay_format, as_json,
-                    trajectory_options: list[str]) -> bool:
+def run_matrix_form(
+    inputs,
+    options: dict,
+    scoring: Scoring,
+    samples_out,
+    replay_out,
+    replay_format,
+    as_json,
+    trajectory_options: list[str],
+) -> bool:
     """Run the --matrix or --history form if asked (True), else refuse their options given alone (False)."""
     matrix_dir, history_dir = options["matrix_dir"], options["history_dir"]
     if not matrix_dir and not history_dir:
@@ -101,8 +161,10 @@ def write_history(inputs, options, scoring, matrix_dir, other_output, as_json) -
     if as_json:
         click.echo(json.dumps(payload, indent=2))
         return
-    click.echo(f"matrix: {len(matrix.rows)} fine-tunes x {len(matrix.docs)} docs ({matrix.value}; "
-               f"{payload['docs']['forgettable']} can be forgotten; mean {payload['mean']:.4f})")
+    click.echo(
+        f"matrix: {len(matrix.rows)} fine-tunes x {len(matrix.docs)} docs ({matrix.value}; "
+        f"{payload['docs']['forgettable']} can be forgotten; mean {payload['mean']:.4f})"
+    )
     click.echo("R^2 by rank: " + ", ".join(f"{rank}: {r2:.3f}" for rank, r2 in enumerate(payload["r2_by_rank"], 1)))
     for table in tables:
         click.echo()
@@ -127,11 +189,14 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
     pre = load_lm_eval_run(inputs[0], scoring)
     docs, chosen = pre_docs(pre)
     if not docs.same_as(matrix.docs) or not np.array_equal(docs.pre_correct, matrix.docs.pre_correct):
-        raise InputError(f"--history {options['history_dir']}: built on other docs (or another pre) than "
-                         f"{inputs[0]} ({len(matrix.docs)} docs there, {len(docs)} here)")
+        raise InputError(
+            f"--history {options['history_dir']}: built on other docs (or another pre) than "
+            f"{inputs[0]} ({len(matrix.docs)} docs there, {len(docs)} here)"
+        )
     seeds = pre_seeds(pre)
-    values, observed = forgetting_row(chosen, load_lm_eval_run(inputs[1], scoring), inputs[1], matrix.value,
-                                      partial=True, pre_seeds=seeds)
+    values, observed = forgetting_row(
+        chosen, load_lm_eval_run(inputs[1], scoring), inputs[1], matrix.value, partial=True, pre_seeds=seeds
+    )
     tables = payload.get("completion") or [{}]
     method = options["predictor"] or tables[0].get("best") or "mf"
     prediction = predict_row(matrix, values, observed, method)
@@ -147,11 +212,15 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
         return
     click.echo(f"predicted by {method}: {report['observed']} docs observed, {report['predicted']} predicted")
     if matrix.binary:
-        click.echo(f"forgotten: {report['observed_forgotten']} observed, {report['expected_forgotten']:.1f} expected "
-                   f"among the predicted; predicted F = {report['F_predicted']:.4f} of {report['docs']} docs")
+        click.echo(
+            f"forgotten: {report['observed_forgotten']} observed, {report['expected_forgotten']:.1f} expected "
+            f"among the predicted; predicted F = {report['F_predicted']:.4f} of {report['docs']} docs"
+        )
     else:
-        click.echo(f"mean log-likelihood drop: observed {report['observed_mean_drop']:.4f}, predicted "
-                   f"{report['predicted_mean_drop']:.4f}")
+        click.echo(
+            f"mean log-likelihood drop: observed {report['observed_mean_drop']:.4f}, predicted "
+            f"{report['predicted_mean_drop']:.4f}"
+        )
 
 
 def prediction_report(matrix, prediction, values) -> dict:
@@ -159,29 +228,49 @@ def prediction_report(matrix, prediction, values) -> dict:
     observed, predicted = prediction.observed, ~prediction.observed
     report = {"method": prediction.method, "value": matrix.value, "docs": len(matrix.docs), **prediction.counts}
     if matrix.binary:
-        report.update(observed_forgotten=int(values[observed].sum()),
-                      expected_forgotten=float(prediction.scores[predicted].sum()),
-                      F_predicted=float(prediction.scores.mean()))
+        report.update(
+            observed_forgotten=int(values[observed].sum()),
+            expected_forgotten=float(prediction.scores[predicted].sum()),
+            F_predicted=float(prediction.scores.mean()),
+        )
     else:
-        report.update(observed_mean_drop=float(values[observed].mean()) if observed.any() else None,
-                      predicted_mean_drop=float(prediction.scores[predicted].mean()) if predicted.any() else None)
+        report.update(
+            observed_mean_drop=float(values[observed].mean()) if observed.any() else None,
+            predicted_mean_drop=float(prediction.scores[predicted].mean()) if predicted.any() else None,
+        )
     return report
 
 
 def write_replay(path, rows, matrix, prediction, options, replay_format) -> dict:
     """--replay-budget docs of those that can be forgotten and have a prompt and gold answer in PRE's log, drawn
     by --replay-strategy from their scores (observed forgotten docs included), as TRL JSONL."""
-    candidates = [index for index, row in enumerate(rows) if matrix.forgettable[index]
-                  and row["prompt"] is not None and row["completion"] is not None]
+    candidates = [
+        index
+        for index, row in enumerate(rows)
+        if matrix.forgettable[index] and row["prompt"] is not None and row["completion"] is not None
+    ]
     scores = prediction.scores[candidates]
-    selection = select_replay(scores, options["replay_budget"], options["replay_strategy"],
-                              options["replay_temperature"], options["matrix_seed"])
+    selection = select_replay(
+        scores,
+        options["replay_budget"],
+        options["replay_strategy"],
+        options["replay_temperature"],
+        options["matrix_seed"],
+    )
     chosen = [rows[candidates[index]] for index in selection.chosen]
     records, _ = replay_records(chosen, replay_format, chosen=lambda row: True)
     write_atomic(path, jsonl(records))
     observed = sum(not row["predicted"] for row in chosen)
-    click.echo(f"replay: {len(records)} docs of {len(candidates)} candidates chosen by {options['replay_strategy']} "
-               f"(T={options['replay_temperature']:g}; {observed} observed) written to {path}", err=True)
-    return {"written": len(records), "candidates": len(candidates), "strategy": options["replay_strategy"],
-            "temperature": options["replay_temperature"], "observed": observed,
-            "mean_score": float(scores[selection.chosen].mean())}
+    click.echo(
+        f"replay: {len(records)} docs of {len(candidates)} candidates chosen by {options['replay_strategy']} "
+        f"(T={options['replay_temperature']:g}; {observed} observed) written to {path}",
+        err=True,
+    )
+    return {
+        "written": len(records),
+        "candidates": len(candidates),
+        "strategy": options["replay_strategy"],
+        "temperature": options["replay_temperature"],
+        "observed": observed,
+        "mean_score": float(scores[selection.chosen].mean()),
+    }

@@ -103,13 +103,19 @@ class LazyGroup(click.Group):
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except tuple(BAD_INPUT_ERRORS) as error:
-            click.echo(one_line(f"error: {BAD_INPUT_ERRORS[type(error)] if type(error) in BAD_INPUT_ERRORS else error} "
-                                f"({type(error).__name__}{_saved_traceback()})"), err=True)
+            click.echo(
+                one_line(
+                    f"error: {BAD_INPUT_ERRORS[type(error)] if type(error) in BAD_INPUT_ERRORS else error} "
+                    f"({type(error).__name__}{_saved_traceback()})"
+                ),
+                err=True,
+            )
             sys.exit(2)
         except Exception as error:  # a bug: one line for the user, the traceback in a file for the report
             message = " ".join(str(error).split())[:300]
-            click.echo(one_line(f"error: internal error: {type(error).__name__}: {message}{_saved_traceback()}"),
-                       err=True)
+            click.echo(
+                one_line(f"error: internal error: {type(error).__name__}: {message}{_saved_traceback()}"), err=True
+            )
             sys.exit(1)
 
 
@@ -121,8 +127,10 @@ def one_line(text: str) -> str:
 
 def _saved_traceback() -> str:
     """Write the current exception's traceback under the user cache (or the temp folder); say where."""
-    candidates = [Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mergekit-lite",
-                  Path(tempfile.gettempdir())]
+    candidates = [
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mergekit-lite",
+        Path(tempfile.gettempdir()),
+    ]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for folder in candidates:
         try:
@@ -140,8 +148,15 @@ def quiet_third_party() -> None:
     """-q: no loading bars or info logs from transformers / huggingface_hub / lm-eval / datasets on stderr."""
     import logging
 
-    os.environ.update({"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                       "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "DATASETS_VERBOSITY": "error"})
+    os.environ.update(
+        {
+            "TQDM_DISABLE": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+            "DATASETS_VERBOSITY": "error",
+        }
+    )
     for name in ("transformers", "huggingface_hub", "lm-eval", "lm_eval", "datasets", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     from huggingface_hub.utils import disable_progress_bars

@@ -26,51 +26,104 @@ def _flag(name: str, help_text: str):
 
 
 OPTIONS = (
-    click.option("--out-shard-size", type=ShardSize(),
-                 help="Largest output shard: mergekit's count with K/M/B (1B = 10^9; mergekit compares it with "
-                      "each tensor's bytes, so 1B gives mergekit's ~1 GB shards), or bytes: 500MB, 2GB, 5GiB "
-                      "(default 5B = 5GB)."),
-    click.option("--copy-tokenizer/--no-copy-tokenizer", default=True,
-                 help="Copy the tokenizer files to the output (default: copy). A config's tokenizer_source "
-                      "writes its own tokenizer either way."),
-    click.option("--write-model-card/--no-write-model-card", default=True,
-                 help="Write README.md describing the output (default: write)."),
-    click.option("--random-seed", type=int, help="mergekit's name for --seed: the seed of the random methods' draws "
-                 "(DARE, DELLA); same seed, same bytes (not mergekit's draws)."),
-    _flag("allow-crimes", "mergekit: allow mixing architectures. Here tensors merge by name and shape, and "
-          "models whose config.json names another architecture are still refused: it lets nothing more through."),
-    _flag("lazy-unpickle", "Nothing to do: mergekit-lite never unpickles lazily (it reads safetensors; pickle "
-          ".bin weights only with --allow-pickle, torch's weights-only loader)."),
-    _flag("clone-tensors", "Nothing to do: every output tensor is written as a copy of its own, so a layer used "
-          "twice (passthrough slices) is stored twice already."),
-    _flag("trust-remote-code", "Nothing to trust: no model code from a repository is ever run (architectures "
-          "come from transformers itself); a warning says so."),
-    click.option("--transformers-cache", type=click.Path(file_okay=False),
-                 help="Hugging Face hub cache that hub ids are resolved in (instead of HF_HUB_CACHE)."),
-    click.option("--lora-merge-cache", type=click.Path(file_okay=False),
-                 help="Nothing to store: a model+lora reference's adapter is applied as its tensors are read."),
-    click.option("--lora-merge-dtype", help="Nothing to choose: adapters are applied in float32, like all the "
-                 "math; the stored dtype is --dtype / out_dtype."),
+    click.option(
+        "--out-shard-size",
+        type=ShardSize(),
+        help="Largest output shard: mergekit's count with K/M/B (1B = 10^9; mergekit compares it with "
+        "each tensor's bytes, so 1B gives mergekit's ~1 GB shards), or bytes: 500MB, 2GB, 5GiB "
+        "(default 5B = 5GB).",
+    ),
+    click.option(
+        "--copy-tokenizer/--no-copy-tokenizer",
+        default=True,
+        help="Copy the tokenizer files to the output (default: copy). A config's tokenizer_source "
+        "writes its own tokenizer either way.",
+    ),
+    click.option(
+        "--write-model-card/--no-write-model-card",
+        default=True,
+        help="Write README.md describing the output (default: write).",
+    ),
+    click.option(
+        "--random-seed",
+        type=int,
+        help="mergekit's name for --seed: the seed of the random methods' draws "
+        "(DARE, DELLA); same seed, same bytes (not mergekit's draws).",
+    ),
+    _flag(
+        "allow-crimes",
+        "mergekit: allow mixing architectures. Here tensors merge by name and shape, and "
+        "models whose config.json names another architecture are still refused: it lets nothing more through.",
+    ),
+    _flag(
+        "lazy-unpickle",
+        "Nothing to do: mergekit-lite never unpickles lazily (it reads safetensors; pickle "
+        ".bin weights only with --allow-pickle, torch's weights-only loader).",
+    ),
+    _flag(
+        "clone-tensors",
+        "Nothing to do: every output tensor is written as a copy of its own, so a layer used "
+        "twice (passthrough slices) is stored twice already.",
+    ),
+    _flag(
+        "trust-remote-code",
+        "Nothing to trust: no model code from a repository is ever run (architectures "
+        "come from transformers itself); a warning says so.",
+    ),
+    click.option(
+        "--transformers-cache",
+        type=click.Path(file_okay=False),
+        help="Hugging Face hub cache that hub ids are resolved in (instead of HF_HUB_CACHE).",
+    ),
+    click.option(
+        "--lora-merge-cache",
+        type=click.Path(file_okay=False),
+        help="Nothing to store: a model+lora reference's adapter is applied as its tensors are read.",
+    ),
+    click.option(
+        "--lora-merge-dtype",
+        help="Nothing to choose: adapters are applied in float32, like all the "
+        "math; the stored dtype is --dtype / out_dtype.",
+    ),
     click.option("-v", "verbosity", count=True, help="Log more (-v info, -vv debug), as mergekit."),
-    click.option("--safe-serialization/--no-safe-serialization", default=True,
-                 help="Write safetensors: always (--no-safe-serialization is refused: no pickled weights are "
-                      "ever written)."),
-    _flag("unsafe-truncate-embeddings", "Refused: embedding rows are matched by token here; set "
-          "tokenizer_source: base in the config to keep the base's vocabulary."),
-    click.option("--num-threads", "-j", type=click.IntRange(min=1),
-                 help="Use at most this many CPU cores (the merge's math, reading and writing threads)."),
-    _flag("async-write", "Nothing to do: shards are always written on a thread of their own while the next "
-          "tensors merge."),
-    click.option("--write-threads", type=click.IntRange(min=1),
-                 help="Nothing to do: one writer thread streams each shard to disk (see --async-write)."),
+    click.option(
+        "--safe-serialization/--no-safe-serialization",
+        default=True,
+        help="Write safetensors: always (--no-safe-serialization is refused: no pickled weights are ever written).",
+    ),
+    _flag(
+        "unsafe-truncate-embeddings",
+        "Refused: embedding rows are matched by token here; set "
+        "tokenizer_source: base in the config to keep the base's vocabulary.",
+    ),
+    click.option(
+        "--num-threads",
+        "-j",
+        type=click.IntRange(min=1),
+        help="Use at most this many CPU cores (the merge's math, reading and writing threads).",
+    ),
+    _flag(
+        "async-write", "Nothing to do: shards are always written on a thread of their own while the next tensors merge."
+    ),
+    click.option(
+        "--write-threads",
+        type=click.IntRange(min=1),
+        help="Nothing to do: one writer thread streams each shard to disk (see --async-write).",
+    ),
     _flag("cuda", "The math on the GPU (--device cuda); refused where there is none."),
-    _flag("read-to-gpu", "With a GPU: inputs go to it from pinned buffers as they are read (always so with "
-          "--cuda); refused where there is none."),
-    _flag("low-cpu-memory", "With a GPU: nothing more to save, no whole model is ever held in memory; refused "
-          "where there is none."),
+    _flag(
+        "read-to-gpu",
+        "With a GPU: inputs go to it from pinned buffers as they are read (always so with "
+        "--cuda); refused where there is none.",
+    ),
+    _flag(
+        "low-cpu-memory",
+        "With a GPU: nothing more to save, no whole model is ever held in memory; refused where there is none.",
+    ),
     _flag("multi-gpu", "With a GPU: the merge runs on one GPU (cuda:0); refused where there is none."),
-    click.option("--gpu-rich", is_flag=True, default=False,
-                 help="mergekit's --cuda --low-cpu-memory --read-to-gpu --multi-gpu."),
+    click.option(
+        "--gpu-rich", is_flag=True, default=False, help="mergekit's --cuda --low-cpu-memory --read-to-gpu --multi-gpu."
+    ),
 )
 
 
@@ -111,11 +164,15 @@ class MergekitFlags:
     def refusals(self) -> None:
         """The flags that cannot apply, refused in one line before any work."""
         if not self.safe_serialization:
-            raise InputError("--no-safe-serialization: refused, mergekit-lite writes safetensors only (pickled "
-                             "weights can run code when loaded)")
+            raise InputError(
+                "--no-safe-serialization: refused, mergekit-lite writes safetensors only (pickled "
+                "weights can run code when loaded)"
+            )
         if self.unsafe_truncate_embeddings:
-            raise InputError("--unsafe-truncate-embeddings: refused, embedding rows are matched by token here; set "
-                             "tokenizer_source: base in the config to keep the base's vocabulary")
+            raise InputError(
+                "--unsafe-truncate-embeddings: refused, embedding rows are matched by token here; set "
+                "tokenizer_source: base in the config to keep the base's vocabulary"
+            )
 
     def gpu_flags(self) -> list[str]:
         return [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(self, name)]
@@ -129,8 +186,10 @@ class MergekitFlags:
 
             available = torch.cuda.is_available()
             if wanted and not available:
-                raise InputError(f"{wanted[0]}: no CUDA GPU here (torch sees {torch.cuda.device_count()}); "
-                                 "leave it out to merge on the CPU")
+                raise InputError(
+                    f"{wanted[0]}: no CUDA GPU here (torch sees {torch.cuda.device_count()}); "
+                    "leave it out to merge on the CPU"
+                )
             if device == "auto":
                 return "cuda" if available else "cpu"
         if wanted and device is None:
@@ -141,26 +200,28 @@ class MergekitFlags:
         """One line per flag given that has nothing to do here, saying why (`note: ...`, `warning: ...`)."""
         said = {
             "allow_crimes": "--allow-crimes: lets nothing more through here (tensors merge by name and shape; "
-                            "models whose config.json names another architecture are refused)",
+            "models whose config.json names another architecture are refused)",
             "lazy_unpickle": "--lazy-unpickle: nothing to do, mergekit-lite never unpickles lazily (safetensors; "
-                             ".bin only with --allow-pickle)",
+            ".bin only with --allow-pickle)",
             "clone_tensors": "--clone-tensors: nothing to do, every output tensor is written as a copy of its own",
             "trust_remote_code": "warning: --trust-remote-code: no repository code is ever run here (architectures come "
-                                 "from transformers itself); nothing was trusted",
+            "from transformers itself); nothing was trusted",
             "lora_merge_cache": "--lora-merge-cache: nothing to store, adapters are applied as tensors are read",
             "lora_merge_dtype": "--lora-merge-dtype: adapters are applied in float32 like all the math; the stored "
-                                "dtype is --dtype",
+            "dtype is --dtype",
             "async_write": "--async-write: shards are always written on a thread of their own",
             "write_threads": "--write-threads: one writer thread streams each shard (always asynchronous)",
             "read_to_gpu": "--read-to-gpu: inputs go to the GPU from pinned buffers as they are read (always)",
             "low_cpu_memory": "--low-cpu-memory: no whole model is ever held in memory (always)",
             "multi_gpu": "--multi-gpu: the merge runs on one GPU",
         }
-        notes = [line for name, line in said.items() if getattr(self, name) and not (
-            self.gpu_rich and name in GPU_FLAGS)]
+        notes = [
+            line for name, line in said.items() if getattr(self, name) and not (self.gpu_rich and name in GPU_FLAGS)
+        ]
         if self.gpu_rich:
-            notes.append("--gpu-rich: the math on cuda (reading to the GPU and low CPU memory are always so here), "
-                         "on one GPU")
+            notes.append(
+                "--gpu-rich: the math on cuda (reading to the GPU and low CPU memory are always so here), on one GPU"
+            )
         if self.num_threads is not None and self.num_threads > len(os.sched_getaffinity(0)):
             notes.append(f"-j {self.num_threads}: this process may use {len(os.sched_getaffinity(0))} cores")
         return [line if line.startswith("warning: ") else f"note: {line}" for line in notes]
@@ -171,9 +232,8 @@ class MergekitFlags:
             logging.basicConfig(level=logging.DEBUG if self.verbosity > 1 else logging.INFO)
         if self.num_threads is not None:
             cores = sorted(os.sched_getaffinity(0))
-            os.sched_setaffinity(0, cores[:self.num_threads])  # the engine sizes its threads by the usable cores
+            os.sched_setaffinity(0, cores[: self.num_threads])  # the engine sizes its threads by the usable cores
         if self.transformers_cache is not None:
             from huggingface_hub import constants
 
             constants.HF_HUB_CACHE = os.path.abspath(self.transformers_cache)
-

@@ -28,8 +28,18 @@ class Number(click.FloatRange):
 
 # Flags that lower a safety check: never offered as the correction of a mistyped flag (click suggests the closest
 # names, and `--lazy-unpickle` once came out as "Did you mean '--allow-pickle'?").
-UNSAFE_FLAGS = frozenset({"--allow-pickle", "--allow-nonfinite", "--force", "--overwrite", "--trust-remote-code",
-                          "--allow-crimes", "--unsafe-truncate-embeddings", "--no-safe-serialization"})
+UNSAFE_FLAGS = frozenset(
+    {
+        "--allow-pickle",
+        "--allow-nonfinite",
+        "--force",
+        "--overwrite",
+        "--trust-remote-code",
+        "--allow-crimes",
+        "--unsafe-truncate-embeddings",
+        "--no-safe-serialization",
+    }
+)
 
 
 class SafeSuggestions(click.Command):
@@ -70,5 +80,6 @@ class ShardSize(click.ParamType):
         try:
             return parse_size(text)
         except InputError:
-            self.fail(f"{value!r} is no size (mergekit's 1B, 500M, 20K, a count, or bytes: 2GB, 500MB, 5GiB)",
-                      param, ctx)
+            self.fail(
+                f"{value!r} is no size (mergekit's 1B, 500M, 20K, a count, or bytes: 2GB, 500MB, 5GiB)", param, ctx
+            )

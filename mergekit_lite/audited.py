@@ -30,8 +30,15 @@ class UnverifiedAdapter(InputError):
     exit_code = 1
 
 
-def gate_adapter(adapter: str, host: str, *, force: bool = False, allow_pickle: bool = False, forcible: bool = True,
-                 require_verified: bool = False) -> AuditReport:
+def gate_adapter(
+    adapter: str,
+    host: str,
+    *,
+    force: bool = False,
+    allow_pickle: bool = False,
+    forcible: bool = True,
+    require_verified: bool = False,
+) -> AuditReport:
     """Audit `adapter` against `host`, the model it is applied to: REJECTED stops it (see
     audits.adapter.require_verified), the verdict line goes to stderr, and with `require_verified` anything short
     of VERIFIED stops it too (UnverifiedAdapter, exit 1)."""
@@ -41,8 +48,10 @@ def gate_adapter(adapter: str, host: str, *, force: bool = False, allow_pickle: 
     report = audited_or_refused(adapter, host, force, allow_pickle=allow_pickle, forcible=forcible)
     announce(report)
     if require_verified and report.verdict != VERIFIED:
-        raise UnverifiedAdapter(f"adapter {adapter} is {report.verdict}, not VERIFIED, and --require-verified was "
-                                f"given: {'; '.join(report.reasons)}")
+        raise UnverifiedAdapter(
+            f"adapter {adapter} is {report.verdict}, not VERIFIED, and --require-verified was "
+            f"given: {'; '.join(report.reasons)}"
+        )
     return report
 
 
@@ -51,10 +60,13 @@ def audit_gate(adapter: str, config: MergeConfig, require_verified: bool = False
     reference, else the base); raises InputError when it may not be merged."""
     host, adapter = split_lora_reference(adapter) or (config.base, adapter)
     if split_lora_reference(host):
-        raise InputError(f"{adapter}: adapter folders apply to the base, and the base {host} is a model+lora "
-                         "reference, which the audit cannot check an adapter against; give a model folder or hub id")
-    return gate_adapter(adapter, host, force=config.force, allow_pickle=config.allow_pickle,
-                        require_verified=require_verified)
+        raise InputError(
+            f"{adapter}: adapter folders apply to the base, and the base {host} is a model+lora "
+            "reference, which the audit cannot check an adapter against; give a model folder or hub id"
+        )
+    return gate_adapter(
+        adapter, host, force=config.force, allow_pickle=config.allow_pickle, require_verified=require_verified
+    )
 
 
 def require_verified_inputs(pre: str, references: list[str]) -> None:
@@ -70,15 +82,27 @@ def require_verified_inputs(pre: str, references: list[str]) -> None:
             gate_adapter(reference, pre, forcible=False, require_verified=True)
 
 
-def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
-              card_sections: list[tuple[str, str]] = (), require_verified: bool = False,
-              **files) -> engine.MergeResult:
+def run_merge(
+    config: MergeConfig,
+    out: str | Path,
+    overwrite: bool = False,
+    progress: bool = False,
+    card_sections: list[tuple[str, str]] = (),
+    require_verified: bool = False,
+    **files,
+) -> engine.MergeResult:
     """Plan and stream a merge into `out` (engine.run_merge), adapters audited first (with `require_verified`, only
     VERIFIED ones merge); `card_sections` are added to its model card; `files`: engine.run_merge's copy_tokenizer
     and model_card."""
-    return engine.run_merge(config, out, overwrite=overwrite, progress=progress,
-                            gate=partial(audit_gate, require_verified=require_verified), card_sections=card_sections,
-                            **files)
+    return engine.run_merge(
+        config,
+        out,
+        overwrite=overwrite,
+        progress=progress,
+        gate=partial(audit_gate, require_verified=require_verified),
+        card_sections=card_sections,
+        **files,
+    )
 
 
 def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, **options) -> Extraction:

@@ -17,6 +17,8 @@ def usable_device(name: str):
     if device.type not in ("cpu", "cuda"):
         raise InputError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise InputError(f"device {name!r} is not available here (torch sees {torch.cuda.device_count()} CUDA devices"
-                         f"{'' if torch.backends.cuda.is_built() else '; this torch is built without CUDA'})")
+        raise InputError(
+            f"device {name!r} is not available here (torch sees {torch.cuda.device_count()} CUDA devices"
+            f"{'' if torch.backends.cuda.is_built() else '; this torch is built without CUDA'})"
+        )
     return device

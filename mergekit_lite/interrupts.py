@@ -21,8 +21,8 @@ import importlib.machinery
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 _received: int | None = None

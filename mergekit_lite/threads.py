@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -35,6 +36,7 @@ def start_on_other_cores(job: Callable[[Item], Result], items: Iterable[Item]) -
 
     torch's OpenMP backend keeps the thread count per OS thread, so a worker's setting leaves the caller's alone.
     """
+
     def on_one_thread(item: Item) -> Result:
         with torch_threads(1):
             return job(item)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import yaml
@@ -109,9 +109,7 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     core.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK)
 
 
 def build_model(vocab_size: int, config: ToyConfig) -> LlamaForCausalLM:
@@ -162,11 +160,19 @@ def train(
     fit(model, input_ids, labels, steps, learning_rate, trained, after_step)
 
 
-def fit(model, input_ids: torch.Tensor, labels: torch.Tensor, steps: int, learning_rate: float,
-        parameters=None, after_step: Callable[[int], None] | None = None) -> None:
+def fit(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    steps: int,
+    learning_rate: float,
+    parameters=None,
+    after_step: Callable[[int], None] | None = None,
+) -> None:
     """`steps` full-batch AdamW steps on one batch (all of the model's parameters unless `parameters` says)."""
-    optimizer = torch.optim.AdamW(model.parameters() if parameters is None else parameters, lr=learning_rate,
-                                  weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        model.parameters() if parameters is None else parameters, lr=learning_rate, weight_decay=0.0
+    )
     model.train()
     for step in range(steps):
         loss = model(input_ids=input_ids, labels=labels).loss
@@ -226,7 +232,9 @@ def pair_paths(out_dir: Path, config: ToyConfig) -> ToyPair:
         old_tasks=[OLD_TASK],
         new_tasks=[NEW_TASK],
         typical_texts=out_dir / "typical_texts.txt",
-        checkpoints=tuple(out_dir / "post-checkpoints" / f"checkpoint-{step}" for step in sorted(config.post_checkpoints or ())),
+        checkpoints=tuple(
+            out_dir / "post-checkpoints" / f"checkpoint-{step}" for step in sorted(config.post_checkpoints or ())
+        ),
     )
 
 

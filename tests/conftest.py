@@ -14,9 +14,10 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import pytest
 
@@ -82,8 +83,11 @@ def toy_pair(tmp_path_factory) -> ToyPair:
     """The toy pre -> post pair (seed 0), saved in several safetensors shards so streaming code
     sees sharded inputs, with post-training's checkpoints at steps 25 and 50 (a training run: pre is step 0,
     post the last step). Built once per test run (a few seconds)."""
-    return once_per_run(tmp_path_factory, "toy_pair", lambda folder: build_toy_pair(
-        folder, seed=0, max_shard_size="100KB", post_checkpoints=[25, 50]))
+    return once_per_run(
+        tmp_path_factory,
+        "toy_pair",
+        lambda folder: build_toy_pair(folder, seed=0, max_shard_size="100KB", post_checkpoints=[25, 50]),
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -130,9 +134,17 @@ def lm_eval_checkpoint(toy_pair, lm_eval_runs, tmp_path_factory) -> Path:
     three checkpoints of one training run."""
     from lm_eval_tasks import run_lm_eval
 
-    return once_per_run(tmp_path_factory, "lm_eval_checkpoint", lambda root: run_lm_eval(
-        toy_pair.checkpoints[0], lm_eval_runs.tasks, lm_eval_runs.include_path, root / "step-25",
-        limit=lm_eval_runs.limit))
+    return once_per_run(
+        tmp_path_factory,
+        "lm_eval_checkpoint",
+        lambda root: run_lm_eval(
+            toy_pair.checkpoints[0],
+            lm_eval_runs.tasks,
+            lm_eval_runs.include_path,
+            root / "step-25",
+            limit=lm_eval_runs.limit,
+        ),
+    )
 
 
 SWEEP_ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -144,6 +156,20 @@ def linear_sweep(toy_pair, tmp_path_factory):
     by the xdist workers: a test that writes into its folder (a lock, a rerun) works on a copy."""
     from mergekit_lite.sweep import SweepSettings, run_sweep
 
-    return once_per_run(tmp_path_factory, "linear_sweep", lambda folder: run_sweep(SweepSettings(
-        toy_pair.pre_dir, toy_pair.post_dir, "linear", SWEEP_ALPHAS, toy_pair.old_tasks, toy_pair.new_tasks,
-        toy_pair.task_dir, folder / "run", limit=None)))
+    return once_per_run(
+        tmp_path_factory,
+        "linear_sweep",
+        lambda folder: run_sweep(
+            SweepSettings(
+                toy_pair.pre_dir,
+                toy_pair.post_dir,
+                "linear",
+                SWEEP_ALPHAS,
+                toy_pair.old_tasks,
+                toy_pair.new_tasks,
+                toy_pair.task_dir,
+                folder / "run",
+                limit=None,
+            )
+        ),
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+
 def mergekit_cli() -> Path:
     """mergekit-yaml from $MERGEKIT_VENV, or skip the calling test with the reason."""
     hint = "set MERGEKIT_VENV to a venv with mergekit==0.1.5 (.ci/run makes one)"
@@ -41,14 +42,25 @@ for config_file, out_path in zip(sys.argv[2::2], sys.argv[3::2]):
 
 
 def _environment() -> dict[str, str]:
-    return {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def run_mergekit(config: Path, out: Path, seed: int = 0) -> Path:
     """mergekit-yaml CONFIG OUT on the CPU, offline, in its own environment (none of ours leaks in)."""
-    result = subprocess.run([str(mergekit_cli()), str(config), str(out), "--random-seed", str(seed), "--quiet"],
-                            capture_output=True, text=True, env=_environment(), timeout=600)
+    result = subprocess.run(
+        [str(mergekit_cli()), str(config), str(out), "--random-seed", str(seed), "--quiet"],
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=600,
+    )
     assert result.returncode == 0, f"mergekit failed on {config}:\n{result.stderr[-3000:]}"
     return out
 
@@ -57,7 +69,12 @@ def run_mergekit_batch(jobs: dict[Path, Path], seed: int = 0) -> dict[Path, Path
     """Several configs (config -> output folder) through mergekit's own entry point in one process."""
     python = mergekit_cli().parent / "python"
     arguments = [str(part) for pair in jobs.items() for part in pair]
-    result = subprocess.run([str(python), "-c", BATCH, str(seed), *arguments], capture_output=True, text=True,
-                            env=_environment(), timeout=900)
+    result = subprocess.run(
+        [str(python), "-c", BATCH, str(seed), *arguments],
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=900,
+    )
     assert result.returncode == 0, f"mergekit failed:\n{result.stderr[-3000:]}"
     return jobs

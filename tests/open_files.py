@@ -23,8 +23,11 @@ def files_open_under(*folders: Path) -> list[str]:
 
 def mapped_files() -> set[str]:
     """The files this process has mapped, as the kernel lists them."""
-    return {line.split(maxsplit=5)[5] for line in Path("/proc/self/maps").read_text().splitlines()
-            if len(line.split(maxsplit=5)) == 6}
+    return {
+        line.split(maxsplit=5)[5]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if len(line.split(maxsplit=5)) == 6
+    }
 
 
 @contextmanager

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def readme_python_example() -> str:
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Python API"):]
+    section = readme[readme.index("## Python API") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -30,8 +30,9 @@ def test_the_readmes_api_example_runs_as_shown(toy_pair, lm_eval_runs, tmp_path)
     shutil.copytree(toy_pair.task_dir, tmp_path / "tasks")
     shutil.copytree(lm_eval_runs.pre, tmp_path / "pre_samples")
     shutil.copytree(lm_eval_runs.post, tmp_path / "post_samples")
-    result = subprocess.run([sys.executable, "-c", readme_python_example()], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", readme_python_example()], cwd=tmp_path, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0] == "VERIFIED"
@@ -50,24 +51,46 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     for name in tracked.split():
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=600)
-    wheel, = (tmp_path / "dist").glob("mergekit_lite-*.whl")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (wheel,) = (tmp_path / "dist").glob("mergekit_lite-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"mergekit_lite"}
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True, timeout=600)
-    program = ("import sys; sys.path.insert(0, sys.argv[1])\n"
-               "sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"
-               "import mergekit_lite.cli.main, mergekit_lite.audits.adapter\n"
-               "assert mergekit_lite.__file__.startswith(sys.argv[1]), mergekit_lite.__file__\n"
-               "for name in ('cli', 'audits'):\n"
-               "    try:\n"
-               "        __import__(name)\n"
-               "    except ModuleNotFoundError:\n"
-               "        continue\n"
-               "    raise SystemExit(f'{name} is importable')\n")
-    result = subprocess.run([sys.executable, "-c", program, str(site)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    program = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"
+        "import mergekit_lite.cli.main, mergekit_lite.audits.adapter\n"
+        "assert mergekit_lite.__file__.startswith(sys.argv[1]), mergekit_lite.__file__\n"
+        "for name in ('cli', 'audits'):\n"
+        "    try:\n"
+        "        __import__(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    raise SystemExit(f'{name} is importable')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, str(site)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr

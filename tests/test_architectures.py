@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import ARCHITECTURES, tiny_model, train_lora
 from transformers import AutoTokenizer
 
-from mergekit_lite.audits.adapter import audit_adapter
 from mergekit_lite.audited import run_merge
+from mergekit_lite.audits.adapter import audit_adapter
 from mergekit_lite.io.sources import open_inputs
 from mergekit_lite.merge.methods import NAMES as METHODS
 from mergekit_lite.merge.recall import RecallWeights
@@ -154,7 +154,9 @@ def reference(method: str, folders: list[Path]) -> dict[str, torch.Tensor]:
             merged[name] = step * m1 + (1 - step) * b
         elif method == "sce":
             merged[name] = reference_sce(b, [m1, m2])
-        elif method == "lines":  # LiNeS (arXiv 2410.17146, Sec. 3): alpha + beta * l / (L - 1), alpha outside the layers
+        elif (
+            method == "lines"
+        ):  # LiNeS (arXiv 2410.17146, Sec. 3): alpha + beta * l / (L - 1), alpha outside the layers
             layer = decoder_layer(name)
             factor = 0.2 if layer is None else 0.2 + 0.6 * layer / (LAYERS - 1)
             merged[name] = b + factor * ((m1 - b) + (m2 - b))
@@ -178,36 +180,73 @@ MERGES = {
     "dare_ties": lambda paths: {"base": paths[0], "models": paths[1:], "parameters": {"drop": 0.0}},
     "recall": lambda paths: {"models": paths[:2]},
     "model_stock": lambda paths: {"base": paths[0], "models": paths[1:]},
-    "nuslerp": lambda paths: {"base": paths[0], "models": [{"model": paths[1], "weight": 1.0},
-                                                           {"model": paths[2], "weight": 3.0}]},
+    "nuslerp": lambda paths: {
+        "base": paths[0],
+        "models": [{"model": paths[1], "weight": 1.0}, {"model": paths[2], "weight": 3.0}],
+    },
     "passthrough": lambda paths: {"models": [{"model": paths[2], "parameters": {"scale": 0.5}}]},
     "nearswap": lambda paths: {"base": paths[0], "models": [paths[1]], "parameters": {"t": 0.01}},
     "sce": lambda paths: {"base": paths[0], "models": paths[1:]},
     "lines": lambda paths: {"base": paths[0], "models": paths[1:], "parameters": {"alpha": 0.2, "beta": 0.6}},
     "ema": lambda paths: {"models": paths, "parameters": {"decay": 0.6}},
 }
-CASES = [(architecture, method) for architecture in ARCHITECTURES for method in MERGES
-         if architecture in ALL_METHODS_ON or method in ("linear", "ties")]
+CASES = [
+    (architecture, method)
+    for architecture in ARCHITECTURES
+    for method in MERGES
+    if architecture in ALL_METHODS_ON or method in ("linear", "ties")
+]
 # The methods with no closed form here: random masks (DARE past drop 0, DELLA), Breadcrumbs' outlier band
 # (its own tests compare it with mergekit), iterative or multi-way spherical means, RECALL's similarity profile.
 UNREFERENCED = {
-    "dare_linear_dropping": lambda paths: {"method": "dare_linear", "base": paths[0], "models": paths[1:],
-                                           "parameters": {"lambda": 0.8, "drop": 0.3}},
-    "dare_ties_dropping": lambda paths: {"method": "dare_ties", "base": paths[0], "models": paths[1:],
-                                         "parameters": {"drop": 0.3}},
-    "della": lambda paths: {"method": "della", "base": paths[0], "models": paths[1:],
-                            "parameters": {"density": 0.6, "epsilon": 0.2}},
-    "della_linear": lambda paths: {"method": "della_linear", "base": paths[0], "models": paths[1:],
-                                   "parameters": {"density": 0.6, "epsilon": 0.2}},
-    "breadcrumbs": lambda paths: {"method": "breadcrumbs", "base": paths[0], "models": paths[1:],
-                                  "parameters": {"density": 0.8, "gamma": 0.05}},
-    "breadcrumbs_ties": lambda paths: {"method": "breadcrumbs_ties", "base": paths[0], "models": paths[1:],
-                                       "parameters": {"density": 0.8, "gamma": 0.05}},
-    "multislerp": lambda paths: {"method": "multislerp", "base": paths[0],
-                                 "models": [{"model": paths[1], "weight": 1.0}, {"model": paths[2], "weight": 2.0}]},
+    "dare_linear_dropping": lambda paths: {
+        "method": "dare_linear",
+        "base": paths[0],
+        "models": paths[1:],
+        "parameters": {"lambda": 0.8, "drop": 0.3},
+    },
+    "dare_ties_dropping": lambda paths: {
+        "method": "dare_ties",
+        "base": paths[0],
+        "models": paths[1:],
+        "parameters": {"drop": 0.3},
+    },
+    "della": lambda paths: {
+        "method": "della",
+        "base": paths[0],
+        "models": paths[1:],
+        "parameters": {"density": 0.6, "epsilon": 0.2},
+    },
+    "della_linear": lambda paths: {
+        "method": "della_linear",
+        "base": paths[0],
+        "models": paths[1:],
+        "parameters": {"density": 0.6, "epsilon": 0.2},
+    },
+    "breadcrumbs": lambda paths: {
+        "method": "breadcrumbs",
+        "base": paths[0],
+        "models": paths[1:],
+        "parameters": {"density": 0.8, "gamma": 0.05},
+    },
+    "breadcrumbs_ties": lambda paths: {
+        "method": "breadcrumbs_ties",
+        "base": paths[0],
+        "models": paths[1:],
+        "parameters": {"density": 0.8, "gamma": 0.05},
+    },
+    "multislerp": lambda paths: {
+        "method": "multislerp",
+        "base": paths[0],
+        "models": [{"model": paths[1], "weight": 1.0}, {"model": paths[2], "weight": 2.0}],
+    },
     "karcher": lambda paths: {"method": "karcher", "models": paths},
-    "recall_lerp": lambda paths: {"method": "recall_lerp", "base": paths[0], "models": [paths[1]],
-                                  "parameters": {"alpha": 0.5}},
+    "recall_lerp": lambda paths: {
+        "method": "recall_lerp",
+        "base": paths[0],
+        "models": [paths[1]],
+        "parameters": {"alpha": 0.5},
+    },
 }
 
 
@@ -266,7 +305,8 @@ def test_every_method_merges_loads_and_matches_a_plain_torch_merge(checkpoints, 
 @pytest.mark.parametrize("case", UNREFERENCED)
 @pytest.mark.parametrize("architecture", ALL_METHODS_ON)
 def test_methods_without_a_closed_form_merge_load_and_move_away_from_their_inputs(
-        checkpoints, architecture, case, tmp_path):
+    checkpoints, architecture, case, tmp_path
+):
     """No reference to equal: the output must load and differ from the base and from the first fine-tune."""
     folders = checkpoints[architecture]
     loaded(merge(UNREFERENCED[case]([str(folder) for folder in folders]), folders, tmp_path / "out"))
@@ -279,8 +319,9 @@ def test_methods_without_a_closed_form_merge_load_and_move_away_from_their_input
 def test_vision_tower_layers_are_not_decoder_layers(checkpoints, tmp_path):
     """A gradient over decoder depth gives the vision tower the decoder input's value, never a layer's."""
     paths = [str(folder) for folder in checkpoints["gemma3_multimodal"]]
-    config = config_from_dict({"method": "linear", "base": paths[0], "models": [paths[1]],
-                               "parameters": {"alpha": [0.0, 1.0]}})
+    config = config_from_dict(
+        {"method": "linear", "base": paths[0], "models": [paths[1]], "parameters": {"alpha": [0.0, 1.0]}}
+    )
     from mergekit_lite.merge.plan import plan_merge
 
     alphas = {step.name: step.parameters.alpha for step in plan_merge(config).steps}
@@ -299,27 +340,44 @@ def test_tied_head_stored_by_one_input_only(checkpoints, stored_first, tmp_path)
     duplicate = tmp_path / "with-head"
     shutil.copytree(tuned, duplicate)
     tensors = load_file(duplicate / "model.safetensors")
-    save_file({**tensors, "lm_head.weight": tensors["transformer.wte.weight"].clone()},
-              duplicate / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {**tensors, "lm_head.weight": tensors["transformer.wte.weight"].clone()},
+        duplicate / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     first, second = (duplicate, base) if stored_first else (base, duplicate)
-    run_merge(config_from_dict({"method": "linear", "base": str(first), "models": [str(second)],
-                                "parameters": {"alpha": 0.5}}), tmp_path / "out")
+    run_merge(
+        config_from_dict(
+            {"method": "linear", "base": str(first), "models": [str(second)], "parameters": {"alpha": 0.5}}
+        ),
+        tmp_path / "out",
+    )
 
-    expected = {name: (0.5 * tensor + 0.5 * state(tuned)[name]).to(torch.float32)
-                for name, tensor in state(base).items()}
-    torch.testing.assert_close(logits(model_class(base).from_pretrained(tmp_path / "out").eval()),
-                               logits(from_state(base, expected)), rtol=0, atol=2e-6)
+    expected = {
+        name: (0.5 * tensor + 0.5 * state(tuned)[name]).to(torch.float32) for name, tensor in state(base).items()
+    }
+    torch.testing.assert_close(
+        logits(model_class(base).from_pretrained(tmp_path / "out").eval()),
+        logits(from_state(base, expected)),
+        rtol=0,
+        atol=2e-6,
+    )
 
 
-ADAPTED = {"qwen2_tied": ["q_proj", "v_proj"], "mixtral": ["q_proj", "v_proj"], "gpt2": ["c_attn"],
-           "gemma3_multimodal": ["q_proj", "v_proj"]}
+ADAPTED = {
+    "qwen2_tied": ["q_proj", "v_proj"],
+    "mixtral": ["q_proj", "v_proj"],
+    "gpt2": ["c_attn"],
+    "gemma3_multimodal": ["q_proj", "v_proj"],
+}
 
 
 def trained_adapter(base: Path, folder: Path, target_modules: list[str]) -> Path:
     """A PEFT adapter on `base`, trained 3 steps. lora_alpha 32: a few steps on a tiny model must clear the
     audit's absolute no-op norm (the paper's 1.0)."""
-    peft_model = get_peft_model(loaded(base), LoraConfig(r=4, lora_alpha=32, target_modules=target_modules,
-                                                         lora_dropout=0.0))
+    peft_model = get_peft_model(
+        loaded(base), LoraConfig(r=4, lora_alpha=32, target_modules=target_modules, lora_dropout=0.0)
+    )
     train_lora(peft_model, steps=3, seed=1, batch=(2, 8)).save_pretrained(folder)
     return folder
 
@@ -330,8 +388,12 @@ def test_adapter_merge_equals_peft_merge_and_unload(checkpoints, architecture, t
     (language_model.model...): the merge and the adapter audit that gates it (no force) both map them."""
     base = checkpoints[architecture][0]
     trained_adapter(base, tmp_path / "adapter", ADAPTED[architecture])
-    run_merge(config_from_dict({"method": "linear", "base": str(base), "models": [str(tmp_path / "adapter")],
-                                "parameters": {"alpha": 1.0}}), tmp_path / "out")
+    run_merge(
+        config_from_dict(
+            {"method": "linear", "base": str(base), "models": [str(tmp_path / "adapter")], "parameters": {"alpha": 1.0}}
+        ),
+        tmp_path / "out",
+    )
 
     expected = PeftModel.from_pretrained(loaded(base), tmp_path / "adapter").merge_and_unload().eval()
     torch.testing.assert_close(logits(loaded(tmp_path / "out")), logits(expected), rtol=0, atol=2e-6)
@@ -367,16 +429,29 @@ def sweep_pairs(checkpoints, toy_pair, tmp_path_factory):
 @pytest.mark.parametrize("method", ["linear", "slerp", "ties", "dare_ties"])
 @pytest.mark.parametrize("architecture", ["mixtral", "gemma3_multimodal"])
 def test_sweep_point_written_in_place_equals_the_merge_loaded_from_disk(
-        sweep_pairs, toy_pair, architecture, method, tmp_path):
+    sweep_pairs, toy_pair, architecture, method, tmp_path
+):
     """The resident model holds pre and post (or the sparsified task vector) once; one point's weights,
     written into its parameters, equal the streamed merge of the on-disk tensors loaded by from_pretrained."""
     pre, post = sweep_pairs[architecture]
-    settings = SweepSettings(str(pre), str(post), method, [0.6], toy_pair.old_tasks, toy_pair.new_tasks,
-                             str(toy_pair.task_dir), str(tmp_path / "run"),
-                             **{"ties": {"density": 0.4}, "dare_ties": {"drop": 0.3}}.get(method, {}))
+    settings = SweepSettings(
+        str(pre),
+        str(post),
+        method,
+        [0.6],
+        toy_pair.old_tasks,
+        toy_pair.new_tasks,
+        str(toy_pair.task_dir),
+        str(tmp_path / "run"),
+        **{"ties": {"density": 0.4}, "dare_ties": {"drop": 0.3}}.get(method, {}),
+    )
     config = settings.merge_config(0.6)
-    resident = ResidentPair(ModelLoader(str(pre), torch.float32, "cpu"), settings,
-                            open_inputs([str(pre), str(post)], str(pre), False), settings.merge_config(1.0))
+    resident = ResidentPair(
+        ModelLoader(str(pre), torch.float32, "cpu"),
+        settings,
+        open_inputs([str(pre), str(post)], str(pre), False),
+        settings.merge_config(1.0),
+    )
     if method == "slerp" and architecture == "mixtral":  # fused experts: SLERP's angle is per on-disk expert
         assert not resident.exact
         return
@@ -394,11 +469,25 @@ def test_sweep_point_written_in_place_equals_the_merge_loaded_from_disk(
 @pytest.mark.slow
 @pytest.mark.parametrize("architecture,stream", [("mixtral", True), ("gemma3_multimodal", False)])
 def test_two_point_sweep_runs_and_saves_the_best_with_the_chosen_side_files(
-        sweep_pairs, toy_pair, architecture, stream, tmp_path):
+    sweep_pairs, toy_pair, architecture, stream, tmp_path
+):
     pre, post = sweep_pairs[architecture]
-    result = run_sweep(SweepSettings(str(pre), str(post), "ties", [0.5, 1.0], toy_pair.old_tasks,
-                                     toy_pair.new_tasks, str(toy_pair.task_dir), str(tmp_path / "run"), limit=8,
-                                     stream=stream, save_best=str(tmp_path / "best"), copy_files_from=str(post)))
+    result = run_sweep(
+        SweepSettings(
+            str(pre),
+            str(post),
+            "ties",
+            [0.5, 1.0],
+            toy_pair.old_tasks,
+            toy_pair.new_tasks,
+            str(toy_pair.task_dir),
+            str(tmp_path / "run"),
+            limit=8,
+            stream=stream,
+            save_best=str(tmp_path / "best"),
+            copy_files_from=str(post),
+        )
+    )
     assert [point.alpha for point in result.points] == [0.5, 1.0]
     assert (tmp_path / "run" / "report.md").is_file()
     assert all(len(run.outcomes.correct) == 8 for point in result.points for run in point.tasks)
@@ -413,18 +502,24 @@ def test_eval_dtype_defaults_and_a_bf16_resident_model(sweep_pairs, toy_pair, tm
     assert SweepSettings(*common).eval_dtype == "float32"
     assert SweepSettings(*common, device="cuda").eval_dtype == "bfloat16"
     settings = SweepSettings(*common, eval_dtype="bf16")
-    resident = ResidentPair(ModelLoader(str(pre), torch.bfloat16, "cpu"), settings,
-                            open_inputs([str(pre), str(post)], str(pre), False), settings.merge_config(0.5))
+    resident = ResidentPair(
+        ModelLoader(str(pre), torch.bfloat16, "cpu"),
+        settings,
+        open_inputs([str(pre), str(post)], str(pre), False),
+        settings.merge_config(0.5),
+    )
     resident.write(settings.merge_config(0.5))
-    expected = from_state(pre, {name: (0.5 * tensor + 0.5 * state(post)[name]).to(torch.float32)
-                                for name, tensor in state(pre).items()}).state_dict()
+    expected = from_state(
+        pre, {name: (0.5 * tensor + 0.5 * state(post)[name]).to(torch.float32) for name, tensor in state(pre).items()}
+    ).state_dict()
     for name, tensor in resident.model.state_dict().items():
         assert tensor.dtype == torch.bfloat16
         torch.testing.assert_close(tensor.float(), expected[name], rtol=1e-2, atol=1e-2, msg=name)
 
 
 def test_post_trained_chat_template_and_generation_config_are_kept_when_the_base_has_none(
-        checkpoints, toy_pair, tmp_path):
+    checkpoints, toy_pair, tmp_path
+):
     """A base merged with its instruct model keeps the instruct chat template (here inside
     tokenizer_config.json, as transformers 4 saves it) and generation config, with a note;
     --copy-files-from base keeps the base's files only."""
@@ -455,8 +550,16 @@ def test_recall_on_the_multimodal_model_weighs_decoder_layers_only(sweep_pairs, 
     """RECALL runs both models on typical texts: one row per decoder depth (embeddings + 2 layers), none for
     the vision tower's layers, and the merge loads."""
     pre, post = sweep_pairs["gemma3_multimodal"]
-    run_merge(config_from_dict({"method": "recall", "models": [str(pre), str(post)],
-                                "recall": {"texts": str(toy_pair.typical_texts), "samples": 3}}), tmp_path / "out")
+    run_merge(
+        config_from_dict(
+            {
+                "method": "recall",
+                "models": [str(pre), str(post)],
+                "recall": {"texts": str(toy_pair.typical_texts), "samples": 3},
+            }
+        ),
+        tmp_path / "out",
+    )
     weights = json.loads((tmp_path / "out" / "recall_weights.json").read_text())
     assert len(weights["weights"]) == 3
     loaded(tmp_path / "out")

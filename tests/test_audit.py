@@ -16,6 +16,7 @@ from transformers import LlamaForCausalLM
 
 from mergekit_lite.audits import fingerprint as fingerprint_module
 from mergekit_lite.audits.adapter import audit_adapter, find_adapters, require_verified, target_mismatch
+from mergekit_lite.audits.base import AuditBase
 from mergekit_lite.audits.fingerprint import (
     FINGERPRINT_FILE,
     compute_fingerprint,
@@ -23,7 +24,6 @@ from mergekit_lite.audits.fingerprint import (
     top_singular,
     write_fingerprint,
 )
-from mergekit_lite.audits.base import AuditBase
 from mergekit_lite.audits.leakage import check_leakage, find_contamination
 from mergekit_lite.audits.thresholds import AuditThresholds
 from mergekit_lite.cli.main import main
@@ -33,8 +33,10 @@ from mergekit_lite.threads import torch_threads
 
 def make_adapter(base_dir, out_dir, target_modules, steps: int, modules_to_save=None, **save_options):
     """A real PEFT adapter on the saved base, trained `steps` Adam steps on random tokens (0 steps: B stays zero)."""
-    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir), LoraConfig(
-        r=4, lora_alpha=16, target_modules=target_modules, modules_to_save=modules_to_save))
+    peft_model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(base_dir),
+        LoraConfig(r=4, lora_alpha=16, target_modules=target_modules, modules_to_save=modules_to_save),
+    )
     train_lora(peft_model, steps, seed=2, batch=(4, 16))
     peft_model.save_pretrained(out_dir, **save_options)
     return out_dir
@@ -71,9 +73,19 @@ def zoo(tmp_path_factory):
     unshipped = root / "unshipped"
     shutil.copytree(good, unshipped)
     (unshipped / FINGERPRINT_FILE).unlink()
-    return {"root": root, "base": root / "base", "other_base": root / "other_base", "wide_base": root / "wide_base",
-            "adapters": adapters, "good": good, "untrained": untrained, "pickled": root / "pickled", "nan": nan,
-            "embedding": embedding, "unshipped": unshipped}
+    return {
+        "root": root,
+        "base": root / "base",
+        "other_base": root / "other_base",
+        "wide_base": root / "wide_base",
+        "adapters": adapters,
+        "good": good,
+        "untrained": untrained,
+        "pickled": root / "pickled",
+        "nan": nan,
+        "embedding": embedding,
+        "unshipped": unshipped,
+    }
 
 
 def statuses(report) -> dict[str, str]:
@@ -104,14 +116,25 @@ def scaled_adapter(source, target, factor_of):
 def test_good_adapter_is_verified(zoo):
     report = audit_adapter(zoo["good"], zoo["base"])
     assert report.verdict == "VERIFIED", report.reasons
-    assert statuses(report) == {"format": "pass", "base-id": "pass", "structure": "pass", "tokenizer": "pass",
-                                "signature": "pass", "spectral": "pass", "delta": "pass"}
+    assert statuses(report) == {
+        "format": "pass",
+        "base-id": "pass",
+        "structure": "pass",
+        "tokenizer": "pass",
+        "signature": "pass",
+        "spectral": "pass",
+        "delta": "pass",
+    }
     checks = {check.name: check for check in report.checks}
     assert checks["spectral"].value > 0.999
     assert checks["structure"].value == pytest.approx(6 / 16)
     assert "scaling 4 (alpha/r)" in checks["format"].detail
     assert "declares this base folder" in checks["base-id"].detail
-    assert 1.0 <= checks["delta"].measurements["modules"]["model.layers.0.self_attn.q_proj.weight"]["effective_rank"] <= 4.0
+    assert (
+        1.0
+        <= checks["delta"].measurements["modules"]["model.layers.0.self_attn.q_proj.weight"]["effective_rank"]
+        <= 4.0
+    )
     assert json.loads(json.dumps(report.to_dict()))["verdict"] == "VERIFIED"
 
 
@@ -121,7 +144,9 @@ def test_adapter_made_on_another_base_is_rejected(zoo):
     assert statuses(report)["spectral"] == "fail"
     assert statuses(report)["structure"] == "pass", "same architecture: only the fingerprint can tell"
     assert statuses(report)["base-id"] == "fail", "declares the base folder, whose weights are not other_base's"
-    assert "16 of 21 tensors differ: 16 hold other values" in report.reasons[0], "the 5 norm weights are all ones in both"
+    assert "16 of 21 tensors differ: 16 hold other values" in report.reasons[0], (
+        "the 5 norm weights are all ones in both"
+    )
     assert "not the base in the signature" in report.reasons[1]
     assert "16 of 21 signed tensors hold other values" in report.reasons[1]
     assert "does not match the adapter's base fingerprint" in report.reasons[2]
@@ -164,8 +189,14 @@ def pretrained_pair(tmp_path_factory):
         model = tiny_llama(seed, hidden_size=64, num_key_value_heads=4, max_position_embeddings=32)
         fit(model, markov_batches(100, 150), 3e-3)
         model.save_pretrained(root / name, safe_serialization=True)
-    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    peft_model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(root / "base"),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     fit(peft_model, markov_batches(200, 40), 3e-3)
     peft_model.save_pretrained(root / "adapter")
     return root
@@ -202,8 +233,15 @@ def test_pickle_is_refused_unless_allowed(zoo):
     assert "--allow-pickle" in refused.reasons[0]
     allowed = audit_adapter(zoo["pickled"], zoo["base"], allow_pickle=True)
     assert allowed.verdict == "WARN"
-    assert statuses(allowed) == {"format": "warn", "base-id": "pass", "structure": "pass", "tokenizer": "pass",
-                                 "signature": "pass", "spectral": "pass", "delta": "pass"}
+    assert statuses(allowed) == {
+        "format": "warn",
+        "base-id": "pass",
+        "structure": "pass",
+        "tokenizer": "pass",
+        "signature": "pass",
+        "spectral": "pass",
+        "delta": "pass",
+    }
 
 
 def test_nan_adapter_is_rejected(zoo):
@@ -289,7 +327,9 @@ def test_unusable_input_raises(zoo, tmp_path):
 
 def test_require_verified_gates_the_merge(zoo):
     assert require_verified(zoo["good"], zoo["base"]).verdict == "VERIFIED"
-    with pytest.raises(InputError, match="REJECTED: base-id: made on another base.*signature: .*spectral: .*use --force"):
+    with pytest.raises(
+        InputError, match="REJECTED: base-id: made on another base.*signature: .*spectral: .*use --force"
+    ):
         require_verified(zoo["good"], zoo["other_base"])
     assert require_verified(zoo["good"], zoo["other_base"], force=True).verdict == "REJECTED"
 
@@ -318,11 +358,17 @@ def test_cli_exit_codes_and_json(zoo):
     rejected = run_cli(zoo["adapters"], "--base", zoo["base"], "--json")
     assert rejected.exit_code == 1
     reports = json.loads(rejected.stdout)["reports"]
-    assert [(r["adapter"].split("/")[-1], r["verdict"]) for r in reports] == [("good", "VERIFIED"), ("untrained", "REJECTED")]
+    assert [(r["adapter"].split("/")[-1], r["verdict"]) for r in reports] == [
+        ("good", "VERIFIED"),
+        ("untrained", "REJECTED"),
+    ]
     verbose = run_cli("--base", zoo["base"], "-v", zoo["pickled"], "--allow-pickle")
     assert verbose.exit_code == 0 and "WARN" in verbose.stdout and "threshold 0.95" in verbose.stdout
-    for args in ([zoo["root"] / "missing", "--base", zoo["base"]], [zoo["base"], "--base", zoo["base"]],
-                 [zoo["good"], "--base", zoo["root"] / "missing"]):
+    for args in (
+        [zoo["root"] / "missing", "--base", zoo["base"]],
+        [zoo["base"], "--base", zoo["base"]],
+        [zoo["good"], "--base", zoo["root"] / "missing"],
+    ):
         unusable = run_cli(*args)
         assert unusable.exit_code == 2
         assert unusable.stderr.startswith("error: ") and unusable.stderr.count("\n") == 1
@@ -334,8 +380,10 @@ def test_cli_fingerprint_subcommand(zoo, tmp_path):
     assert written.exit_code == 0, written.output
     fingerprint = load_fingerprint(out)
     assert fingerprint["top_k"] == 4 and len(fingerprint["modules"]) == 16
-    anonymous = edit_config(shutil.copytree(zoo["unshipped"], tmp_path / "anonymous"),
-                            lambda config: {**config, "base_model_name_or_path": None})
+    anonymous = edit_config(
+        shutil.copytree(zoo["unshipped"], tmp_path / "anonymous"),
+        lambda config: {**config, "base_model_name_or_path": None},
+    )
     (anonymous / "README.md").unlink()
     assert run_cli(anonymous, "--base", zoo["other_base"], "--fingerprint", out).exit_code == 0
     assert run_cli(anonymous, "--base", zoo["base"], "--fingerprint", out).exit_code == 1
@@ -383,25 +431,38 @@ def hub_named(tmp_path_factory):
     tiny_llama(0).save_pretrained(root / "base")
     config = json.loads((root / "base" / "config.json").read_text())
     (root / "base" / "config.json").write_text(json.dumps({**config, "_name_or_path": HUB_BASE}))
-    declared = {"same": "NousResearch/Meta-Llama-3.1-8B-Instruct", "version": "meta-llama/Meta-Llama-3-8B-Instruct",
-                "not-instruct": "meta-llama/Llama-3.1-8B", "4bit": "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit"}
+    declared = {
+        "same": "NousResearch/Meta-Llama-3.1-8B-Instruct",
+        "version": "meta-llama/Meta-Llama-3-8B-Instruct",
+        "not-instruct": "meta-llama/Llama-3.1-8B",
+        "4bit": "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit",
+    }
     fingerprint = compute_fingerprint(root / "base")
     for name, base_id in declared.items():
         model = LlamaForCausalLM.from_pretrained(root / "base")
         model.name_or_path = base_id  # what PEFT records as base_model_name_or_path
-        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]))
+        peft_model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
+        )
         train_lora(peft_model, 5, seed=2, batch=(4, 16)).save_pretrained(root / name)
         write_fingerprint(fingerprint, root / name / FINGERPRINT_FILE)
         assert json.loads((root / name / "adapter_config.json").read_text())["base_model_name_or_path"] == base_id
     return root
 
 
-@pytest.mark.parametrize("adapter, verdict, reason", [
-    ("same", "VERIFIED", None),
-    ("version", "REJECTED", "version mismatch: declared llama-3-8b, given llama-3.1-8b"),
-    ("not-instruct", "REJECTED", "declares the base (non-Instruct) variant, the given base is the Instruct/chat variant"),
-    ("4bit", "REJECTED", "declares a quantised base (bnb-4bit)"),
-])
+@pytest.mark.parametrize(
+    "adapter, verdict, reason",
+    [
+        ("same", "VERIFIED", None),
+        ("version", "REJECTED", "version mismatch: declared llama-3-8b, given llama-3.1-8b"),
+        (
+            "not-instruct",
+            "REJECTED",
+            "declares the base (non-Instruct) variant, the given base is the Instruct/chat variant",
+        ),
+        ("4bit", "REJECTED", "declares a quantised base (bnb-4bit)"),
+    ],
+)
 def test_declared_base_against_the_given_one(hub_named, adapter, verdict, reason):
     report = audit_adapter(hub_named / adapter, hub_named / "base")
     assert report.verdict == verdict, report.reasons
@@ -420,27 +481,44 @@ def test_declared_base_needs_an_id_to_compare_with(hub_named, zoo):
     quantised = hub_named / "quantised_base"
     shutil.copytree(hub_named / "base", quantised)
     config = json.loads((quantised / "config.json").read_text())
-    (quantised / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
-    assert "the given base is quantised (quant_method bitsandbytes)" in audit_adapter(hub_named / "same", quantised).reasons[0]
+    (quantised / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}})
+    )
+    assert (
+        "the given base is quantised (quant_method bitsandbytes)"
+        in audit_adapter(hub_named / "same", quantised).reasons[0]
+    )
 
 
-@pytest.mark.parametrize("edit", [lambda config: {k: v for k, v in config.items() if k != "base_model_name_or_path"},
-                                  lambda config: {**config, "base_model_name_or_path": ""}], ids=["missing", "empty"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda config: {k: v for k, v in config.items() if k != "base_model_name_or_path"},
+        lambda config: {**config, "base_model_name_or_path": ""},
+    ],
+    ids=["missing", "empty"],
+)
 def test_adapter_declaring_no_base_warns(zoo, tmp_path, edit):
     """Nothing says which base the adapter was made on: the name check cannot pass or fail, so it warns (the
     fingerprint's checks still pass)."""
     anonymous = tmp_path / "anonymous"
     shutil.copytree(zoo["good"], anonymous)
     carded = audit_adapter(edit_config(anonymous, edit), zoo["base"])  # PEFT's own README.md names base_model
-    assert carded.verdict == "VERIFIED" and check_of(carded, "base-id").measurements["declared_in"] == "README.md base_model"
+    assert (
+        carded.verdict == "VERIFIED"
+        and check_of(carded, "base-id").measurements["declared_in"] == "README.md base_model"
+    )
     (anonymous / "README.md").unlink()
     report = audit_adapter(anonymous, zoo["base"])
     assert report.verdict == "WARN" and [c.name for c in report.checks if c.status != "pass"] == ["base-id"]
-    assert report.reasons == ["base-id: adapter_config.json declares no base_model_name_or_path: "
-                              "nothing says which base the adapter was made on"]
+    assert report.reasons == [
+        "base-id: adapter_config.json declares no base_model_name_or_path: "
+        "nothing says which base the adapter was made on"
+    ]
 
 
 # --- Behaviour (App. I): the KL check on tiny trained models, and the fingerprint's recorded outputs ---
+
 
 @pytest.fixture(scope="module")
 def behaviour_zoo(pretrained_pair, tmp_path_factory):
@@ -452,8 +530,10 @@ def behaviour_zoo(pretrained_pair, tmp_path_factory):
         if steps is None:
             shutil.copytree(pretrained_pair / "adapter", root / name)
         else:
-            peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(pretrained_pair / made_on),
-                                        LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+            peft_model = get_peft_model(
+                LlamaForCausalLM.from_pretrained(pretrained_pair / made_on),
+                LoraConfig(r=4, lora_alpha=8, target_modules=targets),
+            )
             fit(peft_model, markov_batches(200, steps), 3e-3)
             peft_model.save_pretrained(root / name)
         write_fingerprint(fingerprints[made_on], root / name / FINGERPRINT_FILE)
@@ -462,8 +542,10 @@ def behaviour_zoo(pretrained_pair, tmp_path_factory):
 
 @pytest.mark.slow
 def test_kl_check_separates_real_no_op_and_another_base(behaviour_zoo, pretrained_pair):
-    reports = {name: audit_adapter(behaviour_zoo / name, pretrained_pair / "base", behaviour=True)
-               for name in ("real", "no-op", "other-base")}
+    reports = {
+        name: audit_adapter(behaviour_zoo / name, pretrained_pair / "base", behaviour=True)
+        for name in ("real", "no-op", "other-base")
+    }
     checks = {name: next(c for c in report.checks if c.name == "behaviour") for name, report in reports.items()}
     measured = {name: check.measurements for name, check in checks.items()}
     assert checks["real"].status == "pass", checks["real"].detail
@@ -502,7 +584,10 @@ def test_kl_above_the_paper_limit_is_rejected_as_another_base(pretrained_pair, t
     assert real.measurements["mean_reverse_kl"] > AuditThresholds().max_kl, "recorded only: never held to the rule"
     report = audit_adapter(loud, sharp, behaviour=True)
     behaviour = check_of(report, "behaviour")
-    assert report.verdict == "REJECTED" and [c.name for c in report.checks if c.status == "fail"] == ["base-id", "behaviour"]
+    assert report.verdict == "REJECTED" and [c.name for c in report.checks if c.status == "fail"] == [
+        "base-id",
+        "behaviour",
+    ]
     assert behaviour.detail.startswith("extreme divergence, likely another base: ")
     assert behaviour.value > behaviour.threshold == AuditThresholds().max_kl
     assert behaviour.measurements["top1_agreement"] == 0.0
@@ -513,7 +598,9 @@ def test_kl_check_without_a_fingerprint_still_finds_the_no_op(behaviour_zoo, pre
     no_op = tmp_path / "no-op"
     shutil.copytree(behaviour_zoo / "no-op", no_op)
     (no_op / FINGERPRINT_FILE).unlink()
-    check = next(c for c in audit_adapter(no_op, pretrained_pair / "base", behaviour=True).checks if c.name == "behaviour")
+    check = next(
+        c for c in audit_adapter(no_op, pretrained_pair / "base", behaviour=True).checks if c.name == "behaviour"
+    )
     assert check.status == "fail" and "seeded token ids" in check.measurements["probes"]
     assert check.measurements["base_vs_fingerprint_kl"] is None
 
@@ -527,21 +614,28 @@ def test_kl_is_the_papers_direction_measured_as_peft_runs_the_adapter(pretrained
 
     from mergekit_lite.audits.behaviour import probe_ids
 
-    behaviour = check_of(audit_adapter(pretrained_pair / "adapter", pretrained_pair / "base", behaviour=True), "behaviour")
+    behaviour = check_of(
+        audit_adapter(pretrained_pair / "adapter", pretrained_pair / "base", behaviour=True), "behaviour"
+    )
     base = LlamaForCausalLM.from_pretrained(pretrained_pair / "base").eval()
     probes, _ = probe_ids(pretrained_pair / "base", VOCAB)
     with torch.no_grad():
-        base_logp = torch.stack([torch.log_softmax(base(input_ids=torch.tensor([ids])).logits[0, -1], -1) for ids in probes])
+        base_logp = torch.stack(
+            [torch.log_softmax(base(input_ids=torch.tensor([ids])).logits[0, -1], -1) for ids in probes]
+        )
         peft_model = PeftModel.from_pretrained(base, pretrained_pair / "adapter").eval()
-        adapted_logp = torch.stack([torch.log_softmax(peft_model(input_ids=torch.tensor([ids])).logits[0, -1], -1)
-                                    for ids in probes])
+        adapted_logp = torch.stack(
+            [torch.log_softmax(peft_model(input_ids=torch.tensor([ids])).logits[0, -1], -1) for ids in probes]
+        )
     paper = (base_logp.exp() * (base_logp - adapted_logp)).sum(-1)
     reverse = (adapted_logp.exp() * (adapted_logp - base_logp)).sum(-1)
     assert behaviour.measurements["kl_direction"] == "KL(base || base+adapter)"
     torch.testing.assert_close(torch.tensor(behaviour.measurements["per_probe_kl"]), paper, rtol=1e-3, atol=1e-6)
     assert behaviour.measurements["mean_kl"] == pytest.approx(float(paper.mean()), rel=1e-3)
     assert behaviour.measurements["mean_reverse_kl"] == pytest.approx(float(reverse.mean()), rel=1e-3)
-    assert abs(float(paper.mean()) - float(reverse.mean())) > 0.1, "the two directions must differ for this to test anything"
+    assert abs(float(paper.mean()) - float(reverse.mean())) > 0.1, (
+        "the two directions must differ for this to test anything"
+    )
 
 
 def test_relative_local_path_peft_recorded_is_this_base_folder(tmp_path, monkeypatch):
@@ -554,19 +648,28 @@ def test_relative_local_path_peft_recorded_is_this_base_folder(tmp_path, monkeyp
     tiny_llama(1).save_pretrained("models/other")
     adapter = make_adapter("models/pre", tmp_path / "adapter", ["q_proj", "v_proj", "up_proj"], steps=5)
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/pre"
-    for base, base_id in (("models/pre", None), (tmp_path / "models" / "pre", None),
-                          ("models/pre", "meta-llama/Llama-3.1-8B")):
+    for base, base_id in (
+        ("models/pre", None),
+        (tmp_path / "models" / "pre", None),
+        ("models/pre", "meta-llama/Llama-3.1-8B"),
+    ):
         base_check = check_of(audit_adapter(adapter, base, base_id=base_id), "base-id")
-        assert base_check.status == "pass" and "declares this base folder (models/pre)" in base_check.detail, base_check.detail
+        assert base_check.status == "pass" and "declares this base folder (models/pre)" in base_check.detail, (
+            base_check.detail
+        )
     other = check_of(audit_adapter(adapter, "models/other"), "base-id")
     assert other.status == "fail" and "the declared folder models/pre holds other weights" in other.detail
 
 
-@pytest.mark.parametrize("options", [
-    dict(rank_pattern={"v_proj": 2, "layers.1.self_attn.q_proj": 8}, alpha_pattern={"up_proj": 3, "q_proj": 32}),
-    dict(use_rslora=True, rank_pattern={"v_proj": 2}, alpha_pattern={"v_proj": 5}),
-    dict(target_modules=["embed_tokens", "lm_head", "q_proj"]),
-], ids=["patterns", "rslora-patterns", "embedding-and-head"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(rank_pattern={"v_proj": 2, "layers.1.self_attn.q_proj": 8}, alpha_pattern={"up_proj": 3, "q_proj": 32}),
+        dict(use_rslora=True, rank_pattern={"v_proj": 2}, alpha_pattern={"v_proj": 5}),
+        dict(target_modules=["embed_tokens", "lm_head", "q_proj"]),
+    ],
+    ids=["patterns", "rslora-patterns", "embedding-and-head"],
+)
 def test_delta_norms_are_the_update_peft_merges(zoo, tmp_path, options):
     """The paper's total norm is sqrt(sum ||scaling*B@A||_F^2) with scaling alpha/r, or alpha/sqrt(r) under rsLoRA
     (src/utils.py extract_lora_delta; src/experiments/audit_pool.py audit_one). Each module's norm must be that of
@@ -578,18 +681,24 @@ def test_delta_norms_are_the_update_peft_merges(zoo, tmp_path, options):
     peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(zoo["base"]), LoraConfig(**config))
     train_lora(peft_model, 3, seed=2, batch=(4, 16)).save_pretrained(tmp_path / "adapter")
     base = LlamaForCausalLM.from_pretrained(zoo["base"]).state_dict()
-    merged = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(zoo["base"]), tmp_path / "adapter").merge_and_unload()
-    updates = {name: float((weight - base[name]).norm()) for name, weight in merged.state_dict().items()
-               if not torch.equal(weight, base[name])}
+    merged = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(zoo["base"]), tmp_path / "adapter"
+    ).merge_and_unload()
+    updates = {
+        name: float((weight - base[name]).norm())
+        for name, weight in merged.state_dict().items()
+        if not torch.equal(weight, base[name])
+    }
     delta = check_of(audit_adapter(tmp_path / "adapter", zoo["base"]), "delta")
     measured = {name: module["delta_norm"] for name, module in delta.measurements["modules"].items()}
     assert measured.keys() == updates.keys()
     for name, norm in updates.items():
         assert measured[name] == pytest.approx(norm, rel=1e-4), name
-    assert delta.value == pytest.approx(sum(norm ** 2 for norm in updates.values()) ** 0.5, rel=1e-4)
+    assert delta.value == pytest.approx(sum(norm**2 for norm in updates.values()) ** 0.5, rel=1e-4)
 
 
 # --- Signature and tokenizer (App. I, made offline and dtype-proof) ---
+
 
 def test_signature_matches_a_bf16_copy_and_nothing_else(zoo, tmp_path):
     LlamaForCausalLM.from_pretrained(zoo["base"]).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
@@ -638,6 +747,7 @@ def test_base_resized_since_the_fingerprint_fails_the_tokenizer_check(zoo, tmp_p
 
 # --- Each refusal states its real cause ---
 
+
 def renamed_adapter(source, target, rename):
     shutil.copytree(source, target)
     tensors = load_file(target / "adapter_model.safetensors")
@@ -646,8 +756,11 @@ def renamed_adapter(source, target, rename):
 
 
 def test_vision_language_layout_is_named(zoo, tmp_path):
-    vlm = renamed_adapter(zoo["unshipped"], tmp_path / "vlm",
-                          lambda key: key.replace("base_model.model.model.", "base_model.model.model.language_model."))
+    vlm = renamed_adapter(
+        zoo["unshipped"],
+        tmp_path / "vlm",
+        lambda key: key.replace("base_model.model.model.", "base_model.model.model.language_model."),
+    )
     report = audit_adapter(vlm, zoo["base"])
     assert "different vision-language layouts" in report.reasons[0]
 
@@ -675,11 +788,26 @@ def test_lora_on_a_tied_head_is_refused_with_the_reason(tied_base, tmp_path):
 def test_merge_tells_the_user_the_tied_head_is_written_untied(tied_base, tmp_path):
     """The audit notes that a modules_to_save head on a tied base merges as an untied lm_head; the merge output
     changes the model's config, so `merge` must say so too, in the audit's words."""
-    adapter = make_adapter(tied_base, tmp_path / "head-lora", ["q_proj", "v_proj"], steps=4,
-                           modules_to_save=["lm_head"])
+    adapter = make_adapter(
+        tied_base, tmp_path / "head-lora", ["q_proj", "v_proj"], steps=4, modules_to_save=["lm_head"]
+    )
     structure = check_of(audit_adapter(adapter, tied_base), "structure")
-    result = CliRunner().invoke(main, ["merge", "--method", "linear", "--base", str(tied_base), "--model", str(adapter),
-                                       "--alpha", "1", "--out", str(tmp_path / "out")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "merge",
+            "--method",
+            "linear",
+            "--base",
+            str(tied_base),
+            "--model",
+            str(adapter),
+            "--alpha",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     notes = [line for line in result.stdout.splitlines() if "untied lm_head" in line]
     assert len(notes) == 1
@@ -698,8 +826,9 @@ def test_negative_alpha_warns(zoo, tmp_path):
 
 def test_paper_total_norm_rejects_what_one_live_module_lets_through(zoo, tmp_path):
     keep = "layers.0.self_attn.q_proj.lora_B"
-    one_live = scaled_adapter(zoo["good"], tmp_path / "one-live",
-                              lambda key: 1.0 if "lora_A" in key or keep in key else 1e-3)
+    one_live = scaled_adapter(
+        zoo["good"], tmp_path / "one-live", lambda key: 1.0 if "lora_A" in key or keep in key else 1e-3
+    )
     strict = audit_adapter(one_live, zoo["base"], thresholds=AuditThresholds(min_total_norm=1.0))
     delta = next(c for c in strict.checks if c.name == "delta")
     assert delta.measurements["largest_relative"] > 1e-4, "the relative rule alone passes it"
@@ -713,7 +842,9 @@ def test_cli_json_carries_every_measure_and_threshold(hub_named):
     data = json.loads(result.stdout)
     assert data["thresholds"]["min_total_norm"] == 1.0 and data["thresholds"]["max_kl"] == 20.0
     checks = {c["name"]: c for c in data["reports"][1]["checks"]}
-    assert checks["delta"]["measurements"]["min_total_norm"] == 1.0 and checks["delta"]["measurements"]["total_norm"] > 1
+    assert (
+        checks["delta"]["measurements"]["min_total_norm"] == 1.0 and checks["delta"]["measurements"]["total_norm"] > 1
+    )
     assert checks["behaviour"]["measurements"]["max_kl"] == 20.0 and checks["behaviour"]["measurements"]["mean_kl"] > 0
     table = run_cli(hub_named / "version", "--base", hub_named / "base")
     assert "BASE-ID" in table.stdout and "PER-MOD" in table.stdout and "fail" in table.stdout.splitlines()[1]
@@ -722,9 +853,16 @@ def test_cli_json_carries_every_measure_and_threshold(hub_named):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_behaviour_on_cuda_measures_what_cpu_does(behaviour_zoo, pretrained_pair):
-    on = {device: next(c for c in audit_adapter(behaviour_zoo / "real", pretrained_pair / "base", behaviour=True,
-                                                  device=device).checks if c.name == "behaviour")
-          for device in ("cpu", "cuda")}
+    on = {
+        device: next(
+            c
+            for c in audit_adapter(
+                behaviour_zoo / "real", pretrained_pair / "base", behaviour=True, device=device
+            ).checks
+            if c.name == "behaviour"
+        )
+        for device in ("cpu", "cuda")
+    }
     assert on["cuda"].status == "pass"
     assert on["cuda"].measurements["mean_kl"] == pytest.approx(on["cpu"].measurements["mean_kl"], rel=1e-2)
 
@@ -732,4 +870,7 @@ def test_behaviour_on_cuda_measures_what_cpu_does(behaviour_zoo, pretrained_pair
 def test_another_vocabulary_is_named(zoo, tmp_path):
     tiny_llama(0, vocab_size=VOCAB + 28).save_pretrained(tmp_path / "bigger_vocab")
     report = audit_adapter(zoo["embedding"], tmp_path / "bigger_vocab")
-    assert "vocabulary of 100 rows in the adapter, 128 in the base (vocab_size 128)" in check_of(report, "structure").detail
+    assert (
+        "vocabulary of 100 rows in the adapter, 128 in the base (vocab_size 128)"
+        in check_of(report, "structure").detail
+    )

@@ -41,8 +41,9 @@ TARGET = "model.layers.1.self_attn.q_proj.weight"  # the tensor the cases break
 
 def run_cli(*args, timeout: float = 180) -> subprocess.CompletedProcess:
     """`mergekit-lite merge ARGS` in a real process (the rest run in this one through `cli`)."""
-    return subprocess.run([str(CLI), "merge", *map(str, args)], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+    return subprocess.run(
+        [str(CLI), "merge", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
 
 
 def partials(out: Path) -> list[Path]:
@@ -138,6 +139,7 @@ def other_config(**changes):
         config.update(changes)
         (bad / "config.json").write_text(json.dumps(config))
         return lerp_args(models["base"], bad)
+
     return build
 
 
@@ -256,6 +258,7 @@ def yaml_config(text):
         path = tmp / "merge.yaml"
         path.write_text(text.format(base=models["base"], other=models["other"]))
         return [path]
+
     return build
 
 
@@ -276,6 +279,7 @@ ADAPTER_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules"
 def hand_adapter(config_text=None, weights=None, **changes):
     """A LoRA adapter on the tiny Llama's layer-0 q_proj, written by hand: its config (changed, or this text)
     and its weights (these bytes, or plain factors)."""
+
     def build(models, tmp):
         folder = tmp / "adapter"
         folder.mkdir()
@@ -283,12 +287,17 @@ def hand_adapter(config_text=None, weights=None, **changes):
         (folder / "adapter_config.json").write_text(text)
         if weights is None:
             generator = torch.Generator().manual_seed(0)
-            save_file({ADAPTER_KEY.format("A"): torch.randn(4, 32, generator=generator),
-                       ADAPTER_KEY.format("B"): torch.randn(32, 4, generator=generator)},
-                      folder / "adapter_model.safetensors")
+            save_file(
+                {
+                    ADAPTER_KEY.format("A"): torch.randn(4, 32, generator=generator),
+                    ADAPTER_KEY.format("B"): torch.randn(32, 4, generator=generator),
+                },
+                folder / "adapter_model.safetensors",
+            )
         else:
             (folder / "adapter_model.safetensors").write_bytes(weights)
         return lerp_args(models["base"], folder)
+
     return build
 
 
@@ -296,9 +305,12 @@ def safetensors_bytes(header: bytes, data: bytes) -> bytes:
     return len(header).to_bytes(8, "little") + header + data
 
 
-SECRET_HEADER = safetensors_bytes(json.dumps({ADAPTER_KEY.format("A"): {"dtype": "F32", "shape": [1],
-                                                                          "data_offsets": [0, 4]},
-                                              "note": "password=hunter2"}).encode(), bytes(4))
+SECRET_HEADER = safetensors_bytes(
+    json.dumps(
+        {ADAPTER_KEY.format("A"): {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "note": "password=hunter2"}
+    ).encode(),
+    bytes(4),
+)
 
 
 VALID_HEAD = "method: linear\nbase: {base}\nmodels:\n  - model: {other}\n"
@@ -306,86 +318,196 @@ VALID_HEAD = "method: linear\nbase: {base}\nmodels:\n  - model: {other}\n"
 ERROR_CASES = [
     pytest.param(missing_tensor, [r"/bad: missing tensor " + re.escape(TARGET)], id="missing-tensor"),
     pytest.param(extra_tensor, [r"/bad: extra tensor model\.layers\.1\.extra\.weight"], id="extra-tensor"),
-    pytest.param(shape_mismatch, [r"tensor " + re.escape(TARGET) + r": shape \[16, 32\] in \S+/bad but \[32, 32\]"],
-                 id="shape-mismatch"),
-    pytest.param(other_config(architectures=["MistralForCausalLM"], model_type="mistral"),
-                 [r"different architectures: \S+/base .*llama.*, \S+/bad .*mistral"], id="different-model-type"),
-    pytest.param(other_config(architectures=["LlamaForSequenceClassification"]),
-                 [r"different architectures: \S+/base .*LlamaForCausalLM.*, \S+/bad .*LlamaForSequenceClassification"],
-                 id="different-architectures"),
-    pytest.param(truncated_shard, [r"/bad/model-\d+-of-\d+\.safetensors: truncated file \(tensor "], id="truncated-shard"),
-    pytest.param(header_length_garbage, [r"/bad/model-\d+-of-\d+\.safetensors: corrupted safetensors header"],
-                 id="header-length-garbage"),
-    pytest.param(header_json_garbage, [r"/bad/model-\d+-of-\d+\.safetensors: corrupted safetensors header"],
-                 id="header-json-garbage"),
-    pytest.param(index_names_missing_shard, [r"/bad/model\.safetensors\.index\.json: names shard model-\d+-of-\d+"
-                                             r"\.safetensors, which is missing"], id="index-missing-shard"),
-    pytest.param(index_wrong_shard, [r"index\.json: places tensor " + re.escape(TARGET) + r" in model-\d+-of-\d+"
-                                     r"\.safetensors, which does not hold it"], id="index-wrong-shard"),
+    pytest.param(
+        shape_mismatch,
+        [r"tensor " + re.escape(TARGET) + r": shape \[16, 32\] in \S+/bad but \[32, 32\]"],
+        id="shape-mismatch",
+    ),
+    pytest.param(
+        other_config(architectures=["MistralForCausalLM"], model_type="mistral"),
+        [r"different architectures: \S+/base .*llama.*, \S+/bad .*mistral"],
+        id="different-model-type",
+    ),
+    pytest.param(
+        other_config(architectures=["LlamaForSequenceClassification"]),
+        [r"different architectures: \S+/base .*LlamaForCausalLM.*, \S+/bad .*LlamaForSequenceClassification"],
+        id="different-architectures",
+    ),
+    pytest.param(
+        truncated_shard, [r"/bad/model-\d+-of-\d+\.safetensors: truncated file \(tensor "], id="truncated-shard"
+    ),
+    pytest.param(
+        header_length_garbage,
+        [r"/bad/model-\d+-of-\d+\.safetensors: corrupted safetensors header"],
+        id="header-length-garbage",
+    ),
+    pytest.param(
+        header_json_garbage,
+        [r"/bad/model-\d+-of-\d+\.safetensors: corrupted safetensors header"],
+        id="header-json-garbage",
+    ),
+    pytest.param(
+        index_names_missing_shard,
+        [
+            r"/bad/model\.safetensors\.index\.json: names shard model-\d+-of-\d+"
+            r"\.safetensors, which is missing"
+        ],
+        id="index-missing-shard",
+    ),
+    pytest.param(
+        index_wrong_shard,
+        [
+            r"index\.json: places tensor " + re.escape(TARGET) + r" in model-\d+-of-\d+"
+            r"\.safetensors, which does not hold it"
+        ],
+        id="index-wrong-shard",
+    ),
     pytest.param(empty_folder, [r"/bad: no weights found \(expected [^)]*\)$"], id="empty-folder"),
-    pytest.param(adapter_in_a_subfolder, [r"/bad: no weights found .*; its subfolders hold \S+/bad/math: name one"],
-                 id="adapter-in-a-subfolder"),
+    pytest.param(
+        adapter_in_a_subfolder,
+        [r"/bad: no weights found .*; its subfolders hold \S+/bad/math: name one"],
+        id="adapter-in-a-subfolder",
+    ),
     pytest.param(no_such_folder, [r"/nowhere: no such file or folder"], id="no-such-folder"),
-    pytest.param(only_pickle, [r"/pickled: only pickle weights \(pytorch_model\.bin\)", "--allow-pickle"],
-                 id="pickle-refused"),
-    pytest.param(nan_in_input, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
-                                r"or Inf values \(pass --allow-nonfinite"], id="nan-in-model"),
-    pytest.param(inf_in_base, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
-                               r"or Inf values"], id="inf-in-base"),
-    pytest.param(nan_for_ties, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
-                                r"or Inf values"], id="nan-in-model-ties"),
-    pytest.param(nan_for_dare, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
-                                r"or Inf values"], id="nan-in-model-dare"),
-    pytest.param(inf_in_base_for_dare_linear, [r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\."
-                                               r"safetensors has NaN or Inf values"], id="inf-in-base-dare-linear"),
-    pytest.param(identical_inputs_overflowing_float16, [r"merged tensor " + re.escape(TARGET) + r" has NaN or Inf "
-                                                        r"values \(overflow in the merge or the output dtype float16"],
-                 id="copied-tensor-overflows-float16"),
-    pytest.param(flags("--method", "linear", "--alpha", "1.5"), [r"alpha must be in \[0\.0, 1\.0\], got 1\.5"],
-                 id="alpha-above-1"),
+    pytest.param(
+        only_pickle, [r"/pickled: only pickle weights \(pytorch_model\.bin\)", "--allow-pickle"], id="pickle-refused"
+    ),
+    pytest.param(
+        nan_in_input,
+        [
+            r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
+            r"or Inf values \(pass --allow-nonfinite"
+        ],
+        id="nan-in-model",
+    ),
+    pytest.param(
+        inf_in_base,
+        [
+            r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
+            r"or Inf values"
+        ],
+        id="inf-in-base",
+    ),
+    pytest.param(
+        nan_for_ties,
+        [
+            r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
+            r"or Inf values"
+        ],
+        id="nan-in-model-ties",
+    ),
+    pytest.param(
+        nan_for_dare,
+        [
+            r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\.safetensors has NaN "
+            r"or Inf values"
+        ],
+        id="nan-in-model-dare",
+    ),
+    pytest.param(
+        inf_in_base_for_dare_linear,
+        [
+            r"tensor " + re.escape(TARGET) + r" in \S+/bad/model-\d+-of-\d+\."
+            r"safetensors has NaN or Inf values"
+        ],
+        id="inf-in-base-dare-linear",
+    ),
+    pytest.param(
+        identical_inputs_overflowing_float16,
+        [
+            r"merged tensor " + re.escape(TARGET) + r" has NaN or Inf "
+            r"values \(overflow in the merge or the output dtype float16"
+        ],
+        id="copied-tensor-overflows-float16",
+    ),
+    pytest.param(
+        flags("--method", "linear", "--alpha", "1.5"),
+        [r"alpha must be in \[0\.0, 1\.0\], got 1\.5"],
+        id="alpha-above-1",
+    ),
     pytest.param(flags("--method", "slerp", "--t", "2"), [r"t must be in \[0\.0, 1\.0\], got 2\.0"], id="t-above-1"),
-    pytest.param(flags("--method", "ties", "--density", "0"), [r"density must be in \(0\.0, 1\.0\], got 0\.0"],
-                 id="density-zero"),
-    pytest.param(flags("--method", "dare_linear", "--drop", "1"), [r"drop must be in \[0\.0, 1\.0\), got 1\.0"],
-                 id="drop-one"),
-    pytest.param(flags("--method", "task_arithmetic", "--alpha", "0.5"),
-                 [r"parameter 'alpha' does not apply to method task_arithmetic"], id="parameter-of-other-method"),
-    pytest.param(yaml_config("method: frankenmerge\nbase: {base}\nmodels: [{other}]\n"),
-                 [r"unknown method 'frankenmerge' \(choose from linear, slerp"], id="yaml-unknown-method"),
-    pytest.param(yaml_config(VALID_HEAD + "alpah: 0.3\n"), [r"merge\.yaml: unknown key 'alpah'"], id="yaml-unknown-key"),
-    pytest.param(yaml_config(VALID_HEAD + "    wieght: 2\n"), [r"merge\.yaml: models\[0\]: unknown key 'wieght'"],
-                 id="yaml-unknown-model-key"),
-    pytest.param(yaml_config(VALID_HEAD + "parameters:\n  alpah: 0.3\n"),
-                 [r"parameter 'alpah' does not apply to method linear"], id="yaml-unknown-parameter"),
-    pytest.param(yaml_config(VALID_HEAD + "parameters:\n  weight: [{{filter: mlp, valeu: 1}}]\n"),
-                 [r"parameter weight: unknown key 'valeu'"], id="yaml-unknown-filter-key"),
-    pytest.param(yaml_config(VALID_HEAD + "skip: lm_head\n"), [r"merge\.yaml: skip: expected a list, got 'lm_head'"],
-                 id="yaml-wrong-type"),
-    pytest.param(yaml_config(VALID_HEAD + "parameters:\n  normalize: 'false'\n"),
-                 [r"normalize must be true or false, got 'false'"], id="yaml-quoted-boolean"),
+    pytest.param(
+        flags("--method", "ties", "--density", "0"), [r"density must be in \(0\.0, 1\.0\], got 0\.0"], id="density-zero"
+    ),
+    pytest.param(
+        flags("--method", "dare_linear", "--drop", "1"), [r"drop must be in \[0\.0, 1\.0\), got 1\.0"], id="drop-one"
+    ),
+    pytest.param(
+        flags("--method", "task_arithmetic", "--alpha", "0.5"),
+        [r"parameter 'alpha' does not apply to method task_arithmetic"],
+        id="parameter-of-other-method",
+    ),
+    pytest.param(
+        yaml_config("method: frankenmerge\nbase: {base}\nmodels: [{other}]\n"),
+        [r"unknown method 'frankenmerge' \(choose from linear, slerp"],
+        id="yaml-unknown-method",
+    ),
+    pytest.param(
+        yaml_config(VALID_HEAD + "alpah: 0.3\n"), [r"merge\.yaml: unknown key 'alpah'"], id="yaml-unknown-key"
+    ),
+    pytest.param(
+        yaml_config(VALID_HEAD + "    wieght: 2\n"),
+        [r"merge\.yaml: models\[0\]: unknown key 'wieght'"],
+        id="yaml-unknown-model-key",
+    ),
+    pytest.param(
+        yaml_config(VALID_HEAD + "parameters:\n  alpah: 0.3\n"),
+        [r"parameter 'alpah' does not apply to method linear"],
+        id="yaml-unknown-parameter",
+    ),
+    pytest.param(
+        yaml_config(VALID_HEAD + "parameters:\n  weight: [{{filter: mlp, valeu: 1}}]\n"),
+        [r"parameter weight: unknown key 'valeu'"],
+        id="yaml-unknown-filter-key",
+    ),
+    pytest.param(
+        yaml_config(VALID_HEAD + "skip: lm_head\n"),
+        [r"merge\.yaml: skip: expected a list, got 'lm_head'"],
+        id="yaml-wrong-type",
+    ),
+    pytest.param(
+        yaml_config(VALID_HEAD + "parameters:\n  normalize: 'false'\n"),
+        [r"normalize must be true or false, got 'false'"],
+        id="yaml-quoted-boolean",
+    ),
     pytest.param(yaml_config("method: linear\nmodels: [a, b\n"), [r"merge\.yaml: invalid YAML"], id="yaml-invalid"),
     pytest.param(yaml_config("- linear\n- {base}\n"), [r"merge\.yaml: expected a mapping"], id="yaml-not-a-mapping"),
     # control characters in a path or a tensor name are escaped: the error stays one line
     pytest.param(newline_in_path, [r"/no\\nsuch: no such file or folder"], id="newline-in-path"),
-    pytest.param(newline_in_tensor_name, [r"/bad: extra tensor model\.layers\.1\.extra\\nweight"],
-                 id="newline-in-tensor-name"),
+    pytest.param(
+        newline_in_tensor_name, [r"/bad: extra tensor model\.layers\.1\.extra\\nweight"], id="newline-in-tensor-name"
+    ),
     # adapter_config.json is read like every other JSON input, and the adapter's header like a model's
-    pytest.param(hand_adapter(config_text=json.dumps(ADAPTER_CONFIG)[:-1] + ', "r": 8}'),
-                 [r"adapter/adapter_config\.json: invalid JSON \(duplicate key 'r'\)"],
-                 id="adapter-config-duplicate-key"),
-    pytest.param(hand_adapter(config_text='{"r": 4, "x": ' + "[" * 100000 + "]" * 100000 + "}"),
-                 [r"adapter/adapter_config\.json: nested too deeply"], id="adapter-config-too-deep"),
-    pytest.param(hand_adapter(lora_alpha=float("nan")), [r"adapter/adapter_config\.json: invalid JSON \(NaN"],
-                 id="adapter-config-nan"),
-    pytest.param(hand_adapter(rank_pattern={"[": 4}),
-                 [r"adapter/adapter_config\.json: rank_pattern: '\[' is not a regular expression"],
-                 id="adapter-rank-pattern-not-a-regex"),
-    pytest.param(hand_adapter(target_modules="["),
-                 [r"adapter/adapter_config\.json: target_modules: '\[' is not a regular expression"],
-                 id="adapter-target-modules-not-a-regex"),
-    pytest.param(hand_adapter(weights=SECRET_HEADER),
-                 [r"adapter/adapter_model\.safetensors: corrupted safetensors header", r"^(?!.*hunter2)"],
-                 id="adapter-header-never-echoed"),
+    pytest.param(
+        hand_adapter(config_text=json.dumps(ADAPTER_CONFIG)[:-1] + ', "r": 8}'),
+        [r"adapter/adapter_config\.json: invalid JSON \(duplicate key 'r'\)"],
+        id="adapter-config-duplicate-key",
+    ),
+    pytest.param(
+        hand_adapter(config_text='{"r": 4, "x": ' + "[" * 100000 + "]" * 100000 + "}"),
+        [r"adapter/adapter_config\.json: nested too deeply"],
+        id="adapter-config-too-deep",
+    ),
+    pytest.param(
+        hand_adapter(lora_alpha=float("nan")),
+        [r"adapter/adapter_config\.json: invalid JSON \(NaN"],
+        id="adapter-config-nan",
+    ),
+    pytest.param(
+        hand_adapter(rank_pattern={"[": 4}),
+        [r"adapter/adapter_config\.json: rank_pattern: '\[' is not a regular expression"],
+        id="adapter-rank-pattern-not-a-regex",
+    ),
+    pytest.param(
+        hand_adapter(target_modules="["),
+        [r"adapter/adapter_config\.json: target_modules: '\[' is not a regular expression"],
+        id="adapter-target-modules-not-a-regex",
+    ),
+    pytest.param(
+        hand_adapter(weights=SECRET_HEADER),
+        [r"adapter/adapter_model\.safetensors: corrupted safetensors header", r"^(?!.*hunter2)"],
+        id="adapter-header-never-echoed",
+    ),
 ]
 
 
@@ -394,8 +516,11 @@ def error_runs(models, tmp_path_factory, request) -> dict[str, object]:
     """The selected rows' merges, in this process (the console script's own exit codes, stderr and clean-up
     are tested through real processes below). Inputs are built here in order; a builder that fails is stored and
     re-raised by its own row."""
-    selected = {item.callspec.id for item in request.session.items
-                if getattr(item, "originalname", None) == "test_bad_input_is_one_line_exit_2_and_leaves_nothing"}
+    selected = {
+        item.callspec.id
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_bad_input_is_one_line_exit_2_and_leaves_nothing"
+    }
     outcomes, environment = {}, dict(os.environ)
     try:
         for case in (case for case in ERROR_CASES if case.id in selected):
@@ -421,13 +546,23 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(error_runs, request, bu
     assert_clean_error(result, out, patterns)
 
 
-@pytest.mark.parametrize("args, pattern", [
-    (["--method", "frankenmerge"], r"^error: Invalid value for '--method'.*'frankenmerge' is not one of 'linear'.*"
-                                   r"\(see 'mergekit-lite merge --help'\)$"),
-    (["--method", "linear", "--alpha", "abc"], r"^error: Invalid value for '--alpha': 'abc' is not a valid number"),
-    (["--method", "linear", "--bogus"], r"^error: No such option '--bogus'.*\(see 'mergekit-lite merge --help'\)$"),
-    (["--method", "linear", "--model"], r"^error: Option '--model' requires an argument\.$"),  # click names no usage
-], ids=["method", "alpha", "option", "argument"])
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (
+            ["--method", "frankenmerge"],
+            r"^error: Invalid value for '--method'.*'frankenmerge' is not one of 'linear'.*"
+            r"\(see 'mergekit-lite merge --help'\)$",
+        ),
+        (["--method", "linear", "--alpha", "abc"], r"^error: Invalid value for '--alpha': 'abc' is not a valid number"),
+        (["--method", "linear", "--bogus"], r"^error: No such option '--bogus'.*\(see 'mergekit-lite merge --help'\)$"),
+        (
+            ["--method", "linear", "--model"],
+            r"^error: Option '--model' requires an argument\.$",
+        ),  # click names no usage
+    ],
+    ids=["method", "alpha", "option", "argument"],
+)
 def test_click_usage_errors_are_one_line_naming_the_help(models, tmp_path, args, pattern):
     """What click refuses itself (a choice, a type, an unknown option, a missing value): one line, exit 2, and
     the command's --help named where click would print its usage (where click knows the command)."""
@@ -451,7 +586,9 @@ def test_mixed_dtypes_upcast_with_a_note(models, tmp_path, calibrated_rates):
     assert not out.exists()
     result = cli("merge", *lerp_args(models["base"], other_bf16), "--out", out, "-q")
     assert result.returncode == 0, result.stderr
-    merged = load_state(out) if (out / "model.safetensors.index.json").exists() else load_file(out / "model.safetensors")
+    merged = (
+        load_state(out) if (out / "model.safetensors.index.json").exists() else load_file(out / "model.safetensors")
+    )
     expected = 0.5 * load_state(models["base"])[TARGET] + 0.5 * state[TARGET].float()
     assert merged[TARGET].dtype == torch.float32  # stored like the base
     torch.testing.assert_close(merged[TARGET], expected)
@@ -470,8 +607,9 @@ def test_pickle_weights_merge_with_allow_pickle(models, tmp_path):
 
 def test_nonfinite_merges_with_allow_nonfinite(models, tmp_path):
     out = tmp_path / "merged"
-    result = cli("merge", *lerp_args(models["base"], nan_model(models, tmp_path)), "--allow-nonfinite", "--out", out,
-                 "-q")
+    result = cli(
+        "merge", *lerp_args(models["base"], nan_model(models, tmp_path)), "--allow-nonfinite", "--out", out, "-q"
+    )
     assert result.returncode == 0, result.stderr
     merged = load_file(out / "model.safetensors")[TARGET]
     assert merged.flatten()[3].isnan() and torch.isfinite(merged).sum() == merged.numel() - 1
@@ -533,9 +671,11 @@ def test_existing_output_refused_without_overwrite_replaced_with_it(models, tmp_
 
     (out / "notes.txt").write_text("a file of the user's beside our output")
     result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
-    assert result.stderr.strip() == (f"error: {out}: holds files mergekit-lite did not write there (notes.txt); "
-                                     "--overwrite replaces only a folder holding nothing but a mergekit-lite output, "
-                                     "choose a new folder")
+    assert result.stderr.strip() == (
+        f"error: {out}: holds files mergekit-lite did not write there (notes.txt); "
+        "--overwrite replaces only a folder holding nothing but a mergekit-lite output, "
+        "choose a new folder"
+    )
     assert result.returncode == 2 and (out / "notes.txt").read_text().startswith("a file of the user's")
     (out / "notes.txt").unlink()
     result = cli("merge", *lerp_args(models["base"], models["other"]), "--out", out, "--overwrite", "-q")
@@ -550,7 +690,9 @@ def tiny_disk(tmp_path):
     disk.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -589,9 +731,23 @@ def test_full_disk_for_run_folders_and_files_names_the_file_and_leaves_nothing(m
     marker, run folder or temp file left behind (an empty marker would make the folder look like ours)."""
     fill(tiny_disk)
     before = sorted(p.name for p in tiny_disk.iterdir())
-    sweep = cli("sweep", "--pre", models["base"], "--post", models["other"], "--alphas", "0,1", "--old-tasks",
-                toy_pair.old_tasks[0], "--new-tasks", toy_pair.new_tasks[0], "--include-path", toy_pair.task_dir,
-                "--out", tiny_disk / "run")
+    sweep = cli(
+        "sweep",
+        "--pre",
+        models["base"],
+        "--post",
+        models["other"],
+        "--alphas",
+        "0,1",
+        "--old-tasks",
+        toy_pair.old_tasks[0],
+        "--new-tasks",
+        toy_pair.new_tasks[0],
+        "--include-path",
+        toy_pair.task_dir,
+        "--out",
+        tiny_disk / "run",
+    )
     assert sweep.returncode == 2 and "Traceback" not in sweep.stderr, sweep.stderr
     assert sweep.stderr.strip() == f"error: No space left on device ({tiny_disk / 'run' / '.mergekit-lite-output'})"
     fingerprint = cli("audit", "fingerprint", models["base"], "--out", tiny_disk / "fp.json", "-q")
@@ -615,8 +771,13 @@ def test_write_error_in_process_removes_temp_folder(models, tmp_path, monkeypatc
         real_write(self, name, tensor)
 
     monkeypatch.setattr(ShardedWriter, "write", failing_write)
-    config = MergeConfig(method="linear", base=str(models["base"]), models=[ModelSpec(str(models["other"]))],
-                         parameters={"alpha": 0.5}, out_shard_size="20KB")
+    config = MergeConfig(
+        method="linear",
+        base=str(models["base"]),
+        models=[ModelSpec(str(models["other"]))],
+        parameters={"alpha": 0.5},
+        out_shard_size="20KB",
+    )
     out = tmp_path / "merged"
     with pytest.raises(OSError, match="No space left"):
         run_merge(config, out)
@@ -636,13 +797,19 @@ def start_and_wait_for_partial(big_pair, out: Path, stderr_file: Path) -> tuple[
     """Start a big merge and return once its temp folder holds a shard (the merge is midway)."""
     a, b = big_pair
     with open(stderr_file, "w") as stderr:
-        process = subprocess.Popen([str(CLI), "merge", *map(str, lerp_args(a, b)), "--out", str(out), "-q",
-                                    "--out-shard-size", "2MB"], stdout=subprocess.DEVNULL, stderr=stderr, env=ENV)
+        process = subprocess.Popen(
+            [str(CLI), "merge", *map(str, lerp_args(a, b)), "--out", str(out), "-q", "--out-shard-size", "2MB"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=ENV,
+        )
     partial = out.parent / f".{out.name}.partial-{process.pid}"
     deadline = time.monotonic() + 120
     while not (partial.is_dir() and any(partial.glob("*.safetensors"))):
         if process.poll() is not None:
-            pytest.fail(f"merge ended (rc {process.returncode}) before it could be interrupted: {stderr_file.read_text()}")
+            pytest.fail(
+                f"merge ended (rc {process.returncode}) before it could be interrupted: {stderr_file.read_text()}"
+            )
         if time.monotonic() > deadline:
             process.kill()
             pytest.fail("the merge never started writing")
@@ -651,9 +818,11 @@ def start_and_wait_for_partial(big_pair, out: Path, stderr_file: Path) -> tuple[
     return process, partial
 
 
-@pytest.mark.parametrize("signum, returncode, message", [(signal.SIGTERM, 143, "interrupted (SIGTERM)"),
-                                                         (signal.SIGINT, 130, "interrupted (SIGINT)")],
-                         ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signum, returncode, message",
+    [(signal.SIGTERM, 143, "interrupted (SIGTERM)"), (signal.SIGINT, 130, "interrupted (SIGINT)")],
+    ids=["SIGTERM", "SIGINT"],
+)
 @pytest.mark.slow
 def test_terminated_midway_removes_temp_folder(big_pair, tmp_path, signum, returncode, message):
     """Handled at the next tensor (never inside the writer thread's locks): ends within seconds, one line."""

@@ -20,8 +20,16 @@ METHODS = ["linear", "ties"]
 
 
 def shared(pair, out) -> dict:
-    return {"pre": pair.pre_dir, "post": pair.post_dir, "alphas": ALPHAS, "old_tasks": pair.old_tasks,
-            "new_tasks": pair.new_tasks, "include_path": pair.task_dir, "out": str(out), "limit": None}
+    return {
+        "pre": pair.pre_dir,
+        "post": pair.post_dir,
+        "alphas": ALPHAS,
+        "old_tasks": pair.old_tasks,
+        "new_tasks": pair.new_tasks,
+        "include_path": pair.task_dir,
+        "out": str(out),
+        "limit": None,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +58,11 @@ def test_linear_pick_equals_a_linear_only_sweep_on_the_same_grid_and_split(toy_p
     assert dataclasses.replace(settings, out=alone.settings.out) == alone.settings
     row = next(row for row in comparison.rows if row.method == "linear")
     assert row.pick.alpha == alone.best.alpha
-    assert (row.pick.old, row.pick.new, row.pick.harmonic_mean) == (alone.best.old, alone.best.new,
-                                                                    alone.best.harmonic_mean)
+    assert (row.pick.old, row.pick.new, row.pick.harmonic_mean) == (
+        alone.best.old,
+        alone.best.new,
+        alone.best.harmonic_mean,
+    )
     assert row.pick.intervals == alone.best.intervals
     assert row.diff_to_baseline == [0.0, 0.0] and row.indistinguishable
 
@@ -90,10 +101,26 @@ def test_bad_method_lists_fail_before_any_model_is_read(toy_pair, tmp_path):
 
 
 def test_cli_compares_methods_and_prints_a_summary(toy_pair, comparison):
-    result = cli("sweep", "--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--method", ",".join(METHODS),
-                 "--alphas", ",".join(map(str, ALPHAS)), "--old-tasks", ",".join(toy_pair.old_tasks),
-                 "--new-tasks", ",".join(toy_pair.new_tasks), "--include-path", toy_pair.task_dir,
-                 "--out", comparison.out, "-q")
+    result = cli(
+        "sweep",
+        "--pre",
+        toy_pair.pre_dir,
+        "--post",
+        toy_pair.post_dir,
+        "--method",
+        ",".join(METHODS),
+        "--alphas",
+        ",".join(map(str, ALPHAS)),
+        "--old-tasks",
+        ",".join(toy_pair.old_tasks),
+        "--new-tasks",
+        ",".join(toy_pair.new_tasks),
+        "--include-path",
+        toy_pair.task_dir,
+        "--out",
+        comparison.out,
+        "-q",
+    )
     assert result.returncode == 0, result.stderr
     assert "evaluated 0 models" in result.stdout
     for method in METHODS:

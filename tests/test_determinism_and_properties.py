@@ -44,9 +44,21 @@ def merge_args(method: str, trio, extra=()) -> list[str]:
     else:
         models = ["--model", f"{a}:0.7", "--model", f"{b}:0.5"]
         coefficient = {"task_arithmetic": ["--lambda", "0.8"], "ties": ["--density", "0.4"]}.get(
-            method, ["--drop", "0.3"])
-    return ["merge", "--method", method, "--base", base, *models, *coefficient, "--out-shard-size", "40KB",
-            "-q", *extra]
+            method, ["--drop", "0.3"]
+        )
+    return [
+        "merge",
+        "--method",
+        method,
+        "--base",
+        base,
+        *models,
+        *coefficient,
+        "--out-shard-size",
+        "40KB",
+        "-q",
+        *extra,
+    ]
 
 
 def merged_hashes(out: Path) -> dict[str, str]:
@@ -57,8 +69,9 @@ def merged_hashes(out: Path) -> dict[str, str]:
 
 
 def run_subprocess(args, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(CLI), *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [str(CLI), *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def run_in_process(args, out: Path, monkeypatch) -> None:
@@ -102,7 +115,8 @@ def vectors(count: int, max_size: int = 48):
     """`count` float32 tensors of one random shape (1-D or 2-D)."""
     shapes = st.one_of(st.tuples(st.integers(1, max_size)), st.tuples(st.integers(1, 6), st.integers(1, 8)))
     return shapes.flatmap(lambda shape: st.tuples(*[hnp.arrays(np.float32, shape, elements=VALUES)] * count)).map(
-        lambda arrays: [torch.from_numpy(array.copy()) for array in arrays])
+        lambda arrays: [torch.from_numpy(array.copy()) for array in arrays]
+    )
 
 
 def rounding(*tensors: torch.Tensor) -> torch.Tensor:
@@ -127,8 +141,11 @@ def test_lerp_stays_between_its_inputs(pair, alpha):
 @PROPERTY_SETTINGS
 @given(tensors=st.integers(2, 4).flatmap(vectors), data=st.data())
 def test_normalized_linear_is_a_convex_combination(tensors, data):
-    weights = data.draw(st.lists(st.floats(0.0, 10.0), min_size=len(tensors), max_size=len(tensors))
-                        .filter(lambda w: math.fsum(w) > 1e-3))
+    weights = data.draw(
+        st.lists(st.floats(0.0, 10.0), min_size=len(tensors), max_size=len(tensors)).filter(
+            lambda w: math.fsum(w) > 1e-3
+        )
+    )
     merged = linear(tensors, weights, normalize=True)
     stacked = torch.stack(tensors)
     slack = len(tensors) * rounding(*tensors)
@@ -150,8 +167,9 @@ def test_slerp_returns_its_endpoints(pair, flip):
 @given(pair=vectors(2), scale=st.floats(-2.0, 2.0))
 def test_ties_with_full_density_and_one_model_is_task_arithmetic(pair, scale):
     base, model = pair
-    ties = task_vector_merge(base, [model], [1.0], scale=scale, sparsifier="magnitude", densities=[1.0],
-                             consensus=True, normalize=True)
+    ties = task_vector_merge(
+        base, [model], [1.0], scale=scale, sparsifier="magnitude", densities=[1.0], consensus=True, normalize=True
+    )
     arithmetic = task_vector_merge(base, [model], [1.0], scale=scale)
     assert torch.equal(ties, arithmetic)
 
@@ -170,8 +188,15 @@ def test_dare_expectation_is_task_arithmetic(tensors, data):
     drops = data.draw(st.lists(st.floats(0.0, 0.9), min_size=count, max_size=count), label="drops")
     scale = data.draw(st.floats(-2.0, 2.0), label="scale")
     repeat = (DRAWS,) + (1,) * base.dim()
-    dare = task_vector_merge(base.repeat(repeat), [m.repeat(repeat) for m in models], weights, scale=scale,
-                             sparsifier="random", drops=drops, keys=[1234 + index for index in range(count)])
+    dare = task_vector_merge(
+        base.repeat(repeat),
+        [m.repeat(repeat) for m in models],
+        weights,
+        scale=scale,
+        sparsifier="random",
+        drops=drops,
+        keys=[1234 + index for index in range(count)],
+    )
     expected = task_vector_merge(base, models, weights, scale=scale)
 
     deltas = [(m.double() - base.double()) * w * scale for m, w in zip(models, weights)]

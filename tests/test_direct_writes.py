@@ -115,8 +115,10 @@ def test_a_failed_background_write_is_raised_in_the_writer_and_names_the_file(tm
     planned = [PlannedTensor("big", tuple(tensor.shape), tensor.dtype)]
     descriptors = len(os.listdir("/proc/self/fd"))
     (tmp_path / "out").mkdir()
-    with pytest.raises(OSError, match="No space left") as raised, \
-            ShardedWriter(tmp_path / "out", planned, 2**40) as writer:
+    with (
+        pytest.raises(OSError, match="No space left") as raised,
+        ShardedWriter(tmp_path / "out", planned, 2**40) as writer,
+    ):
         writer.write("big", tensor)
         writer.close()
     assert raised.value.filename == str(tmp_path / "out" / "model.safetensors")

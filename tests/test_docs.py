@@ -58,8 +58,17 @@ def relative_links(page: Path) -> list[str]:
 
 def test_docs_pages_exist():
     names = {page.name for page in PAGES if page.parent.name == "docs"}
-    assert {"README.md", "methods.md", "mergekit.md", "audit.md", "sweep.md", "forgetting.md", "errors.md",
-            "engine.md", "benchmarks.md"} <= names
+    assert {
+        "README.md",
+        "methods.md",
+        "mergekit.md",
+        "audit.md",
+        "sweep.md",
+        "forgetting.md",
+        "errors.md",
+        "engine.md",
+        "benchmarks.md",
+    } <= names
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
@@ -129,7 +138,7 @@ def invocations(page: Path) -> list[tuple[str, list[str], bool]]:
             if token != "mergekit-lite" and not token.endswith("/mergekit-lite"):
                 continue
             rest = []
-            for word in tokens[index + 1:]:
+            for word in tokens[index + 1 :]:
                 if word in SHELL_STOPS:
                     break
                 rest.append(word)

@@ -31,8 +31,10 @@ def stored(folder: Path) -> dict[str, torch.Tensor]:
 
 def reference_drift(pre: dict, post: dict, names) -> tuple[float, float]:
     """(sum of squared differences, sum of squared pre weights) over `names`, in float64."""
-    return (math.fsum(float(((post[n] - pre[n]) ** 2).sum()) for n in names),
-            math.fsum(float((pre[n] ** 2).sum()) for n in names))
+    return (
+        math.fsum(float(((post[n] - pre[n]) ** 2).sum()) for n in names),
+        math.fsum(float((pre[n] ** 2).sum()) for n in names),
+    )
 
 
 def check_against_reference(report_tensors, pre: dict, post: dict) -> None:
@@ -87,11 +89,14 @@ def test_drift_matches_a_float64_reference_on_every_tensor(tmp_path, architectur
 def test_a_lora_adapter_is_measured_as_the_model_it_makes(tmp_path):
     """POST a PEFT adapter: every tensor's drift equals that of the model PEFT itself merges (merge_and_unload)."""
     save_tiny_llama(0, tmp_path / "pre", max_shard_size=None)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "pre"), LoraConfig(
-        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "pre"),
+        LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
+    )
     train_lora(peft_model, steps=3, seed=1).save_pretrained(tmp_path / "adapter")
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "pre"),
-                                       tmp_path / "adapter").merge_and_unload()
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "pre"), tmp_path / "adapter"
+    ).merge_and_unload()
     merged.save_pretrained(tmp_path / "merged")
     pre, post = stored(tmp_path / "pre"), stored(tmp_path / "merged")
     tensors = weight_drift(str(tmp_path / "pre"), str(tmp_path / "adapter"))
@@ -142,8 +147,9 @@ def token_states(folder: Path, tokenizer, texts: list[str]) -> list[torch.Tensor
 def test_cli_drift_of_the_toy_pair_with_cka_and_heatmap(toy_pair, tmp_path):
     heatmap, texts_file = tmp_path / "drift.png", tmp_path / "texts.txt"
     texts_file.write_text("\n".join(read_texts(toy_pair.typical_texts)[:8]) + "\n")
-    result = cli("drift", toy_pair.pre_dir, toy_pair.post_dir, "--texts", texts_file, "--json",
-                 "--heatmap", heatmap, "-q")
+    result = cli(
+        "drift", toy_pair.pre_dir, toy_pair.post_dir, "--texts", texts_file, "--json", "--heatmap", heatmap, "-q"
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     pre, post = stored(toy_pair.pre_dir), stored(toy_pair.post_dir)
@@ -167,11 +173,13 @@ def test_cka_of_an_adapter_is_that_of_the_model_peft_merges(toy_pair, tmp_path):
     pre = save_tiny_llama(0, tmp_path / "pre", max_shard_size=None)
     tokenizer = AutoTokenizer.from_pretrained(toy_pair.pre_dir)  # the toy's words, ids within the tiny vocabulary
     tokenizer.save_pretrained(pre)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(pre), LoraConfig(
-        r=4, lora_alpha=16, target_modules=["q_proj", "up_proj"]))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(pre), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "up_proj"])
+    )
     train_lora(peft_model, steps=3, seed=1, batch=(2, 8)).save_pretrained(tmp_path / "adapter")
-    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pre),
-                              tmp_path / "adapter").merge_and_unload().save_pretrained(tmp_path / "merged")
+    PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(pre), tmp_path / "adapter"
+    ).merge_and_unload().save_pretrained(tmp_path / "merged")
     texts = read_texts(toy_pair.typical_texts)[:6]
     of_adapter = model_drift(str(pre), str(tmp_path / "adapter"), texts)
     before, after = token_states(pre, tokenizer, texts), token_states(tmp_path / "merged", tokenizer, texts)
@@ -188,8 +196,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     one_error_line(cli("drift", tmp_path / "pre", tmp_path / "pre", "--texts", tmp_path / "binary.txt"), 2)
     one_error_line(cli("drift", tmp_path / "pre", tmp_path / "pre", "--heatmap", tmp_path / "drift.jpg"), 2, ".png")
     (tmp_path / "theirs.png").write_text("not ours")
-    one_error_line(cli("drift", tmp_path / "pre", tmp_path / "pre", "--heatmap", tmp_path / "theirs.png"), 2,
-                   "already exists")
+    one_error_line(
+        cli("drift", tmp_path / "pre", tmp_path / "pre", "--heatmap", tmp_path / "theirs.png"), 2, "already exists"
+    )
     assert (tmp_path / "theirs.png").read_text() == "not ours"
-    one_error_line(cli("drift", tmp_path / "pre", tmp_path / "pre", "--heatmap", tmp_path / "pre" / "h.png"), 2,
-                   "inside the input")
+    one_error_line(
+        cli("drift", tmp_path / "pre", tmp_path / "pre", "--heatmap", tmp_path / "pre" / "h.png"), 2, "inside the input"
+    )

@@ -55,8 +55,9 @@ def test_ema_equals_the_recursion_on_every_tensor(trajectory, tmp_path, decay):
 def test_decay_zero_is_the_last_checkpoint_and_one_the_first(trajectory, tmp_path):
     for decay, expected in ((0.0, trajectory[-1]), (1.0, trajectory[0])):
         out = tmp_path / f"ema-{decay}"
-        result = merge_cli("--decay", decay, *[part for folder in trajectory for part in ("--model", folder)],
-                           "--out", out)
+        result = merge_cli(
+            "--decay", decay, *[part for folder in trajectory for part in ("--model", folder)], "--out", out
+        )
         assert result.exit_code == 0, result.output
         reference = state(expected)
         assert all(torch.equal(tensor, reference[name]) for name, tensor in state(out).items())
@@ -64,7 +65,7 @@ def test_decay_zero_is_the_last_checkpoint_and_one_the_first(trajectory, tmp_pat
 
 def test_weights_are_the_recursion_unrolled():
     weights = ema_weights(4, 0.8)
-    assert weights == pytest.approx([0.8 ** 3, 0.2 * 0.8 ** 2, 0.2 * 0.8, 0.2], abs=1e-15)
+    assert weights == pytest.approx([0.8**3, 0.2 * 0.8**2, 0.2 * 0.8, 0.2], abs=1e-15)
     assert sum(weights) == pytest.approx(1, abs=1e-15)
 
 
@@ -76,20 +77,24 @@ def test_a_folder_of_checkpoints_needs_its_order_given(toy_pair, tmp_path):
     assert refused.exit_code == 2 and refused.stderr.count("\n") == 1
     assert "a folder of 2 checkpoints (checkpoint-25, checkpoint-50) gives no training order" in refused.stderr
     assert not (tmp_path / "ema").exists()
-    ordered = merge_cli("--decay", 0.9, "--model", toy_pair.pre_dir, "--model", folder, "--order", "step",
-                        "--out", tmp_path / "ema")
+    ordered = merge_cli(
+        "--decay", 0.9, "--model", toy_pair.pre_dir, "--model", folder, "--order", "step", "--out", tmp_path / "ema"
+    )
     assert ordered.exit_code == 0, ordered.output
     expected = ema_recursion([toy_pair.pre_dir, *toy_pair.checkpoints], 0.9)
     for name, tensor in state(tmp_path / "ema").items():
         torch.testing.assert_close(tensor.double(), expected[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--decay", "0.9", "--model", "{pre}"], "ema averages at least two checkpoints"),
-    (["--model", "{pre}", "--model", "{post}"], "ema needs decay (--decay)"),
-    (["--decay", "1.5", "--model", "{pre}", "--model", "{post}"], "decay must be in [0.0, 1.0]"),
-    (["--decay", "0.9", "--model", "{pre}", "--model", "{post}", "--order", "step"], "--order step orders"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--decay", "0.9", "--model", "{pre}"], "ema averages at least two checkpoints"),
+        (["--model", "{pre}", "--model", "{post}"], "ema needs decay (--decay)"),
+        (["--decay", "1.5", "--model", "{pre}", "--model", "{post}"], "decay must be in [0.0, 1.0]"),
+        (["--decay", "0.9", "--model", "{pre}", "--model", "{post}", "--order", "step"], "--order step orders"),
+    ],
+)
 def test_bad_ema_requests_are_one_line(toy_pair, tmp_path, args, message):
     args = [arg.format(pre=toy_pair.pre_dir, post=toy_pair.post_dir) for arg in args]
     result = merge_cli(*args, "--out", tmp_path / "ema")
@@ -97,6 +102,20 @@ def test_bad_ema_requests_are_one_line(toy_pair, tmp_path, args, message):
 
 
 def test_order_is_for_ema_only(toy_pair, tmp_path):
-    result = CliRunner().invoke(main, ["merge", "--method", "linear", "--model", str(toy_pair.pre_dir), "--model",
-                                       str(toy_pair.post_dir), "--order", "step", "--out", str(tmp_path / "m")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "merge",
+            "--method",
+            "linear",
+            "--model",
+            str(toy_pair.pre_dir),
+            "--model",
+            str(toy_pair.post_dir),
+            "--order",
+            "step",
+            "--out",
+            str(tmp_path / "m"),
+        ],
+    )
     assert result.exit_code == 2 and "--order applies to --method ema" in result.stderr

@@ -98,12 +98,18 @@ def trio_bf16(trio, tmp_path_factory):
     return folders
 
 
-@pytest.mark.parametrize("method, parameters, stored, out_dtype", [
-    ("linear", {"weight": 0.3}, "float32", "bfloat16"), ("slerp", {"t": 0.3}, "float32", "bfloat16"),
-    ("task_arithmetic", {"lambda": 0.7}, "float32", "float32"), ("ties", {"density": 0.4}, "float32", "bfloat16"),
-    ("dare_ties", {"drop": 0.3}, "float32", "float16"), ("ties", {"density": 0.4}, "bfloat16", "bfloat16"),
-    ("linear", {"weight": 0.3}, "bfloat16", "float32"),
-])
+@pytest.mark.parametrize(
+    "method, parameters, stored, out_dtype",
+    [
+        ("linear", {"weight": 0.3}, "float32", "bfloat16"),
+        ("slerp", {"t": 0.3}, "float32", "bfloat16"),
+        ("task_arithmetic", {"lambda": 0.7}, "float32", "float32"),
+        ("ties", {"density": 0.4}, "float32", "bfloat16"),
+        ("dare_ties", {"drop": 0.3}, "float32", "float16"),
+        ("ties", {"density": 0.4}, "bfloat16", "bfloat16"),
+        ("linear", {"weight": 0.3}, "bfloat16", "float32"),
+    ],
+)
 def test_streamed_outputs_equal_the_math_on_whole_tensors(trio, trio_bf16, method, parameters, stored, out_dtype):
     """Reader thread, reused ring, results cast chunk by chunk over their first input's bytes (narrower or
     equal output dtype) or into new memory (wider): the same bytes as merge_tensor on tensors read by the
@@ -111,10 +117,15 @@ def test_streamed_outputs_equal_the_math_on_whole_tensors(trio, trio_bf16, metho
     models = trio_bf16 if stored == "bfloat16" else trio
     inputs = models[:2] if method in ("linear", "slerp") else models
     based = method != "linear"
-    config = config_from_dict({
-        "method": method, "base": str(inputs[0]) if based else None,
-        "models": [str(path) for path in (inputs[1:] if based else inputs)], "parameters": parameters,
-        "dtype": out_dtype})
+    config = config_from_dict(
+        {
+            "method": method,
+            "base": str(inputs[0]) if based else None,
+            "models": [str(path) for path in (inputs[1:] if based else inputs)],
+            "parameters": parameters,
+            "dtype": out_dtype,
+        }
+    )
     plan = plan_merge(config)
     streamed = {}
     execute(plan, lambda name, tensor: streamed.__setitem__(name, tensor.clone()))
@@ -160,8 +171,14 @@ def test_a_read_failure_in_the_reader_thread_surfaces_and_nothing_hangs(trio, tm
 def test_a_merge_closes_the_inputs_it_opened_and_leaves_a_callers_open(trio, tmp_path, method):
     """run_merge and merge_state_dict close every shard they opened when they return, even while their result (which
     holds the plan) lives on; sources a caller opened and passed in stay open for its next merge."""
-    config = config_from_dict({"method": method, "base": str(trio[0]), "models": [str(trio[1]), str(trio[2])],
-                               "parameters": {"density": 0.5} if method == "ties" else {}})
+    config = config_from_dict(
+        {
+            "method": method,
+            "base": str(trio[0]),
+            "models": [str(trio[1]), str(trio[2])],
+            "parameters": {"density": 0.5} if method == "ties" else {},
+        }
+    )
     result = run_merge(config, tmp_path / "out")
     assert result.plan.sources and files_open_under(*trio) == []
     state = merge_state_dict(config)
@@ -188,8 +205,14 @@ def test_a_merge_stopped_by_a_bad_tensor_closes_every_shard_it_read(trio, tmp_pa
     name = next(name for name, tensor in tensors.items() if tensor.dim() == 2)
     tensors[name][0, 0] = float("nan")
     save_file(tensors, last, metadata={"format": "pt"})
-    config = config_from_dict({"method": "ties", "base": str(trio[0]), "models": [str(poisoned), str(trio[2])],
-                               "parameters": {"density": 0.5}})
+    config = config_from_dict(
+        {
+            "method": "ties",
+            "base": str(trio[0]),
+            "models": [str(poisoned), str(trio[2])],
+            "parameters": {"density": 0.5},
+        }
+    )
     with closes_what_it_opens(trio[0], poisoned, trio[2]), pytest.raises(InputError, match="NaN"):
         run_merge(config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -202,7 +225,7 @@ def test_a_slow_write_does_not_hold_the_reading_and_the_math(trio, monkeypatch):
 
     plan = plan_merge(config_from_dict({"method": "linear", "models": [str(path) for path in trio[:2]]}))
     sizes = [engine.input_bytes(plan, step) for step in plan.steps]
-    stuck = next(i for i in range(1, len(sizes) - 3) if sum(sizes[i:i + 4]) <= max(sizes))  # four fit in the ring
+    stuck = next(i for i in range(1, len(sizes) - 3) if sum(sizes[i : i + 4]) <= max(sizes))  # four fit in the ring
     later_read = threading.Event()
     real_read_step = engine._read_step
 
@@ -230,8 +253,10 @@ def test_positioned_reads_share_one_handle_across_threads(tmp_path):
 
     def read_every_block(start):
         view = memoryview(bytearray(size))
-        return all(read_at(handle, view, offset) == size and view == data[offset:offset + size]
-                   for offset in range(start, len(data), 2 * size))
+        return all(
+            read_at(handle, view, offset) == size and view == data[offset : offset + size]
+            for offset in range(start, len(data), 2 * size)
+        )
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         assert all(pool.map(read_every_block, [0, size]))
@@ -278,8 +303,12 @@ libc.fclose(stream)
 print(open(path).read().count("<heap nr="))
 os.unlink(path)
 """
-    heaps = {mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
-                                      check=True).stdout) for mode in ("default", "reuse")}
+    heaps = {
+        mode: int(
+            subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True).stdout
+        )
+        for mode in ("default", "reuse")
+    }
     cores = len(os.sched_getaffinity(0))
     assert heaps["reuse"] <= cores < heaps["default"], heaps
 
@@ -313,8 +342,14 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     # glibc moves its mmap threshold at run time, so whether the default faults varies from run to run; pinning
     # it at its starting value (128 KiB) gives the default's slow path every time, as the control
     environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    faults = {mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
-                                       env=environment, check=True).stdout) for mode in ("default", "reuse")}
+    faults = {
+        mode: int(
+            subprocess.run(
+                [sys.executable, "-c", script, mode], capture_output=True, text=True, env=environment, check=True
+            ).stdout
+        )
+        for mode in ("default", "reuse")
+    }
     pages = 100 * 6 * (4 << 20) // 4096  # every temporary of every chunk faulted in again
     # with reuse, at most a round or two of a chunk's temporaries fault (seen: 0, once 7,168 pages, one round)
     assert faults["reuse"] < pages // 20, faults
@@ -322,14 +357,21 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 @pytest.mark.parametrize("second_drop", [0.6, 0.0])
-def test_dare_chunks_give_the_masks_of_drawing_whole_tensors_at_any_chunk_size_and_thread_count(trio, monkeypatch,
-                                                                                                 second_drop):
+def test_dare_chunks_give_the_masks_of_drawing_whole_tensors_at_any_chunk_size_and_thread_count(
+    trio, monkeypatch, second_drop
+):
     """The chunk loop draws each chunk's masks on other threads while the previous chunk's math runs: over many
     chunks of several sizes (a model with no drop drawing nothing), with one or two math threads, the bytes are
     those of one draw over the whole tensor."""
-    config = config_from_dict({
-        "method": "dare_ties", "base": str(trio[0]), "parameters": {"drop": 0.3}, "dtype": "float32",
-        "models": [str(trio[1]), {"model": str(trio[2]), "parameters": {"drop": second_drop}}]})
+    config = config_from_dict(
+        {
+            "method": "dare_ties",
+            "base": str(trio[0]),
+            "parameters": {"drop": 0.3},
+            "dtype": "float32",
+            "models": [str(trio[1]), {"model": str(trio[2]), "parameters": {"drop": second_drop}}],
+        }
+    )
     plan = plan_merge(config)
     chunked = 0
     for step in plan.steps:
@@ -338,9 +380,17 @@ def test_dare_chunks_give_the_masks_of_drawing_whole_tensors_at_any_chunk_size_a
         tensors = [_whole_tensor(folder, step.name) for folder in trio]
         parameters = step.parameters
         whole = methods.task_vector_merge(
-            tensors[0], tensors[1:], parameters.weights, scale=parameters.scale, sparsifier="random",
-            drops=parameters.drops, keys=[dare_key(config.seed, step.name, i) for i in (0, 1)],
-            consensus=True, normalize=parameters.normalize, rescale=parameters.rescale)
+            tensors[0],
+            tensors[1:],
+            parameters.weights,
+            scale=parameters.scale,
+            sparsifier="random",
+            drops=parameters.drops,
+            keys=[dare_key(config.seed, step.name, i) for i in (0, 1)],
+            consensus=True,
+            normalize=parameters.normalize,
+            rescale=parameters.rescale,
+        )
         for chunk, threads in ((100, 1), (37, 2), (4096, 2)):
             monkeypatch.setattr(methods, "ELEMENTWISE_CHUNK", chunk)
             with torch_threads(threads):
@@ -355,12 +405,22 @@ def test_memory_bound_chunks_give_the_whole_tensors_bytes_at_any_size_and_thread
     """The memory-bound methods' loop (`methods.DENSE_CHUNK`; LERP written straight into the output): chunks of
     several sizes, one or two math threads, give the bytes of one chunk over the whole tensor, in bf16 and fp32."""
     base, first, second = (str(folder) for folder in trio_bf16)
-    models = {"linear": [{"model": base, "parameters": {"weight": 1}}, {"model": first, "parameters": {"weight": 3}}],
-              "slerp": [first], "task_arithmetic": [first, second]}[method]
+    models = {
+        "linear": [{"model": base, "parameters": {"weight": 1}}, {"model": first, "parameters": {"weight": 3}}],
+        "slerp": [first],
+        "task_arithmetic": [first, second],
+    }[method]
     for dtype in ("bfloat16", "float32"):
         parameters = {"linear": {}, "slerp": {"t": 0.3}, "task_arithmetic": {"lambda": 0.7}}[method]
-        config = config_from_dict({"method": method, "dtype": dtype, "parameters": parameters,
-                                   **({} if method == "linear" else {"base": base}), "models": models})
+        config = config_from_dict(
+            {
+                "method": method,
+                "dtype": dtype,
+                "parameters": parameters,
+                **({} if method == "linear" else {"base": base}),
+                "models": models,
+            }
+        )
         plan = plan_merge(config)
         for step in plan.steps:
             tensors = [source.load(name) for source, name in plan.inputs_of(step)]
@@ -370,8 +430,9 @@ def test_memory_bound_chunks_give_the_whole_tensors_bytes_at_any_size_and_thread
                 monkeypatch.setattr(methods, "DENSE_CHUNK", chunk)
                 with torch_threads(threads):
                     merged = merge_tensor(config, step, tensors)
-                assert merged.dtype == whole.dtype and torch.equal(merged.view(-1).view(torch.uint8),
-                                                                   whole.view(-1).view(torch.uint8)), (method, step.name)
+                assert merged.dtype == whole.dtype and torch.equal(
+                    merged.view(-1).view(torch.uint8), whole.view(-1).view(torch.uint8)
+                ), (method, step.name)
 
 
 def test_keeps_ahead_give_each_chunks_mask_and_draw_at_most_the_window(monkeypatch):
@@ -404,13 +465,26 @@ def test_keeps_ahead_hand_a_failed_draw_to_the_taker():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("method, parameters", [("linear", {}), ("task_arithmetic", {}), ("ties", {"density": 0.4}),
-                                                ("dare_ties", {"drop": 0.3}), ("della", {"density": 0.5})])
+@pytest.mark.parametrize(
+    "method, parameters",
+    [
+        ("linear", {}),
+        ("task_arithmetic", {}),
+        ("ties", {"density": 0.4}),
+        ("dare_ties", {"drop": 0.3}),
+        ("della", {"density": 0.5}),
+    ],
+)
 def test_cuda_merges_what_the_cpu_merges(trio, method, parameters):
     """The same plan on the GPU (pinned ring, uploads, copy-back): DARE's and DELLA's masks are drawn on the CPU, so
     the same entries stay at the base; the values agree within one float32 rounding of the fused GPU kernels."""
-    config = {"method": method, "base": None if method == "linear" else str(trio[0]), "dtype": "float32",
-              "models": [str(folder) for folder in (trio if method == "linear" else trio[1:])], "parameters": parameters}
+    config = {
+        "method": method,
+        "base": None if method == "linear" else str(trio[0]),
+        "dtype": "float32",
+        "models": [str(folder) for folder in (trio if method == "linear" else trio[1:])],
+        "parameters": parameters,
+    }
     merged = {device: merge_state_dict(config_from_dict({**config, "device": device})) for device in ("cpu", "cuda")}
     base = {name: _whole_tensor(trio[0], name) for name in merged["cpu"]}
     assert merged["cpu"].keys() == merged["cuda"].keys()

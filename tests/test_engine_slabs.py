@@ -17,8 +17,8 @@ from mergekit_lite.audited import run_merge
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter, open_model
 from mergekit_lite.merge import slabs
-from mergekit_lite.merge.methods import tensor_math as methods
 from mergekit_lite.merge.engine import execute
+from mergekit_lite.merge.methods import tensor_math as methods
 from mergekit_lite.merge.plan import plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
@@ -44,8 +44,11 @@ def save_models(root, dtype) -> list[str]:
         }
         folder = root / f"m{index}"
         folder.mkdir()
-        save_file({name: tensor.to(dtype).contiguous() for name, tensor in tensors.items()},
-                  folder / "model.safetensors", metadata={"format": "pt"})
+        save_file(
+            {name: tensor.to(dtype).contiguous() for name, tensor in tensors.items()},
+            folder / "model.safetensors",
+            metadata={"format": "pt"},
+        )
         folders.append(str(folder))
     return folders
 
@@ -57,23 +60,47 @@ def models(request, tmp_path_factory):
 
 CONFIGS = {
     "linear": lambda m: {"method": "linear", "base": m[0], "models": [m[1]], "parameters": {"alpha": 0.3}},
-    "linear_weights": lambda m: {"method": "linear", "models": [{"model": m[0], "weight": 0.2},
-                                                                 {"model": m[1], "weight": 0.5},
-                                                                 {"model": m[2], "weight": 0.3}]},
+    "linear_weights": lambda m: {
+        "method": "linear",
+        "models": [{"model": m[0], "weight": 0.2}, {"model": m[1], "weight": 0.5}, {"model": m[2], "weight": 0.3}],
+    },
     "ema": lambda m: {"method": "ema", "models": m, "parameters": {"decay": 0.6}},
-    "task_arithmetic": lambda m: {"method": "task_arithmetic", "base": m[0], "models": m[1:],
-                                  "parameters": {"lambda": 0.8}},
+    "task_arithmetic": lambda m: {
+        "method": "task_arithmetic",
+        "base": m[0],
+        "models": m[1:],
+        "parameters": {"lambda": 0.8},
+    },
     "lines": lambda m: {"method": "lines", "base": m[0], "models": [m[1]], "parameters": {"alpha": 0.2, "beta": 0.6}},
     "nearswap": lambda m: {"method": "nearswap", "base": m[0], "models": [m[1]], "parameters": {"t": 0.01}},
-    "dare_linear": lambda m: {"method": "dare_linear", "base": m[0], "models": m[1:], "seed": 3,
-                              "parameters": {"density": 0.4}},
-    "dare_ties": lambda m: {"method": "dare_ties", "base": m[0], "models": m[1:], "seed": 3,
-                            "parameters": {"density": 0.6}},
-    "ties": lambda m: {"method": "ties", "base": m[0], "models": [{"model": m[1], "density": 0.3},
-                                                                {"model": m[2], "density": 0.7}]},
-    "ties_mergekit": lambda m: {"merge_method": "ties", "base_model": m[0], "parameters": {"normalize": True},
-                                "models": [{"model": m[1], "parameters": {"weight": 0.6, "density": 0.5}},
-                                           {"model": m[2], "parameters": {"weight": 0.4, "density": 1.0}}]},
+    "dare_linear": lambda m: {
+        "method": "dare_linear",
+        "base": m[0],
+        "models": m[1:],
+        "seed": 3,
+        "parameters": {"density": 0.4},
+    },
+    "dare_ties": lambda m: {
+        "method": "dare_ties",
+        "base": m[0],
+        "models": m[1:],
+        "seed": 3,
+        "parameters": {"density": 0.6},
+    },
+    "ties": lambda m: {
+        "method": "ties",
+        "base": m[0],
+        "models": [{"model": m[1], "density": 0.3}, {"model": m[2], "density": 0.7}],
+    },
+    "ties_mergekit": lambda m: {
+        "merge_method": "ties",
+        "base_model": m[0],
+        "parameters": {"normalize": True},
+        "models": [
+            {"model": m[1], "parameters": {"weight": 0.6, "density": 0.5}},
+            {"model": m[2], "parameters": {"weight": 0.4, "density": 1.0}},
+        ],
+    },
 }
 
 
@@ -86,11 +113,15 @@ def test_slabs_give_the_bytes_of_whole_tensors(models, method, tmp_path, monkeyp
     run_merge(config, tmp_path / "whole")
     monkeypatch.setattr(slabs, "SLAB_BYTES", SMALL_SLABS)
     cut = {part.step.name for part in slabs.parts(plan) if part.rows is not None}
-    assert cut == {"model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
-                   "model.layers.1.mlp.down_proj.weight"}, "the odd-width tensor and the vector stay whole"
+    assert cut == {
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    }, "the odd-width tensor and the vector stay whole"
     run_merge(config, tmp_path / "slabs")
-    assert (tmp_path / "slabs" / "model.safetensors").read_bytes() == \
-        (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert (tmp_path / "slabs" / "model.safetensors").read_bytes() == (
+        tmp_path / "whole" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_the_ring_holds_three_slabs_instead_of_the_largest_tensors_inputs(models, monkeypatch):
@@ -107,19 +138,24 @@ def test_slerp_in_slabs_of_whole_reduction_chunks_gives_the_bytes_of_whole_tenso
     (2048 rows of 512 here: two slabs, the second short), the reader sums the angle over them before the first is
     merged, and the output is the whole tensors' byte for byte, with a per-layer t; a tensor alike in every input
     is still copied."""
-    config = config_from_dict({"method": "slerp", "base": models[0], "models": [models[1]],
-                               "parameters": {"t": [0.2, 0.7]}})
+    config = config_from_dict(
+        {"method": "slerp", "base": models[0], "models": [models[1]], "parameters": {"t": [0.2, 0.7]}}
+    )
     plan = plan_merge(config)
     monkeypatch.setattr(slabs, "SLAB_BYTES", 1 << 40)
     run_merge(config, tmp_path / "whole")
     monkeypatch.setattr(slabs, "SLAB_BYTES", methods.CHUNK * 2 * plan.steps[0].out_dtype.itemsize)
     cut = {part.step.name: part.rows for part in slabs.parts(plan) if part.rows is not None}
-    assert set(cut) == {"model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
-                        "model.layers.1.mlp.down_proj.weight"}  # the last alike everywhere: copied
+    assert set(cut) == {
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    }  # the last alike everywhere: copied
     assert all(part.first_element % methods.CHUNK == 0 for part in slabs.parts(plan) if part.rows is not None)
     run_merge(config, tmp_path / "slabs")
-    assert (tmp_path / "slabs" / "model.safetensors").read_bytes() == \
-        (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert (tmp_path / "slabs" / "model.safetensors").read_bytes() == (
+        tmp_path / "whole" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_the_slerp_angle_from_slabs_is_the_whole_tensors():
@@ -181,10 +217,16 @@ def test_a_failed_statistics_pass_stops_the_merge_and_leaves_no_output(models, t
 
 
 def test_methods_with_other_per_tensor_statistics_stay_whole(models):
-    for method, parameters, count in (("nuslerp", {"weight": 0.5}, 2), ("breadcrumbs", {"density": 0.5}, 2),
-                                      ("model_stock", {}, 2)):
-        plan = plan_merge(config_from_dict({"method": method, "base": models[0], "models": models[1:1 + count],
-                                            "parameters": parameters}))
+    for method, parameters, count in (
+        ("nuslerp", {"weight": 0.5}, 2),
+        ("breadcrumbs", {"density": 0.5}, 2),
+        ("model_stock", {}, 2),
+    ):
+        plan = plan_merge(
+            config_from_dict(
+                {"method": method, "base": models[0], "models": models[1 : 1 + count], "parameters": parameters}
+            )
+        )
         assert all(part.rows is None for part in slabs.parts(plan)), method
 
 
@@ -236,8 +278,11 @@ def test_mapped_rows_are_the_rows_read_and_are_unmapped_with_their_view(tmp_path
     boundary (a 3-byte tensor first); the shard is mapped while the view lives and no longer once it is dropped.
     float8 is upcast as a read is, into memory of its own: nothing stays mapped."""
     generator = torch.Generator().manual_seed(3)
-    rows = torch.randn(300, 77, generator=generator).to(dtype) if dtype.is_floating_point \
+    rows = (
+        torch.randn(300, 77, generator=generator).to(dtype)
+        if dtype.is_floating_point
         else torch.randint(-100, 100, (300, 77), generator=generator, dtype=dtype)
+    )
     file = tmp_path / "model.safetensors"
     save_file({"a.odd": torch.ones(3, dtype=torch.uint8), "b.rows": rows}, file)
     source = open_model(tmp_path)
@@ -269,7 +314,10 @@ def test_a_shard_cut_short_after_planning_stops_a_merge_with_statistics(models, 
     for index, folder in enumerate(models):
         copies.append(tmp_path / f"m{index}")
         shutil.copytree(folder, copies[-1])
-    configs = {**CONFIGS, "slerp": lambda m: {"method": "slerp", "base": m[0], "models": [m[1]], "parameters": {"t": 0.3}}}
+    configs = {
+        **CONFIGS,
+        "slerp": lambda m: {"method": "slerp", "base": m[0], "models": [m[1]], "parameters": {"t": 0.3}},
+    }
     config = config_from_dict(configs[method]([str(copy) for copy in copies]))
     with plan_merge(config) as plan:
         monkeypatch.setattr(slabs, "SLAB_BYTES", SMALL_SLABS * plan.steps[0].out_dtype.itemsize // 2)

@@ -29,8 +29,14 @@ def test_ties_example_runs_on_tiny_models(tmp_path):
 
     from mergekit_lite.audited import run_merge
 
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     data = yaml.safe_load((EXAMPLES / "ties.yaml").read_text())
     paths = {"models/pre": 0, "models/math-tune": 1, "models/chat-tune": 2}
     for name, seed in paths.items():

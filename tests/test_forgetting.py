@@ -156,12 +156,22 @@ def test_a_misaligned_seed_skips_only_that_seed():
     """Official code (process_data.py compare_models): a sample-count mismatch skips that (task, seed) pair
     only; create_csv.py create_pivot_table then averages each task, and each category per seed, over the
     seeds that were compared (paper Appendix B.2 categories, §2 metrics)."""
-    pre = LoadedRun("pre", {"arc": {"1": outcomes("arc", PRE_8, 4), "2": outcomes("arc", PRE_8, 4)},
-                            "gen": {"1": outcomes("gen", [1, 0], math.inf), "2": outcomes("gen", [1, 1], math.inf)},
-                            "bad": {"1": outcomes("bad", [1, 0], 2), "2": outcomes("bad", [1, 0], 2)}})
-    post = LoadedRun("post", {"arc": {"1": outcomes("arc", POST_8, 4), "2": outcomes("arc", POST_8[:7], 4)},
-                              "gen": {"1": outcomes("gen", [0, 0], math.inf), "2": outcomes("gen", [1, 1], math.inf)},
-                              "bad": {"1": outcomes("bad", [1], 2), "2": outcomes("bad", [1, 0], 3)}})
+    pre = LoadedRun(
+        "pre",
+        {
+            "arc": {"1": outcomes("arc", PRE_8, 4), "2": outcomes("arc", PRE_8, 4)},
+            "gen": {"1": outcomes("gen", [1, 0], math.inf), "2": outcomes("gen", [1, 1], math.inf)},
+            "bad": {"1": outcomes("bad", [1, 0], 2), "2": outcomes("bad", [1, 0], 2)},
+        },
+    )
+    post = LoadedRun(
+        "post",
+        {
+            "arc": {"1": outcomes("arc", POST_8, 4), "2": outcomes("arc", POST_8[:7], 4)},
+            "gen": {"1": outcomes("gen", [0, 0], math.inf), "2": outcomes("gen", [1, 1], math.inf)},
+            "bad": {"1": outcomes("bad", [1], 2), "2": outcomes("bad", [1, 0], 3)},
+        },
+    )
     result = forgetting_map(pre, post)
     # arc: seed 2 misaligned (8 vs 7 samples), so arc is seed 1 alone: F = 2/8, F_true = 3/16 (see
     # test_hand_computed_eight_samples_four_choices)
@@ -229,16 +239,28 @@ def test_format_table_is_a_pipe_table():
 def mc_sample(doc_id, acc, choices=4, **extra):
     """A multiple-choice record the way lm-eval 0.4 writes it to samples_*.jsonl."""
     arguments = {f"gen_args_{i}": {"arg_0": "Question?", "arg_1": f" choice {i}"} for i in range(choices)}
-    record = {"doc_id": doc_id, "doc_hash": f"hash{doc_id}", "arguments": arguments, "acc": acc, "filter": "none",
-              "metrics": ["acc"]}
+    record = {
+        "doc_id": doc_id,
+        "doc_hash": f"hash{doc_id}",
+        "arguments": arguments,
+        "acc": acc,
+        "filter": "none",
+        "metrics": ["acc"],
+    }
     return {**record, **extra}
 
 
 def gen_sample(doc_id, exact_match, filter_name="strict-match"):
     """A generative record: one generate_until request, scored by exact_match."""
     arguments = {"gen_args_0": {"arg_0": "Q:", "arg_1": {"until": ["\n"]}}}
-    return {"doc_id": doc_id, "doc_hash": f"g{doc_id}", "arguments": arguments, "exact_match": exact_match,
-            "filter": filter_name, "metrics": ["exact_match"]}
+    return {
+        "doc_id": doc_id,
+        "doc_hash": f"g{doc_id}",
+        "arguments": arguments,
+        "exact_match": exact_match,
+        "filter": filter_name,
+        "metrics": ["exact_match"],
+    }
 
 
 def write_samples(folder, task, samples, stamp="2024-05-01T12-00-00.123456"):
@@ -250,14 +272,16 @@ def write_samples(folder, task, samples, stamp="2024-05-01T12-00-00.123456"):
 
 def test_outcomes_from_multiple_choice_records():
     outcomes = outcomes_from_lm_eval("arc_easy", [mc_sample(0, 1.0), mc_sample(1, 0)])
-    assert outcomes == SampleOutcomes("arc_easy", {"hash0": True, "hash1": False}, 4, "acc", "none",
-                                      doc_ids={"hash0": 0, "hash1": 1})  # lm-eval's ids, for probe samples=
+    assert outcomes == SampleOutcomes(
+        "arc_easy", {"hash0": True, "hash1": False}, 4, "acc", "none", doc_ids={"hash0": 0, "hash1": 1}
+    )  # lm-eval's ids, for probe samples=
 
 
 def test_outcomes_arguments_as_list_and_key_fallback_to_doc_id():
     sample = {"doc_id": 7, "arguments": [["Q?", " yes"], ["Q?", " no"]], "acc": 1}  # older log: no "metrics"
-    assert outcomes_from_lm_eval("boolq", [sample]) == SampleOutcomes("boolq", {"7": True}, 2, "acc", "",
-                                                                       doc_ids={"7": 7})
+    assert outcomes_from_lm_eval("boolq", [sample]) == SampleOutcomes(
+        "boolq", {"7": True}, 2, "acc", "", doc_ids={"7": 7}
+    )
 
 
 def test_outcomes_generative_uses_first_filter_unless_told_and_no_chance():
@@ -265,7 +289,8 @@ def test_outcomes_generative_uses_first_filter_unless_told_and_no_chance():
     flexible = [gen_sample(0, 0, "flexible-extract"), gen_sample(1, 1, "flexible-extract")]
     samples = strict + flexible
     assert outcomes_from_lm_eval("gsm8k", samples) == SampleOutcomes(
-        "gsm8k", {"g0": True, "g1": False}, math.inf, "exact_match", "strict-match", doc_ids={"g0": 0, "g1": 1})
+        "gsm8k", {"g0": True, "g1": False}, math.inf, "exact_match", "strict-match", doc_ids={"g0": 0, "g1": 1}
+    )
     chosen = outcomes_from_lm_eval("gsm8k", samples, ScoringRule(filter="flexible-extract"))
     assert chosen.correct == {"g0": False, "g1": True} and chosen.filter == "flexible-extract"
     with pytest.raises(InputError, match="no filter 'typo'"):
@@ -285,9 +310,13 @@ def test_generative_choices_follow_lm_evals_reading_of_doc_to_choice():
     against the doc and read as a Python literal (commonsense_qa-style nested options)."""
     doc = {"question": {"choices": [{"text": "a"}, {"text": "b"}, {"text": "c"}]}, "options": {"text": ["x", "y"]}}
     records = [{**gen_sample(i, 1), "doc": doc} for i in range(2)]
-    for spec, k in [("{{options.text}}", 2), ("{{question.choices | map(attribute='text') | list}}", 3),
-                    ({"A": "first", "B": "second", "C": "third", "D": "fourth", "E": "fifth"}, 5),
-                    ("{{options.missing}}", math.inf), ("{{ ''.__class__.__mro__ }}", math.inf)]:
+    for spec, k in [
+        ("{{options.text}}", 2),
+        ("{{question.choices | map(attribute='text') | list}}", 3),
+        ({"A": "first", "B": "second", "C": "third", "D": "fourth", "E": "fifth"}, 5),
+        ("{{options.missing}}", math.inf),
+        ("{{ ''.__class__.__mro__ }}", math.inf),
+    ]:
         assert outcomes_from_lm_eval("mc_gen", records, config={"doc_to_choice": spec}).n_choices == k, spec
 
 
@@ -343,11 +372,13 @@ def test_load_folder_recursive_newest_timestamp_wins(tmp_path):
 
 @pytest.mark.parametrize(
     "lines, message",
-    [(['{"doc_id": 0, "acc": 1, "arguments": []}', "{not json"], r"line 2: not JSON"),
-     (['{"doc_id": 0, "arguments": [[], []]}'], r"line 1: no metric logged"),
-     (['{"doc_id": 0, "acc": "yes", "arguments": [[], []]}'], r"line 1: 'acc' must be a number"),
-     ([""], "no samples in file"),
-     (["\udcff"], r"line 1: not JSON \(not UTF-8\)")],
+    [
+        (['{"doc_id": 0, "acc": 1, "arguments": []}', "{not json"], r"line 2: not JSON"),
+        (['{"doc_id": 0, "arguments": [[], []]}'], r"line 1: no metric logged"),
+        (['{"doc_id": 0, "acc": "yes", "arguments": [[], []]}'], r"line 1: 'acc' must be a number"),
+        ([""], "no samples in file"),
+        (["\udcff"], r"line 1: not JSON \(not UTF-8\)"),
+    ],
 )
 def test_bad_files_name_file_and_line(tmp_path, lines, message):
     path = tmp_path / "samples_arc_2024-05-01T12-00-00.123456.jsonl"
@@ -401,7 +432,9 @@ def test_cli_json_per_task_and_group(runs):
     assert {row["task"] for row in payload["skipped"]} == {"only_pre", "only_post"}
 
 
-@pytest.mark.parametrize("linked", ["samples_gsm8k_2024-05-01T12-00-00.123456.jsonl", "results_2024-05-01T12-00-00.123456.json"])
+@pytest.mark.parametrize(
+    "linked", ["samples_gsm8k_2024-05-01T12-00-00.123456.jsonl", "results_2024-05-01T12-00-00.123456.json"]
+)
 def test_a_file_linking_out_of_the_named_folder_is_refused_not_read(runs, tmp_path, linked):
     outside = tmp_path / "secret.jsonl"
     outside.write_text(json.dumps(gen_sample(0, 1)) + "\n")
@@ -433,10 +466,12 @@ def test_cli_tables_from_single_files(runs):
 
 @pytest.mark.parametrize(
     "extra, message",
-    [(["--group", "old"], "expected NAME=task1,task2"),
-     (["--group", "old=arc_easy", "--group", "old=gsm8k"], "names must be unique"),
-     (["--group", "old=arc_typo"], "'arc_typo' matches no task"),
-     (["--group", "old=only_pre"], "none of its tasks could be compared")],
+    [
+        (["--group", "old"], "expected NAME=task1,task2"),
+        (["--group", "old=arc_easy", "--group", "old=gsm8k"], "names must be unique"),
+        (["--group", "old=arc_typo"], "'arc_typo' matches no task"),
+        (["--group", "old=only_pre"], "none of its tasks could be compared"),
+    ],
 )
 def test_cli_group_errors(runs, extra, message):
     result = run_cli(*runs, *extra)

@@ -22,9 +22,17 @@ def record(doc: int, correct: bool, gold_ll: float) -> dict:
     """A 4-choice record as lm-eval 0.4 writes it: the gold option is 0; log-likelihoods logged as strings."""
     lls = [gold_ll, gold_ll - 1.0, gold_ll - 2.0, gold_ll + (1.0 if not correct else -3.0)]
     arguments = {f"gen_args_{i}": {"arg_0": f"Question {doc}?", "arg_1": f" option {i}"} for i in range(4)}
-    return {"doc_id": doc, "doc_hash": f"h{doc}", "target": "0", "arguments": arguments,
-            "resps": [[[repr(ll), "False"]] for ll in lls], "filtered_resps": [[repr(ll), "False"] for ll in lls],
-            "acc": float(correct), "filter": "none", "metrics": ["acc"]}
+    return {
+        "doc_id": doc,
+        "doc_hash": f"h{doc}",
+        "target": "0",
+        "arguments": arguments,
+        "resps": [[[repr(ll), "False"]] for ll in lls],
+        "filtered_resps": [[repr(ll), "False"] for ll in lls],
+        "acc": float(correct),
+        "filter": "none",
+        "metrics": ["acc"],
+    }
 
 
 def write_run(folder, correct, gold_lls=None, docs=None, task="old"):
@@ -104,8 +112,9 @@ def test_r2_by_rank_equals_numpy_svd_on_a_rank_three_logprob_matrix(tmp_path):
 def test_the_block_matrix_is_written_whole(blocks):
     _, _, posts, out, payload = blocks
     z = np.load(out / "matrix.npz")["z"]
-    expected = np.array([np.isin(np.arange(DOCS), list(BLOCK_A if i < 4 else BLOCK_B) + [80 + i])
-                         for i in range(8)], dtype=np.float32)
+    expected = np.array(
+        [np.isin(np.arange(DOCS), list(BLOCK_A if i < 4 else BLOCK_B) + [80 + i]) for i in range(8)], dtype=np.float32
+    )
     np.testing.assert_array_equal(z, expected)
     assert payload["docs"] == {"count": DOCS, "forgettable": FORGETTABLE, "per_task": {"old": DOCS}}
     for name in ("matrix.png", "rank.png"):
@@ -154,14 +163,17 @@ def test_replay_writes_the_budget_as_trl_records(blocks, tmp_path, strategy):
     _, pre, _, history, _ = blocks
     new = write_run(tmp_path / "new", post_forgetting(BLOCK_B), docs=range(0, DOCS, 4))
     replay = tmp_path / "replay.jsonl"
-    result = run_cli(pre, new, "--history", history, "--replay", replay, "--replay-budget", 20,
-                     "--replay-strategy", strategy)
+    result = run_cli(
+        pre, new, "--history", history, "--replay", replay, "--replay-budget", 20, "--replay-strategy", strategy
+    )
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in replay.read_text().splitlines()]
     chosen = [record["doc_id"] for record in records]
     assert len(chosen) == len(set(chosen)) == 20 and all(doc < FORGETTABLE for doc in chosen)
-    assert all(record["prompt"] == f"Question {record['doc_id']}?" and record["completion"] == " option 0"
-               for record in records)
+    assert all(
+        record["prompt"] == f"Question {record['doc_id']}?" and record["completion"] == " option 0"
+        for record in records
+    )
     in_block = sum(doc in BLOCK_B for doc in chosen)
     expected = {"top": (20, 20), "sample": (18, 20), "random": (0, 14)}[strategy]
     assert expected[0] <= in_block <= expected[1], chosen
@@ -173,8 +185,10 @@ def test_replay_weights_are_the_softmax_and_the_draw_follows_them():
     selection = select_replay(scores, 3, "sample", temperature=0.1, seed=0)
     np.testing.assert_allclose(selection.weights, softmax(scores / 0.1))
     assert len(set(selection.chosen.tolist())) == 3
-    firsts = np.bincount([select_replay(scores, 1, "sample", 0.5, seed).chosen[0] for seed in range(4000)],
-                         minlength=6) / 4000
+    firsts = (
+        np.bincount([select_replay(scores, 1, "sample", 0.5, seed).chosen[0] for seed in range(4000)], minlength=6)
+        / 4000
+    )
     np.testing.assert_allclose(firsts, softmax(scores / 0.5), atol=0.025)  # budget 1: one draw by the weights
     assert select_replay(scores, 2, "top").chosen.tolist() == [0, 1]
     assert select_replay(scores, 6, "random", seed=3).chosen.tolist() != list(range(6))
@@ -198,8 +212,10 @@ def test_bad_input_is_one_line_exit_2(blocks, tmp_path):
         ((pre, other_task, *posts[:3], "--matrix", tmp_path / "b"), "its tasks differ from pre's"),
         ((other_pre, new, "--history", history), "built on other docs"),
         ((pre, *posts[:3], "--matrix", tmp_path / "c", "--known", FORGETTABLE + 1), "larger than a row"),
-        ((pre, new, "--history", history, "--replay", tmp_path / "r.jsonl", "--replay-budget", FORGETTABLE + 1),
-         "--replay-budget"),
+        (
+            (pre, new, "--history", history, "--replay", tmp_path / "r.jsonl", "--replay-budget", FORGETTABLE + 1),
+            "--replay-budget",
+        ),
         ((pre, *posts[:2], "--matrix", tmp_path / "d"), "at least 3 fine-tunes"),
         ((pre, new, "--replay-budget", 3), "go with --matrix DIR or --history DIR"),
         ((pre, new, "--history", history / "matrix.png"), "matrix.png"),

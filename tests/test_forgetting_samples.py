@@ -52,8 +52,18 @@ def read_jsonl(path: Path) -> list[dict]:
 def two_model_outputs(lm_eval_runs, tmp_path_factory):
     """One CLI run with --samples and --replay (--json output), shared by the tests of the two-model form."""
     out = tmp_path_factory.mktemp("samples")
-    result = run_cli(lm_eval_runs.pre, lm_eval_runs.post, "--filter", FILTER, *GROUPS, "--json",
-                     "--samples", out / "samples.jsonl", "--replay", out / "replay.jsonl")
+    result = run_cli(
+        lm_eval_runs.pre,
+        lm_eval_runs.post,
+        "--filter",
+        FILTER,
+        *GROUPS,
+        "--json",
+        "--samples",
+        out / "samples.jsonl",
+        "--replay",
+        out / "replay.jsonl",
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout), read_jsonl(out / "samples.jsonl"), read_jsonl(out / "replay.jsonl"), result.stderr
 
@@ -116,8 +126,9 @@ def test_replay_holds_exactly_the_forgotten_docs_with_their_gold_answers(lm_eval
 
 def test_replay_as_chat_messages(lm_eval_runs, tmp_path):
     out = tmp_path / "replay.jsonl"
-    result = run_cli(lm_eval_runs.pre, lm_eval_runs.post, "--filter", FILTER, "--replay", out,
-                     "--replay-format", "messages")
+    result = run_cli(
+        lm_eval_runs.pre, lm_eval_runs.post, "--filter", FILTER, "--replay", out, "--replay-format", "messages"
+    )
     assert result.exit_code == 0, result.output
     records = read_jsonl(out)
     assert records and all(set(record) == {"messages", "task", "doc_id"} for record in records)
@@ -151,22 +162,40 @@ def test_a_doc_whose_gold_answer_is_not_in_the_log_is_left_out_and_counted(lm_ev
 def test_sample_text_of_records_lm_eval_shapes_otherwise():
     """Older list arguments, a target given as the option's text, acc_mutual_info's unconditional requests,
     several contexts per doc (multiple_input: no one prompt), and records missing their parts."""
-    older = {"arguments": [["Q?", " yes"], ["Q?", " no"]], "target": "no", "filtered_resps": [[-2.0, False], [-1.0, True]]}
-    assert sample_text(older, "acc", None) == sample_text({**older, "target": "1"}, "acc", {}) == \
-        SampleText("Q?", " no", " no", " no")
-    mutual = {"acc_mutual_info": 1, "target": "0", "arguments": [["Q?", " a"], ["Q?", " b"], ["", " a"], ["", " b"]],
-              "filtered_resps": [[-1.0, True], [-2.0, False], [-0.5, False], [-3.0, False]]}
+    older = {
+        "arguments": [["Q?", " yes"], ["Q?", " no"]],
+        "target": "no",
+        "filtered_resps": [[-2.0, False], [-1.0, True]],
+    }
+    assert (
+        sample_text(older, "acc", None)
+        == sample_text({**older, "target": "1"}, "acc", {})
+        == SampleText("Q?", " no", " no", " no")
+    )
+    mutual = {
+        "acc_mutual_info": 1,
+        "target": "0",
+        "arguments": [["Q?", " a"], ["Q?", " b"], ["", " a"], ["", " b"]],
+        "filtered_resps": [[-1.0, True], [-2.0, False], [-0.5, False], [-3.0, False]],
+    }
     assert sample_text(mutual, "acc_mutual_info", None).answer == " b"  # -2 - -3 beats -1 - -0.5
     assert sample_text(mutual, "acc", None).answer == " a"
-    in_process = {"target": 1, "arguments": [("Q?", " yes"), ("Q?", " no")], "filtered_resps": [(-2.0, False), (-1.0, True)]}
+    in_process = {
+        "target": 1,
+        "arguments": [("Q?", " yes"), ("Q?", " no")],
+        "filtered_resps": [(-2.0, False), (-1.0, True)],
+    }
     assert sample_text(in_process, "acc", None) == SampleText("Q?", " no", " no", " no")  # the sweep's records
     assert sample_text({**in_process, "target": [0, 1]}, "acc", None).gold is None  # multiple_target: no one gold
     several = {"target": "0", "arguments": [["A is", " x"], ["B is", " x"]], "filtered_resps": [[-1, 0], [-2, 0]]}
     assert sample_text(several, "acc", None).prompt is None
     for broken in ({}, {"arguments": "x"}, {"arguments": [["only one"]]}, {"arguments": {"gen_args_0": 3}}):
         assert sample_text(broken, "acc", None).prompt is None
-    generated = {"target": "42", "arguments": {"gen_args_0": {"arg_0": "2*21=", "arg_1": {"until": []}}},
-                 "filtered_resps": [["42"]]}
+    generated = {
+        "target": "42",
+        "arguments": {"gen_args_0": {"arg_0": "2*21=", "arg_1": {"until": []}}},
+        "filtered_resps": [["42"]],
+    }
     assert sample_text(generated, "exact_match", {"target_delimiter": ""}) == SampleText("2*21=", "42", "42", "42")
     assert sample_text(generated, "exact_match", None).completion == " 42"  # lm-eval's default target_delimiter
 
@@ -182,8 +211,18 @@ def checkpoints(lm_eval_runs, lm_eval_checkpoint):
 
 def test_each_trajectory_row_is_the_two_model_comparison(checkpoints, tmp_path):
     samples = tmp_path / "samples.jsonl"
-    result = run_cli(*checkpoints, "--filter", FILTER, *GROUPS, "--overall", "--json", "--samples", samples,
-                     "--heatmap", tmp_path / "map.png")
+    result = run_cli(
+        *checkpoints,
+        "--filter",
+        FILTER,
+        *GROUPS,
+        "--overall",
+        "--json",
+        "--samples",
+        samples,
+        "--heatmap",
+        tmp_path / "map.png",
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert [row["path"] for row in payload["checkpoints"]] == list(map(str, checkpoints))
@@ -216,7 +255,9 @@ def test_heatmap_without_groups_has_a_row_per_task(checkpoints, tmp_path):
 
 
 def alert_run(checkpoints, *alerts):
-    return run_cli(*checkpoints, "--filter", FILTER, *GROUPS, *[part for alert in alerts for part in ("--alert", alert)])
+    return run_cli(
+        *checkpoints, "--filter", FILTER, *GROUPS, *[part for alert in alerts for part in ("--alert", alert)]
+    )
 
 
 def test_alert_exits_3_only_when_a_checkpoint_crosses_it(checkpoints):
@@ -238,13 +279,16 @@ def test_alert_exits_3_only_when_a_checkpoint_crosses_it(checkpoints):
     assert two_models.exit_code == 3 and "alert: checkpoint 1" in two_models.stderr
 
 
-@pytest.mark.parametrize("alert, message", [
-    ("old F_true>0.1", "expected GROUP:METRIC>VALUE"),
-    ("old:F_ture>0.1", "unknown metric 'F_ture'"),
-    ("gone:F_true>0.1", "no group 'gone' (groups: old, new)"),
-    ("old:F_true>x", "'x' is not a number"),
-    ("old:F_true>nan", "not a number"),
-])
+@pytest.mark.parametrize(
+    "alert, message",
+    [
+        ("old F_true>0.1", "expected GROUP:METRIC>VALUE"),
+        ("old:F_ture>0.1", "unknown metric 'F_ture'"),
+        ("gone:F_true>0.1", "no group 'gone' (groups: old, new)"),
+        ("old:F_true>x", "'x' is not a number"),
+        ("old:F_true>nan", "not a number"),
+    ],
+)
 def test_a_bad_alert_is_one_line_before_any_work(tmp_path, alert, message):
     missing = tmp_path / "nothing-here"  # inputs are not read: the alert is refused first
     missing.mkdir()

@@ -23,15 +23,15 @@ from tiny_models import tiny_llama, train_lora
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import mergekit_lite.audits.base as audit_base_module
+from mergekit_lite.audited import run_merge
 from mergekit_lite.audits.adapter import audit_adapter
-from mergekit_lite.audits.thresholds import AuditThresholds
 from mergekit_lite.audits.fingerprint import FINGERPRINT_FILE, compute_fingerprint, write_fingerprint
+from mergekit_lite.audits.thresholds import AuditThresholds
 from mergekit_lite.cli.main import main
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import ADAPTER_PATTERNS, resolve_model
-from mergekit_lite.merge.schema import config_from_dict
-from mergekit_lite.audited import run_merge
 from mergekit_lite.merge.extract import extract_lora
+from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.threads import torch_threads
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -67,8 +67,9 @@ class MarkerOnLoad:
 
 
 def make_adapter(base_dir: Path, out: Path, steps: int, seed: int = 2, declared: str | None = None) -> Path:
-    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=16,
-                                                                                     target_modules=TARGETS))
+    peft_model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS)
+    )
     train_lora(peft_model, steps, seed=seed, batch=(4, 16))
     peft_model.save_pretrained(out)
     if declared is not None:
@@ -85,9 +86,11 @@ def hub(tmp_path_factory):
     with torch_threads(1):
         tiny_llama(0).save_pretrained(root / "base")
         (root / "base" / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny base\n")
-        folders = {"good": make_adapter(root / "base", root / "good", 5, declared="tiny-org/base"),
-                   "noop": make_adapter(root / "base", root / "noop", 0, declared="tiny-org/base"),
-                   "wrong": make_adapter(root / "base", root / "wrong", 5, declared="tiny-org/other-model")}
+        folders = {
+            "good": make_adapter(root / "base", root / "good", 5, declared="tiny-org/base"),
+            "noop": make_adapter(root / "base", root / "noop", 0, declared="tiny-org/base"),
+            "wrong": make_adapter(root / "base", root / "wrong", 5, declared="tiny-org/other-model"),
+        }
         batch = root / "batch"
         for index in range(BATCH):
             make_adapter(root / "base", batch / f"a{index:02d}", steps=index % 3, seed=index, declared="tiny-org/base")
@@ -122,18 +125,24 @@ def statuses(report) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("revision", ["", f"@{COMMIT}", "@v1"], ids=["main", "commit", "tag"])
-@pytest.mark.parametrize("name, verdict, failed", [("good", "VERIFIED", None), ("noop", "REJECTED", "delta"),
-                                                   ("wrong", "REJECTED", "base-id")])
+@pytest.mark.parametrize(
+    "name, verdict, failed",
+    [("good", "VERIFIED", None), ("noop", "REJECTED", "delta"), ("wrong", "REJECTED", "base-id")],
+)
 def test_hub_ids_get_the_verdicts_of_their_folders(hub, offline_cache, name, verdict, failed, revision):
-    by_id = audit_adapter(f"tiny-org/{name}-lora{revision}", "tiny-org/base", thresholds=AuditThresholds(
-        min_total_norm=0.01))
-    by_folder = audit_adapter(hub[name], hub["base"], base_id="tiny-org/base",
-                              thresholds=AuditThresholds(min_total_norm=0.01))
+    by_id = audit_adapter(
+        f"tiny-org/{name}-lora{revision}", "tiny-org/base", thresholds=AuditThresholds(min_total_norm=0.01)
+    )
+    by_folder = audit_adapter(
+        hub[name], hub["base"], base_id="tiny-org/base", thresholds=AuditThresholds(min_total_norm=0.01)
+    )
     assert by_id.verdict == by_folder.verdict == verdict, by_id.reasons
     assert statuses(by_id) == statuses(by_folder)
     assert by_id.adapter == f"tiny-org/{name}-lora{revision}" and by_id.base == "tiny-org/base"
     base_id = next(check for check in by_id.checks if check.name == "base-id")
-    assert base_id.measurements["given"] == "tiny-org/base" and base_id.measurements["given_from"] == "the base's hub id"
+    assert (
+        base_id.measurements["given"] == "tiny-org/base" and base_id.measurements["given_from"] == "the base's hub id"
+    )
     if failed:
         assert statuses(by_id)[failed] == "fail"
     delta = {c.name: c for c in by_id.checks}["delta"]
@@ -154,7 +163,10 @@ def test_pickle_only_hub_adapter_is_refused_without_unpickling(hub, offline_cach
     # online, huggingface_hub filters the repository's listing through these patterns: the pickle is never fetched
     listing = ["adapter_config.json", "adapter_model.bin", "README.md", "tokenizer.json", "training_args.bin"]
     assert sorted(filter_repo_objects(listing, allow_patterns=ADAPTER_PATTERNS)) == [
-        "README.md", "adapter_config.json", "tokenizer.json"]
+        "README.md",
+        "adapter_config.json",
+        "tokenizer.json",
+    ]
     result = CliRunner().invoke(main, ["audit", "tiny-org/pickled-lora", "--base", "tiny-org/base"])
     assert result.exit_code == 1 and "REJECTED" in result.output
     assert not hub["marker"].exists()
@@ -203,9 +215,23 @@ def test_refs_and_revisions_that_walk_out_are_refused(hub, tmp_path):
         # and the CLI's commands (in-process through its click group, which renders errors as the console script
         # does) refuse them in one line, exit 2, before writing anything
         for why, reference in cases.items():
-            for args in (["audit", str(hub["good"]), "--base", reference, "-q"],
-                         ["merge", "--method", "linear", "--alpha", "0.5", "--base", str(hub["base"]), "--model",
-                          reference, "--out", str(tmp_path / "merged"), "-q"]):
+            for args in (
+                ["audit", str(hub["good"]), "--base", reference, "-q"],
+                [
+                    "merge",
+                    "--method",
+                    "linear",
+                    "--alpha",
+                    "0.5",
+                    "--base",
+                    str(hub["base"]),
+                    "--model",
+                    reference,
+                    "--out",
+                    str(tmp_path / "merged"),
+                    "-q",
+                ],
+            ):
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")
                     run = CliRunner().invoke(main, args)
@@ -236,8 +262,10 @@ def test_a_batch_opens_and_measures_the_base_once(hub, offline_cache, tmp_path, 
     folders = [str(hub["batch"] / f"a{index:02d}") for index in range(1, BATCH, 2)]
     listing.write_text("# the batch\n" + "\n".join(by_id[5:]) + "\n\n" + "\n".join(folders) + "  # folders\n")
     args = ["audit", *by_id[:5], "--from-file", str(listing), "--base", "tiny-org/base", "--min-total-norm", "0.01"]
-    runs = {form: CliRunner().invoke(main, args + flag) for form, flag in (("table", []), ("json", ["--json"]),
-                                                                          ("csv", ["--csv"]))}
+    runs = {
+        form: CliRunner().invoke(main, args + flag)
+        for form, flag in (("table", []), ("json", ["--json"]), ("csv", ["--csv"]))
+    }
     assert len(opened.calls) == 3, "the base is opened once per run, not once per adapter"
     assert len(decomposed.calls) == 3 * 2 * len(TARGETS), "each adapted base matrix is decomposed once per run"
     for run in runs.values():
@@ -247,7 +275,9 @@ def test_a_batch_opens_and_measures_the_base_once(hub, offline_cache, tmp_path, 
     assert table[-1] == f"{BATCH - 7} VERIFIED, 0 WARN, 7 REJECTED"
     reports = json.loads(runs["json"].output)["reports"]
     assert [r["adapter"] for r in reports] == by_id + folders
-    assert {r["verdict"] for r in reports if r["adapter"].endswith(("00", "03", "06", "09", "12", "15", "18"))} == {"REJECTED"}
+    assert {r["verdict"] for r in reports if r["adapter"].endswith(("00", "03", "06", "09", "12", "15", "18"))} == {
+        "REJECTED"
+    }
     rows = list(csv.DictReader(io.StringIO(runs["csv"].output)))
     assert [row["adapter"] for row in rows] == by_id + folders
     for row, report in zip(rows, reports):
@@ -256,9 +286,11 @@ def test_a_batch_opens_and_measures_the_base_once(hub, offline_cache, tmp_path, 
         assert row["verdict"] == report["verdict"] and row["base-id_status"] == "pass"
 
 
-@pytest.mark.parametrize("content, message", [(b"", "lists no adapters"), (b"\xff\xfe", "not UTF-8"),
-                                              (b"x" * (2 << 20), "larger than")],
-                         ids=["empty", "not-utf8", "huge"])
+@pytest.mark.parametrize(
+    "content, message",
+    [(b"", "lists no adapters"), (b"\xff\xfe", "not UTF-8"), (b"x" * (2 << 20), "larger than")],
+    ids=["empty", "not-utf8", "huge"],
+)
 def test_from_file_is_a_checked_user_input(hub, tmp_path, content, message):
     listing = tmp_path / "list.txt"
     listing.write_bytes(content)
@@ -279,8 +311,13 @@ def front_matter(card: str) -> dict:
 
 
 def test_merge_output_has_a_model_card_and_loads(hub, offline_cache, tmp_path):
-    config = config_from_dict({"method": "task_arithmetic", "base": "tiny-org/base",
-                                    "models": [{"model": "tiny-org/good-lora", "weight": 0.5}]})
+    config = config_from_dict(
+        {
+            "method": "task_arithmetic",
+            "base": "tiny-org/base",
+            "models": [{"model": "tiny-org/good-lora", "weight": 0.5}],
+        }
+    )
     out = run_merge(config, tmp_path / "merged").out
     card = (out / "README.md").read_text()
     meta = front_matter(card)
@@ -326,11 +363,28 @@ def test_save_best_section_renders_pick_and_intervals(hub, tmp_path):
     """The section a sweep's --save-best passes to run_merge(card_sections=...): the pick and scores with intervals."""
     from mergekit_lite.io.model_card import selection_section
 
-    section = selection_section(0.3, [{"label": "alpha=0.3", "old": 0.9, "new": 0.8, "harmonic_mean": 0.847,
-                                       "intervals": {"old": [0.85, 0.95], "harmonic_mean": [0.8, 0.89]}},
-                                      {"label": "post", "old": 0.5, "new": 0.9, "harmonic_mean": 0.643}], tied=[0.25])
-    config = config_from_dict({"method": "linear", "base": str(hub["base"]),
-                                    "models": [{"model": str(hub["base"])}], "parameters": {"alpha": 0.3}})
+    section = selection_section(
+        0.3,
+        [
+            {
+                "label": "alpha=0.3",
+                "old": 0.9,
+                "new": 0.8,
+                "harmonic_mean": 0.847,
+                "intervals": {"old": [0.85, 0.95], "harmonic_mean": [0.8, 0.89]},
+            },
+            {"label": "post", "old": 0.5, "new": 0.9, "harmonic_mean": 0.643},
+        ],
+        tied=[0.25],
+    )
+    config = config_from_dict(
+        {
+            "method": "linear",
+            "base": str(hub["base"]),
+            "models": [{"model": str(hub["base"])}],
+            "parameters": {"alpha": 0.3},
+        }
+    )
     card = (run_merge(config, tmp_path / "best", card_sections=[section]).out / "README.md").read_text()
     assert front_matter(card)["base_model"] == ["base"]
     assert "## Sweep selection" in card and "alpha = 0.3" in card and "0.25" in card

@@ -18,8 +18,17 @@ from mergekit_lite.merge.methods import tensor_math as methods
 from mergekit_lite.merge.schema import config_from_dict
 
 compiled = pytest.mark.skipif(methods._kernels is None, reason="the optional extension was not built here")
-SIZES = (0, 1, 5, methods.ANGLE_LANES - 1, methods.ANGLE_LANES + 3, methods.ANGLE_BLOCK, methods.ANGLE_BLOCK + 1,
-         3 * methods.ANGLE_BLOCK + 17, methods.CHUNK + 5)
+SIZES = (
+    0,
+    1,
+    5,
+    methods.ANGLE_LANES - 1,
+    methods.ANGLE_LANES + 3,
+    methods.ANGLE_BLOCK,
+    methods.ANGLE_BLOCK + 1,
+    3 * methods.ANGLE_BLOCK + 17,
+    methods.CHUNK + 5,
+)
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -31,10 +40,12 @@ def hostile(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     info = torch.finfo(dtype)
     spread = min(20, int(math.log2(info.max)) - 4)
-    values = torch.randn(n, generator=generator, dtype=torch.float64) * \
-        torch.exp2(torch.randint(-spread, spread, (n,), generator=generator).double())
-    specials = torch.tensor([0.0, -0.0, info.max, -info.max, info.tiny, info.tiny / 4, -info.smallest_normal / 8],
-                            dtype=torch.float64)
+    values = torch.randn(n, generator=generator, dtype=torch.float64) * torch.exp2(
+        torch.randint(-spread, spread, (n,), generator=generator).double()
+    )
+    specials = torch.tensor(
+        [0.0, -0.0, info.max, -info.max, info.tiny, info.tiny / 4, -info.smallest_normal / 8], dtype=torch.float64
+    )
     count = min(n, len(specials))
     values[torch.randperm(n, generator=generator)[:count]] = specials[:count]
     return values.to(dtype)
@@ -48,12 +59,16 @@ def test_the_compiled_angle_adds_what_the_torch_angle_adds(dtype):
     for n in SIZES:
         start, end = hostile(n, dtype, seed=n), hostile(n, dtype, seed=n + 1)
         code = methods.ANGLE_DTYPES[dtype]
-        compiled_sums = methods._kernels.angle_sums(start.data_ptr(), end.data_ptr(), n, code, methods.ANGLE_BLOCK,
-                                                    (1.5, -2.0, 0.25))
+        compiled_sums = methods._kernels.angle_sums(
+            start.data_ptr(), end.data_ptr(), n, code, methods.ANGLE_BLOCK, (1.5, -2.0, 0.25)
+        )
         assert compiled_sums == methods.angle_sums(start, end, (1.5, -2.0, 0.25)), (dtype, n)
         a, b = start.double().tolist(), end.double().tolist()
-        exact = (1.5 + math.fsum(x * x for x in a), -2.0 + math.fsum(x * y for x, y in zip(a, b)),
-                 0.25 + math.fsum(y * y for y in b))
+        exact = (
+            1.5 + math.fsum(x * x for x in a),
+            -2.0 + math.fsum(x * y for x, y in zip(a, b)),
+            0.25 + math.fsum(y * y for y in b),
+        )
         for got, want, scale in zip(compiled_sums, exact, (exact[0], math.sqrt(exact[0] * exact[2]), exact[2])):
             assert abs(got - want) <= 1e-12 * scale, (dtype, n, got, want)  # float64 sums, no float32 overflow
 
@@ -61,11 +76,14 @@ def test_the_compiled_angle_adds_what_the_torch_angle_adds(dtype):
 @compiled
 def test_the_angle_fed_in_slabs_is_the_angle_of_the_whole_tensor():
     """Slabs start at multiples of CHUNK, so each block's additions are the whole tensor's and the totals go on."""
-    start, end = hostile(3 * methods.CHUNK + 999, torch.bfloat16, 1), hostile(3 * methods.CHUNK + 999, torch.bfloat16, 2)
+    start, end = (
+        hostile(3 * methods.CHUNK + 999, torch.bfloat16, 1),
+        hostile(3 * methods.CHUNK + 999, torch.bfloat16, 2),
+    )
     whole, in_slabs = methods.SlerpAngle(), methods.SlerpAngle()
     whole.add(start, end)
     for begin in range(0, start.numel(), 2 * methods.CHUNK):
-        in_slabs.add(start[begin:begin + 2 * methods.CHUNK], end[begin:begin + 2 * methods.CHUNK])
+        in_slabs.add(start[begin : begin + 2 * methods.CHUNK], end[begin : begin + 2 * methods.CHUNK])
     assert whole.weights(0.3) == in_slabs.weights(0.3) != (0.7, 0.3)
     assert whole._totals == in_slabs._totals == methods.angle_sums(start, end, (0.0, 0.0, 0.0))
 
@@ -116,11 +134,24 @@ def test_the_compiled_task_vector_merge_is_torchs(n):
     models[2][: n // 3] = base[: n // 3]  # zero deltas
     keeps = [methods.keep_indicator(7 + i, 0, n, drop) for i, drop in enumerate((0.3, 0.0, 0.9))]
     for count, sparsifier, consensus, normalize, scale, weights, rules in itertools.product(
-            (1, 2, 3), (None, "magnitude", "random"), (False, True), (False, True), (1.0, 0.7),
-            ((1.0, 1.0, 1.0), (0.3, 1.2, 0.5), (0.5, -0.4, 1.0), (-1.0, -0.5, -2.0)), (False, True)):
-        options = dict(scale=scale, sparsifier=sparsifier, consensus=consensus, normalize=normalize,
-                       mergekit_rules=rules, thresholds=[0.05, 0.0, 0.11][:count] if sparsifier == "magnitude" else None,
-                       drops=[0.3, 0.0, 0.9][:count], keeps=keeps[:count] if sparsifier == "random" else None)
+        (1, 2, 3),
+        (None, "magnitude", "random"),
+        (False, True),
+        (False, True),
+        (1.0, 0.7),
+        ((1.0, 1.0, 1.0), (0.3, 1.2, 0.5), (0.5, -0.4, 1.0), (-1.0, -0.5, -2.0)),
+        (False, True),
+    ):
+        options = dict(
+            scale=scale,
+            sparsifier=sparsifier,
+            consensus=consensus,
+            normalize=normalize,
+            mergekit_rules=rules,
+            thresholds=[0.05, 0.0, 0.11][:count] if sparsifier == "magnitude" else None,
+            drops=[0.3, 0.0, 0.9][:count],
+            keeps=keeps[:count] if sparsifier == "random" else None,
+        )
         expected = methods.task_vector_merge(base, models[:count], list(weights[:count]), **options)
         assert expected.dtype == torch.float32
         out = torch.empty_like(base)
@@ -150,13 +181,20 @@ def test_nonfinite_entries_are_written_as_torch_writes_them():
     methods.linear([start, end], [0.6, 0.4], normalize=False, out=out)
     expected = methods.linear([start, end], [0.6, 0.4], normalize=False).to(torch.bfloat16)
     assert torch.equal(bits(out), bits(expected)) and torch.isnan(out).any()
-    models = [nonfinite((base.float() + hostile(n, torch.bfloat16, seed).float()).to(torch.bfloat16), seed)
-              for seed in (3, 4)]
+    models = [
+        nonfinite((base.float() + hostile(n, torch.bfloat16, seed).float()).to(torch.bfloat16), seed) for seed in (3, 4)
+    ]
     keeps = [methods.keep_indicator(seed, 0, n, 0.3) for seed in (5, 6)]
     for sparsifier, consensus in itertools.product((None, "magnitude", "random"), (False, True)):
-        options = dict(scale=0.9, sparsifier=sparsifier, consensus=consensus, normalize=consensus, drops=[0.3, 0.3],
-                       thresholds=[0.05, 0.1] if sparsifier == "magnitude" else None,
-                       keeps=keeps if sparsifier == "random" else None)
+        options = dict(
+            scale=0.9,
+            sparsifier=sparsifier,
+            consensus=consensus,
+            normalize=consensus,
+            drops=[0.3, 0.3],
+            thresholds=[0.05, 0.1] if sparsifier == "magnitude" else None,
+            keeps=keeps if sparsifier == "random" else None,
+        )
         methods.task_vector_merge(base, models, [1.0, -0.5], out=out, **options)
         expected = methods.task_vector_merge(base, models, [1.0, -0.5], **options).to(torch.bfloat16)
         assert torch.equal(bits(out), bits(expected)) and torch.isnan(out).any(), (sparsifier, consensus)
@@ -171,9 +209,16 @@ def test_the_compiled_threshold_count_is_numpys(monkeypatch, compress):
     if compress and not methods._kernels.HAS_COMPRESS:
         pytest.skip("this CPU has no AVX-512")
     count = methods._kernels.magnitude_band
-    monkeypatch.setattr(methods, "_kernels", type("Kernels", (), {"magnitude_band": staticmethod(
-        lambda *args: count(*args[:-1], compress))})())
-    for n, density in ((methods.ELEMENTWISE_CHUNK + 1, 0.3), (3 * methods.ELEMENTWISE_CHUNK + 77, 0.05), (1 << 21, 0.9)):
+    monkeypatch.setattr(
+        methods,
+        "_kernels",
+        type("Kernels", (), {"magnitude_band": staticmethod(lambda *args: count(*args[:-1], compress))})(),
+    )
+    for n, density in (
+        (methods.ELEMENTWISE_CHUNK + 1, 0.3),
+        (3 * methods.ELEMENTWISE_CHUNK + 77, 0.05),
+        (1 << 21, 0.9),
+    ):
         base = hostile(n, torch.bfloat16, n)
         model = (base.float() + 0.01 * hostile(n, torch.bfloat16, n + 1).float()).to(torch.bfloat16)
         model[:1000] = base[:1000]
@@ -184,37 +229,55 @@ def test_the_compiled_threshold_count_is_numpys(monkeypatch, compress):
             stride = max(n // methods.THRESHOLD_SAMPLE, 1)
             trim.sample(base[::stride], model[::stride])
             for begin in range(0, n, 2 * methods.ELEMENTWISE_CHUNK):  # in slabs, as merge/slabs.py feeds it
-                trim.count(base[begin:begin + 2 * methods.ELEMENTWISE_CHUNK],
-                           model[begin:begin + 2 * methods.ELEMENTWISE_CHUNK])
+                trim.count(
+                    base[begin : begin + 2 * methods.ELEMENTWISE_CHUNK],
+                    model[begin : begin + 2 * methods.ELEMENTWISE_CHUNK],
+                )
             band = torch.cat([torch.from_numpy(part) for part in trim._band])
             results.append((trim._above, bits(band), trim.select(lambda: (base, model))))
         (above, band, value), (torch_above, torch_band, torch_value) = results
-        assert above == torch_above and torch.equal(band, torch_band) and band.numel() and value == torch_value, \
-            (n, density)
+        assert above == torch_above and torch.equal(band, torch_band) and band.numel() and value == torch_value, (
+            n,
+            density,
+        )
         assert value == methods.trim_threshold(base, model, density)
 
 
 def checkpoint(folder, dtype: torch.dtype, seed: int, finite_deltas: bool) -> str:
     """A model of three tensors (one in two row slabs, one of 77 entries): hostile values, or a shared base plus
     `seed` times a hostile delta, small enough that task vectors and their sums stay finite."""
+
     def values(n: int, offset: int) -> torch.Tensor:
         drawn = hostile(n, dtype, seed + offset)
         if not finite_deltas:
             return drawn
-        return (hostile(n, dtype, offset).float().clamp(-1e30, 1e30) + seed * drawn.float().clamp(-1e28, 1e28)).to(dtype)
+        return (hostile(n, dtype, offset).float().clamp(-1e30, 1e30) + seed * drawn.float().clamp(-1e28, 1e28)).to(
+            dtype
+        )
+
     folder.mkdir()
-    save_file({"model.layers.0.mlp.up_proj.weight": values(2048 * 520, 0).view(2048, 520),
-               "model.layers.0.input_layernorm.weight": values(77, 7),
-               "model.layers.1.mlp.down_proj.weight": values(3 * 4099, 9).view(3, 4099)},
-              folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {
+            "model.layers.0.mlp.up_proj.weight": values(2048 * 520, 0).view(2048, 520),
+            "model.layers.0.input_layernorm.weight": values(77, 7),
+            "model.layers.1.mlp.down_proj.weight": values(3 * 4099, 9).view(3, 4099),
+        },
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return str(folder)
 
 
-@pytest.mark.parametrize("method, dtype, parameters", [
-    ("slerp", torch.bfloat16, {"t": [0.2, 0.7]}), ("slerp", torch.float16, {"t": [0.2, 0.7]}),
-    ("ties", torch.bfloat16, {"density": 0.4, "normalize": True}),
-    ("dare_ties", torch.bfloat16, {"drop": 0.3, "normalize": True}),
-    ("task_arithmetic", torch.bfloat16, {"lambda": 0.8})])
+@pytest.mark.parametrize(
+    "method, dtype, parameters",
+    [
+        ("slerp", torch.bfloat16, {"t": [0.2, 0.7]}),
+        ("slerp", torch.float16, {"t": [0.2, 0.7]}),
+        ("ties", torch.bfloat16, {"density": 0.4, "normalize": True}),
+        ("dare_ties", torch.bfloat16, {"drop": 0.3, "normalize": True}),
+        ("task_arithmetic", torch.bfloat16, {"lambda": 0.8}),
+    ],
+)
 def test_merges_write_the_same_bytes_with_or_without_the_kernels(tmp_path, monkeypatch, method, dtype, parameters):
     """Whole merges, tensors whole and in slabs (the statistics pass on its own thread): with the kernels and with
     torch's code alone, byte for byte."""
@@ -222,8 +285,10 @@ def test_merges_write_the_same_bytes_with_or_without_the_kernels(tmp_path, monke
     models = folders[1:2] if method == "slerp" else folders[1:]
     config = config_from_dict({"method": method, "base": folders[0], "models": models, "parameters": parameters})
     outputs = []
-    for kernels, angle_dtypes, most_models in ((methods._kernels, methods.ANGLE_DTYPES, methods.MAX_FUSED_MODELS),
-                                               (None, {}, 0)):
+    for kernels, angle_dtypes, most_models in (
+        (methods._kernels, methods.ANGLE_DTYPES, methods.MAX_FUSED_MODELS),
+        (None, {}, 0),
+    ):
         monkeypatch.setattr(methods, "_kernels", kernels)
         monkeypatch.setattr(methods, "ANGLE_DTYPES", angle_dtypes)
         monkeypatch.setattr(methods, "MAX_FUSED_MODELS", most_models)

@@ -18,10 +18,15 @@ MAX_LINES = 1000
 METHODS_PACKAGE = "mergekit_lite.merge.methods"
 # floor of each module prefix (the longest matching prefix wins); a module may import its own floor or lower
 FLOORS = {
-    "mergekit_lite.errors": 0, "mergekit_lite.interrupts": 0, "mergekit_lite.threads": 0, "mergekit_lite": 0,
-    "mergekit_lite.io": 1, "mergekit_lite.toy": 1,
+    "mergekit_lite.errors": 0,
+    "mergekit_lite.interrupts": 0,
+    "mergekit_lite.threads": 0,
+    "mergekit_lite": 0,
+    "mergekit_lite.io": 1,
+    "mergekit_lite.toy": 1,
     "mergekit_lite.merge": 2,
-    "mergekit_lite.evaluate": 3, "mergekit_lite.audits": 3,
+    "mergekit_lite.evaluate": 3,
+    "mergekit_lite.audits": 3,
     "mergekit_lite.audited": 4,
     "mergekit_lite.sweep": 5,
     "mergekit_lite.demo": 6,
@@ -89,7 +94,7 @@ def test_no_import_circle(graph):
         path.append(name)
         for target in sorted(graph[name]):
             if state.get(target) == 1:
-                circles.append(path[path.index(target):] + [target])
+                circles.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target)
         path.pop()
@@ -102,8 +107,12 @@ def test_no_import_circle(graph):
 
 
 def test_no_upward_import(graph):
-    upward = [f"{name} -> {target}" for name, targets in sorted(graph.items()) for target in sorted(targets)
-              if floor(target) > floor(name) and not (name == "mergekit_lite" or target == "mergekit_lite")]
+    upward = [
+        f"{name} -> {target}"
+        for name, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if floor(target) > floor(name) and not (name == "mergekit_lite" or target == "mergekit_lite")
+    ]
     assert upward == []
 
 
@@ -127,8 +136,11 @@ def method_name_comparisons(source: str, names: set[str]) -> list[str]:
             continue
         for operand in (node.left, *node.comparators):
             elements = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-            found += [f"line {node.lineno}: {element.value!r}" for element in elements
-                      if isinstance(element, ast.Constant) and element.value in names]
+            found += [
+                f"line {node.lineno}: {element.value!r}"
+                for element in elements
+                if isinstance(element, ast.Constant) and element.value in names
+            ]
     return found
 
 
@@ -136,18 +148,26 @@ def test_no_method_name_is_compared_outside_the_registry():
     """A method is declared in one module of merge/methods/; the rest of the code asks it (`Method` attributes)."""
     from mergekit_lite.merge.methods import NAMES
 
-    outside = {name: path for name, path in modules().items()
-               if name != METHODS_PACKAGE and not name.startswith(METHODS_PACKAGE + ".")}
+    outside = {
+        name: path
+        for name, path in modules().items()
+        if name != METHODS_PACKAGE and not name.startswith(METHODS_PACKAGE + ".")
+    }
     found = {name: method_name_comparisons(path.read_text(), set(NAMES)) for name, path in outside.items()}
     assert {name: comparisons for name, comparisons in found.items() if comparisons} == {}
 
 
 def test_the_comparison_count_sees_every_form():
     """The counter itself: ==, in with a tuple, != with the name on the left; not a default value or a dict key."""
-    source = ('if method == "ties": pass\nif m in ("slerp", "x"): pass\nif "lines" != m: pass\n'
-              'settings = {"method": "linear"}\ndef f(baseline="linear"): pass\n')
+    source = (
+        'if method == "ties": pass\nif m in ("slerp", "x"): pass\nif "lines" != m: pass\n'
+        'settings = {"method": "linear"}\ndef f(baseline="linear"): pass\n'
+    )
     assert method_name_comparisons(source, {"ties", "slerp", "lines", "linear"}) == [
-        "line 1: 'ties'", "line 2: 'slerp'", "line 3: 'lines'"]
+        "line 1: 'ties'",
+        "line 2: 'slerp'",
+        "line 3: 'lines'",
+    ]
 
 
 def test_walker_sees_lazy_and_relative_imports(tmp_path):
@@ -180,10 +200,12 @@ def test_the_package_imports_none_of_its_modules_until_asked():
     import subprocess
     import sys
 
-    program = ("import sys, mergekit_lite\n"
-               "print(sorted(m for m in sys.modules if m.startswith('mergekit_lite.')))\n"
-               "for name in mergekit_lite.__all__:\n"
-               "    assert getattr(mergekit_lite, name).__name__ == name, name\n")
+    program = (
+        "import sys, mergekit_lite\n"
+        "print(sorted(m for m in sys.modules if m.startswith('mergekit_lite.')))\n"
+        "for name in mergekit_lite.__all__:\n"
+        "    assert getattr(mergekit_lite, name).__name__ == name, name\n"
+    )
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

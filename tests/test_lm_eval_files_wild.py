@@ -28,8 +28,11 @@ from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 pytestmark = pytest.mark.slow
 
 MC = {"output_type": "multiple_choice", "doc_to_choice": "choices", "doc_to_target": "label"}
-GENERATE = {"output_type": "generate_until", "doc_to_target": "{{choices[label]}}",
-            "generation_kwargs": {"until": ["\n"], "max_gen_toks": 2, "do_sample": False}}
+GENERATE = {
+    "output_type": "generate_until",
+    "doc_to_target": "{{choices[label]}}",
+    "generation_kwargs": {"until": ["\n"], "max_gen_toks": 2, "do_sample": False},
+}
 # the 0/1 metric each task also logs, beside a first metric lm-eval does not score 0/1 per sample
 ALTERNATIVE = {"ll_target": "acc", "gen_bleu": "exact_match", "mc_brier": "acc"}
 LIMIT = 8
@@ -44,21 +47,50 @@ def metrics(*names: str) -> list[dict]:
 def wild_configs(data_file: Path) -> dict[str, dict]:
     """Task shapes users run, over the toy pair's old-skill docs."""
     return {
-        "ll_target": {**_base("ll_target", data_file), "output_type": "loglikelihood",
-                      "doc_to_target": " {{choices[label]}}", "metric_list": metrics("perplexity", "acc")},
-        "rolling": {**_base("rolling", data_file), "output_type": "loglikelihood_rolling", "doc_to_text": "",
-                    "doc_to_target": "{{question}} {{choices[label]}}",
-                    "metric_list": metrics("word_perplexity", "byte_perplexity", "bits_per_byte")},
+        "ll_target": {
+            **_base("ll_target", data_file),
+            "output_type": "loglikelihood",
+            "doc_to_target": " {{choices[label]}}",
+            "metric_list": metrics("perplexity", "acc"),
+        },
+        "rolling": {
+            **_base("rolling", data_file),
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{question}} {{choices[label]}}",
+            "metric_list": metrics("word_perplexity", "byte_perplexity", "bits_per_byte"),
+        },
         "gen_bleu": {**_base("gen_bleu", data_file), **GENERATE, "metric_list": metrics("bleu", "exact_match")},
         "mc_brier": {**_base("mc_brier", data_file), **MC, "metric_list": metrics("brier_score", "acc")},
-        "gen_repeat": {**_base("gen_repeat", data_file), **GENERATE, "repeats": 3, "metric_list": EXACT_MATCH,
-                       "filter_list": [{"name": "maj", "filter": [{"function": "regex", "regex_pattern": r"(\w+)"},
-                                                                  {"function": "majority_vote"},
-                                                                  {"function": "take_first"}]}, TWO_FILTERS[1]]},
-        "fewshot_old": {**_base("fewshot_old", data_file), **MC, "num_fewshot": 2, "fewshot_split": "test",
-                        "metric_list": metrics("acc", "acc_norm")},
-        "wild_group": {"group": "wild_group", "task": ["toy_old", "toy_new"],
-                       "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": True}]},
+        "gen_repeat": {
+            **_base("gen_repeat", data_file),
+            **GENERATE,
+            "repeats": 3,
+            "metric_list": EXACT_MATCH,
+            "filter_list": [
+                {
+                    "name": "maj",
+                    "filter": [
+                        {"function": "regex", "regex_pattern": r"(\w+)"},
+                        {"function": "majority_vote"},
+                        {"function": "take_first"},
+                    ],
+                },
+                TWO_FILTERS[1],
+            ],
+        },
+        "fewshot_old": {
+            **_base("fewshot_old", data_file),
+            **MC,
+            "num_fewshot": 2,
+            "fewshot_split": "test",
+            "metric_list": metrics("acc", "acc_norm"),
+        },
+        "wild_group": {
+            "group": "wild_group",
+            "task": ["toy_old", "toy_new"],
+            "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": True}],
+        },
     }
 
 
@@ -91,12 +123,23 @@ def wild_runs(toy_pair, tmp_path_factory) -> WildRuns:
             (include / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         limit = ("--limit", str(LIMIT))
         resampled = json.dumps({"toy_old": RESAMPLED, "toy_new": list(range(LIMIT))})
-        return WildRuns(lm_eval_cli(toy_pair.pre_dir, TASKS, include, root / "pre", *limit),
-                        lm_eval_cli(toy_pair.post_dir, TASKS, include, root / "post", *limit),
-                        lm_eval_cli(toy_pair.pre_dir, "toy_old,gen_old", include, root / "predict", "--limit", "4",
-                                    "--predict_only"),
-                        lm_eval_cli(toy_pair.post_dir, "toy_old,toy_new", include, root / "rerun", "--samples",
-                                    resampled, "--num_fewshot", "2"))
+        return WildRuns(
+            lm_eval_cli(toy_pair.pre_dir, TASKS, include, root / "pre", *limit),
+            lm_eval_cli(toy_pair.post_dir, TASKS, include, root / "post", *limit),
+            lm_eval_cli(
+                toy_pair.pre_dir, "toy_old,gen_old", include, root / "predict", "--limit", "4", "--predict_only"
+            ),
+            lm_eval_cli(
+                toy_pair.post_dir,
+                "toy_old,toy_new",
+                include,
+                root / "rerun",
+                "--samples",
+                resampled,
+                "--num_fewshot",
+                "2",
+            ),
+        )
 
     return once_per_run(tmp_path_factory, "lm_eval_wild", build)
 
@@ -117,9 +160,13 @@ def test_every_0_1_score_is_the_mean_lm_eval_reports(wild_runs):
     per-sample scoring averages to lm-eval's aggregate for every (metric, filter)."""
     for folder in (wild_runs.pre, wild_runs.post):
         aggregates = lm_eval_aggregates(folder)
-        for task, metric, filter_ in [("gen_repeat", "exact_match", "maj"), ("gen_repeat", "exact_match", FLEX),
-                                      ("fewshot_old", "acc", "none"), ("fewshot_old", "acc_norm", "none"),
-                                      *((task, metric, "none") for task, metric in ALTERNATIVE.items())]:
+        for task, metric, filter_ in [
+            ("gen_repeat", "exact_match", "maj"),
+            ("gen_repeat", "exact_match", FLEX),
+            ("fewshot_old", "acc", "none"),
+            ("fewshot_old", "acc_norm", "none"),
+            *((task, metric, "none") for task, metric in ALTERNATIVE.items()),
+        ]:
             run = load_lm_eval_run(folder, Scoring.from_specs([f"{task}={metric}"], [f"{task}={filter_}"]))
             [outcomes] = run.outcomes[task].values()
             assert len(outcomes.correct) == LIMIT and outcomes.num_fewshot == (2 if task == "fewshot_old" else 0)
@@ -172,8 +219,10 @@ def test_an_lm_eval_group_names_its_subtasks_and_is_the_mean_of_their_values(wil
     payload, _ = forgetting_json(wild_runs.pre, wild_runs.post, "--group", "old=wild_group", "--group", "few=fewshot_*")
     groups = {group["group"]: group for group in payload["groups"]}
     assert groups["old"]["tasks"] == ["toy_new", "toy_old"] and groups["few"]["tasks"] == ["fewshot_old"]
-    expected = [paper_numbers(raw_scores(wild_runs.pre, task), raw_scores(wild_runs.post, task), 4)
-                for task in ("toy_old", "toy_new")]
+    expected = [
+        paper_numbers(raw_scores(wild_runs.pre, task), raw_scores(wild_runs.post, task), 4)
+        for task in ("toy_old", "toy_new")
+    ]
     for share in SHARES:
         assert groups["old"][share] == pytest.approx((expected[0][share] + expected[1][share]) / 2)
     result = cli("forgetting", wild_runs.pre, wild_runs.post, "--group", "old=no_such_group")
@@ -198,8 +247,13 @@ def test_a_second_run_in_the_same_folder_wins_and_what_it_changed_is_skipped(wil
     assert skipped["toy_new"].startswith("scored otherwise (num_fewshot 0 in pre, 2 in post)")
     assert "gen_old" in {row["task"] for row in payload["tasks"]} and payload["groups"][0]["tasks"] == ["gen_old"]
     assert "warning: task 'toy_new' skipped" in stderr
-    one_error_line(cli("forgetting", wild_runs.pre, wild_runs.rerun), 2,
-                   "no task could be compared", "toy_old \\(samples differ", "toy_new \\(scored otherwise")
+    one_error_line(
+        cli("forgetting", wild_runs.pre, wild_runs.rerun),
+        2,
+        "no task could be compared",
+        "toy_old \\(samples differ",
+        "toy_new \\(scored otherwise",
+    )
 
 
 def test_results_without_per_sample_logs_are_one_error_line(wild_runs, tmp_path):
@@ -244,8 +298,10 @@ def write_legacy(folder: Path, target: Path, layout: str) -> Path:
 def test_older_lm_eval_layouts_score_like_the_files_they_came_from(wild_runs, tmp_path, layout):
     """Records without filter names: a doc's i-th record is the i-th filter of the task config (gen_old logs
     strict-match then flexible-extract), not a second doc; every filter still selectable."""
-    pre, post = (write_legacy(folder, tmp_path / side, layout) for folder, side in
-                 ((wild_runs.pre, "pre"), (wild_runs.post, "post")))
+    pre, post = (
+        write_legacy(folder, tmp_path / side, layout)
+        for folder, side in ((wild_runs.pre, "pre"), (wild_runs.post, "post"))
+    )
     for options in ([], ["--filter", FLEX]):
         legacy, _ = forgetting_json(pre, post, *options)
         current, _ = forgetting_json(wild_runs.pre, wild_runs.post, *options)

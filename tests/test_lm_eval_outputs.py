@@ -58,8 +58,14 @@ def paper_numbers(pre: dict, post: dict, k: float | None) -> dict:
     a_pre, a_post = sum(pre.values()) / n, sum(post.values()) / n
     chance = 0.0 if k is None else (1 - a_pre) / (k - 1) * (1 - a_post)
     true = (lambda a: a) if k is None else (lambda a: max((k * a - 1) / (k - 1), 0))
-    return {"F": forgotten / n, "BT": gained / n, "F_true": max(forgotten / n - chance, 0),
-            "BT_true": max(gained / n - chance, 0), "F_max": true(a_pre), "BT_max": true(a_post)}
+    return {
+        "F": forgotten / n,
+        "BT": gained / n,
+        "F_true": max(forgotten / n - chance, 0),
+        "BT_true": max(gained / n - chance, 0),
+        "F_max": true(a_pre),
+        "BT_max": true(a_post),
+    }
 
 
 def test_every_score_equals_what_lm_eval_aggregates(lm_eval_runs):
@@ -79,14 +85,24 @@ def test_every_score_equals_what_lm_eval_aggregates(lm_eval_runs):
                 assert outcomes.accuracy == pytest.approx(value), (folder.name, task, key)
                 checked += 1
         assert checked == len(lm_eval_runs.tasks) + 2  # gen_old and gen_new each log two filters
-    k = {task: next(iter(outcomes.values())).n_choices
-         for task, outcomes in load_lm_eval_run(lm_eval_runs.pre).outcomes.items()}
+    k = {
+        task: next(iter(outcomes.values())).n_choices
+        for task, outcomes in load_lm_eval_run(lm_eval_runs.pre).outcomes.items()
+    }
     assert k == {"toy_old": 4, "toy_new": 4, "norm_old": 4, "genmc_old": 4, "gen_old": math.inf, "gen_new": math.inf}
 
 
 def test_forgetting_cli_matches_the_paper_computed_independently(lm_eval_runs):
-    payload, _ = forgetting_json(lm_eval_runs.pre, lm_eval_runs.post, "--filter", "flexible-extract",
-                                 "--group", "old=" + ",".join(OLD), "--group", "new=" + ",".join(NEW))
+    payload, _ = forgetting_json(
+        lm_eval_runs.pre,
+        lm_eval_runs.post,
+        "--filter",
+        "flexible-extract",
+        "--group",
+        "old=" + ",".join(OLD),
+        "--group",
+        "new=" + ",".join(NEW),
+    )
     rows = {row["task"]: row for row in payload["tasks"]}
     assert sorted(rows) == sorted(OLD + NEW) and payload["skipped"] == []
     assert rows["norm_old"]["metric"] == "acc_norm" and rows["gen_new"]["metric"] == "exact_match/flexible-extract"
@@ -107,12 +123,14 @@ def test_forgetting_cli_matches_the_paper_computed_independently(lm_eval_runs):
 def test_filter_and_metric_can_be_chosen_per_task(lm_eval_runs):
     strict, _ = forgetting_json(lm_eval_runs.pre, lm_eval_runs.post)
     flexible, _ = forgetting_json(lm_eval_runs.pre, lm_eval_runs.post, "--filter", "gen_old=flexible-extract")
-    strict_row, flexible_row = ({row["task"]: row for row in payload["tasks"]}["gen_old"]
-                                for payload in (strict, flexible))
+    strict_row, flexible_row = (
+        {row["task"]: row for row in payload["tasks"]}["gen_old"] for payload in (strict, flexible)
+    )
     assert strict_row["metric"] == "exact_match/strict-match" and strict_row["acc_pre"] == 0  # 2 words never match
     assert flexible_row["acc_pre"] > 0.9
-    result = CliRunner().invoke(main, ["forgetting", str(lm_eval_runs.pre), str(lm_eval_runs.post),
-                                       "--metric", "toy_old=acc_norm"])
+    result = CliRunner().invoke(
+        main, ["forgetting", str(lm_eval_runs.pre), str(lm_eval_runs.post), "--metric", "toy_old=acc_norm"]
+    )
     assert result.exit_code == 2 and "no metric 'acc_norm'" in result.stderr
 
 
@@ -171,8 +189,9 @@ def test_seeds_are_compared_seed_by_seed_and_averaged(lm_eval_runs, tmp_path):
     assert per_seed[0] != per_seed[1] and row["seeds"] == 2
     for share in SHARES:
         assert row[share] == pytest.approx((per_seed[0][share] + per_seed[1][share]) / 2)
-    norm = paper_numbers(*[raw_outcomes(samples_file(side, "norm_old"), "none")[0]
-                           for side in (lm_eval_runs.pre, lm_eval_runs.post)], 4)
+    norm = paper_numbers(
+        *[raw_outcomes(samples_file(side, "norm_old"), "none")[0] for side in (lm_eval_runs.pre, lm_eval_runs.post)], 4
+    )
     [old] = payload["groups"]
     assert old["F_true"] == pytest.approx(sum((seed["F_true"] + norm["F_true"]) / 2 for seed in per_seed) / 2)
 
@@ -182,10 +201,30 @@ def test_sweep_cli_end_to_end_on_a_gsm8k_style_task_scores_like_the_lm_eval_file
     task: it runs lm-eval in-process; its pre/post outcomes must equal what the forgetting map reads from
     lm-eval's CLI files."""
     out = tmp_path / "run"
-    done = cli("sweep", "--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--alphas", "0.5",
-               "--old-tasks", "toy_old,genmc_old,norm_old", "--new-tasks", "gen_new", "--filter",
-               "gen_new=flexible-extract", "--include-path", lm_eval_runs.include_path, "--limit", lm_eval_runs.limit,
-               "--bootstrap", "200", "--out", out, "--quiet")
+    done = cli(
+        "sweep",
+        "--pre",
+        toy_pair.pre_dir,
+        "--post",
+        toy_pair.post_dir,
+        "--alphas",
+        "0.5",
+        "--old-tasks",
+        "toy_old,genmc_old,norm_old",
+        "--new-tasks",
+        "gen_new",
+        "--filter",
+        "gen_new=flexible-extract",
+        "--include-path",
+        lm_eval_runs.include_path,
+        "--limit",
+        lm_eval_runs.limit,
+        "--bootstrap",
+        "200",
+        "--out",
+        out,
+        "--quiet",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     scoring = Scoring.from_specs([], ["gen_new=flexible-extract"])
@@ -200,8 +239,10 @@ def test_sweep_cli_end_to_end_on_a_gsm8k_style_task_scores_like_the_lm_eval_file
     assert results["post"]["tasks"]["norm_old"]["metric"] == "acc_norm"
     assert results["post"]["new"] > results["pre"]["new"]
     docs = results["selection"]["docs"]
-    assert all(split["selection"] + split["report"] == lm_eval_runs.limit and min(split.values()) > 0
-               for split in docs.values())
+    assert all(
+        split["selection"] + split["report"] == lm_eval_runs.limit and min(split.values()) > 0
+        for split in docs.values()
+    )
     pick = results["pick"]
     assert pick["selection_harmonic_mean"] == max(p["selection"]["harmonic_mean"] for p in results["points"])
     for point in results["points"]:

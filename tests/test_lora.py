@@ -70,8 +70,13 @@ def test_rslora_scales_by_square_root_of_rank(tmp_path):
 
 
 def test_rank_and_alpha_patterns(tmp_path):
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
-                        rank_pattern={"v_proj": 2, "layers.1.self_attn.o_proj": 8}, alpha_pattern={"o_proj": 4})
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "o_proj"],
+        rank_pattern={"v_proj": 2, "layers.1.self_attn.o_proj": 8},
+        alpha_pattern={"o_proj": 4},
+    )
     base_state, merged = train_and_merge(tiny_llama(), config, tmp_path / "adapter")
     adapter = LoraAdapter.open(tmp_path / "adapter")
     assert adapter.rank("model.layers.0.self_attn.v_proj.weight") == 2
@@ -98,7 +103,10 @@ def test_fan_in_fan_out_conv1d(tmp_path):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
     base_state, merged = train_and_merge(tiny_gpt2(), config, tmp_path / "adapter")
     adapter = LoraAdapter.open(tmp_path / "adapter")
-    assert adapter.delta("transformer.h.0.attn.c_attn.weight").shape == base_state["transformer.h.0.attn.c_attn.weight"].shape
+    assert (
+        adapter.delta("transformer.h.0.attn.c_attn.weight").shape
+        == base_state["transformer.h.0.attn.c_attn.weight"].shape
+    )
     assert_matches_peft(adapter, base_state, merged)
 
 
@@ -138,12 +146,15 @@ def drop_lora_b(tensors):
     return {key: value for key, value in tensors.items() if "layers.1.self_attn.q_proj.lora_B" not in key}
 
 
-@pytest.mark.parametrize("edit_config, edit_weights, message", [
-    (lambda c: {**c, "use_dora": True}, None, "DoRA"),
-    (lambda c: {k: v for k, v in c.items() if k != "r"}, None, "no r \\(required\\)"),
-    (lambda c: {**c, "r": 8}, None, "config says r=8"),
-    (None, drop_lora_b, "layers.1.self_attn.q_proj has no lora_B"),
-])
+@pytest.mark.parametrize(
+    "edit_config, edit_weights, message",
+    [
+        (lambda c: {**c, "use_dora": True}, None, "DoRA"),
+        (lambda c: {k: v for k, v in c.items() if k != "r"}, None, "no r \\(required\\)"),
+        (lambda c: {**c, "r": 8}, None, "config says r=8"),
+        (None, drop_lora_b, "layers.1.self_attn.q_proj has no lora_B"),
+    ],
+)
 def test_refuses_what_it_cannot_merge(saved_adapter, tmp_path, edit_config, edit_weights, message):
     folder = copy_adapter(saved_adapter, tmp_path / "edited", edit_config, edit_weights)
     with pytest.raises(InputError, match=message):
@@ -191,14 +202,17 @@ def test_schema_knows_every_option_of_installed_peft():
     assert refusal_reason(json.loads(json.dumps(saved, default=str))) is None, "PEFT's defaults are all accepted"
 
 
-@pytest.mark.parametrize("edit, message", [
-    ({"r": "4"}, "r must be int (got '4')"),
-    ({"lora_alpha": "16"}, "lora_alpha must be int | float (got '16')"),
-    ({"use_rslora": 1}, "use_rslora must be bool (got 1)"),
-    ({"target_modules": 7}, "target_modules must be list[str] | str | None (got 7)"),
-    ({"rank_pattern": {"q_proj": 2.5}}, "rank_pattern must be dict[str, int] | None"),
-    ({"bias": "some"}, "bias must be Literal['none', 'all', 'lora_only'] (got 'some')"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"r": "4"}, "r must be int (got '4')"),
+        ({"lora_alpha": "16"}, "lora_alpha must be int | float (got '16')"),
+        ({"use_rslora": 1}, "use_rslora must be bool (got 1)"),
+        ({"target_modules": 7}, "target_modules must be list[str] | str | None (got 7)"),
+        ({"rank_pattern": {"q_proj": 2.5}}, "rank_pattern must be dict[str, int] | None"),
+        ({"bias": "some"}, "bias must be Literal['none', 'all', 'lora_only'] (got 'some')"),
+    ],
+)
 def test_wrong_types_are_one_line_naming_key_and_type(saved_adapter, tmp_path, edit, message):
     folder = copy_adapter(saved_adapter, tmp_path / "typed", lambda c: {**c, **edit})
     with pytest.raises(InputError) as error:
@@ -206,28 +220,31 @@ def test_wrong_types_are_one_line_naming_key_and_type(saved_adapter, tmp_path, e
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("edit, message", [
-    ({"use_dora": True}, "DoRA"),
-    ({"target_parameters": ["experts.gate_up_proj"]}, "target_parameters adapts raw parameters"),
-    ({"trainable_token_indices": [1, 2]}, "sparse token rows"),
-    ({"layer_replication": [[0, 2], [1, 2]]}, "duplicates base layers"),
-    ({"use_qalora": True}, "QALoRA"),
-    ({"alora_invocation_tokens": [5, 6]}, "cannot be merged into the weights"),
-    ({"megatron_config": {"tensor_model_parallel_size": 2}}, "tensor-parallel"),
-    ({"use_bdlora": {"block": 2}}, "block-diagonal"),
-    ({"arrow_config": {"top_k": 2}}, "routes each token"),
-    ({"kasa_config": {"k": 1}}, "KaSA"),
-    ({"monteclora_config": {"n": 1}}, "MonteCLoRA"),
-    ({"velora_config": {"n": 1}}, "VeLoRA"),
-    ({"init_lora_weights": "pissa"}, "residual base"),
-    ({"init_lora_weights": "pissa_niter_4"}, "residual base"),
-    ({"init_lora_weights": "olora"}, "residual base"),
-    ({"init_lora_weights": "corda"}, "residual base"),
-    ({"init_lora_weights": "loftq"}, "residual base"),
-    ({"init_lora_weights": "lora_ga"}, "residual base"),
-    ({"init_lora_weights": "mica"}, "not a plain LoRA initialisation"),
-    ({"some_future_option": 0.5}, "unknown option some_future_option=0.5"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"target_parameters": ["experts.gate_up_proj"]}, "target_parameters adapts raw parameters"),
+        ({"trainable_token_indices": [1, 2]}, "sparse token rows"),
+        ({"layer_replication": [[0, 2], [1, 2]]}, "duplicates base layers"),
+        ({"use_qalora": True}, "QALoRA"),
+        ({"alora_invocation_tokens": [5, 6]}, "cannot be merged into the weights"),
+        ({"megatron_config": {"tensor_model_parallel_size": 2}}, "tensor-parallel"),
+        ({"use_bdlora": {"block": 2}}, "block-diagonal"),
+        ({"arrow_config": {"top_k": 2}}, "routes each token"),
+        ({"kasa_config": {"k": 1}}, "KaSA"),
+        ({"monteclora_config": {"n": 1}}, "MonteCLoRA"),
+        ({"velora_config": {"n": 1}}, "VeLoRA"),
+        ({"init_lora_weights": "pissa"}, "residual base"),
+        ({"init_lora_weights": "pissa_niter_4"}, "residual base"),
+        ({"init_lora_weights": "olora"}, "residual base"),
+        ({"init_lora_weights": "corda"}, "residual base"),
+        ({"init_lora_weights": "loftq"}, "residual base"),
+        ({"init_lora_weights": "lora_ga"}, "residual base"),
+        ({"init_lora_weights": "mica"}, "not a plain LoRA initialisation"),
+        ({"some_future_option": 0.5}, "unknown option some_future_option=0.5"),
+    ],
+)
 def test_each_refused_option_says_why(saved_adapter, tmp_path, edit, message):
     folder = copy_adapter(saved_adapter, tmp_path / "refused", lambda c: {**c, **edit})
     with pytest.raises(InputError, match="unsupported: ") as error:
@@ -235,9 +252,17 @@ def test_each_refused_option_says_why(saved_adapter, tmp_path, edit, message):
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("edit", [{"some_future_option": None}, {"some_future_option": False},
-                                  {"init_lora_weights": "eva"}, {"init_lora_weights": "gaussian"},
-                                  {"init_lora_weights": False}, {"lora_alpha": -8}])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"some_future_option": None},
+        {"some_future_option": False},
+        {"init_lora_weights": "eva"},
+        {"init_lora_weights": "gaussian"},
+        {"init_lora_weights": False},
+        {"lora_alpha": -8},
+    ],
+)
 def test_options_that_leave_plain_lora_are_accepted(saved_adapter, tmp_path, edit):
     """EVA only initialises A from activations (peft/tuners/lora/eva.py leaves the base alone)."""
     LoraAdapter.open(copy_adapter(saved_adapter, tmp_path / "accepted", lambda c: {**c, **edit}))
@@ -247,7 +272,9 @@ def test_pissa_really_rewrites_the_base(tmp_path):
     """Why init_lora_weights='pissa' is refused: PEFT changes the base weight at init (the adapter is on W - B0@A0)."""
     model = tiny_llama()
     original = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"], init_lora_weights="pissa"))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"], init_lora_weights="pissa")
+    )
     assert not torch.allclose(peft_model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, original)
     peft_model.save_pretrained(tmp_path / "pissa")
     with pytest.raises(InputError, match="residual base"):
@@ -255,8 +282,9 @@ def test_pissa_really_rewrites_the_base(tmp_path):
 
 
 def test_alora_is_refused_as_peft_refuses_to_merge_it(tmp_path):
-    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                         alora_invocation_tokens=[5, 6]))
+    peft_model = get_peft_model(
+        tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5, 6])
+    )
     peft_model.save_pretrained(tmp_path / "alora")
     with pytest.raises(NotImplementedError, match="aLoRA does not support merging"):
         peft_model.merge_and_unload()
@@ -265,18 +293,23 @@ def test_alora_is_refused_as_peft_refuses_to_merge_it(tmp_path):
 
 
 def test_zero3_empty_factors_say_so(saved_adapter, tmp_path):
-    folder = copy_adapter(saved_adapter, tmp_path / "zero3",
-                          edit_weights=lambda tensors: {k: torch.empty(0) for k in tensors})
+    folder = copy_adapter(
+        saved_adapter, tmp_path / "zero3", edit_weights=lambda tensors: {k: torch.empty(0) for k in tensors}
+    )
     with pytest.raises(InputError, match="DeepSpeed ZeRO-3 without gathering"):
         LoraAdapter.open(folder)
 
 
-@pytest.mark.parametrize("edit", [
-    {"layers_to_transform": [1]},
-    {"layers_to_transform": 0},
-    {"layers_to_transform": [0], "layers_pattern": "layers"},
-    {"layers_to_transform": [1], "layers_pattern": ["h", "layers"]},
-], ids=["list", "int", "pattern", "pattern-list"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"layers_to_transform": [1]},
+        {"layers_to_transform": 0},
+        {"layers_to_transform": [0], "layers_pattern": "layers"},
+        {"layers_to_transform": [1], "layers_pattern": ["h", "layers"]},
+    ],
+    ids=["list", "int", "pattern", "pattern-list"],
+)
 def test_layers_to_transform_as_peft_loads_it(tmp_path, edit):
     """PEFT trained on the listed layers only: the adapter holds their factors, and merges as PEFT merges it.
     The same factors under a config listing fewer layers disagree with it: PEFT would load the adapter without
@@ -286,16 +319,18 @@ def test_layers_to_transform_as_peft_loads_it(tmp_path, edit):
     model = tiny_llama()
     base_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     layers = edit["layers_to_transform"]
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                  init_lora_weights=False, **edit))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **edit)
+    )
     peft_model.save_pretrained(tmp_path / "adapter")
     merged = PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter").merge_and_unload().state_dict()
     adapter = LoraAdapter.open(tmp_path / "adapter")
     assert len(adapter.targets()) == 2  # q_proj and v_proj of the one listed layer, not of both
     assert_matches_peft(adapter, base_state, merged)
 
-    every = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                    init_lora_weights=False))
+    every = get_peft_model(
+        tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     every.save_pretrained(tmp_path / "every")
     config_file = tmp_path / "every" / "adapter_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **edit}))
@@ -303,7 +338,9 @@ def test_layers_to_transform_as_peft_loads_it(tmp_path, edit):
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "every").merge_and_unload().state_dict()
     name = f"model.layers.{untouched}.self_attn.q_proj.weight"
     assert torch.equal(loaded[name], base_state[name]), "PEFT leaves the unlisted layer's factors out"
-    expected = (f"2 modules in layers that layers_to_transform {layers!r} leaves out (PEFT would not load them): "
-                f"model.layers.{untouched}.self_attn.q_proj")
+    expected = (
+        f"2 modules in layers that layers_to_transform {layers!r} leaves out (PEFT would not load them): "
+        f"model.layers.{untouched}.self_attn.q_proj"
+    )
     with pytest.raises(InputError, match=re.escape(expected)):
         LoraAdapter.open(tmp_path / "every")

@@ -20,8 +20,10 @@ from mergekit_lite.threads import torch_threads
 
 def train_adapter(base_dir, adapter_dir, seed, targets):
     """A real PEFT adapter: a few optimizer steps so B is non-zero."""
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir),
-                           LoraConfig(r=4, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(base_dir),
+        LoraConfig(r=4, lora_alpha=32, target_modules=targets, lora_dropout=0.0),
+    )
     train_lora(model, steps=4, seed=seed).save_pretrained(adapter_dir)
     return adapter_dir
 
@@ -50,8 +52,20 @@ def read(folder):
 
 def test_adapter_merged_alone_equals_peft_merge_and_unload(setup, tmp_path):
     root, first, _ = setup
-    result = cli("merge", "--method", "linear", "--base", root / "base", "--model", first, "--alpha", "1",
-                 "--out", tmp_path / "out", "--quiet")
+    result = cli(
+        "merge",
+        "--method",
+        "linear",
+        "--base",
+        root / "base",
+        "--model",
+        first,
+        "--alpha",
+        "1",
+        "--out",
+        tmp_path / "out",
+        "--quiet",
+    )
     assert result.returncode == 0, result.stderr
     merged, expected = read(tmp_path / "out"), peft_merged(root / "base", first)
     assert set(merged) == set(expected)
@@ -63,13 +77,21 @@ def test_two_adapters_as_task_vectors(setup, tmp_path):
     root, first, second = setup
     base = read(root / "base")
     deltas = [{n: v - base[n] for n, v in peft_merged(root / "base", a).items()} for a in (first, second)]
-    run_merge(config_from_dict({"method": "task_arithmetic", "base": str(root / "base"),
-                                "models": [{"model": str(first), "weight": 0.5},
-                                           {"model": str(second), "weight": -1.0}]}), tmp_path / "ta")
+    run_merge(
+        config_from_dict(
+            {
+                "method": "task_arithmetic",
+                "base": str(root / "base"),
+                "models": [{"model": str(first), "weight": 0.5}, {"model": str(second), "weight": -1.0}],
+            }
+        ),
+        tmp_path / "ta",
+    )
     merged = read(tmp_path / "ta")
     for name in base:
-        np.testing.assert_allclose(merged[name], base[name] + 0.5 * deltas[0][name] - deltas[1][name],
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            merged[name], base[name] + 0.5 * deltas[0][name] - deltas[1][name], rtol=1e-5, atol=1e-6, err_msg=name
+        )
 
 
 def test_rejected_adapter_stops_the_merge_unless_forced(setup, tmp_path):
@@ -80,8 +102,10 @@ def test_rejected_adapter_stops_the_merge_unless_forced(setup, tmp_path):
         from safetensors.torch import save_file
 
         tensors = load_torch(first / "saved.safetensors")
-        save_file({n: torch.zeros_like(t) if "lora_B" in n else t for n, t in tensors.items()},
-                  str(first / "adapter_model.safetensors"))
+        save_file(
+            {n: torch.zeros_like(t) if "lora_B" in n else t for n, t in tensors.items()},
+            str(first / "adapter_model.safetensors"),
+        )
         config = {"method": "linear", "base": str(root / "base"), "models": [str(first)], "parameters": {"alpha": 1.0}}
         with pytest.raises(InputError, match="REJECTED"):
             run_merge(config_from_dict(config), tmp_path / "refused")
@@ -102,8 +126,10 @@ def test_an_unreadable_adapter_is_not_offered_force(setup, tmp_path):
     broken = tmp_path / "nan-adapter"
     shutil.copytree(first, broken)
     tensors = load_torch(broken / "adapter_model.safetensors")
-    save_file({n: torch.full_like(t, float("nan")) if "lora_B" in n else t for n, t in tensors.items()},
-              str(broken / "adapter_model.safetensors"))
+    save_file(
+        {n: torch.full_like(t, float("nan")) if "lora_B" in n else t for n, t in tensors.items()},
+        str(broken / "adapter_model.safetensors"),
+    )
     config = {"method": "linear", "base": str(root / "base"), "models": [str(broken)], "parameters": {"alpha": 1.0}}
     for force in (False, True):
         with pytest.raises(InputError, match=r"REJECTED: format: NaN/Inf values") as refused:
@@ -126,7 +152,9 @@ def test_the_engine_merges_no_adapter_without_a_gate(setup, tmp_path):
     assert not (tmp_path / "ungated").exists()
     engine.run_merge(config_from_dict(config), tmp_path / "gated", gate=audit_gate)
     run_merge(config_from_dict(config), tmp_path / "api")
-    assert (tmp_path / "gated" / "model.safetensors").read_bytes() == (tmp_path / "api" / "model.safetensors").read_bytes()
+    assert (tmp_path / "gated" / "model.safetensors").read_bytes() == (
+        tmp_path / "api" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_adapter_needs_a_base(setup, tmp_path):
@@ -140,22 +168,38 @@ def test_modules_to_save_head_on_a_tied_base_merges_untied(tmp_path):
     own head copy (modules_to_save). The merge writes that head, untied, and the model matches PEFT's merge."""
     with torch_threads(1):
         save_tiny_llama(0, tmp_path / "tied", tie_word_embeddings=True)
-        model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "tied"),
-                               LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+        model = get_peft_model(
+            LlamaForCausalLM.from_pretrained(tmp_path / "tied"),
+            LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
+        )
         train_lora(model, steps=4, seed=3).save_pretrained(tmp_path / "head-lora")
     assert "lm_head.weight" not in read(tmp_path / "tied")
-    result = cli("merge", "--method", "linear", "--base", tmp_path / "tied", "--model", tmp_path / "head-lora",
-                 "--alpha", "1", "--out", tmp_path / "out", "--quiet")
+    result = cli(
+        "merge",
+        "--method",
+        "linear",
+        "--base",
+        tmp_path / "tied",
+        "--model",
+        tmp_path / "head-lora",
+        "--alpha",
+        "1",
+        "--out",
+        tmp_path / "out",
+        "--quiet",
+    )
     assert result.returncode == 0, result.stderr
     merged = LlamaForCausalLM.from_pretrained(tmp_path / "out")
     assert merged.config.tie_word_embeddings is False
     assert merged.lm_head.weight.data_ptr() != merged.model.embed_tokens.weight.data_ptr()
-    reference = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "tied"),
-                                          tmp_path / "head-lora").merge_and_unload()
+    reference = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(tmp_path / "tied"), tmp_path / "head-lora"
+    ).merge_and_unload()
     tokens = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=tokens).logits, reference(input_ids=tokens).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            merged(input_ids=tokens).logits, reference(input_ids=tokens).logits, rtol=1e-5, atol=1e-5
+        )
         assert not torch.allclose(reference.lm_head.weight, reference.model.embed_tokens.weight)
 
 
@@ -166,8 +210,10 @@ def test_a_refused_merge_names_the_real_cause(setup, tmp_path):
     vlm.mkdir()
     (vlm / "adapter_config.json").write_text((first / "adapter_config.json").read_text())
     tensors = load_file(first / "adapter_model.safetensors")
-    save_file({k.replace("base_model.model.model.", "base_model.model.model.language_model."): v for k, v in tensors.items()},
-              str(vlm / "adapter_model.safetensors"))
+    save_file(
+        {k.replace("base_model.model.model.", "base_model.model.model.language_model."): v for k, v in tensors.items()},
+        str(vlm / "adapter_model.safetensors"),
+    )
     config = {"method": "linear", "base": str(root / "base"), "models": [str(vlm)], "parameters": {"alpha": 1.0}}
     with pytest.raises(InputError, match="REJECTED: structure: .*different vision-language layouts"):
         run_merge(config_from_dict(config), tmp_path / "out")

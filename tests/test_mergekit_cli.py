@@ -47,13 +47,13 @@ dtype: float32
 COMMAND_LINES = {
     # mlabonne, "Merge Large Language Models with mergekit" (LazyMergekit notebook and article)
     "lazymergekit": "mergekit-yaml config.yaml merge --copy-tokenizer --allow-crimes --out-shard-size 1B "
-                    "--lazy-unpickle",
+    "--lazy-unpickle",
     # the mergekit-gui Space (app.py), its command without a GPU
     "mergekit_gui": "mergekit-yaml config.yaml merge --copy-tokenizer --allow-crimes -v --out-shard-size 1B "
-                    "--lazy-unpickle",
+    "--lazy-unpickle",
     # a fork of the mergekit-gui Space that keeps its caches beside the app
     "gui_with_caches": "mergekit-yaml config.yaml merge --copy-tokenizer --allow-crimes --out-shard-size 1B "
-                       "--lazy-unpickle --transformers-cache ./cache1 --lora-merge-cache ./cache",
+    "--lazy-unpickle --transformers-cache ./cache1 --lora-merge-cache ./cache",
 }
 # The same sources' lines for a machine with a GPU (mergekit-gui's has_gpu branch).
 GPU_COMMAND_LINE = "mergekit-yaml config.yaml merge --copy-tokenizer --cuda --low-cpu-memory"
@@ -78,8 +78,9 @@ def run_mergekit_line(line: str, cwd: Path) -> subprocess.CompletedProcess:
     """A mergekit-yaml command line as given, by mergekit 0.1.5's own console script, offline."""
     program, *arguments = shlex.split(line)
     assert program == "mergekit-yaml"
-    result = subprocess.run([str(mergekit_cli()), *arguments], cwd=cwd, capture_output=True, text=True,
-                            env=_environment(), timeout=600)
+    result = subprocess.run(
+        [str(mergekit_cli()), *arguments], cwd=cwd, capture_output=True, text=True, env=_environment(), timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -93,8 +94,11 @@ def run_lite_line(line: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def shards(folder: Path) -> list[list[tuple[str, int]]]:
     """Each shard's tensors in file order with their bytes (numel * element size), from its header."""
-    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"] \
-        if (folder / "model.safetensors.index.json").is_file() else None
+    index = (
+        json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        if (folder / "model.safetensors.index.json").is_file()
+        else None
+    )
     files = sorted(set(index.values())) if index else ["model.safetensors"]
     layout = []
     for name in files:
@@ -150,13 +154,16 @@ def planned(count: int, nbytes: int) -> list[PlannedTensor]:
     return [PlannedTensor(f"t{i}", (nbytes // 2,), torch.bfloat16) for i in range(count)]
 
 
-@pytest.mark.parametrize("size, expected_bytes, per_shard", [
-    ("1B", 10**9, 4),  # mergekit's billion: 4 tensors of 250 MB to a shard
-    ("500M", 5 * 10**8, 2),
-    ("2GB", 2 * 10**9, 8),  # a byte unit stays bytes
-    ("500MB", 5 * 10**8, 2),
-    ("20K", 20_000, 1),  # smaller than one tensor: a shard each, as mergekit
-])
+@pytest.mark.parametrize(
+    "size, expected_bytes, per_shard",
+    [
+        ("1B", 10**9, 4),  # mergekit's billion: 4 tensors of 250 MB to a shard
+        ("500M", 5 * 10**8, 2),
+        ("2GB", 2 * 10**9, 8),  # a byte unit stays bytes
+        ("500MB", 5 * 10**8, 2),
+        ("20K", 20_000, 1),  # smaller than one tensor: a shard each, as mergekit
+    ],
+)
 def test_out_shard_size_units_give_the_documented_shards(size, expected_bytes, per_shard):
     """docs/mergekit.md's example: eight bf16 tensors of 250 MB (2 GB in all)."""
     assert ShardSize().convert(size, None, None) == expected_bytes
@@ -200,10 +207,13 @@ def test_no_copy_tokenizer_and_no_model_card_leave_them_out(models, tmp_path):
     assert "config.json" in written
 
 
-@pytest.mark.parametrize("flag, pattern", [
-    ("--no-safe-serialization", "^error: --no-safe-serialization: refused, mergekit-lite writes safetensors only"),
-    ("--unsafe-truncate-embeddings", "^error: --unsafe-truncate-embeddings: refused, .*tokenizer_source: base"),
-])
+@pytest.mark.parametrize(
+    "flag, pattern",
+    [
+        ("--no-safe-serialization", "^error: --no-safe-serialization: refused, mergekit-lite writes safetensors only"),
+        ("--unsafe-truncate-embeddings", "^error: --unsafe-truncate-embeddings: refused, .*tokenizer_source: base"),
+    ],
+)
 def test_flags_that_cannot_apply_are_refused_in_one_line(models, tmp_path, flag, pattern):
     folder = workspace(models, tmp_path)
     before = tree_hash(folder)
@@ -211,12 +221,15 @@ def test_flags_that_cannot_apply_are_refused_in_one_line(models, tmp_path, flag,
     assert tree_hash(folder) == before
 
 
-@pytest.mark.parametrize("flag, note", [
-    (["--clone-tensors"], "note: --clone-tensors: nothing to do"),
-    (["--trust-remote-code"], "warning: --trust-remote-code: no repository code is ever run"),
-    (["--async-write", "--write-threads", "4"], "note: --async-write: "),
-    (["--lora-merge-dtype", "bfloat16"], "note: --lora-merge-dtype: adapters are applied in float32"),
-])
+@pytest.mark.parametrize(
+    "flag, note",
+    [
+        (["--clone-tensors"], "note: --clone-tensors: nothing to do"),
+        (["--trust-remote-code"], "warning: --trust-remote-code: no repository code is ever run"),
+        (["--async-write", "--write-threads", "4"], "note: --async-write: "),
+        (["--lora-merge-dtype", "bfloat16"], "note: --lora-merge-dtype: adapters are applied in float32"),
+    ],
+)
 def test_flags_with_nothing_to_do_say_so_in_one_line(models, tmp_path, flag, note):
     folder = workspace(models, tmp_path)
     result = cli("merge", "config.yaml", "merge", *flag, "-q", cwd=folder)
@@ -227,10 +240,10 @@ def test_flags_with_nothing_to_do_say_so_in_one_line(models, tmp_path, flag, not
 def test_random_seed_is_mergekits_name_for_seed(models, tmp_path):
     folder = workspace(models, tmp_path)
     folder.joinpath("config.yaml").write_text(f"""models:
-  - model: {models['a']}
+  - model: {models["a"]}
     parameters: {{weight: 1.0, density: 0.5}}
 merge_method: dare_ties
-base_model: {models['base']}
+base_model: {models["base"]}
 dtype: float32
 """)
     runs = {"random-7": ["--random-seed", "7"], "seed-7": ["--seed", "7"], "random-8": ["--random-seed", "8"]}
@@ -239,8 +252,7 @@ dtype: float32
     same, seed, other = (read_state(folder / name) for name in runs)
     assert all(torch.equal(same[name], seed[name]) for name in same)
     assert not all(torch.equal(same[name], other[name]) for name in same)
-    one_error_line(cli("merge", "config.yaml", "x", "--seed", "1", "--random-seed", "2", cwd=folder), 2,
-                   "two seeds")
+    one_error_line(cli("merge", "config.yaml", "x", "--seed", "1", "--random-seed", "2", cwd=folder), 2, "two seeds")
 
 
 def test_num_threads_limits_the_cores(models, tmp_path):
@@ -254,22 +266,43 @@ def test_num_threads_limits_the_cores(models, tmp_path):
         os.sched_setaffinity(0, cores)
 
 
-@pytest.mark.parametrize("args, pattern", [
-    (["config.yaml", "a", "--out", "b"], "two output folders"),
-    (["config.yaml"], "give the output folder"),
-])
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["config.yaml", "a", "--out", "b"], "two output folders"),
+        (["config.yaml"], "give the output folder"),
+    ],
+)
 def test_the_output_folder_is_given_once(models, tmp_path, args, pattern):
     one_error_line(cli("merge", *args, cwd=workspace(models, tmp_path)), 2, pattern)
 
 
-@pytest.mark.parametrize("typo", ["--lazy-unpickel", "--allow-pickel", "--alow-pickle", "--allow-crimez", "--forse",
-                                  "--trust-remote-cod", "--overwrit", "--allow-nonfinit"])
+@pytest.mark.parametrize(
+    "typo",
+    [
+        "--lazy-unpickel",
+        "--allow-pickel",
+        "--alow-pickle",
+        "--allow-crimez",
+        "--forse",
+        "--trust-remote-cod",
+        "--overwrit",
+        "--allow-nonfinit",
+    ],
+)
 @pytest.mark.parametrize("command", ["merge", "extract"])
 def test_an_unknown_flag_is_never_corrected_to_an_unsafe_one(typo, command):
     result = cli(command, typo)
     line = one_error_line(result, 2, "No such option")
-    for unsafe in ("--allow-pickle", "--allow-nonfinite", "--force", "--overwrite", "--trust-remote-code",
-                   "--allow-crimes", "--unsafe-truncate-embeddings"):
+    for unsafe in (
+        "--allow-pickle",
+        "--allow-nonfinite",
+        "--force",
+        "--overwrite",
+        "--trust-remote-code",
+        "--allow-crimes",
+        "--unsafe-truncate-embeddings",
+    ):
         assert unsafe not in line.replace(typo, ""), line
 
 
@@ -282,8 +315,11 @@ def test_a_merge_that_cannot_fit_is_refused_before_writing(models, tmp_path, mon
     folder = workspace(models, tmp_path)
     monkeypatch.setattr(outputs, "free_space", lambda path: 1000)
     before = tree_hash(folder)
-    one_error_line(cli("merge", "config.yaml", "merge", cwd=folder), 2,
-                   r"^error: merge: the output needs 0\.\d MB and .* has 0\.0 MB free; nothing was written")
+    one_error_line(
+        cli("merge", "config.yaml", "merge", cwd=folder),
+        2,
+        r"^error: merge: the output needs 0\.\d MB and .* has 0\.0 MB free; nothing was written",
+    )
     assert tree_hash(folder) == before
 
 
@@ -304,16 +340,16 @@ def test_the_dry_run_compares_free_space_with_the_output(models, tmp_path, monke
 # mergekit's README ("LoRA Extraction", Usage), its optional parts written out and its placeholders filled in.
 EXTRACT_LINES = {
     "readme": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path --no-lazy-unpickle "
-              "--max-rank=8 --sv-epsilon=0.001",
+    "--max-rank=8 --sv-epsilon=0.001",
     "embed_lora": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path --max-rank=4 "
-                  "--embed-lora",
+    "--embed-lora",
     "no_distribute_scale": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path "
-                           "--max-rank=4 --no-distribute-scale -e k_proj",
+    "--max-rank=4 --no-distribute-scale -e k_proj",
     "skip_undecomposable": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path "
-                           "--max-rank=4 --skip-undecomposable",
+    "--max-rank=4 --skip-undecomposable",
     # mergekit 0.1.5 takes --save-module only beside these two (else it appends to its tuple of modules and fails)
     "save_module": "mergekit-extract-lora --model {tuned} --base-model {base} --out-path output_path --max-rank=4 "
-                   "--embed-lora --skip-undecomposable --save-module o_proj",
+    "--embed-lora --skip-undecomposable --save-module o_proj",
 }
 # mergekit-extract-lora's entry point once per line in one interpreter (importing torch and mergekit costs more
 # than a tiny extraction)
@@ -355,12 +391,15 @@ def extractions(models) -> dict[str, tuple[Path, Path, subprocess.CompletedProce
             (root / tool / name).mkdir(parents=True)
     python = mergekit_cli().parent / "python"
     arguments = [str(part) for name, line in lines.items() for part in (root / "mergekit" / name, line)]
-    batch = subprocess.run([str(python), "-c", EXTRACT_BATCH, *arguments], capture_output=True, text=True,
-                           env=_environment(), timeout=1200)
+    batch = subprocess.run(
+        [str(python), "-c", EXTRACT_BATCH, *arguments], capture_output=True, text=True, env=_environment(), timeout=1200
+    )
     assert batch.returncode == 0, batch.stderr[-3000:]
     ours = {name: cli("extract", *shlex.split(line)[1:], cwd=root / "lite" / name) for name, line in lines.items()}
-    return {name: (root / "mergekit" / name / "output_path", root / "lite" / name / "output_path", ours[name])
-            for name in lines}
+    return {
+        name: (root / "mergekit" / name / "output_path", root / "lite" / name / "output_path", ours[name])
+        for name in lines
+    }
 
 
 @pytest.mark.slow
@@ -372,13 +411,20 @@ def test_extract_lora_command_lines_give_mergekits_adapter(extractions, name):
     assert sorted(extracted) == sorted(expected)
     for key, tensor in expected.items():
         torch.testing.assert_close(extracted[key], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
-    with safe_open(ours / "adapter_model.safetensors", "pt") as mine, \
-            safe_open(theirs / "adapter_model.safetensors", "pt") as reference:
+    with (
+        safe_open(ours / "adapter_model.safetensors", "pt") as mine,
+        safe_open(theirs / "adapter_model.safetensors", "pt") as reference,
+    ):
         for key in reference.keys():  # the ranks, and --no-distribute-scale's factors themselves (up to sign)
             assert mine.get_slice(key).get_shape() == reference.get_slice(key).get_shape(), key
             if name == "no_distribute_scale":
-                torch.testing.assert_close(mine.get_tensor(key).abs(), reference.get_tensor(key).abs(), rtol=1e-3,
-                                           atol=1e-5, msg=lambda m: f"{key}: {m}")
+                torch.testing.assert_close(
+                    mine.get_tensor(key).abs(),
+                    reference.get_tensor(key).abs(),
+                    rtol=1e-3,
+                    atol=1e-5,
+                    msg=lambda m: f"{key}: {m}",
+                )
     if name == "readme":
         assert "note: --lazy-unpickle" not in run.stderr  # --no-lazy-unpickle asks for nothing
 
@@ -386,13 +432,41 @@ def test_extract_lora_command_lines_give_mergekits_adapter(extractions, name):
 def test_extract_save_module_alone_and_shared_flags_with_nothing_to_do(models, tmp_path):
     """--save-module without --embed-lora --skip-undecomposable (mergekit 0.1.5 fails there) stores the module
     whole; a shared flag with no part in an extraction says so."""
-    result = cli("extract", "--model", models["a"], "--base-model", models["base"], "--out-path", tmp_path / "lora",
-                 "--max-rank", "4", "--save-module", "o_proj", "--out-shard-size", "1B", "--random-seed", "1")
+    result = cli(
+        "extract",
+        "--model",
+        models["a"],
+        "--base-model",
+        models["base"],
+        "--out-path",
+        tmp_path / "lora",
+        "--max-rank",
+        "4",
+        "--save-module",
+        "o_proj",
+        "--out-shard-size",
+        "1B",
+        "--random-seed",
+        "1",
+    )
     assert result.returncode == 0, result.stderr
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert {f"model.layers.{i}.self_attn.o_proj" for i in range(3)} <= set(config["modules_to_save"])
     assert "o_proj" not in config["target_modules"]
     assert "note: --out-shard-size: the adapter is one file" in result.stderr
     assert "note: --random-seed: an SVD draws nothing at random" in result.stderr
-    one_error_line(cli("extract", "--model", models["a"], "--base-model", models["base"], "--out-path",
-                       tmp_path / "never", "--save-module", "no_such_module"), 2, "--save-module no_such_module")
+    one_error_line(
+        cli(
+            "extract",
+            "--model",
+            models["a"],
+            "--base-model",
+            models["base"],
+            "--out-path",
+            tmp_path / "never",
+            "--save-module",
+            "no_such_module",
+        ),
+        2,
+        "--save-module no_such_module",
+    )

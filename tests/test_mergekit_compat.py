@@ -314,7 +314,8 @@ dtype: float32
 """,
 }
 SLICE_CONFIGS["slerp_slices_fall_through"] = SLICE_CONFIGS["slerp_slices"].replace(
-    "      t: 0.3\n", "      t:\n        - filter: self_attn\n          value: 0.3\n")
+    "      t: 0.3\n", "      t:\n        - filter: self_attn\n          value: 0.3\n"
+)
 
 
 def read_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -347,15 +348,32 @@ def mergekit_outputs(zoo) -> dict[str, tuple[Path, Path]]:
 @pytest.fixture(scope="module")
 def side_by_side(zoo, mergekit_outputs) -> dict[str, tuple[Path, Path, Path]]:
     """CONFIGS and SLICE_CONFIGS by mergekit and CONFIGS by mergekit-lite: name -> (theirs, ours, config)."""
-    ours = {name: run_merge(load_config(mergekit_outputs[name][0]), zoo["root"] / f"lite-{name}").out
-            for name in CONFIGS}
-    return {name: (mergekit_outputs[name][1], ours.get(name), mergekit_outputs[name][0])
-            for name in {**CONFIGS, **SLICE_CONFIGS}}
+    ours = {
+        name: run_merge(load_config(mergekit_outputs[name][0]), zoo["root"] / f"lite-{name}").out for name in CONFIGS
+    }
+    return {
+        name: (mergekit_outputs[name][1], ours.get(name), mergekit_outputs[name][0])
+        for name in {**CONFIGS, **SLICE_CONFIGS}
+    }
 
 
-@pytest.mark.parametrize("name", ["linear", "task_arithmetic_fp32", "ties", "ties_zero_sum", "dare_ties_no_drop",
-                                  "slerp", "union", "base_vocab", "model_vocab", "filters_fall_through",
-                                  "nearswap", "sce"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "linear",
+        "task_arithmetic_fp32",
+        "ties",
+        "ties_zero_sum",
+        "dare_ties_no_drop",
+        "slerp",
+        "union",
+        "base_vocab",
+        "model_vocab",
+        "filters_fall_through",
+        "nearswap",
+        "sce",
+    ],
+)
 @pytest.mark.slow
 def test_deterministic_methods_match_mergekit_tensor_by_tensor(side_by_side, name):
     theirs, ours, _ = side_by_side[name]
@@ -363,7 +381,9 @@ def test_deterministic_methods_match_mergekit_tensor_by_tensor(side_by_side, nam
     assert sorted(merged) == sorted(expected)
     for tensor_name, tensor in expected.items():
         assert merged[tensor_name].dtype == tensor.dtype, tensor_name
-        torch.testing.assert_close(merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}")
+        torch.testing.assert_close(
+            merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}"
+        )
     their_config = json.loads((theirs / "config.json").read_text())
     our_config = json.loads((ours / "config.json").read_text())
     assert our_config["vocab_size"] == their_config["vocab_size"]
@@ -431,7 +451,7 @@ def test_dare_ties_at_a_real_drop_matches_mergekit_in_distribution(side_by_side,
         n, our_delta = their_delta.numel(), merged[name]
         their_share, our_share = ((d == 0).float().mean().item() for d in (their_delta, our_delta))
         assert abs(our_share - their_share) < 4.5 * (2 * 0.25 * 0.75 / n) ** 0.5, (name, our_share, their_share)
-        kurtosis = (their_delta ** 4).mean() / (their_delta ** 2).mean() ** 2
+        kurtosis = (their_delta**4).mean() / (their_delta**2).mean() ** 2
         spread = 4.5 * (2 * (kurtosis.item() - 1) / (4 * n)) ** 0.5
         assert abs(our_delta.std() / their_delta.std() - 1) < spread, (name, our_delta.std(), their_delta.std())
     for deltas in (expected, merged):  # ~27k entries pooled: one deviation is 0.0026
@@ -450,11 +470,14 @@ def test_gradient_ends_follow_mergekit(side_by_side, zoo):
             torch.testing.assert_close(merged[name].float(), expected, rtol=1e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("name, size, rows", [
-    ("union", VOCAB + 2, 104),  # union pads to a multiple of 8
-    ("base_vocab", VOCAB, VOCAB),
-    ("model_vocab", VOCAB + 2, VOCAB + 2),  # tokenizer_source: the instruct model, which the base lacks tokens of
-])
+@pytest.mark.parametrize(
+    "name, size, rows",
+    [
+        ("union", VOCAB + 2, 104),  # union pads to a multiple of 8
+        ("base_vocab", VOCAB, VOCAB),
+        ("model_vocab", VOCAB + 2, VOCAB + 2),  # tokenizer_source: the instruct model, which the base lacks tokens of
+    ],
+)
 @pytest.mark.slow
 def test_vocabularies_merge_by_token(side_by_side, zoo, name, size, rows):
     theirs, ours, _ = side_by_side[name]
@@ -470,7 +493,9 @@ def test_vocabularies_merge_by_token(side_by_side, zoo, name, size, rows):
         assert ids == [VOCAB, 5, 6, VOCAB + 1]
         assert tokenizer.decode(ids) == "<|im_start|> w5 w6 <|im_end|>"
         for tensor_name in ("model.embed_tokens.weight", "lm_head.weight"):  # rows only the fine-tune has
-            torch.testing.assert_close(merged[tensor_name][VOCAB:size], instruct[tensor_name][VOCAB:], rtol=0, atol=1e-7)
+            torch.testing.assert_close(
+                merged[tensor_name][VOCAB:size], instruct[tensor_name][VOCAB:], rtol=0, atol=1e-7
+            )
     else:
         assert "<|im_start|>" not in tokenizer.get_vocab()
 
@@ -483,9 +508,15 @@ def test_chat_template_is_written(side_by_side):
 
 
 def test_vocabulary_mismatch_without_a_tokenizer_setting_names_the_option(zoo):
-    config = config_from_dict({"merge_method": "linear", "models": [
-        {"model": str(zoo["base"]), "parameters": {"weight": 0.5}},
-        {"model": str(zoo["instruct"]), "parameters": {"weight": 0.5}}]})
+    config = config_from_dict(
+        {
+            "merge_method": "linear",
+            "models": [
+                {"model": str(zoo["base"]), "parameters": {"weight": 0.5}},
+                {"model": str(zoo["instruct"]), "parameters": {"weight": 0.5}},
+            ],
+        }
+    )
     with pytest.raises(InputError, match=r"vocabularies differ \(100 tokens in .*, 102 in .*\): set tokenizer_source"):
         run_merge(config, zoo["root"] / "never")
     assert not (zoo["root"] / "never").exists()
@@ -494,29 +525,53 @@ def test_vocabulary_mismatch_without_a_tokenizer_setting_names_the_option(zoo):
 # ----------------------------------------------------------------------------------- schema, strictly
 
 
-@pytest.mark.parametrize("text, message", [
-    ("method: linear\nmodels:\n  - model: {a}\n    parameters:\n      weight: 1\n      normalize: false\n",
-     r"cannot be set per model"),
-    ("merge_method: linear\nmodels: [{{model: {a}}}]\nparameters:\n  normalize: 'false'\n",
-     r"normalize must be true or false, got 'false'"),
-    ("method: linear\nmodels: [{a}]\nskip: lm_head\n", r"cfg\.yml: skip: expected a list, got 'lm_head'"),
-    ("method: linear\nmodels: [{a}]\nallow_pickle: 'yes'\n", r"cfg\.yml: allow_pickle: expected true or false"),
-    ("merge_method: linear\nmodels: [{{model: {a}}}]\nout_dtyp: float32\n",
-     r"cfg\.yml: unknown key 'out_dtyp' \(did you mean 'out_dtype'\?\)"),
-    ("merge_method: ties\nbase_model: {base}\nmodels:\n  - model: {a}\n    paramters: {{}}\n",
-     r"cfg\.yml: models\[0\]: unknown key 'paramters' \(did you mean 'parameters'\?\)"),
-    ("merge_method: tise\nbase_model: {base}\nmodels: [{{model: {a}}}]\n", r"unknown method 'tise' \(did you mean 'ties'\?\)"),
-    ("merge_method: linear\nbase_model: {base}\nmodels: [{{model: {a}, parameters: {{weight: 1}}}}]\n",
-     r"give .*base.* a weight"),
-    ("merge_method: linear\nslices:\n  - sources:\n      - model: {a}\n        layer_range: [0, 'two']\n",
-     r"slices\[0\]\.sources\[0\]\.layer_range\[1\]: expected an integer"),
-    ("merge_method: linear\nmodels: [{{model: {a}}}]\nslices: [{{sources: [{{model: {a}, layer_range: [0, 1]}}]}}]\n",
-     r"exactly one of models: or slices:"),
-    ("merge_method: dare_ties\nbase_model: {base}\nmodels: [{{model: {a}, parameters: {{density: 0.5, drop: 0.5}}}}]\n",
-     r"density .* or drop .*not both"),
-    ("merge_method: linear\nmodels: [{{model: {a}}}]\ntokenizer_source: union\ntokenizer: {{source: base}}\n",
-     r"tokenizer_source or tokenizer, not both"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "method: linear\nmodels:\n  - model: {a}\n    parameters:\n      weight: 1\n      normalize: false\n",
+            r"cannot be set per model",
+        ),
+        (
+            "merge_method: linear\nmodels: [{{model: {a}}}]\nparameters:\n  normalize: 'false'\n",
+            r"normalize must be true or false, got 'false'",
+        ),
+        ("method: linear\nmodels: [{a}]\nskip: lm_head\n", r"cfg\.yml: skip: expected a list, got 'lm_head'"),
+        ("method: linear\nmodels: [{a}]\nallow_pickle: 'yes'\n", r"cfg\.yml: allow_pickle: expected true or false"),
+        (
+            "merge_method: linear\nmodels: [{{model: {a}}}]\nout_dtyp: float32\n",
+            r"cfg\.yml: unknown key 'out_dtyp' \(did you mean 'out_dtype'\?\)",
+        ),
+        (
+            "merge_method: ties\nbase_model: {base}\nmodels:\n  - model: {a}\n    paramters: {{}}\n",
+            r"cfg\.yml: models\[0\]: unknown key 'paramters' \(did you mean 'parameters'\?\)",
+        ),
+        (
+            "merge_method: tise\nbase_model: {base}\nmodels: [{{model: {a}}}]\n",
+            r"unknown method 'tise' \(did you mean 'ties'\?\)",
+        ),
+        (
+            "merge_method: linear\nbase_model: {base}\nmodels: [{{model: {a}, parameters: {{weight: 1}}}}]\n",
+            r"give .*base.* a weight",
+        ),
+        (
+            "merge_method: linear\nslices:\n  - sources:\n      - model: {a}\n        layer_range: [0, 'two']\n",
+            r"slices\[0\]\.sources\[0\]\.layer_range\[1\]: expected an integer",
+        ),
+        (
+            "merge_method: linear\nmodels: [{{model: {a}}}]\nslices: [{{sources: [{{model: {a}, layer_range: [0, 1]}}]}}]\n",
+            r"exactly one of models: or slices:",
+        ),
+        (
+            "merge_method: dare_ties\nbase_model: {base}\nmodels: [{{model: {a}, parameters: {{density: 0.5, drop: 0.5}}}}]\n",
+            r"density .* or drop .*not both",
+        ),
+        (
+            "merge_method: linear\nmodels: [{{model: {a}}}]\ntokenizer_source: union\ntokenizer: {{source: base}}\n",
+            r"tokenizer_source or tokenizer, not both",
+        ),
+    ],
+)
 def test_schema_errors_name_file_key_and_expectation(zoo, tmp_path, text, message):
     path = tmp_path / "cfg.yml"
     path.write_text(text.format(**{k: str(v) for k, v in zoo.items()}))
@@ -528,22 +583,34 @@ def test_mergekit_meanings_of_keys(zoo):
     """Base listed under models: is the base; out_dtype is stored, dtype is mergekit's compute dtype;
     DARE's density is the keep share; an empty parameters: is nothing; mergekit's defaults apply."""
     base, a = str(zoo["base"]), str(zoo["a"])
-    config = config_from_dict({"merge_method": "dare_ties", "base_model": base, "dtype": "bfloat16",
-                               "out_dtype": "float16", "models": [{"model": base, "parameters": None},
-                                                                  {"model": a, "parameters": {"density": 0.7}}]})
+    config = config_from_dict(
+        {
+            "merge_method": "dare_ties",
+            "base_model": base,
+            "dtype": "bfloat16",
+            "out_dtype": "float16",
+            "models": [{"model": base, "parameters": None}, {"model": a, "parameters": {"density": 0.7}}],
+        }
+    )
     assert config.inputs == [base, a] and config.dtype == "float16" and config.mergekit_compat
     assert config.parameter("drop", 0) == pytest.approx(0.3)
     assert config.parameter("normalize") is False  # mergekit's dare_ties default
     own = config_from_dict({"method": "dare_ties", "base": base, "models": [a]})
     assert own.parameter("normalize") is True and own.parameter("drop", 0) == 0.5 and not own.mergekit_compat
-    assert config_from_dict({"merge_method": "ties", "base_model": base,
-                             "models": [{"model": a}]}).parameter("density", 0) == 1.0
+    assert (
+        config_from_dict({"merge_method": "ties", "base_model": base, "models": [{"model": a}]}).parameter("density", 0)
+        == 1.0
+    )
 
 
 def test_own_schema_round_trips_mergekit_settings(zoo):
-    data = {"merge_method": "linear", "base_model": str(zoo["base"]), "tokenizer": {"source": "union",
-            "pad_to_multiple_of": 8}, "chat_template": "chatml",
-            "models": [{"model": str(zoo["base"]), "parameters": {"weight": 0.4}}, {"model": str(zoo["a"])}]}
+    data = {
+        "merge_method": "linear",
+        "base_model": str(zoo["base"]),
+        "tokenizer": {"source": "union", "pad_to_multiple_of": 8},
+        "chat_template": "chatml",
+        "models": [{"model": str(zoo["base"]), "parameters": {"weight": 0.4}}, {"model": str(zoo["a"])}],
+    }
     config = config_from_dict(data)
     again = config_from_dict(config.to_dict())
     assert again == config
@@ -571,18 +638,30 @@ def test_hub_ids_resolve_offline_from_the_cache(zoo, tmp_path):
     lay_out_hub_cache(cache, "tiny-org/base", zoo["base"], commit)
     lay_out_hub_cache(cache, "tiny-org/fine", zoo["a"], commit)
     config = tmp_path / "hub.yml"
-    config.write_text("merge_method: task_arithmetic\nbase_model: tiny-org/base\nmodels:\n"
-                      f"  - model: tiny-org/fine@{commit}\n    parameters:\n      weight: 0.5\n")
+    config.write_text(
+        "merge_method: task_arithmetic\nbase_model: tiny-org/base\nmodels:\n"
+        f"  - model: tiny-org/fine@{commit}\n    parameters:\n      weight: 0.5\n"
+    )
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([str(CLI), "merge", str(config), "--out", str(tmp_path / "out"), "-q"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [str(CLI), "merge", str(config), "--out", str(tmp_path / "out"), "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     merged, base, fine = (read_state(p) for p in (tmp_path / "out", zoo["base"], zoo["a"]))
     name = "model.layers.0.mlp.up_proj.weight"
     torch.testing.assert_close(merged[name], base[name] + 0.5 * (fine[name] - base[name]))
     config.write_text("merge_method: linear\nmodels:\n  - model: tiny-org/missing\n")
-    run = subprocess.run([str(CLI), "merge", str(config), "--out", str(tmp_path / "out2"), "-q"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [str(CLI), "merge", str(config), "--out", str(tmp_path / "out2"), "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "tiny-org/missing: not in the Hugging Face cache" in run.stderr and "HF_HUB_OFFLINE=1" in run.stderr
 
@@ -597,7 +676,9 @@ def test_slices_match_mergekit(side_by_side, name):
     expected, merged = read_state(theirs), read_state(ours)
     assert sorted(merged) == sorted(expected)
     for tensor_name, tensor in expected.items():
-        torch.testing.assert_close(merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}")
+        torch.testing.assert_close(
+            merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}"
+        )
     assert json.loads((ours / "config.json").read_text())["num_hidden_layers"] == 3
 
 
@@ -686,7 +767,9 @@ def test_real_configs_run_through_the_cli_as_mergekit_runs_them(real_side_by_sid
     expected, merged = read_state(theirs), read_state(ours)
     assert sorted(merged) == sorted(expected)
     for tensor_name, tensor in expected.items():
-        torch.testing.assert_close(merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}")
+        torch.testing.assert_close(
+            merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}"
+        )
 
 
 @pytest.mark.slow
@@ -702,18 +785,18 @@ def test_della_per_model_epsilon_reaches_the_plan(zoo, tmp_path, calibrated_rate
     config = tmp_path / "della.yml"
     config.write_text(f"""
 models:
-  - model: "{zoo['a']}"
+  - model: "{zoo["a"]}"
     parameters:
       weight: 1.0
       density: 0.7
       epsilon: 0.2
-  - model: "{zoo['b']}"
+  - model: "{zoo["b"]}"
     parameters:
       weight: 0.8
       density: 0.8
       epsilon: 0.1
 
-base_model: "{zoo['base']}"
+base_model: "{zoo["base"]}"
 
 merge_method: della
 dtype: bfloat16
@@ -770,14 +853,14 @@ def test_a_base_alone_under_models_is_named(zoo, tmp_path):
     config = tmp_path / "base-only.yml"
     config.write_text(f"""
 models:
-  - model: {zoo['base']}
+  - model: {zoo["base"]}
     parameters:
       density: 1 # Fraction of weights in differences from the base model to retain
       epsilon: 0.1 # Maximum change in drop probability based on magnitude (range: density ± epsilon)
       weight: 1
       lambda: 0.9
 merge_method: della_linear
-base_model: {zoo['base']}
+base_model: {zoo["base"]}
 parameters:
   density: 1
   epsilon: 0.1

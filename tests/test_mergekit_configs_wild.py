@@ -85,8 +85,12 @@ dtype: float32
 def with_chat_rows(state: dict, seed: int) -> dict:
     """Two more embedding and head rows (the chat tokens), seeded."""
     generator = torch.Generator().manual_seed(seed)
-    return {name: torch.cat([tensor, torch.randn(2, tensor.shape[1], generator=generator)])
-            if name in ("model.embed_tokens.weight", "lm_head.weight") else tensor for name, tensor in state.items()}
+    return {
+        name: torch.cat([tensor, torch.randn(2, tensor.shape[1], generator=generator)])
+        if name in ("model.embed_tokens.weight", "lm_head.weight")
+        else tensor
+        for name, tensor in state.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +98,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
     """A 3-layer base, two fine-tunes, two chat fine-tunes that add the same two tokens with rows of their own."""
     root = tmp_path_factory.mktemp("wild")
     base = tiny_llama(0, num_hidden_layers=3).state_dict()
-    return {"base": save_model(base, root / "base"), "a": save_model(noisy(base, 1), root / "a"),
-            "b": save_model(noisy(base, 2), root / "b"),
-            "chat": save_model(with_chat_rows(noisy(base, 3), 4), root / "chat", VOCAB + 2, NEW_TOKENS),
-            "chat2": save_model(with_chat_rows(noisy(base, 5), 6), root / "chat2", VOCAB + 2, NEW_TOKENS),
-            "root": root}
+    return {
+        "base": save_model(base, root / "base"),
+        "a": save_model(noisy(base, 1), root / "a"),
+        "b": save_model(noisy(base, 2), root / "b"),
+        "chat": save_model(with_chat_rows(noisy(base, 3), 4), root / "chat", VOCAB + 2, NEW_TOKENS),
+        "chat2": save_model(with_chat_rows(noisy(base, 5), 6), root / "chat2", VOCAB + 2, NEW_TOKENS),
+        "root": root,
+    }
 
 
 def write_config(models: dict[str, Path], name: str, text: str) -> Path:
@@ -116,8 +123,9 @@ def mergekit_runs(models) -> tuple[dict[str, tuple[Path, Path]], subprocess.Comp
     outputs = {name: models["root"] / f"mk-{name}" for name in configs}
     jobs = [*configs.items(), ("base_left_out", write_config(models, "base_left_out", BASE_LEFT_OUT))]
     arguments = [str(part) for name, config in jobs for part in (config, models["root"] / f"mk-{name}")]
-    run = subprocess.run([str(python), "-c", BATCH, "0", *arguments], capture_output=True, text=True,
-                         env=_environment(), timeout=900)
+    run = subprocess.run(
+        [str(python), "-c", BATCH, "0", *arguments], capture_output=True, text=True, env=_environment(), timeout=900
+    )
     return {name: (configs[name], outputs[name]) for name in configs}, run
 
 
@@ -130,7 +138,9 @@ def test_slice_merges_fill_missing_tokens_from_the_tensors_own_inputs(models, me
     expected, merged = read_state(theirs), read_state(ours)
     assert sorted(merged) == sorted(expected)
     for tensor_name, tensor in expected.items():
-        torch.testing.assert_close(merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}")
+        torch.testing.assert_close(
+            merged[tensor_name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tensor_name}: {m}"
+        )
     assert AutoTokenizer.from_pretrained(ours).get_vocab() == AutoTokenizer.from_pretrained(theirs).get_vocab()
 
 

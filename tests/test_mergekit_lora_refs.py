@@ -61,8 +61,13 @@ def write_config(template: str, folder: Path, name: str, **references) -> Path:
 
 def run_mergekit_with_loras(config: Path, out: Path, cache: Path) -> Path:
     """mergekit-yaml CONFIG OUT --lora-merge-cache CACHE, offline, in its own environment."""
-    result = subprocess.run([str(mergekit_cli()), str(config), str(out), "--lora-merge-cache", str(cache), "--quiet"],
-                            capture_output=True, text=True, env=_environment(), timeout=600)
+    result = subprocess.run(
+        [str(mergekit_cli()), str(config), str(out), "--lora-merge-cache", str(cache), "--quiet"],
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=600,
+    )
     assert result.returncode == 0, f"mergekit failed on {config}:\n{result.stderr[-3000:]}"
     return out
 
@@ -75,10 +80,17 @@ def zoo(tmp_path_factory):
         save_tiny_llama(0, root / "base")
         save_tiny_llama(1, root / "other")
         train_adapter(root / "base", root / "lora", 1, ["q_proj", "v_proj", "down_proj"])
-        get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"),
-                       LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"])).save_pretrained(root / "noop")
-    return {"root": root, "model": root / "base", "base": root / "base", "lora": root / "lora",
-            "other": root / "other", "noop": root / "noop"}
+        get_peft_model(
+            LlamaForCausalLM.from_pretrained(root / "base"), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"])
+        ).save_pretrained(root / "noop")
+    return {
+        "root": root,
+        "model": root / "base",
+        "base": root / "base",
+        "lora": root / "lora",
+        "other": root / "other",
+        "noop": root / "noop",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +98,15 @@ def theirs(zoo):
     """mergekit's outputs for X+L as a model, as the base and in a slice."""
     mergekit_cli()
     root = zoo["root"]
-    configs = {name: write_config(template, root, name, **zoo) for name, template in
-               (("as_model", AS_MODEL), ("as_base", AS_BASE), ("in_slices", IN_SLICES))}
+    configs = {
+        name: write_config(template, root, name, **zoo)
+        for name, template in (("as_model", AS_MODEL), ("as_base", AS_BASE), ("in_slices", IN_SLICES))
+    }
     with ThreadPoolExecutor(max_workers=2) as pool:
-        outputs = {name: pool.submit(run_mergekit_with_loras, config, root / f"mk-{name}", root / f"cache-{name}")
-                   for name, config in configs.items()}
+        outputs = {
+            name: pool.submit(run_mergekit_with_loras, config, root / f"mk-{name}", root / f"cache-{name}")
+            for name, config in configs.items()
+        }
         return {name: (configs[name], future.result()) for name, future in outputs.items()}
 
 
@@ -151,8 +167,20 @@ def test_the_adapter_is_audited_against_its_model(zoo, tmp_path):
 
 def test_an_adapter_folder_on_a_model_plus_lora_base_is_refused(zoo, tmp_path):
     """An adapter folder is audited against the base, which a model+lora reference is not (one model folder)."""
-    result = cli("merge", "--method", "linear", "--base", f"{zoo['base']}+{zoo['lora']}", "--model", zoo["lora"],
-                 "--alpha", "0.5", "--out", tmp_path / "out", "--quiet")
+    result = cli(
+        "merge",
+        "--method",
+        "linear",
+        "--base",
+        f"{zoo['base']}+{zoo['lora']}",
+        "--model",
+        zoo["lora"],
+        "--alpha",
+        "0.5",
+        "--out",
+        tmp_path / "out",
+        "--quiet",
+    )
     assert "is a model+lora reference" in one_error_line(result) and not (tmp_path / "out").exists()
 
 

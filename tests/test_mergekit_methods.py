@@ -29,51 +29,96 @@ FINE_TUNES = 3
 
 DETERMINISTIC = {
     "model_stock": {"merge_method": "model_stock", "base_model": "base", "models": ["ft1", "ft2", "ft3"]},
-    "model_stock_filter_wise": {"merge_method": "model_stock", "base_model": "base", "models": ["ft1", "ft2", "ft3"],
-                                "parameters": {"filter_wise": True}},
-    "nuslerp_base": {"merge_method": "nuslerp", "base_model": "base",
-                     "models": [("ft1", {"weight": 0.3}), ("ft2", {"weight": 0.7})]},
-    "nuslerp_rows": {"merge_method": "nuslerp", "models": [("ft1", {"weight": 1.0}), ("ft3", {"weight": 3.0})],
-                     "parameters": {"nuslerp_flatten": False}},
-    "nuslerp_columns": {"merge_method": "nuslerp", "base_model": "base",
-                        "models": [("ft2", {"weight": 2.0}), ("ft3", {"weight": 1.0})],
-                        "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True}},
-    "multislerp_base": {"merge_method": "multislerp", "base_model": "base",
-                        "models": [("ft1", {"weight": 1.0}), ("ft2", {"weight": 2.0}), ("ft3", {"weight": 3.0})]},
-    "multislerp": {"merge_method": "multislerp",
-                   "models": [("ft1", {"weight": 0.5}), ("ft3", {"weight": 0.5})]},
+    "model_stock_filter_wise": {
+        "merge_method": "model_stock",
+        "base_model": "base",
+        "models": ["ft1", "ft2", "ft3"],
+        "parameters": {"filter_wise": True},
+    },
+    "nuslerp_base": {
+        "merge_method": "nuslerp",
+        "base_model": "base",
+        "models": [("ft1", {"weight": 0.3}), ("ft2", {"weight": 0.7})],
+    },
+    "nuslerp_rows": {
+        "merge_method": "nuslerp",
+        "models": [("ft1", {"weight": 1.0}), ("ft3", {"weight": 3.0})],
+        "parameters": {"nuslerp_flatten": False},
+    },
+    "nuslerp_columns": {
+        "merge_method": "nuslerp",
+        "base_model": "base",
+        "models": [("ft2", {"weight": 2.0}), ("ft3", {"weight": 1.0})],
+        "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+    },
+    "multislerp_base": {
+        "merge_method": "multislerp",
+        "base_model": "base",
+        "models": [("ft1", {"weight": 1.0}), ("ft2", {"weight": 2.0}), ("ft3", {"weight": 3.0})],
+    },
+    "multislerp": {"merge_method": "multislerp", "models": [("ft1", {"weight": 0.5}), ("ft3", {"weight": 0.5})]},
     "karcher": {"merge_method": "karcher", "models": ["ft1", "ft2", "ft3"]},
-    "karcher_base": {"merge_method": "karcher", "base_model": "base", "models": ["ft1", "ft2"],
-                     "parameters": {"max_iter": 3}},
-    "breadcrumbs": {"merge_method": "breadcrumbs", "base_model": "base",
-                    "models": [("ft1", {"weight": 0.6, "density": 0.7, "gamma": 0.05}),
-                               ("ft2", {"weight": 0.4, "density": 0.9, "gamma": 0.01})]},
-    "breadcrumbs_ties": {"merge_method": "breadcrumbs_ties", "base_model": "base",
-                         "models": [("ft1", {"weight": 1.0}), ("ft2", {"weight": 0.5}), ("ft3", {"weight": 0.8})],
-                         "parameters": {"density": 0.6, "gamma": 0.02, "lambda": 0.9, "normalize": True,
-                                        "rescale": True}},
+    "karcher_base": {
+        "merge_method": "karcher",
+        "base_model": "base",
+        "models": ["ft1", "ft2"],
+        "parameters": {"max_iter": 3},
+    },
+    "breadcrumbs": {
+        "merge_method": "breadcrumbs",
+        "base_model": "base",
+        "models": [
+            ("ft1", {"weight": 0.6, "density": 0.7, "gamma": 0.05}),
+            ("ft2", {"weight": 0.4, "density": 0.9, "gamma": 0.01}),
+        ],
+    },
+    "breadcrumbs_ties": {
+        "merge_method": "breadcrumbs_ties",
+        "base_model": "base",
+        "models": [("ft1", {"weight": 1.0}), ("ft2", {"weight": 0.5}), ("ft3", {"weight": 0.8})],
+        "parameters": {"density": 0.6, "gamma": 0.02, "lambda": 0.9, "normalize": True, "rescale": True},
+    },
     "passthrough": {"merge_method": "passthrough", "models": [("ft2", {"scale": 0.5})]},
 }
 SLICES = {  # mergekit's slices: (model, layer_range) sources per slice, optional slice parameters
-    "passthrough_stack": {"merge_method": "passthrough",
-                          "slices": [[("base", (0, 2))], [("ft1", (1, 2))], [("ft2", (0, 1))]]},
-    "slerp_slices": {"merge_method": "slerp", "base_model": "base",
-                     "parameters": {"t": [{"filter": "self_attn", "value": [0.1, 0.9]}, {"value": 0.3}]},
-                     "slices": [[("base", (0, 2)), ("ft1", (0, 2))],
-                                ([("base", (1, 2)), ("ft1", (0, 1))], {"t": 0.8})]},
-    "nuslerp_slices": {"merge_method": "nuslerp", "base_model": "base",
-                       "slices": [[("base", (1, 2)), ("ft2", (0, 1), {"weight": 1.0}), ("ft3", (1, 2), {"weight": 3.0})],
-                                  [("base", (0, 2)), ("ft1", (0, 2), {"weight": 2.0}), ("ft3", (0, 2), {"weight": 1.0})]]},
+    "passthrough_stack": {
+        "merge_method": "passthrough",
+        "slices": [[("base", (0, 2))], [("ft1", (1, 2))], [("ft2", (0, 1))]],
+    },
+    "slerp_slices": {
+        "merge_method": "slerp",
+        "base_model": "base",
+        "parameters": {"t": [{"filter": "self_attn", "value": [0.1, 0.9]}, {"value": 0.3}]},
+        "slices": [[("base", (0, 2)), ("ft1", (0, 2))], ([("base", (1, 2)), ("ft1", (0, 1))], {"t": 0.8})],
+    },
+    "nuslerp_slices": {
+        "merge_method": "nuslerp",
+        "base_model": "base",
+        "slices": [
+            [("base", (1, 2)), ("ft2", (0, 1), {"weight": 1.0}), ("ft3", (1, 2), {"weight": 3.0})],
+            [("base", (0, 2)), ("ft1", (0, 2), {"weight": 2.0}), ("ft3", (0, 2), {"weight": 1.0})],
+        ],
+    },
 }
 RANDOM = {
-    "della_linear_single": {"merge_method": "della_linear", "base_model": "base",
-                            "models": [("ft1", {"weight": 1.0})],
-                            "parameters": {"density": 0.5, "epsilon": 0.3, "rescale": False}},
-    "della_linear_rescaled": {"merge_method": "della_linear", "base_model": "base",
-                              "models": [("ft1", {"weight": 1.0})], "parameters": {"density": 0.4}},
-    "della": {"merge_method": "della", "base_model": "base",
-              "models": [("ft1", {"weight": 1.0}), ("ft2", {"weight": 0.5})],
-              "parameters": {"density": 0.6, "epsilon": 0.2, "lambda": 0.8}},
+    "della_linear_single": {
+        "merge_method": "della_linear",
+        "base_model": "base",
+        "models": [("ft1", {"weight": 1.0})],
+        "parameters": {"density": 0.5, "epsilon": 0.3, "rescale": False},
+    },
+    "della_linear_rescaled": {
+        "merge_method": "della_linear",
+        "base_model": "base",
+        "models": [("ft1", {"weight": 1.0})],
+        "parameters": {"density": 0.4},
+    },
+    "della": {
+        "merge_method": "della",
+        "base_model": "base",
+        "models": [("ft1", {"weight": 1.0}), ("ft2", {"weight": 0.5})],
+        "parameters": {"density": 0.6, "epsilon": 0.2, "lambda": 0.8},
+    },
 }
 
 
@@ -89,8 +134,10 @@ def mergekit_yaml(case: dict, models: dict[str, Path]) -> dict:
     slices = []
     for piece in case.get("slices", []):
         sources, parameters = piece if isinstance(piece, tuple) else (piece, {})
-        entries = [{"model": str(models[name]), "layer_range": list(layers), **({"parameters": extra[0]} if extra else {})}
-                   for name, layers, *extra in sources]
+        entries = [
+            {"model": str(models[name]), "layer_range": list(layers), **({"parameters": extra[0]} if extra else {})}
+            for name, layers, *extra in sources
+        ]
         slices.append({"sources": entries, **({"parameters": parameters} if parameters else {})})
     if slices:
         config["slices"] = slices
@@ -119,8 +166,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     folders = {"base": root / "base"}
     for index in range(1, FINE_TUNES + 1):
         tuned = tiny_llama(0)
-        tuned.load_state_dict({name: tensor + 0.01 * shared[name] + 0.01 * index ** 0.5
-                               * torch.randn(tensor.shape, generator=generator) for name, tensor in state.items()})
+        tuned.load_state_dict(
+            {
+                name: tensor + 0.01 * shared[name] + 0.01 * index**0.5 * torch.randn(tensor.shape, generator=generator)
+                for name, tensor in state.items()
+            }
+        )
         tuned.save_pretrained(root / f"ft{index}")
         folders[f"ft{index}"] = root / f"ft{index}"
     return folders
@@ -182,7 +233,9 @@ def keep_rates_by_rank(base: dict, tuned: dict, merged: dict, bins: int = 5) -> 
     """Share of delta entries kept (merged != base), by their magnitude rank within their row, in `bins` bins."""
     kept, counted = torch.zeros(bins), torch.zeros(bins)
     for name, tensor in base.items():
-        delta = (tuned[name] - tensor).reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else (tuned[name] - tensor)[None]
+        delta = (
+            (tuned[name] - tensor).reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else (tuned[name] - tensor)[None]
+        )
         survived = (merged[name] - tensor).reshape(delta.shape) != 0
         share = delta.abs().argsort(dim=1).argsort(dim=1).float() / (delta.shape[1] - 1)
         which = (share * bins).long().clamp(max=bins - 1)
@@ -214,8 +267,10 @@ def test_della_rescale_keeps_the_l1_norm_of_each_delta_as_mergekit_does(checkpoi
         dense = (tuned[name] - tensor).abs().sum()
         for merged in (ours, theirs):
             assert torch.isclose((merged[name] - tensor).abs().sum(), dense, rtol=1e-4), name
-    kept = [sum(int((m[n] != t).sum()) for n, t in base.items()) / sum(t.numel() for t in base.values())
-            for m in (ours, theirs)]
+    kept = [
+        sum(int((m[n] != t).sum()) for n, t in base.items()) / sum(t.numel() for t in base.values())
+        for m in (ours, theirs)
+    ]
     assert abs(kept[0] - 0.4) < 0.02 and abs(kept[1] - 0.4) < 0.02, kept
 
 

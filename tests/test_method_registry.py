@@ -29,8 +29,12 @@ def merges(paths: dict[str, str]) -> dict[str, dict]:
     recall = {"recall": {"weights_file": paths["recall_weights"]}}
     return {
         "linear_alpha": {"method": "linear", "base": base, "models": [first], "parameters": {"alpha": 0.3}},
-        "linear_weights": {"method": "linear", "base": base, "models": [{"model": first, "parameters": {"weight": 2.0}},
-                                                                         second], "parameters": {"normalize": True}},
+        "linear_weights": {
+            "method": "linear",
+            "base": base,
+            "models": [{"model": first, "parameters": {"weight": 2.0}}, second],
+            "parameters": {"normalize": True},
+        },
         "slerp": {"method": "slerp", "base": base, "models": [first], "parameters": {"t": [0.2, 0.7]}},
         "nearswap": {"method": "nearswap", "base": base, "models": [first], "parameters": {"t": 0.01}},
         "task_arithmetic": {**three, "method": "task_arithmetic", "parameters": {"lambda": 0.8}},
@@ -44,29 +48,66 @@ def merges(paths: dict[str, str]) -> dict[str, dict]:
         "sce": {**three, "method": "sce", "parameters": {"select_topk": 0.5}},
         "model_stock": {**three, "method": "model_stock"},
         "model_stock_filter_wise": {**three, "method": "model_stock", "parameters": {"filter_wise": True}},
-        "nuslerp": {"method": "nuslerp", "base": base, "models": [{"model": first, "parameters": {"weight": 1.0}},
-                                                                  {"model": second, "parameters": {"weight": 3.0}}]},
-        "nuslerp_rows": {"method": "nuslerp", "models": [{"model": first, "parameters": {"weight": 1.0}},
-                                                         {"model": second, "parameters": {"weight": 2.0}}],
-                         "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True}},
-        "multislerp": {**three, "method": "multislerp", "models": [{"model": first, "parameters": {"weight": 1.0}},
-                                                                   {"model": second, "parameters": {"weight": 2.0}}]},
+        "nuslerp": {
+            "method": "nuslerp",
+            "base": base,
+            "models": [
+                {"model": first, "parameters": {"weight": 1.0}},
+                {"model": second, "parameters": {"weight": 3.0}},
+            ],
+        },
+        "nuslerp_rows": {
+            "method": "nuslerp",
+            "models": [
+                {"model": first, "parameters": {"weight": 1.0}},
+                {"model": second, "parameters": {"weight": 2.0}},
+            ],
+            "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+        },
+        "multislerp": {
+            **three,
+            "method": "multislerp",
+            "models": [
+                {"model": first, "parameters": {"weight": 1.0}},
+                {"model": second, "parameters": {"weight": 2.0}},
+            ],
+        },
         "karcher": {"method": "karcher", "models": [base, first, second], "parameters": {"max_iter": 5}},
         "passthrough": {"method": "passthrough", "models": [{"model": second, "parameters": {"scale": 0.5}}]},
         "recall": {"method": "recall", "base": base, "models": [first], **recall},
-        "recall_lerp": {"method": "recall_lerp", "base": base, "models": [first], "parameters": {"alpha": 0.4},
-                        **recall},
+        "recall_lerp": {
+            "method": "recall_lerp",
+            "base": base,
+            "models": [first],
+            "parameters": {"alpha": 0.4},
+            **recall,
+        },
         "lines": {**three, "method": "lines", "parameters": {"alpha": 0.2, "beta": 0.6}},
         "ema": {"method": "ema", "models": [base, first, second], "parameters": {"decay": 0.6}},
-        "slices": {"method": "linear", "slices": [
-            {"sources": [{"model": base, "layer_range": [0, 2]}, {"model": first, "layer_range": [0, 2]}],
-             "parameters": {"weight": [0.2, 0.8]}},
-            {"sources": [{"model": second, "layer_range": [1, 2]}, {"model": first, "layer_range": [1, 2]}]}]},
-        "slices_passthrough": {"method": "passthrough", "slices": [
-            {"sources": [{"model": base, "layer_range": [0, 2]}]},
-            {"sources": [{"model": second, "layer_range": [1, 2]}]}]},
-        "tokenizer_source": {"method": "ties", "base": base, "models": [first, paths["wide"]],
-                             "parameters": {"density": 0.5}, "tokenizer_source": "union"},
+        "slices": {
+            "method": "linear",
+            "slices": [
+                {
+                    "sources": [{"model": base, "layer_range": [0, 2]}, {"model": first, "layer_range": [0, 2]}],
+                    "parameters": {"weight": [0.2, 0.8]},
+                },
+                {"sources": [{"model": second, "layer_range": [1, 2]}, {"model": first, "layer_range": [1, 2]}]},
+            ],
+        },
+        "slices_passthrough": {
+            "method": "passthrough",
+            "slices": [
+                {"sources": [{"model": base, "layer_range": [0, 2]}]},
+                {"sources": [{"model": second, "layer_range": [1, 2]}]},
+            ],
+        },
+        "tokenizer_source": {
+            "method": "ties",
+            "base": base,
+            "models": [first, paths["wide"]],
+            "parameters": {"density": 0.5},
+            "tokenizer_source": "union",
+        },
     }
 
 
@@ -126,15 +167,16 @@ def test_every_method_gives_the_recorded_bytes(case, dtype, tiny_models, tmp_pat
     assert merged_hash(case, dtype, tiny_models, tmp_path / "out") == recorded[f"{case}/{dtype}"]
 
 
-
-
 if __name__ == "__main__":  # records HASHES from this code: `python -m tests.test_method_registry`
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
         built = build_models(Path(scratch))
-        hashes = {f"{case}/{dtype}": merged_hash(case, dtype, built, Path(scratch) / f"{case}-{dtype}")
-                  for case in CASES for dtype in DTYPES}
+        hashes = {
+            f"{case}/{dtype}": merged_hash(case, dtype, built, Path(scratch) / f"{case}-{dtype}")
+            for case in CASES
+            for dtype in DTYPES
+        }
     HASHES.parent.mkdir(exist_ok=True)
     HASHES.write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
 
@@ -160,9 +202,15 @@ def test_every_declaration_is_consistent():
 def test_calibration_merges_are_valid_configs(name, tiny_models):
     calibration = method(name).calibration
     inputs = [tiny_models[key] for key in ("base", "first", "second")]
-    models = inputs[1:calibration.models + 1] if calibration.with_base else inputs[:calibration.models]
-    config = config_from_dict({"method": name, "base": inputs[0] if calibration.with_base else None, "models": models,
-                               "parameters": calibration.parameters})
+    models = inputs[1 : calibration.models + 1] if calibration.with_base else inputs[: calibration.models]
+    config = config_from_dict(
+        {
+            "method": name,
+            "base": inputs[0] if calibration.with_base else None,
+            "models": models,
+            "parameters": calibration.parameters,
+        }
+    )
     assert config.merge_method is method(name)
 
 
@@ -190,8 +238,10 @@ def test_the_documented_example_method_merges(tiny_models, tmp_path, monkeypatch
     inputs = [tiny_models[name] for name in ("base", "first", "second")]
     run_merge(config_from_dict({"method": "median", "models": inputs}), tmp_path / "out")
     merged = load_file(tmp_path / "out" / "model.safetensors")
-    read = [{name: tensor for part in sorted(Path(path).glob("*.safetensors")) for name, tensor in load_file(part).items()}
-            for path in inputs]
+    read = [
+        {name: tensor for part in sorted(Path(path).glob("*.safetensors")) for name, tensor in load_file(part).items()}
+        for path in inputs
+    ]
     for name, tensor in merged.items():
         assert torch.equal(tensor, torch.stack([model[name] for model in read]).median(dim=0).values), name
     with pytest.raises(InputError, match="median needs at least three models, got 2"):

@@ -51,8 +51,9 @@ def test_lerp_into_its_output_rounds_the_float32_lerp_once_at_any_size_and_over_
             float32 = methods.lerp(start, end, alpha)
             assert float32.dtype == torch.float32
             direct = methods.lerp(start, end, alpha, out=torch.empty_like(start))
-            assert direct.dtype == dtype and torch.equal(direct.view(-1).view(torch.uint8),
-                                                          float32.to(dtype).view(-1).view(torch.uint8))
+            assert direct.dtype == dtype and torch.equal(
+                direct.view(-1).view(torch.uint8), float32.to(dtype).view(-1).view(torch.uint8)
+            )
             overlay = start.clone()
             assert methods.lerp(overlay, end, alpha, out=overlay) is overlay and torch.equal(overlay, direct)
             exact = (1 - alpha) * start.double() + alpha * end.double()
@@ -168,13 +169,22 @@ def reference_draws(key: int, begin: int, size: int) -> list[int]:
 
 def test_philox_reference_gives_random123s_known_answers():
     """The known-answer vectors of Random123 (the paper's library, kat_vectors) for philox4x64 with 10 rounds."""
-    assert philox4x64([0] * 4, [0, 0]) == [0x16554D9ECA36314C, 0xDB20FE9D672D0FDC, 0xD7E772CEE186176B,
-                                           0x7E68B68AEC7BA23B]
-    assert philox4x64([MASK64] * 4, [MASK64] * 2) == [0x87B092C3013FE90B, 0x438C3C67BE8D0224, 0x9CC7D7C69CD777B6,
-                                                      0xA09CAEBF594F0BA0]
-    assert philox4x64([0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89],
-                      [0x452821E638D01377, 0xBE5466CF34E90C6C]) == [0xA528F45403E61D95, 0x38C72DBD566E9788,
-                                                                    0xA5A1610E72FD18B5, 0x57BD43B5E52B7FE6]
+    assert philox4x64([0] * 4, [0, 0]) == [
+        0x16554D9ECA36314C,
+        0xDB20FE9D672D0FDC,
+        0xD7E772CEE186176B,
+        0x7E68B68AEC7BA23B,
+    ]
+    assert philox4x64([MASK64] * 4, [MASK64] * 2) == [
+        0x87B092C3013FE90B,
+        0x438C3C67BE8D0224,
+        0x9CC7D7C69CD777B6,
+        0xA09CAEBF594F0BA0,
+    ]
+    assert philox4x64(
+        [0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89],
+        [0x452821E638D01377, 0xBE5466CF34E90C6C],
+    ) == [0xA528F45403E61D95, 0x38C72DBD566E9788, 0xA5A1610E72FD18B5, 0x57BD43B5E52B7FE6]
 
 
 @pytest.mark.parametrize("begin, size", [(0, 40), (5, 1), (13, 70), (16 * 1000 + 3, 29), ((1 << 40) + 7, 33)])
@@ -191,7 +201,7 @@ def test_keep_indicator_is_philox_at_each_entrys_own_counter(begin, size):
 def test_drop_threshold_quantises_to_2_to_the_minus_16():
     assert [methods.drop_threshold(drop) for drop in (0.0, 1e-6, 0.5, 0.3, 1 - 1e-9)] == [0, 0, 32768, 19661, 65535]
     for drop in (0.1, 0.3, 0.5, 0.6, 0.9):
-        assert abs(methods.drop_threshold(drop) / 65536 - drop) <= 2 ** -17
+        assert abs(methods.drop_threshold(drop) / 65536 - drop) <= 2**-17
     assert methods.keep_indicator(5, 0, 100, 1e-6) is None  # below half a step nothing drops
 
 
@@ -200,8 +210,10 @@ def test_keep_masks_do_not_depend_on_the_chunk_size_or_order(chunk):
     """Chunks drawn in reverse order, of any size, concatenate to the whole tensor's mask."""
     key, total, drop = 987654321, 300_007 if chunk >= 100 else 3_001, 0.4
     whole = methods.keep_indicator(key, 0, total, drop)
-    parts = {begin: methods.keep_indicator(key, begin, min(chunk, total - begin), drop)
-             for begin in reversed(range(0, total, chunk))}
+    parts = {
+        begin: methods.keep_indicator(key, begin, min(chunk, total - begin), drop)
+        for begin in reversed(range(0, total, chunk))
+    }
     assert torch.equal(torch.cat([parts[begin] for begin in sorted(parts)]), whole)
 
 
@@ -229,7 +241,7 @@ def test_dare_masks_drop_at_the_rate_asked_and_independently(drop):
         pairs[f"gap {gap}"] = (first[:-gap], first[gap:])
     for name, (left, right) in pairs.items():
         both = (left * right).mean().item()
-        assert within_bounds(both, applied ** 2, left.numel()), (name, both, applied ** 2)
+        assert within_bounds(both, applied**2, left.numel()), (name, both, applied**2)
 
 
 def test_random_drop_rescales_survivors_by_the_applied_drop():
@@ -248,8 +260,14 @@ def test_at_least_is_a_comparison_as_floats():
     the ends of the range included, so trims and drops keep exactly what a comparison keeps."""
     tiny = torch.finfo(torch.float32).tiny
     special = torch.tensor([0.0, 1e-45, 2e-45, tiny, 0.1, 0.5, 0.5000001, 1.0, 3.4e38, math.inf])
-    values = torch.cat([special, torch.nextafter(special, torch.tensor(math.inf)),
-                        torch.nextafter(special, torch.tensor(0.0)), torch.rand(10_000)])
+    values = torch.cat(
+        [
+            special,
+            torch.nextafter(special, torch.tensor(math.inf)),
+            torch.nextafter(special, torch.tensor(0.0)),
+            torch.rand(10_000),
+        ]
+    )
     for threshold in [*special.tolist(), 0.3, 1.0 / 3.0, -1.0, math.nan]:
         expected = (values >= threshold).to(torch.float32)
         assert torch.equal(methods.at_least(values.clone(), threshold), expected), threshold
@@ -260,8 +278,14 @@ def test_trim_is_a_masked_fill_bit_for_bit():
     signed zeros, subnormals, inf and NaN entries included (NaN and inf are kept as the mask keeps them)."""
     tiny = torch.finfo(torch.float32).tiny
     special = torch.tensor([0.0, 1e-45, 2e-45, tiny, 0.1, 0.5, 0.5000001, 1.0, 3.4e38, math.inf])
-    magnitudes = torch.cat([special, torch.nextafter(special, torch.tensor(math.inf)),
-                            torch.nextafter(special, torch.tensor(0.0)), torch.rand(10_000)])
+    magnitudes = torch.cat(
+        [
+            special,
+            torch.nextafter(special, torch.tensor(math.inf)),
+            torch.nextafter(special, torch.tensor(0.0)),
+            torch.rand(10_000),
+        ]
+    )
     deltas = torch.cat([magnitudes, -magnitudes, torch.tensor([math.nan, -math.nan])])
     for threshold in [*special.tolist(), 0.3, 1.0 / 3.0]:
         expected = deltas.masked_fill(deltas.abs() < threshold, 0.0).add_(0.0)  # + 0.0: a kept -0.0 becomes +0.0
@@ -296,15 +320,26 @@ def test_row_sum_weighs_agreement_rows_in_model_order():
     assert methods.row_sum(deltas[:1]).data_ptr() == deltas.data_ptr()  # one row with weight 1: no copy
 
 
-@pytest.mark.parametrize("model_dtype, base_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
-                                                     (torch.float32, torch.float32), (torch.float64, torch.float32),
-                                                     (torch.bfloat16, torch.float64)])
+@pytest.mark.parametrize(
+    "model_dtype, base_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float32),
+        (torch.bfloat16, torch.float64),
+    ],
+)
 def test_task_vector_has_the_bytes_of_torch_sub_and_leaves_its_inputs(model_dtype, base_dtype):
     """The copy-then-subtract path (bf16, fp16, fp32) and torch's promotion (float64) against torch.sub of the
     base in float32, signed zeros, subnormals, inf and NaN included; a float32 model is not written into."""
     generator = torch.Generator().manual_seed(8)
-    values = torch.cat([torch.randn(5000, generator=generator),
-                        torch.tensor([0.0, -0.0, 1e-40, -1e-40, math.inf, -math.inf, math.nan, 3e38, -3e38])])
+    values = torch.cat(
+        [
+            torch.randn(5000, generator=generator),
+            torch.tensor([0.0, -0.0, 1e-40, -1e-40, math.inf, -math.inf, math.nan, 3e38, -3e38]),
+        ]
+    )
     model, base = values.to(model_dtype), values.flip(0).to(base_dtype)
     kept = model.clone()
     expected = torch.sub(model, base.to(torch.float32))
@@ -327,19 +362,35 @@ def test_ties_by_hand():
     base = t(0.0, 0.0, 0.0, 0.0)
     a = t(4.0, -1.0, 2.0, 0.5)
     b = t(-1.0, -2.0, 3.0, 0.25)
-    merged = methods.task_vector_merge(base, [a, b], [1.0, 1.0], scale=1.0, sparsifier="magnitude",
-                                       densities=[0.5, 0.5], consensus=True, normalize=True)
+    merged = methods.task_vector_merge(
+        base,
+        [a, b],
+        [1.0, 1.0],
+        scale=1.0,
+        sparsifier="magnitude",
+        densities=[0.5, 0.5],
+        consensus=True,
+        normalize=True,
+    )
     # trimmed: a -> (4, 0, 2, 0), b -> (0, -2, 3, 0); all surviving entries agree with their column's sign
     assert torch.equal(merged, t(4.0, -2.0, 2.5, 0.0))
 
 
 def test_ties_disjoint_mean_ignores_disagreeing_entries_and_applies_lambda():
     base = t(1.0, 1.0)
-    a = t(3.0, 0.0)   # delta (2, -1)
+    a = t(3.0, 0.0)  # delta (2, -1)
     b = t(-2.0, 4.0)  # delta (-3, 3)
-    c = t(4.0, 2.0)   # delta (3, 1)
-    merged = methods.task_vector_merge(base, [a, b, c], [1.0, 1.0, 1.0], scale=0.5, sparsifier="magnitude",
-                                       densities=[1.0, 1.0, 1.0], consensus=True, normalize=True)
+    c = t(4.0, 2.0)  # delta (3, 1)
+    merged = methods.task_vector_merge(
+        base,
+        [a, b, c],
+        [1.0, 1.0, 1.0],
+        scale=0.5,
+        sparsifier="magnitude",
+        densities=[1.0, 1.0, 1.0],
+        consensus=True,
+        normalize=True,
+    )
     # column 0: 2 - 3 + 3 > 0 -> mean(2, 3) = 2.5; column 1: -1 + 3 + 1 > 0 -> mean(3, 1) = 2
     assert torch.allclose(merged, t(1.0 + 0.5 * 2.5, 1.0 + 0.5 * 2.0))
 
@@ -382,9 +433,14 @@ def test_karcher_mean_of_points_on_a_circle_is_their_mean_angle():
 
 def test_nuslerp_is_slerp_and_multislerp_of_two_symmetric_points_is_their_bisector():
     gram = methods.gram_matrix([unit(0.0), unit(90.0)])
-    assert geometric.nuslerp_coefficients(gram, 1 / 3).tolist() == pytest.approx(list(methods.spherical_weights(0.0, 1 / 3)))
-    bisector = methods.linear([unit(0.0), unit(80.0)], geometric.multislerp_coefficients(
-        methods.gram_matrix([unit(0.0), unit(80.0)]), [0.5, 0.5]).tolist(), normalize=False)
+    assert geometric.nuslerp_coefficients(gram, 1 / 3).tolist() == pytest.approx(
+        list(methods.spherical_weights(0.0, 1 / 3))
+    )
+    bisector = methods.linear(
+        [unit(0.0), unit(80.0)],
+        geometric.multislerp_coefficients(methods.gram_matrix([unit(0.0), unit(80.0)]), [0.5, 0.5]).tolist(),
+        normalize=False,
+    )
     assert torch.allclose(bisector, unit(40.0), atol=1e-6)
 
 
@@ -393,8 +449,9 @@ def test_outlier_band_drops_the_largest_gamma_then_the_smallest():
     model = t(*range(1, 11))  # magnitudes 1..10
     # keep int(0.5·10) = 5, drop int(0.2·10) = 2 outliers (9, 10), then the 3 smallest: keep 4..8
     assert methods.outlier_band(base, model, 0.5, 0.2) == (4.0, 8.0)
-    merged = methods.task_vector_merge(base, [model], [1.0], sparsifier="outliers", densities=[0.5], gammas=[0.2],
-                                       rescale=False)
+    merged = methods.task_vector_merge(
+        base, [model], [1.0], sparsifier="outliers", densities=[0.5], gammas=[0.2], rescale=False
+    )
     assert merged.tolist() == [0, 0, 0, 4, 5, 6, 7, 8, 0, 0]
     assert methods.outlier_band(base, model, 1.0, 0.2) == (0.0, math.inf)
 
@@ -406,8 +463,9 @@ def test_magprune_probabilities_rise_linearly_with_rank_within_each_row():
     assert torch.allclose(probabilities, t(0.5, 0.3, 0.7, 0.4, 0.6).reshape(1, 5))
 
 
-def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, keys, consensus,
-                                    normalize, mergekit_rules=False):
+def _task_vector_merge_step_by_step(
+    base, models, weights, scale, sparsifier, thresholds, drops, keys, consensus, normalize, mergekit_rules=False
+):
     """TIES / DARE / task arithmetic in the plain form of the papers, one whole-tensor op per step: the reference
     the fused task_vector_merge must equal bit for bit (its shortcuts are exact, not approximations)."""
     base32 = base.to(torch.float32)
@@ -438,14 +496,26 @@ def _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, th
     return merged * scale + base32
 
 
-@pytest.mark.parametrize("weights, scale", [([1.0, 1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6), ([0.5, 1e-8, 1.3], -1.0),
-                                            ([1.0, 1.0], 1.0), ([1.0], 1.0)])
-@pytest.mark.parametrize("sparsifier, consensus, normalize, mergekit_rules", [
-    (None, False, False, False), (None, False, True, False), ("magnitude", True, True, False),
-    ("magnitude", True, False, False), ("magnitude", True, True, True), ("random", True, True, False),
-    ("random", True, True, True), ("random", False, False, False)])
-def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, scale, sparsifier, consensus, normalize,
-                                                                     mergekit_rules):
+@pytest.mark.parametrize(
+    "weights, scale",
+    [([1.0, 1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6), ([0.5, 1e-8, 1.3], -1.0), ([1.0, 1.0], 1.0), ([1.0], 1.0)],
+)
+@pytest.mark.parametrize(
+    "sparsifier, consensus, normalize, mergekit_rules",
+    [
+        (None, False, False, False),
+        (None, False, True, False),
+        ("magnitude", True, True, False),
+        ("magnitude", True, False, False),
+        ("magnitude", True, True, True),
+        ("random", True, True, False),
+        ("random", True, True, True),
+        ("random", False, False, False),
+    ],
+)
+def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(
+    weights, scale, sparsifier, consensus, normalize, mergekit_rules
+):
     """Positive weights take the float-only disjoint merge, others the general form; both must give these bytes."""
     generator = torch.Generator().manual_seed(3)
     base = (torch.randn(4099, generator=generator) * 0.02).to(torch.bfloat16)
@@ -454,26 +524,46 @@ def test_task_vector_merge_equals_the_step_by_step_form_bit_for_bit(weights, sca
     models[0][:32], models[-1][16:48] = 0.0, -0.0
     models[-1][100:200] = base[100:200]
     thresholds = [methods.trim_threshold(base, model, 0.5) for model in models]
-    drops, keys = [0.5, 0.3, 0.6][:len(models)], [11, 12, 2**128 - 13][:len(models)]
+    drops, keys = [0.5, 0.3, 0.6][: len(models)], [11, 12, 2**128 - 13][: len(models)]
     fused = methods.task_vector_merge(
-        base, models, weights, scale=scale, sparsifier=sparsifier, thresholds=thresholds, drops=drops,
-        keys=keys, consensus=consensus, normalize=normalize,
-        mergekit_rules=mergekit_rules)
-    reference = _task_vector_merge_step_by_step(base, models, weights, scale, sparsifier, thresholds, drops, keys,
-                                                consensus, normalize, mergekit_rules)
+        base,
+        models,
+        weights,
+        scale=scale,
+        sparsifier=sparsifier,
+        thresholds=thresholds,
+        drops=drops,
+        keys=keys,
+        consensus=consensus,
+        normalize=normalize,
+        mergekit_rules=mergekit_rules,
+    )
+    reference = _task_vector_merge_step_by_step(
+        base, models, weights, scale, sparsifier, thresholds, drops, keys, consensus, normalize, mergekit_rules
+    )
     assert torch.equal(fused.view(torch.int32), reference.view(torch.int32))
     assert torch.equal(fused.to(torch.bfloat16).view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))
 
 
-@pytest.mark.parametrize("weights, scale", [([1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6), ([0.0, 1.0], 0.0),
-                                            ([1.0], -1.0)])
-@pytest.mark.parametrize("sparsifier, consensus, normalize, mergekit_rules, rescale", [
-    (None, False, False, False, True), (None, False, True, False, True), ("random", True, True, False, True),
-    ("random", True, True, True, True), ("random", True, False, False, False), ("random", False, False, False, True),
-    ("random", False, True, False, True)])
+@pytest.mark.parametrize(
+    "weights, scale", [([1.0, 1.0], 1.0), ([0.7, -0.4, 1.3], 0.6), ([0.0, 1.0], 0.0), ([1.0], -1.0)]
+)
+@pytest.mark.parametrize(
+    "sparsifier, consensus, normalize, mergekit_rules, rescale",
+    [
+        (None, False, False, False, True),
+        (None, False, True, False, True),
+        ("random", True, True, False, True),
+        ("random", True, True, True, True),
+        ("random", True, False, False, False),
+        ("random", False, False, False, True),
+        ("random", False, True, False, True),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dare_and_dense_merges_carry_every_nonfinite_input_entry_into_the_result(
-        weights, scale, sparsifier, consensus, normalize, mergekit_rules, rescale, dtype):
+    weights, scale, sparsifier, consensus, normalize, mergekit_rules, rescale, dtype
+):
     """Why the engine checks only the result of these methods (Method.hides_nonfinite): NaN, +Inf and -Inf in the
     base or in any model, alone or together, dropped by DARE's mask or kept, stay non-finite in that entry."""
     generator = torch.Generator().manual_seed(5)
@@ -485,14 +575,23 @@ def test_dare_and_dense_merges_carry_every_nonfinite_input_entry_into_the_result
     for entry in range(0, size, 2):  # odd entries stay finite: they must stay so
         row = entry // 2 % (len(models) + 2)  # the base, one model, or (last) the base and every model
         value = bad_values[entry // 2 % 3]
-        for tensor in ([base] if row == 0 else [models[row - 1]] if row <= len(models) else [base, *models]):
+        for tensor in [base] if row == 0 else [models[row - 1]] if row <= len(models) else [base, *models]:
             tensor[entry] = value if tensor is base else -value
         poisoned.append(entry)
     keeps = [torch.tensor([float(i % 4 < 2) for i in range(size)]).roll(index) for index in range(len(models))]
     merged = methods.task_vector_merge(
-        base, models, weights, scale=scale, sparsifier=sparsifier, drops=[0.5] * len(models),
-        keeps=keeps if sparsifier else None, consensus=consensus, normalize=normalize, rescale=rescale,
-        mergekit_rules=mergekit_rules)
+        base,
+        models,
+        weights,
+        scale=scale,
+        sparsifier=sparsifier,
+        drops=[0.5] * len(models),
+        keeps=keeps if sparsifier else None,
+        consensus=consensus,
+        normalize=normalize,
+        rescale=rescale,
+        mergekit_rules=mergekit_rules,
+    )
     assert not torch.isfinite(merged[poisoned]).any()
     assert torch.isfinite(merged[1::2]).all()
 

@@ -59,8 +59,9 @@ def tiny_model_class(base: Path):
 
 def merge(base: Path, adapter, out: Path, method: str = "task_arithmetic"):
     extra = ["--alpha", "1"] if method == "linear" else []
-    return cli("merge", "--method", method, "--base", base, "--model", adapter, *extra, "--out", out, "--quiet",
-               "--force")
+    return cli(
+        "merge", "--method", method, "--base", base, "--model", adapter, *extra, "--out", out, "--quiet", "--force"
+    )
 
 
 def assert_merge_is_peft_merge(base: Path, adapter: Path, merged: Path, peft_adapter: Path | None = None) -> None:
@@ -74,11 +75,15 @@ def assert_merge_is_peft_merge(base: Path, adapter: Path, merged: Path, peft_ada
 
 
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
-@pytest.mark.parametrize("architecture, options", [
-    ("qwen2_tied", dict(target_modules=["q_proj", "k_proj"], lora_bias=True)),
-    ("qwen2_tied", dict(target_modules=["q_proj", "v_proj"], lora_bias=True, bias="all")),
-    ("gpt2", dict(target_modules=["c_attn", "c_fc"], lora_bias=True, fan_in_fan_out=True, use_rslora=True)),
-], ids=["qwen2", "qwen2-bias-all", "gpt2-conv1d"])
+@pytest.mark.parametrize(
+    "architecture, options",
+    [
+        ("qwen2_tied", dict(target_modules=["q_proj", "k_proj"], lora_bias=True)),
+        ("qwen2_tied", dict(target_modules=["q_proj", "v_proj"], lora_bias=True, bias="all")),
+        ("gpt2", dict(target_modules=["c_attn", "c_fc"], lora_bias=True, fan_in_fan_out=True, use_rslora=True)),
+    ],
+    ids=["qwen2", "qwen2-bias-all", "gpt2-conv1d"],
+)
 def test_lora_bias_merges_as_peft_merges_it(tmp_path, architecture, options, method):
     """lora_bias (and what mergekit-lite extract writes for layers with biases): PEFT adds scaling * lora_B.bias to the
     layer's bias, after loading a saved trained bias (bias="all")."""
@@ -93,7 +98,9 @@ def test_lora_bias_merges_as_peft_merges_it(tmp_path, architecture, options, met
 
 
 def test_lora_bias_on_layers_without_bias_is_refused_as_peft_refuses_it(tmp_path):
-    base, adapter = save_adapter(tmp_path, "llama", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True))
+    base, adapter = save_adapter(
+        tmp_path, "llama", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True)
+    )
     with pytest.raises(RuntimeError, match="base layer has no bias"):
         peft_model_of(base, adapter).merge_and_unload()
     one_error_line(merge(base, adapter, tmp_path / "merged"), 2, "lora_bias", "whose base layer has no bias")
@@ -104,8 +111,11 @@ def test_modules_to_save_on_tied_embeddings_never_ties_the_head_to_the_trained_c
     """Without ensure_weight_tying PEFT trains a copy of the embeddings and keeps the base's head (the tied base's
     lm_head stays the old embeddings in the PEFT model and in its merge_and_unload). Writing the new embeddings alone
     would tie the head to them on load: the merge must write PEFT's model, or refuse in one line."""
-    base, adapter = save_adapter(tmp_path, "qwen2_tied", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                                                                    modules_to_save=["embed_tokens"]))
+    base, adapter = save_adapter(
+        tmp_path,
+        "qwen2_tied",
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["embed_tokens"]),
+    )
     peft_model = peft_model_of(base, adapter)
     assert not torch.equal(peft_model.get_input_embeddings().weight, peft_model.get_output_embeddings().weight)
     result = merge(base, adapter, tmp_path / "merged")
@@ -118,8 +128,11 @@ def test_modules_to_save_on_tied_embeddings_never_ties_the_head_to_the_trained_c
 
 
 def test_the_behaviour_check_runs_tied_embeddings_replaced_as_peft_runs_them(tmp_path):
-    base, adapter = save_adapter(tmp_path, "qwen2_tied", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                                                                    modules_to_save=["embed_tokens"]))
+    base, adapter = save_adapter(
+        tmp_path,
+        "qwen2_tied",
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["embed_tokens"]),
+    )
     with torch.no_grad():
         expected = peft_model_of(base, adapter)(input_ids=PROBE).logits
         model = tiny_model_class(base).from_pretrained(base)
@@ -132,8 +145,9 @@ def test_the_behaviour_check_runs_tied_embeddings_replaced_as_peft_runs_them(tmp
 def test_tied_embedding_lora_with_ensure_weight_tying_is_refused(tmp_path):
     """With ensure_weight_tying PEFT ties a LoRA on lm_head to the embeddings' LoRA, and its merge_and_unload adds
     the update twice to the shared weight: the merged model is not the model PEFT ran. Refused, said why."""
-    base, adapter = save_adapter(tmp_path, "qwen2_tied", LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens"],
-                                                                    ensure_weight_tying=True))
+    base, adapter = save_adapter(
+        tmp_path, "qwen2_tied", LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens"], ensure_weight_tying=True)
+    )
     peft_model = peft_model_of(base, adapter)
     with torch.no_grad():
         running = peft_model(input_ids=PROBE).logits
@@ -144,8 +158,19 @@ def test_tied_embedding_lora_with_ensure_weight_tying_is_refused(tmp_path):
 def peft_0_2_config(adapter: Path, **old_options) -> None:
     """adapter_config.json as PEFT 0.1-0.2 wrote it (its LoraConfig fields, git history of peft/tuners/lora.py)."""
     config = json.loads((adapter / "adapter_config.json").read_text())
-    kept = ["base_model_name_or_path", "bias", "fan_in_fan_out", "inference_mode", "lora_alpha", "lora_dropout",
-            "modules_to_save", "peft_type", "r", "target_modules", "task_type"]
+    kept = [
+        "base_model_name_or_path",
+        "bias",
+        "fan_in_fan_out",
+        "inference_mode",
+        "lora_alpha",
+        "lora_dropout",
+        "modules_to_save",
+        "peft_type",
+        "r",
+        "target_modules",
+        "task_type",
+    ]
     (adapter / "adapter_config.json").write_text(json.dumps({**{key: config[key] for key in kept}, **old_options}))
 
 
@@ -161,11 +186,14 @@ def test_an_adapter_config_written_by_peft_0_2_merges(tmp_path):
         LoraAdapter.open(adapter)
 
 
-@pytest.mark.parametrize("config, peft_type", [
-    (AdaLoraConfig(r=4, target_modules=["q_proj"], total_step=10), "ADALORA"),
-    (LoHaConfig(r=4, target_modules=["q_proj"]), "LOHA"),
-    (IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]), "IA3"),
-])
+@pytest.mark.parametrize(
+    "config, peft_type",
+    [
+        (AdaLoraConfig(r=4, target_modules=["q_proj"], total_step=10), "ADALORA"),
+        (LoHaConfig(r=4, target_modules=["q_proj"]), "LOHA"),
+        (IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]), "IA3"),
+    ],
+)
 def test_other_peft_types_are_refused_in_one_line(tmp_path, config, peft_type):
     base, adapter = save_adapter(tmp_path, "llama", config)
     peft_model_of(base, adapter).merge_and_unload()  # PEFT merges them; their updates are not scaling * B @ A
@@ -189,13 +217,16 @@ def hub_subfolder(tmp_path, monkeypatch):
     the tiny base as tiny-org/base, in an offline cache laid out as huggingface_hub lays it out."""
     from huggingface_hub import constants
 
-    base, adapter = save_adapter(tmp_path, "llama", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]),
-                                 adapter_name="math")
+    base, adapter = save_adapter(
+        tmp_path, "llama", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), adapter_name="math"
+    )
     (tmp_path / "card").mkdir()
     (tmp_path / "card" / "README.md").write_text("# two adapters\n")
     cache = tmp_path / "cache"
     lay_out(cache, "tiny-org/base", base)
-    lay_out_subfolder(lay_out(cache, "tiny-org/adapters", tmp_path / "card", refs=("main", "v1")), adapter / "math", "math")
+    lay_out_subfolder(
+        lay_out(cache, "tiny-org/adapters", tmp_path / "card", refs=("main", "v1")), adapter / "math", "math"
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return base, adapter
@@ -205,18 +236,25 @@ def test_an_adapter_in_a_hub_subfolder_is_named_org_name_subfolder(hub_subfolder
     base, adapter = hub_subfolder
     by_id = audit_adapter("tiny-org/adapters/math", "tiny-org/base", thresholds=ANY_NORM)
     by_folder = audit_adapter(adapter / "math", base, thresholds=ANY_NORM)
-    assert [(c.name, c.status) for c in by_id.checks if c.name != "base-id"] == \
-           [(c.name, c.status) for c in by_folder.checks if c.name != "base-id"]
+    assert [(c.name, c.status) for c in by_id.checks if c.name != "base-id"] == [
+        (c.name, c.status) for c in by_folder.checks if c.name != "base-id"
+    ]
     result = merge("tiny-org/base", f"tiny-org/adapters/math@{COMMIT}", tmp_path / "merged")
     assert result.returncode == 0, result.stderr
     assert_merge_is_peft_merge(base, adapter, tmp_path / "merged", peft_adapter=adapter / "math")
 
 
-@pytest.mark.parametrize("reference, message", [
-    ("tiny-org/adapters", "no adapter_config.json at its top .* its adapters are in math: name one as tiny-org/adapters/math"),
-    ("tiny-org/adapters/math@v2", "revision 'v2' is not in the Hugging Face cache \\(which holds main, v1\\)"),
-    ("tiny-org/adapters/physics", "tiny-org/adapters has no folder 'physics'"),
-    ("tiny-org/adapters/../base", "'\\.\\.'; refused"),
-])
+@pytest.mark.parametrize(
+    "reference, message",
+    [
+        (
+            "tiny-org/adapters",
+            "no adapter_config.json at its top .* its adapters are in math: name one as tiny-org/adapters/math",
+        ),
+        ("tiny-org/adapters/math@v2", "revision 'v2' is not in the Hugging Face cache \\(which holds main, v1\\)"),
+        ("tiny-org/adapters/physics", "tiny-org/adapters has no folder 'physics'"),
+        ("tiny-org/adapters/../base", "'\\.\\.'; refused"),
+    ],
+)
 def test_hub_adapter_errors_name_what_is_missing(hub_subfolder, reference, message):
     one_error_line(cli("audit", reference, "--base", "tiny-org/base"), 2, message)

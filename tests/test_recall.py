@@ -169,7 +169,12 @@ def test_for_tensor_rules():
     assert w.for_tensor(None, "head", embed_rule="average") == pytest.approx([1 / 3] * 3)
     assert w.for_tensor(None, "embed", embed_rule="base") == [1.0, 0.0, 0.0]
     assert w.for_tensor(None, "head", embed_rule="reference") == [0.0, 0.0, 1.0]
-    bad_calls = ((2, "layer", "nearest"), (None, "layer", "nearest"), (None, "bias", "nearest"), (None, "embed", "mean"))
+    bad_calls = (
+        (2, "layer", "nearest"),
+        (None, "layer", "nearest"),
+        (None, "bias", "nearest"),
+        (None, "embed", "mean"),
+    )
     for bad in bad_calls:
         with pytest.raises(InputError):
             w.for_tensor(*bad)
@@ -359,8 +364,15 @@ def lerp_merge(base_dir, tuned_dir, tmp_path, similarity, alpha, method="recall_
     weights_file = tmp_path / f"{method}-{alpha}.json"
     weights_file.write_text(json.dumps(weights.to_json()))
     parameters = {"alpha": alpha}
-    config = config_from_dict({"method": method, "base": base_dir, "models": [tuned_dir], "parameters": parameters,
-                               "recall": {"weights_file": str(weights_file)}})
+    config = config_from_dict(
+        {
+            "method": method,
+            "base": base_dir,
+            "models": [tuned_dir],
+            "parameters": parameters,
+            "recall": {"weights_file": str(weights_file)},
+        }
+    )
     out = tmp_path / f"{method}-{alpha}-{len(list(tmp_path.iterdir()))}"
     run_merge(config, out)
     source = open_model(out)
@@ -374,8 +386,9 @@ def test_recall_lerp_flat_profile_is_byte_identical_to_linear(base_and_last_laye
 
     base_dir, tuned_dir = base_and_last_layer_tuned
     layerwise = lerp_merge(base_dir, tuned_dir, tmp_path, [[0.8, 1.0]] * 4, 0.3)
-    config = config_from_dict({"method": "linear", "base": base_dir, "models": [tuned_dir],
-                               "parameters": {"alpha": 0.3}})
+    config = config_from_dict(
+        {"method": "linear", "base": base_dir, "models": [tuned_dir], "parameters": {"alpha": 0.3}}
+    )
     run_merge(config, tmp_path / "linear")
     linear = open_model(tmp_path / "linear")
     for name, tensor in layerwise.items():
@@ -409,8 +422,14 @@ def test_recall_lerp_config_errors(base_and_last_layer_tuned):
     with pytest.raises(InputError, match="exactly two"):
         config_from_dict({**common, "models": [tuned_dir, tuned_dir], "parameters": {"alpha": 0.5}})
     with pytest.raises(InputError, match="bandwidth"):
-        config_from_dict({**common, "models": [tuned_dir], "parameters": {"alpha": 0.5},
-                          "recall": {"texts": "t.txt", "bandwidth": "wide"}})
+        config_from_dict(
+            {
+                **common,
+                "models": [tuned_dir],
+                "parameters": {"alpha": 0.5},
+                "recall": {"texts": "t.txt", "bandwidth": "wide"},
+            }
+        )
 
 
 @pytest.mark.slow
@@ -425,13 +444,24 @@ def test_quiet_merge_draws_no_loading_bars(base_and_last_layer_tuned, tmp_path):
     texts.write_text("\n".join(TEXTS) + "\n")
     from pathlib import Path
 
-    command = [str(Path(sys.executable).parent / "mergekit-lite"), "merge", "--method", "recall", "--base", base_dir, "--model",
-               tuned_dir, "--recall-texts", str(texts), "--recall-samples", "4"]
+    command = [
+        str(Path(sys.executable).parent / "mergekit-lite"),
+        "merge",
+        "--method",
+        "recall",
+        "--base",
+        base_dir,
+        "--model",
+        tuned_dir,
+        "--recall-texts",
+        str(texts),
+        "--recall-samples",
+        "4",
+    ]
     quieting = {"TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"}
     env = {name: value for name, value in os.environ.items() if name not in quieting}
     loud = subprocess.run(command + ["--out", str(tmp_path / "loud")], capture_output=True, text=True, env=env)
-    quiet = subprocess.run(command + ["--out", str(tmp_path / "quiet"), "-q"], capture_output=True, text=True,
-                           env=env)
+    quiet = subprocess.run(command + ["--out", str(tmp_path / "quiet"), "-q"], capture_output=True, text=True, env=env)
     assert loud.returncode == 0 and quiet.returncode == 0, quiet.stderr
     assert "Loading weights" in loud.stderr
     assert "Loading weights" not in quiet.stderr and "%|" not in quiet.stderr
@@ -445,10 +475,18 @@ def test_recall_lerp_sweep_reports_the_picks_layer_profile(toy_pair, tmp_path):
     per-layer coefficients, the same numbers layer_alphas gives for that file."""
     from mergekit_lite.sweep import SweepSettings, run_sweep
 
-    settings = SweepSettings(pre=str(toy_pair.pre_dir), post=str(toy_pair.post_dir), method="recall_lerp",
-                             alphas=[0.3, 0.6], old_tasks=toy_pair.old_tasks, new_tasks=toy_pair.new_tasks,
-                             include_path=str(toy_pair.task_dir), out=str(tmp_path / "sweep"), limit=8,
-                             recall_texts=str(toy_pair.typical_texts))
+    settings = SweepSettings(
+        pre=str(toy_pair.pre_dir),
+        post=str(toy_pair.post_dir),
+        method="recall_lerp",
+        alphas=[0.3, 0.6],
+        old_tasks=toy_pair.old_tasks,
+        new_tasks=toy_pair.new_tasks,
+        include_path=str(toy_pair.task_dir),
+        out=str(tmp_path / "sweep"),
+        limit=8,
+        recall_texts=str(toy_pair.typical_texts),
+    )
     result = run_sweep(settings)
     similarity = RecallWeights.from_json(json.loads((tmp_path / "sweep" / "recall" / "similarity.json").read_text()))
     assert similarity.models == [str(toy_pair.pre_dir), str(toy_pair.post_dir)]

@@ -37,8 +37,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run(*args, cwd=None, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CLI), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env=env or ENV, timeout=timeout)
+    return subprocess.run(
+        [str(CLI), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env or ENV, timeout=timeout
+    )
 
 
 def cli(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -97,13 +98,18 @@ def fresh(work, tmp_path) -> Path:
 
 # ------------------------------------------------------------------------------------------- output rules
 
-@pytest.mark.parametrize("out, cwd, patterns", [
-    ("pre", ".", [r"pre: is also an input"]),
-    (".", ".", [r"\.: is the working folder or one of its parents"]),
-    ("..", ".", [r"\.\.: is the working folder or one of its parents"]),
-    ("work", "..", [r"work: contains the input"]),
-    ("pre/merged", ".", [r"pre/merged: is inside the input"]),
-], ids=["out-is-base", "out-is-cwd", "out-is-cwd-parent", "out-contains-inputs", "out-inside-input"])
+
+@pytest.mark.parametrize(
+    "out, cwd, patterns",
+    [
+        ("pre", ".", [r"pre: is also an input"]),
+        (".", ".", [r"\.: is the working folder or one of its parents"]),
+        ("..", ".", [r"\.\.: is the working folder or one of its parents"]),
+        ("work", "..", [r"work: contains the input"]),
+        ("pre/merged", ".", [r"pre/merged: is inside the input"]),
+    ],
+    ids=["out-is-base", "out-is-cwd", "out-is-cwd-parent", "out-contains-inputs", "out-inside-input"],
+)
 def test_overwrite_never_deletes_inputs_or_the_working_folder(fresh, out, cwd, patterns):
     """The data-loss findings: --out ., --out pre, --out (the parent of the inputs), all with --overwrite."""
     before = tree_hash(fresh.parent)
@@ -121,8 +127,12 @@ def test_overwrite_replaces_only_mergekit_lite_outputs(fresh):
     (mine / "notes.txt").write_text("keep me")
     before = tree_hash(fresh)
     result = cli(*lerp_args("pre", "post"), "--out", "mine", "--overwrite", cwd=fresh)
-    one_error_line(result, 2, r"mine: already exists and was not written by mergekit-lite",
-                   r"--overwrite replaces only mergekit-lite outputs")
+    one_error_line(
+        result,
+        2,
+        r"mine: already exists and was not written by mergekit-lite",
+        r"--overwrite replaces only mergekit-lite outputs",
+    )
     assert tree_hash(fresh) == before
 
     assert cli(*lerp_args("pre", "post", 0.2), "--out", "merged", cwd=fresh).returncode == 0
@@ -145,18 +155,27 @@ def test_a_provenance_file_name_does_not_make_a_users_folder_ours(fresh):
     (fresh / "runs" / ".sweep.lock").write_text("")
     (fresh / "runs" / "results.json").write_text("mine")
     before = tree_hash(fresh)
-    one_error_line(cli(*lerp_args("pre", "post"), "--out", "configs", "--overwrite", cwd=fresh), 2,
-                   r"configs: already exists and was not written by mergekit-lite")
-    one_error_line(cli(*sweep_args("pre", "post", "runs"), cwd=fresh), 2,
-                   r"runs: is a non-empty folder that mergekit-lite did not create")
+    one_error_line(
+        cli(*lerp_args("pre", "post"), "--out", "configs", "--overwrite", cwd=fresh),
+        2,
+        r"configs: already exists and was not written by mergekit-lite",
+    )
+    one_error_line(
+        cli(*sweep_args("pre", "post", "runs"), cwd=fresh),
+        2,
+        r"runs: is a non-empty folder that mergekit-lite did not create",
+    )
     assert tree_hash(fresh) == before
 
 
 def test_output_under_a_file_is_refused_naming_it(fresh):
     (fresh / "notes.txt").write_text("keep me")
     before = tree_hash(fresh)
-    one_error_line(cli(*lerp_args("pre", "post"), "--out", "notes.txt/merged", cwd=fresh), 2,
-                   r"notes\.txt/merged: \S+/notes\.txt is not a folder")
+    one_error_line(
+        cli(*lerp_args("pre", "post"), "--out", "notes.txt/merged", cwd=fresh),
+        2,
+        r"notes\.txt/merged: \S+/notes\.txt is not a folder",
+    )
     assert tree_hash(fresh) == before
 
 
@@ -164,11 +183,15 @@ def test_output_under_a_file_is_refused_naming_it(fresh):
 def test_fingerprint_out_never_overwrites_a_file_it_did_not_write(fresh):
     shard = sorted((fresh / "pre").glob("*.safetensors"))[0]
     before = tree_hash(fresh)
-    one_error_line(cli("audit", "fingerprint", "pre", "--out", shard.relative_to(fresh), cwd=fresh), 2,
-                   r"is inside the input pre")
+    one_error_line(
+        cli("audit", "fingerprint", "pre", "--out", shard.relative_to(fresh), cwd=fresh), 2, r"is inside the input pre"
+    )
     (fresh / "notes.json").write_text("{}")
-    one_error_line(cli("audit", "fingerprint", "pre", "--out", "notes.json", cwd=fresh), 2,
-                   r"notes\.json: already exists and is not a file mergekit-lite wrote")
+    one_error_line(
+        cli("audit", "fingerprint", "pre", "--out", "notes.json", cwd=fresh),
+        2,
+        r"notes\.json: already exists and is not a file mergekit-lite wrote",
+    )
     assert tree_hash(fresh) == {**before, "notes.json": hashlib.sha256(b"{}").hexdigest()}
     assert cli("audit", "fingerprint", "pre", "--out", "fp.json", cwd=fresh).returncode == 0
     again = cli("audit", "fingerprint", "pre", "--out", "fp.json", "--top-k", "2", cwd=fresh)
@@ -177,8 +200,22 @@ def test_fingerprint_out_never_overwrites_a_file_it_did_not_write(fresh):
 
 
 def sweep_args(pre, post, out, *extra) -> list:
-    return ["sweep", "--pre", pre, "--post", post, "--alphas", "0,1", "--old-tasks", "a", "--new-tasks", "b",
-            "--out", out, *extra]
+    return [
+        "sweep",
+        "--pre",
+        pre,
+        "--post",
+        post,
+        "--alphas",
+        "0,1",
+        "--old-tasks",
+        "a",
+        "--new-tasks",
+        "b",
+        "--out",
+        out,
+        *extra,
+    ]
 
 
 def test_sweep_run_folder_is_new_empty_or_its_own(fresh):
@@ -188,10 +225,15 @@ def test_sweep_run_folder_is_new_empty_or_its_own(fresh):
     (theirs / "report.md").write_text("my report")
     (theirs / "results.json").write_text("[]")
     before = tree_hash(fresh)
-    one_error_line(cli(*sweep_args("pre", "post", "reports"), cwd=fresh), 2,
-                   r"reports: is a non-empty folder that mergekit-lite did not create")
+    one_error_line(
+        cli(*sweep_args("pre", "post", "reports"), cwd=fresh),
+        2,
+        r"reports: is a non-empty folder that mergekit-lite did not create",
+    )
     one_error_line(cli(*sweep_args("pre", "post", "."), cwd=fresh), 2, r"is the working folder")
-    one_error_line(cli(*sweep_args("pre", "post", "runs", "--save-best", "pre"), cwd=fresh), 2, r"pre: is also an input")
+    one_error_line(
+        cli(*sweep_args("pre", "post", "runs", "--save-best", "pre"), cwd=fresh), 2, r"pre: is also an input"
+    )
     one_error_line(cli("demo", "--out", "reports", cwd=fresh), 2, r"reports: is a non-empty folder")
     assert tree_hash(fresh) == before
 
@@ -203,14 +245,16 @@ def test_extract_never_replaces_an_input(fresh):
     before = tree_hash(fresh)
     result = cli("extract", "--base", "merged", "--model", "post", "--out", "merged", "--overwrite", cwd=fresh)
     one_error_line(result, 2, r"merged: is also an input")
-    one_error_line(cli("extract", "--base", "pre", "--model", "post", "--out", ".", cwd=fresh), 2,
-                   r"is the working folder")
+    one_error_line(
+        cli("extract", "--base", "pre", "--model", "post", "--out", ".", cwd=fresh), 2, r"is the working folder"
+    )
     assert tree_hash(fresh) == before
 
 
 @pytest.mark.slow
 def test_concurrent_merges_to_one_out_never_lose_a_result(fresh):
     """Four merges race to one --out: exactly one wins, the others fail in one line, the winner is complete."""
+
     def merge(alpha):
         return alpha, run(*lerp_args("pre", "post", alpha), "--out", "merged", cwd=fresh)
 
@@ -310,8 +354,10 @@ def unlisted_tensor(fresh):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [traversal_index, absolute_index, symlinked_shard_out_of_folder, fifo_shard,
-                                   fifo_single_file, unlisted_tensor])
+@pytest.mark.parametrize(
+    "build",
+    [traversal_index, absolute_index, symlinked_shard_out_of_folder, fifo_shard, fifo_single_file, unlisted_tensor],
+)
 def test_reads_stay_inside_the_model_folder(fresh, build):
     pattern = build(fresh)
     before = tree_hash(fresh)
@@ -355,8 +401,11 @@ def test_post_trained_side_files_linking_out_are_not_copied(fresh):
 
 
 def test_copy_files_from_a_missing_folder_is_refused(fresh):
-    one_error_line(cli(*lerp_args("pre", "post"), "--copy-files-from", "prre", "--out", "merged", cwd=fresh), 2,
-                   r"prre: no such folder to copy config and tokenizer files from")
+    one_error_line(
+        cli(*lerp_args("pre", "post"), "--copy-files-from", "prre", "--out", "merged", cwd=fresh),
+        2,
+        r"prre: no such folder to copy config and tokenizer files from",
+    )
     assert not (fresh / "merged").exists()
 
 
@@ -377,16 +426,21 @@ def test_hugging_face_cache_snapshot_links_are_read(work, tmp_path):
 # ------------------------------------------------------------------------------------- non-finite output
 
 
-@pytest.mark.parametrize("args, tensor", [
-    (["--method", "task_arithmetic", "--lambda", "1e300"], r"model\.\S+"),
-    (["--method", "task_arithmetic", "--lambda", "1e7", "--dtype", "float16"], r"model\.\S+"),
-], ids=["lambda-1e300", "float16-overflow"])
+@pytest.mark.parametrize(
+    "args, tensor",
+    [
+        (["--method", "task_arithmetic", "--lambda", "1e300"], r"model\.\S+"),
+        (["--method", "task_arithmetic", "--lambda", "1e7", "--dtype", "float16"], r"model\.\S+"),
+    ],
+    ids=["lambda-1e300", "float16-overflow"],
+)
 def test_overflow_is_never_written(fresh, args, tensor):
     result = cli("merge", "--base", "pre", "--model", "post", *args, "--out", "merged", "-q", cwd=fresh)
     one_error_line(result, 2, r"merged tensor " + tensor + r" has NaN or Inf values", r"--allow-nonfinite")
     assert not (fresh / "merged").exists()
-    allowed = cli("merge", "--base", "pre", "--model", "post", *args, "--allow-nonfinite", "--out", "merged", "-q",
-                  cwd=fresh)
+    allowed = cli(
+        "merge", "--base", "pre", "--model", "post", *args, "--allow-nonfinite", "--out", "merged", "-q", cwd=fresh
+    )
     assert allowed.returncode == 0, allowed.stderr
     assert not all(torch.isfinite(t).all() for t in load_file(fresh / "merged" / "model.safetensors").values())
 
@@ -422,14 +476,24 @@ def index_of(fresh) -> dict:
 
 TYPED_CASES = [
     ("post/model.safetensors.index.json", lambda f: [1, 2], r"index\.json: top level: expected a mapping"),
-    ("post/model.safetensors.index.json", lambda f: {**index_of(f), "weight_map": dict.fromkeys(index_of(f)["weight_map"], 3)},
-     r"index\.json: weight_map\.\S+: expected a valid string \(got an integer\)"),
+    (
+        "post/model.safetensors.index.json",
+        lambda f: {**index_of(f), "weight_map": dict.fromkeys(index_of(f)["weight_map"], 3)},
+        r"index\.json: weight_map\.\S+: expected a valid string \(got an integer\)",
+    ),
     ("post/model.safetensors.index.json", lambda f: '{"weight_map": {"a": "x", "a": "y"}}', r"duplicate key 'a'"),
     ("post/model.safetensors.index.json", lambda f: "[" * 5000 + "]" * 5000, r"index\.json: nested too deeply"),
     ("post/config.json", lambda f: [1], r"config\.json: expected a JSON object \(got list\)"),
-    ("post/config.json", lambda f: {"model_type": 7}, r"config\.json: model_type: expected a valid string \(got an integer\)"),
-    ("post/config.json", lambda f: {"tie_word_embeddings": "false"},
-     r"config\.json: tie_word_embeddings: expected a valid boolean \(got a string\)"),
+    (
+        "post/config.json",
+        lambda f: {"model_type": 7},
+        r"config\.json: model_type: expected a valid string \(got an integer\)",
+    ),
+    (
+        "post/config.json",
+        lambda f: {"tie_word_embeddings": "false"},
+        r"config\.json: tie_word_embeddings: expected a valid boolean \(got a string\)",
+    ),
     ("post/config.json", lambda f: '{"a": NaN}', r"config\.json: invalid JSON \(NaN is not valid JSON\)"),
 ]
 
@@ -444,8 +508,11 @@ def test_json_inputs_are_typed(fresh, relative, content, pattern):
 
 def test_non_utf8_config_names_the_offset_not_the_bytes(fresh):
     (fresh / "post" / "config.json").write_bytes(b'{"model_type": "ll\xffama"}')
-    one_error_line(cli(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh), 2,
-                   r"post/config\.json: not UTF-8 text \(bad byte at offset 18\)")
+    one_error_line(
+        cli(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh),
+        2,
+        r"post/config\.json: not UTF-8 text \(bad byte at offset 18\)",
+    )
 
 
 SWEEP_YAML_CASES = [
@@ -453,16 +520,21 @@ SWEEP_YAML_CASES = [
     ("limit: '5'\n", r"sweep\.yaml: limit: expected a valid number \(got a string\)"),
     ("limit: 0\n", r"sweep\.yaml: limit: expected greater than 0"),
     ("old_tasks: {a: 1}\n", r"sweep\.yaml: old_tasks"),
-    ("a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
-     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
-     "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n",
-     r"sweep\.yaml: YAML expands to more than 100000 values through its aliases"),
+    (
+        "a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+        "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+        "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n",
+        r"sweep\.yaml: YAML expands to more than 100000 values through its aliases",
+    ),
     ("x: " + "[" * 3000 + "]" * 3000 + "\n", r"sweep\.yaml: nested too deeply"),
 ]
 
 
-@pytest.mark.parametrize("text, pattern", SWEEP_YAML_CASES, ids=["quoted-false", "quoted-int", "limit-0", "tasks-mapping",
-                                                                 "anchor-bomb", "deep-nesting"])
+@pytest.mark.parametrize(
+    "text, pattern",
+    SWEEP_YAML_CASES,
+    ids=["quoted-false", "quoted-int", "limit-0", "tasks-mapping", "anchor-bomb", "deep-nesting"],
+)
 def test_sweep_config_is_typed(fresh, text, pattern):
     head = "pre: pre\npost: post\nalphas: [0, 1]\nold_tasks: a\nnew_tasks: b\nout: runs\n"
     lines = [line for line in head.splitlines() if line.split(":")[0] != text.split(":")[0]]
@@ -478,20 +550,51 @@ def test_sweep_point_files_are_typed(fresh, toy_pair):
     points.mkdir(parents=True)
     (fresh / "runs" / ".mergekit-lite-output").write_text("")
     old, new = toy_pair.old_tasks[0], toy_pair.new_tasks[0]
-    (points / "pre.json").write_text(json.dumps({"identity": {}, "label": "pre", "alpha": None, "tasks": [
-        {"task": old, "group": "old", "metric": "acc", "filter": "none", "n_choices": "4", "correct": {}}]}))
-    args = ["sweep", "--pre", "pre", "--post", "post", "--alphas", "0,1", "--old-tasks", old, "--new-tasks", new,
-            "--include-path", str(toy_pair.task_dir), "--out", "runs"]
-    one_error_line(cli(*args, cwd=fresh), 2,
-                   r"pre\.json: tasks\.0\.n_choices", r"\(got a string\)", "not a sweep point file")
+    (points / "pre.json").write_text(
+        json.dumps(
+            {
+                "identity": {},
+                "label": "pre",
+                "alpha": None,
+                "tasks": [
+                    {"task": old, "group": "old", "metric": "acc", "filter": "none", "n_choices": "4", "correct": {}}
+                ],
+            }
+        )
+    )
+    args = [
+        "sweep",
+        "--pre",
+        "pre",
+        "--post",
+        "post",
+        "--alphas",
+        "0,1",
+        "--old-tasks",
+        old,
+        "--new-tasks",
+        new,
+        "--include-path",
+        str(toy_pair.task_dir),
+        "--out",
+        "runs",
+    ]
+    one_error_line(
+        cli(*args, cwd=fresh), 2, r"pre\.json: tasks\.0\.n_choices", r"\(got a string\)", "not a sweep point file"
+    )
 
 
-@pytest.mark.parametrize("change, pattern", [
-    (lambda fp: fp["modules"].update({"x": {"shape": "32x32", "singular_values": [1.0], "probe": [1.0]}}),
-     r"modules\.x\.shape: expected a valid list \(got a string\)"),
-    (lambda fp: fp.update(top_k="8"), r"top_k: expected a valid integer \(got a string\)"),
-    (lambda fp: fp.update(modules=[]), r"modules: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        (
+            lambda fp: fp["modules"].update({"x": {"shape": "32x32", "singular_values": [1.0], "probe": [1.0]}}),
+            r"modules\.x\.shape: expected a valid list \(got a string\)",
+        ),
+        (lambda fp: fp.update(top_k="8"), r"top_k: expected a valid integer \(got a string\)"),
+        (lambda fp: fp.update(modules=[]), r"modules: expected a mapping"),
+    ],
+)
 @pytest.mark.slow
 def test_fingerprint_files_are_typed(work, tmp_path, change, pattern):
     from mergekit_lite.audits.fingerprint import compute_fingerprint, load_fingerprint
@@ -512,19 +615,31 @@ def lm_eval_output(folder: Path, accuracies: list[int]) -> Path:
     """A minimal lm-eval --log_samples output: one multiple-choice task's samples and the run's results file."""
     folder.mkdir()
     arguments = {f"gen_args_{i}": {"arg_0": "Q?", "arg_1": f" choice {i}"} for i in range(4)}
-    lines = [json.dumps({"doc_id": i, "doc_hash": f"h{i}", "arguments": arguments, "acc": acc, "filter": "none",
-                         "metrics": ["acc"]}) for i, acc in enumerate(accuracies)]
+    lines = [
+        json.dumps(
+            {"doc_id": i, "doc_hash": f"h{i}", "arguments": arguments, "acc": acc, "filter": "none", "metrics": ["acc"]}
+        )
+        for i, acc in enumerate(accuracies)
+    ]
     (folder / f"samples_arc_{LM_EVAL_STAMP}.jsonl").write_text("\n".join(lines) + "\n")
     write_json(folder / f"results_{LM_EVAL_STAMP}.json", {"model_name": folder.name, "config": {"random_seed": 0}})
     return folder
 
 
-@pytest.mark.parametrize("side, name, content, pattern", [
-    ("pre", f"results_{LM_EVAL_STAMP}.json", "[1, 2]\n", r"pre/results_\S+\.json: top level: expected a mapping"),
-    ("pre", f"results_{LM_EVAL_STAMP}.json", '{"config": "seed 0"}', r"pre/results_\S+\.json: config: expected a "),
-    ("post", f"samples_arc_{LM_EVAL_STAMP}.jsonl", '{"a": ' + "[" * 5000 + "]" * 5000 + "}\n",
-     r"post/samples_arc_\S+\.jsonl line 5: nested too deeply"),
-], ids=["results-is-a-list", "results-config-is-a-string", "samples-line-too-deep"])
+@pytest.mark.parametrize(
+    "side, name, content, pattern",
+    [
+        ("pre", f"results_{LM_EVAL_STAMP}.json", "[1, 2]\n", r"pre/results_\S+\.json: top level: expected a mapping"),
+        ("pre", f"results_{LM_EVAL_STAMP}.json", '{"config": "seed 0"}', r"pre/results_\S+\.json: config: expected a "),
+        (
+            "post",
+            f"samples_arc_{LM_EVAL_STAMP}.jsonl",
+            '{"a": ' + "[" * 5000 + "]" * 5000 + "}\n",
+            r"post/samples_arc_\S+\.jsonl line 5: nested too deeply",
+        ),
+    ],
+    ids=["results-is-a-list", "results-config-is-a-string", "samples-line-too-deep"],
+)
 def test_forgetting_names_the_malformed_lm_eval_file(tmp_path, side, name, content, pattern):
     """Malformed lm-eval outputs are user errors (exit 2) naming the file, and the line of a samples file."""
     lm_eval_output(tmp_path / "pre", [1, 1, 0, 0])
@@ -595,13 +710,16 @@ def crafted_headers() -> dict[str, bytes]:
         "dtype-number": safetensors_file(with_b(dtype=16), DATA),
         "entry-not-object": safetensors_file({"a": A, "b": [1, 2]}, DATA),
         "entry-extra-key": safetensors_file(with_b(extra=1), DATA),
-        "duplicate-key": safetensors_file({}, raw_header=b'{"a":' + json.dumps(A).encode() + b',"a":'
-                                          + json.dumps(A).encode() + b"}", data=DATA[:16]),
+        "duplicate-key": safetensors_file(
+            {}, raw_header=b'{"a":' + json.dumps(A).encode() + b',"a":' + json.dumps(A).encode() + b"}", data=DATA[:16]
+        ),
         "metadata-number": safetensors_file({"__metadata__": {"format": 1}, "a": A, "b": B}, DATA),
         "metadata-list": safetensors_file({"__metadata__": ["pt"], "a": A, "b": B}, DATA),
         "header-list": safetensors_file([A]),
         "header-string": safetensors_file("a"),
-        "header-leading-space": safetensors_file({}, raw_header=b" " + json.dumps({"a": A, "b": B}).encode(), data=DATA),
+        "header-leading-space": safetensors_file(
+            {}, raw_header=b" " + json.dumps({"a": A, "b": B}).encode(), data=DATA
+        ),
         "header-not-json": safetensors_file({}, raw_header=b"{not json}", data=DATA),
         "header-not-utf8": safetensors_file({}, raw_header=b'{"\xff": 1}', data=DATA),
         "header-nan": safetensors_file({}, raw_header=b'{"a": NaN}', data=DATA),
@@ -652,7 +770,9 @@ def test_headers_at_least_as_strict_as_the_safetensors_library(tmp_path):
             assert ours, f"{name}: the safetensors library refuses it, mergekit-lite accepted it"
         elif ours:
             stricter.append(name)
-    assert {"overlap", "alias", "gap", "shape-half", "trailing-data", "empty-header-with-data"} <= set(refused_by_library)
+    assert {"overlap", "alias", "gap", "shape-half", "trailing-data", "empty-header-with-data"} <= set(
+        refused_by_library
+    )
     assert not {"valid", "valid-metadata", "valid-padded", "valid-zero-size"} & set(refused_by_library + stricter)
     assert stricter == ["duplicate-key"]  # the library keeps the last of two same-named tensors; we refuse
 
@@ -661,14 +781,19 @@ def test_empty_header_model_is_refused(tmp_path, work):
     folder = tmp_path / "empty"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(safetensors_file({}))
-    one_error_line(cli(*lerp_args(work / "pre", folder), "--out", tmp_path / "merged"), 2,
-                   r"/empty: holds no tensors \(an empty safetensors header\)")
+    one_error_line(
+        cli(*lerp_args(work / "pre", folder), "--out", tmp_path / "merged"),
+        2,
+        r"/empty: holds no tensors \(an empty safetensors header\)",
+    )
 
 
 def test_corrupt_shard_error_never_echoes_its_bytes(fresh):
     shard = first_shard(fresh / "post")
     shard.write_bytes(b"password=hunter2\n" * 10)
-    line = one_error_line(cli(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh), 2, r"corrupted safetensors header")
+    line = one_error_line(
+        cli(*lerp_args("pre", "post"), "--out", "merged", cwd=fresh), 2, r"corrupted safetensors header"
+    )
     assert "hunter2" not in line and str(int.from_bytes(b"password", "little")) not in line
 
 
@@ -678,17 +803,23 @@ def test_corrupt_shard_error_never_echoes_its_bytes(fresh):
 @pytest.fixture(scope="module")
 def header_seed(tmp_path_factory) -> bytes:
     folder = tmp_path_factory.mktemp("seed")
-    save_file({"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.float16)},
-              folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.float16)},
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return (folder / "model.safetensors").read_bytes()
 
 
 def json_values():
     from hypothesis import strategies as st
 
-    scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8)
-    return st.recursive(scalars, lambda children: st.lists(children, max_size=4)
-                        | st.dictionaries(st.text(max_size=6), children, max_size=4), max_leaves=12)
+    scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
+    return st.recursive(
+        scalars,
+        lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+        max_leaves=12,
+    )
 
 
 def mutate_json(data, path, value):
@@ -711,7 +842,7 @@ def test_mutated_headers_and_indices_never_raise_anything_but_one_line(header_se
     from mergekit_lite.io.safetensors import open_model
 
     length = struct.unpack("<Q", header_seed[:8])[0]
-    header = json.loads(header_seed[8:8 + length])
+    header = json.loads(header_seed[8 : 8 + length])
     folder = tmp_path_factory.mktemp("mutated")
     shutil.copytree(work / "post", folder / "model")
     model = folder / "model"
@@ -738,7 +869,7 @@ def test_mutated_headers_and_indices_never_raise_anything_but_one_line(header_se
         elif kind == "header-json":
             path = data.draw(st.lists(st.integers(0, 5), max_size=3))
             mutated = json.dumps(mutate_json(json.loads(json.dumps(header)), path, data.draw(json_values())))
-            (folder / "x.safetensors").write_bytes(safetensors_file({}, header_seed[8 + length:], mutated.encode()))
+            (folder / "x.safetensors").write_bytes(safetensors_file({}, header_seed[8 + length :], mutated.encode()))
             if library_refuses(folder / "x.safetensors"):
                 assert we_refuse(folder / "x.safetensors")
             verdict(folder / "x.safetensors")
@@ -766,8 +897,13 @@ def big_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 def start_big_merge(big_pair, out: Path) -> subprocess.Popen:
     a, b = big_pair
-    return subprocess.Popen([str(CLI), *map(str, lerp_args(a, b)), "--out", str(out), "--out-shard-size", "1MB"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(
+        [str(CLI), *map(str, lerp_args(a, b)), "--out", str(out), "--out-shard-size", "1MB"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
 
 
 def wait_for_partial(process: subprocess.Popen, out: Path) -> Path:
@@ -794,7 +930,9 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
     nothing was written then, or the whole output.
     """
     rng = random.Random(20261203)
-    plans = [(index, rng.choice([signal.SIGINT, signal.SIGTERM]), rng.uniform(0.0, 4.0)) for index in range(STRESS_TRIES)]
+    plans = [
+        (index, rng.choice([signal.SIGINT, signal.SIGTERM]), rng.uniform(0.0, 4.0)) for index in range(STRESS_TRIES)
+    ]
 
     def attempt(plan):
         index, signum, delay = plan
@@ -821,8 +959,9 @@ def test_interrupts_at_random_moments_never_hang_and_leave_nothing(big_pair, tmp
             # a complete run; a signal that landed in Python's own start-up may have been swallowed by it
             # ("Exception ignored in: <importlib callback>", KeyboardInterrupt) before our handlers existed
             lines = stderr.strip().splitlines()
-            assert not lines or lines[0].startswith("Exception ignored in") and \
-                lines[-1].startswith("KeyboardInterrupt"), f"try {index}: {stderr}"
+            assert (
+                not lines or lines[0].startswith("Exception ignored in") and lines[-1].startswith("KeyboardInterrupt")
+            ), f"try {index}: {stderr}"
             assert sum(len(load_file(shard)) for shard in out.glob("*.safetensors")) == 50
         elif code == -signum or "KeyboardInterrupt" in stderr and "Interrupted" not in stderr:
             # Python's own start-up (before our handlers) or its shutdown (after the final rename): nothing
@@ -841,16 +980,30 @@ def test_a_signal_while_torch_imports_ends_in_one_line_once_it_has_imported(tmp_
     """torch's import runs Python inside C++ (pybind11), where an exception cannot always unwind: the process
     aborted once ("terminate called after throwing ... error_already_set"). A signal sent from inside that
     import (an audit hook fires as torch._C loads) is acted on once torch has imported: one line, 128 + signal."""
-    program = ("import atexit, os, signal, sys, mergekit_lite.cli.main\n"
-               "def hook(event, args):\n"
-               "    if event == 'import' and args[0] == 'torch._C' and not hasattr(hook, 'sent'):\n"
-               f"        hook.sent = True; os.kill(os.getpid(), {int(signum)})\n"
-               "sys.addaudithook(hook)\n"
-               "atexit.register(lambda: print('sent', hasattr(hook, 'sent'),\n"
-               "                              'whole', 'torch.nn.functional' in sys.modules))\n"
-               "sys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n")
-    result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
-                             "--out", tmp_path / "merged"], capture_output=True, text=True, env=ENV, timeout=120)
+    program = (
+        "import atexit, os, signal, sys, mergekit_lite.cli.main\n"
+        "def hook(event, args):\n"
+        "    if event == 'import' and args[0] == 'torch._C' and not hasattr(hook, 'sent'):\n"
+        f"        hook.sent = True; os.kill(os.getpid(), {int(signum)})\n"
+        "sys.addaudithook(hook)\n"
+        "atexit.register(lambda: print('sent', hasattr(hook, 'sent'),\n"
+        "                              'whole', 'torch.nn.functional' in sys.modules))\n"
+        "sys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            program,
+            *map(str, lerp_args(work / "pre", work / "post")),
+            "--out",
+            tmp_path / "merged",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert (result.returncode, result.stderr) == (128 + signum, f"interrupted ({signum.name})\n")
     assert result.stdout == "sent True whole True\n"
     assert not (tmp_path / "merged").exists() and not list(tmp_path.iterdir())
@@ -860,11 +1013,25 @@ def test_a_signal_while_torch_imports_ends_in_one_line_once_it_has_imported(tmp_
 def test_a_signal_during_the_exit_of_a_finished_run_is_quiet(tmp_path, work):
     """A signal after the output is in place, while the interpreter shuts down (here from an atexit callback,
     which runs last): the run still exits 0 with nothing on stderr, and its output is whole."""
-    program = ("import atexit, os, signal, sys, mergekit_lite.cli.main\n"
-               "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
-               "sys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n")
-    result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
-                             "--out", tmp_path / "merged"], capture_output=True, text=True, env=ENV, timeout=120)
+    program = (
+        "import atexit, os, signal, sys, mergekit_lite.cli.main\n"
+        "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+        "sys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            program,
+            *map(str, lerp_args(work / "pre", work / "post")),
+            "--out",
+            tmp_path / "merged",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert (result.returncode, result.stderr) == (0, "")
     assert list((tmp_path / "merged").glob("*.safetensors"))
 
@@ -875,30 +1042,52 @@ def test_a_signal_during_the_exit_of_a_finished_run_is_quiet(tmp_path, work):
 @pytest.mark.slow
 def test_unexpected_exception_is_one_line_with_the_traceback_saved(tmp_path, work):
     """A bug (injected: plan_merge raising a ZeroDivisionError) is exit 1, one line, the traceback in a file."""
-    program = ("import sys, mergekit_lite.cli.main, mergekit_lite.merge.engine as engine\n"
-               "def broken(*args, **kwargs):\n    return 1 / 0\n"
-               "engine.plan_merge = broken\nsys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n")
+    program = (
+        "import sys, mergekit_lite.cli.main, mergekit_lite.merge.engine as engine\n"
+        "def broken(*args, **kwargs):\n    return 1 / 0\n"
+        "engine.plan_merge = broken\nsys.argv[0] = 'mergekit-lite'\nmergekit_lite.cli.main.main()\n"
+    )
     env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    result = subprocess.run([sys.executable, "-c", program, *map(str, lerp_args(work / "pre", work / "post")),
-                             "--out", tmp_path / "merged"], capture_output=True, text=True, env=env, timeout=120)
-    line = one_error_line(result, 1, r"^error: internal error: ZeroDivisionError: division by zero; traceback saved to ")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            program,
+            *map(str, lerp_args(work / "pre", work / "post")),
+            "--out",
+            tmp_path / "merged",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    line = one_error_line(
+        result, 1, r"^error: internal error: ZeroDivisionError: division by zero; traceback saved to "
+    )
     saved = Path(line.rsplit("traceback saved to ", 1)[1])
     assert saved.parent == tmp_path / "cache" / "mergekit-lite"
     assert "Traceback" in saved.read_text() and "in broken\nZeroDivisionError" in saved.read_text()
     assert not (tmp_path / "merged").exists()
 
 
-@pytest.mark.parametrize("args, pattern", [
-    (["--out-shard-size", "inf"], r"'inf' is no size"),
-    (["--device", "cuda:7"], r"device 'cuda:7' is not available here"),
-])
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--out-shard-size", "inf"], r"'inf' is no size"),
+        (["--device", "cuda:7"], r"device 'cuda:7' is not available here"),
+    ],
+)
 def test_huge_numbers_and_missing_devices_are_one_line(fresh, args, pattern):
     one_error_line(cli(*lerp_args("pre", "post"), *args, "--out", "merged", cwd=fresh), 2, pattern)
 
 
 def test_a_regular_expression_that_does_not_compile_is_one_line(fresh):
-    one_error_line(cli("extract", "--base", "pre", "--model", "post", "--out", "lora", "-i", "[", cwd=fresh), 2,
-                   r"^error: '\[' is not a regular expression \(unterminated character set\)$")
+    one_error_line(
+        cli("extract", "--base", "pre", "--model", "post", "--out", "lora", "-i", "[", cwd=fresh),
+        2,
+        r"^error: '\[' is not a regular expression \(unterminated character set\)$",
+    )
     assert not (fresh / "lora").exists()
 
 
@@ -908,10 +1097,20 @@ def test_a_config_declaring_millions_of_layers_is_not_built():
     decide, as for an unknown architecture) instead of taking hours and all the memory."""
     from mergekit_lite.io import architecture
 
-    text = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 16, "intermediate_size": 32,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
-    composite = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
-                 "text_config": {**text, "num_hidden_layers": 10**7}}
+    text = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+    }
+    composite = {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": {**text, "num_hidden_layers": 10**7},
+    }
     started = time.monotonic()
     assert architecture.skeleton(composite) is None and architecture.tied_tensors(composite) == {}
     assert architecture.skeleton({**text, "architectures": ["LlamaForCausalLM"], "num_local_experts": 10**9}) is None
@@ -932,6 +1131,9 @@ def test_merge_config_anchor_bomb_is_refused_at_once(fresh):
     bomb = SWEEP_YAML_CASES[4][0]
     (fresh / "merge.yaml").write_text("method: linear\nbase: pre\nmodels: [post]\n" + bomb)
     started = time.monotonic()
-    one_error_line(cli("merge", "merge.yaml", "--out", "merged", cwd=fresh), 2,
-                   r"merge\.yaml: YAML expands to more than 100000 values through its aliases")
+    one_error_line(
+        cli("merge", "merge.yaml", "--out", "merged", cwd=fresh),
+        2,
+        r"merge\.yaml: YAML expands to more than 100000 values through its aliases",
+    )
     assert time.monotonic() - started < 30 and not (fresh / "merged").exists()

@@ -30,6 +30,7 @@ CLI = Path(sys.executable).parent / "mergekit-lite"
 
 # --- vLLM arguments --------------------------------------------------------------------------------
 
+
 def test_vllm_model_args_match_lm_evals_vllm_signature():
     """Every argument we build is a parameter of lm-eval's own VLLM model class, or one it forwards to
     vllm.LLM through **kwargs (gpu_memory_utilization). Read from its source: importing it needs vllm."""
@@ -37,28 +38,43 @@ def test_vllm_model_args_match_lm_evals_vllm_signature():
     import importlib.util
 
     source = Path(importlib.util.find_spec("lm_eval.models").submodule_search_locations[0]) / "vllm_causallms.py"
-    vllm_class = next(node for node in ast.walk(ast.parse(source.read_text()))
-                      if isinstance(node, ast.ClassDef) and node.name == "VLLM")
+    vllm_class = next(
+        node
+        for node in ast.walk(ast.parse(source.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name == "VLLM"
+    )
     init = next(node for node in vllm_class.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
     accepted = {arg.arg for arg in init.args.args + init.args.kwonlyargs}
-    options = parse_vllm_options("tensor_parallel_size=2,data_parallel_size=2,gpu_memory_utilization=0.8,"
-                                 "max_model_len=4096,dtype=bfloat16")
+    options = parse_vllm_options(
+        "tensor_parallel_size=2,data_parallel_size=2,gpu_memory_utilization=0.8,max_model_len=4096,dtype=bfloat16"
+    )
     args = vllm_model_args("/runs/x/.merging", "/models/post", options)
     assert set(args) - accepted == {"gpu_memory_utilization"} and init.args.kwarg is not None
-    assert args == {"pretrained": "/runs/x/.merging", "tokenizer": "/models/post", "dtype": "bfloat16",
-                    "tensor_parallel_size": 2, "data_parallel_size": 2, "gpu_memory_utilization": 0.8,
-                    "batch_size": "auto", "seed": 1234, "max_model_len": 4096}
+    assert args == {
+        "pretrained": "/runs/x/.merging",
+        "tokenizer": "/models/post",
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 2,
+        "data_parallel_size": 2,
+        "gpu_memory_utilization": 0.8,
+        "batch_size": "auto",
+        "seed": 1234,
+        "max_model_len": 4096,
+    }
     assert options.gpus == 4
     assert "max_model_len" not in vllm_model_args("m", "t", VllmOptions())
 
 
-@pytest.mark.parametrize("text, message", [
-    ("tensor_parallel_size=0", "tensor_parallel_size must be a whole number >= 1"),
-    ("gpu_memory_utilization=1.5", "gpu_memory_utilization must be in (0, 1]"),
-    ("dtype=int8", "dtype must be one of"),
-    ("tp=2", "is not NAME=VALUE"),
-    ("tensor_parallel_size=two", "is not a number"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("tensor_parallel_size=0", "tensor_parallel_size must be a whole number >= 1"),
+        ("gpu_memory_utilization=1.5", "gpu_memory_utilization must be in (0, 1]"),
+        ("dtype=int8", "dtype must be one of"),
+        ("tp=2", "is not NAME=VALUE"),
+        ("tensor_parallel_size=two", "is not a number"),
+    ],
+)
 def test_bad_vllm_args_are_one_line_errors(text, message):
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_vllm_options(text)
@@ -71,16 +87,31 @@ def test_every_sweep_setting_can_come_from_a_sweep_file_and_bad_vllm_args_fail_b
     assert set(SweepFile.model_fields) == {*SETTINGS_KEYS, "methods"}  # methods: several sweeps (sweep.compare)
     config = tmp_path / "sweep.yaml"
     config.write_text("backend: vllm\nvllm-args: tensor_parallel_size=2,gpu_memory_utilization=0.85\n")
-    assert load_sweep_file(config) == {"backend": "vllm", "vllm_args": "tensor_parallel_size=2,gpu_memory_utilization=0.85"}
+    assert load_sweep_file(config) == {
+        "backend": "vllm",
+        "vllm_args": "tensor_parallel_size=2,gpu_memory_utilization=0.85",
+    }
     with pytest.raises(InputError, match="tensor_parallel_size must be a whole number"):
-        SweepSettings("pre", "post", "linear", [0.5], ["a"], ["b"], None, str(tmp_path / "out"), backend="vllm",
-                      vllm_args="tensor_parallel_size=0")
+        SweepSettings(
+            "pre",
+            "post",
+            "linear",
+            [0.5],
+            ["a"],
+            ["b"],
+            None,
+            str(tmp_path / "out"),
+            backend="vllm",
+            vllm_args="tensor_parallel_size=0",
+        )
     with pytest.raises(InputError, match="--vllm-args applies to --backend vllm"):
-        SweepSettings("pre", "post", "linear", [0.5], ["a"], ["b"], None, str(tmp_path / "out"),
-                      vllm_args="dtype=bfloat16")
+        SweepSettings(
+            "pre", "post", "linear", [0.5], ["a"], ["b"], None, str(tmp_path / "out"), vllm_args="dtype=bfloat16"
+        )
 
 
 # --- Ray resources ---------------------------------------------------------------------------------
+
 
 def test_workers_fill_the_cluster_but_not_beyond_the_points():
     gpu = worker_resources("cuda", gpus_per_point=2)
@@ -92,6 +123,7 @@ def test_workers_fill_the_cluster_but_not_beyond_the_points():
 
 
 # --- golden-section search -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("peak", range(0, 21, 3))
 def test_golden_section_finds_the_peak_of_a_unimodal_curve_with_fewer_evaluations(peak):
@@ -119,8 +151,20 @@ def test_golden_search_sweep_evaluates_fewer_points_and_a_grid_run_resumes_from_
     grid = [round(i / 8, 3) for i in range(9)]
 
     def sweep(search):
-        return run_sweep(SweepSettings(toy_pair.pre_dir, toy_pair.post_dir, "linear", grid, toy_pair.old_tasks,
-                                       toy_pair.new_tasks, toy_pair.task_dir, str(out), limit=32, search=search))
+        return run_sweep(
+            SweepSettings(
+                toy_pair.pre_dir,
+                toy_pair.post_dir,
+                "linear",
+                grid,
+                toy_pair.old_tasks,
+                toy_pair.new_tasks,
+                toy_pair.task_dir,
+                str(out),
+                limit=32,
+                search=search,
+            )
+        )
 
     golden = sweep("golden")
     searched = [point.alpha for point in golden.points]
@@ -136,12 +180,17 @@ def test_golden_search_sweep_evaluates_fewer_points_and_a_grid_run_resumes_from_
 
 # --- probe mode ------------------------------------------------------------------------------------
 
+
 def test_probe_estimate_is_exact_when_every_sample_is_scored_and_unbiased_otherwise():
     rng = random.Random(0)
     pre = {f"d{i}": rng.random() < 0.6 for i in range(400)}
     post = {k: (not v) if rng.random() < 0.2 else v for k, v in pre.items()}
-    merged = {k: (post[k] if rng.random() < 0.5 else pre[k]) if pre[k] != post[k] else
-              ((not pre[k]) if rng.random() < 0.05 else pre[k]) for k in pre}
+    merged = {
+        k: (post[k] if rng.random() < 0.5 else pre[k])
+        if pre[k] != post[k]
+        else ((not pre[k]) if rng.random() < 0.05 else pre[k])
+        for k in pre
+    }
     truth = sum(merged.values()) / len(merged)
     full = probe_plan(pre, post, rate=1.0, seed=0)
     assert estimate_accuracy(full, merged) == (pytest.approx(truth), 0.0)
@@ -169,8 +218,20 @@ def test_probe_plan_is_seeded_and_keeps_every_disagreement():
 
 
 def probe_sweep(pair, out: Path, **options):
-    return run_sweep(SweepSettings(pair.pre_dir, pair.post_dir, "linear", GRID, pair.old_tasks, pair.new_tasks,
-                                   pair.task_dir, str(out), limit=32, **options))
+    return run_sweep(
+        SweepSettings(
+            pair.pre_dir,
+            pair.post_dir,
+            "linear",
+            GRID,
+            pair.old_tasks,
+            pair.new_tasks,
+            pair.task_dir,
+            str(out),
+            limit=32,
+            **options,
+        )
+    )
 
 
 GRID = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -188,7 +249,8 @@ def test_probe_sweep_scores_the_docs_asked_for_and_estimates_exactly_at_rate_one
     grid = {point.alpha: point for point in grid_sweep.points}
     for alpha, estimate in result.probe.estimates.items():
         assert (estimate.old, estimate.new, estimate.harmonic_mean) == pytest.approx(
-            (grid[alpha].selection.old, grid[alpha].selection.new, grid[alpha].selection.harmonic_mean), abs=1e-12)
+            (grid[alpha].selection.old, grid[alpha].selection.new, grid[alpha].selection.harmonic_mean), abs=1e-12
+        )
         assert estimate.harmonic_mean_se == 0.0
     assert result.best.alpha == grid_sweep.best.alpha
     assert result.best.report == grid[result.best.alpha].report  # the pick scored on every doc, as in the grid
@@ -216,10 +278,14 @@ def test_probe_sweep_saves_evaluations_and_picks_what_the_grid_cannot_tell_apart
         probe_sweep(toy_pair, out, probe=0.5)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"probe": 0}, "probe must be a share in"), ({"probe": 1.5}, "probe must be a share in"),
-    ({"probe": 0.1, "ray": "local"}, "--probe evaluates its points in this process"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"probe": 0}, "probe must be a share in"),
+        ({"probe": 1.5}, "probe must be a share in"),
+        ({"probe": 0.1, "ray": "local"}, "--probe evaluates its points in this process"),
+    ],
+)
 def test_bad_probe_settings_fail_before_any_model(tmp_path, options, message):
     with pytest.raises(InputError, match=message):
         SweepSettings("pre", "post", "linear", [0.5], ["a"], ["b"], None, str(tmp_path / "out"), **options)
@@ -231,15 +297,28 @@ ALPHAS = [0.0, 0.5, 1.0]
 
 
 def scores(folder: Path) -> dict:
-    return {path.name: [(t["task"], t["correct"]) for t in json.loads(path.read_text())["tasks"]]
-            for path in sorted((folder / POINTS_DIR).glob("*.json"))}
+    return {
+        path.name: [(t["task"], t["correct"]) for t in json.loads(path.read_text())["tasks"]]
+        for path in sorted((folder / POINTS_DIR).glob("*.json"))
+    }
 
 
 @pytest.fixture(scope="module")
 def local_points(toy_pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("local") / "run"
-    run_sweep(SweepSettings(toy_pair.pre_dir, toy_pair.post_dir, "linear", ALPHAS, toy_pair.old_tasks,
-                            toy_pair.new_tasks, toy_pair.task_dir, str(out), limit=16))
+    run_sweep(
+        SweepSettings(
+            toy_pair.pre_dir,
+            toy_pair.post_dir,
+            "linear",
+            ALPHAS,
+            toy_pair.old_tasks,
+            toy_pair.new_tasks,
+            toy_pair.task_dir,
+            str(out),
+            limit=16,
+        )
+    )
     return scores(out)
 
 
@@ -265,10 +344,28 @@ def wait_for_session_to_end(session: int, timeout: float = 60) -> None:
 
 
 def sweep_command(pair, out: Path) -> list[str]:
-    return [str(CLI), "sweep", "--pre", str(pair.pre_dir), "--post", str(pair.post_dir), "--alphas",
-            ",".join(map(str, ALPHAS)), "--old-tasks", ",".join(pair.old_tasks), "--new-tasks",
-            ",".join(pair.new_tasks), "--include-path", str(pair.task_dir), "--limit", "16", "--out", str(out),
-            "--ray", "-q"]
+    return [
+        str(CLI),
+        "sweep",
+        "--pre",
+        str(pair.pre_dir),
+        "--post",
+        str(pair.post_dir),
+        "--alphas",
+        ",".join(map(str, ALPHAS)),
+        "--old-tasks",
+        ",".join(pair.old_tasks),
+        "--new-tasks",
+        ",".join(pair.new_tasks),
+        "--include-path",
+        str(pair.task_dir),
+        "--limit",
+        "16",
+        "--out",
+        str(out),
+        "--ray",
+        "-q",
+    ]
 
 
 def test_ray_sweep_gives_the_same_points_and_resumes_after_a_kill(toy_pair, local_points, tmp_path):
@@ -276,8 +373,9 @@ def test_ray_sweep_gives_the_same_points_and_resumes_after_a_kill(toy_pair, loca
     workers) leaves finished points, and the rerun evaluates only the rest."""
     pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'mergekit-lite[ray]'")
     out = tmp_path / "ray-run"
-    first = subprocess.Popen(sweep_command(toy_pair, out), start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        sweep_command(toy_pair, out), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not list((out / POINTS_DIR).glob("*.json")):
         time.sleep(0.5)

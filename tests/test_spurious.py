@@ -36,8 +36,9 @@ def build_realigned(pre: Path, post: Path, out: Path, tasks, drop_task: str | No
         if task == drop_task:  # a log of other docs: the forgotten docs missing
             lines = [line for line in lines if line["doc_id"] not in forgotten_docs(pre, post, task)]
         else:
-            lines = [line for line in lines if line["doc_id"] not in chosen] + \
-                [line for line in pre_lines if line["doc_id"] in chosen]
+            lines = [line for line in lines if line["doc_id"] not in chosen] + [
+                line for line in pre_lines if line["doc_id"] in chosen
+            ]
         post_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
         spurious[task] = chosen
     return spurious
@@ -55,8 +56,20 @@ def realigned(lm_eval_runs, tmp_path_factory):
 
 def test_each_forgotten_doc_is_spurious_when_the_realigned_log_gets_it_right(lm_eval_runs, realigned, tmp_path):
     log, spurious = realigned
-    result = run_cli(lm_eval_runs.pre, lm_eval_runs.post, "--filter", FILTER, *GROUPS, "--json", "--realigned", log,
-                     "--samples", tmp_path / "samples.jsonl", "--replay", tmp_path / "replay.jsonl")
+    result = run_cli(
+        lm_eval_runs.pre,
+        lm_eval_runs.post,
+        "--filter",
+        FILTER,
+        *GROUPS,
+        "--json",
+        "--realigned",
+        log,
+        "--samples",
+        tmp_path / "samples.jsonl",
+        "--replay",
+        tmp_path / "replay.jsonl",
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     tasks = {row["task"]: row for row in payload["tasks"]}
@@ -92,8 +105,17 @@ def test_each_forgotten_doc_is_spurious_when_the_realigned_log_gets_it_right(lm_
 
 def test_replay_spurious_keeps_them_and_the_table_shows_the_split(lm_eval_runs, realigned, tmp_path):
     log, spurious = realigned
-    result = run_cli(lm_eval_runs.pre, lm_eval_runs.post, "--filter", FILTER, "--realigned", log,
-                     "--replay", tmp_path / "replay.jsonl", "--replay-spurious")
+    result = run_cli(
+        lm_eval_runs.pre,
+        lm_eval_runs.post,
+        "--filter",
+        FILTER,
+        "--realigned",
+        log,
+        "--replay",
+        tmp_path / "replay.jsonl",
+        "--replay-spurious",
+    )
     assert result.exit_code == 0, result.output
     replayed = {(record["task"], record["doc_id"]) for record in read_jsonl(tmp_path / "replay.jsonl")}
     assert {(task, doc) for task, docs in spurious.items() for doc in docs} <= replayed
@@ -103,8 +125,14 @@ def test_replay_spurious_keeps_them_and_the_table_shows_the_split(lm_eval_runs, 
 def test_bad_realigned_input_is_one_line_exit_2(lm_eval_runs, tmp_path):
     dropped = next(task for task in TASKS if forgotten_docs(lm_eval_runs.pre, lm_eval_runs.post, task))
     build_realigned(lm_eval_runs.pre, lm_eval_runs.post, tmp_path / "other", TASKS, drop_task=dropped)
-    one_error_line(cli("forgetting", lm_eval_runs.pre, lm_eval_runs.post, "--realigned", tmp_path / "other"), 2,
-                   "no sample of a forgotten doc")
+    one_error_line(
+        cli("forgetting", lm_eval_runs.pre, lm_eval_runs.post, "--realigned", tmp_path / "other"),
+        2,
+        "no sample of a forgotten doc",
+    )
     one_error_line(cli("forgetting", lm_eval_runs.pre, lm_eval_runs.post, "--replay-spurious"), 2, "--realigned")
-    one_error_line(cli("forgetting", lm_eval_runs.pre, lm_eval_runs.post, lm_eval_runs.post, "--realigned",
-                       lm_eval_runs.post), 2, "two models")
+    one_error_line(
+        cli("forgetting", lm_eval_runs.pre, lm_eval_runs.post, lm_eval_runs.post, "--realigned", lm_eval_runs.post),
+        2,
+        "two models",
+    )

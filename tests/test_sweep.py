@@ -40,8 +40,17 @@ TABLE_ROW = re.compile(r"^\| (pre|post|[-0-9.e]+) \| ")
 
 def settings_for(pair, out, **changes) -> SweepSettings:
     options = {"limit": None, **changes}
-    return SweepSettings(pair.pre_dir, pair.post_dir, options.pop("method", "linear"), options.pop("alphas", ALPHAS),
-                         pair.old_tasks, pair.new_tasks, pair.task_dir, out, **options)
+    return SweepSettings(
+        pair.pre_dir,
+        pair.post_dir,
+        options.pop("method", "linear"),
+        options.pop("alphas", ALPHAS),
+        pair.old_tasks,
+        pair.new_tasks,
+        pair.task_dir,
+        out,
+        **options,
+    )
 
 
 def test_the_shared_linear_sweep_is_this_files_settings(toy_pair, linear_sweep):
@@ -82,8 +91,13 @@ def point(alpha, old, new):
 
 
 def test_pick_reports_ties_and_pareto_front():
-    points = [point(0.0, 1.0, 0.2), point(0.25, 0.9, 0.6), point(0.5, 0.6, 0.9), point(0.75, 0.5, 0.9),
-              point(1.0, 0.2, 1.0)]
+    points = [
+        point(0.0, 1.0, 0.2),
+        point(0.25, 0.9, 0.6),
+        point(0.5, 0.6, 0.9),
+        point(0.75, 0.5, 0.9),
+        point(1.0, 0.2, 1.0),
+    ]
     best, ties = pick(points)
     assert best.alpha == 0.25 and ties == [0.25, 0.5]  # 0.9/0.6 and 0.6/0.9 have the same harmonic mean
     assert pareto_front(points) == [0.0, 0.25, 0.5, 1.0]  # 0.75 is beaten by 0.5 on old, equal on new
@@ -93,6 +107,7 @@ def test_pick_reports_ties_and_pareto_front():
 def test_sweep_scores_aggregate_tasks_as_the_forgetting_map_does(aggregation):
     """A 4-doc and a 100-doc task: the sweep's old score is the map's group accuracy under the same rule
     (paper: the unweighted task mean, (3/4 + 8/100) / 2; pooled: 11 of all 104 docs), not a rule of its own."""
+
     def outcomes(task, n, right):
         return SampleOutcomes(task, {f"{task}{i}": i < right for i in range(n)}, 4)
 
@@ -153,9 +168,12 @@ def parse_report_table(text: str) -> dict[str, list[float]]:
 
 def json_row(data: dict) -> list[float]:
     groups, intervals = data["forgetting"]["groups"], data["intervals"]
-    return [data["selection"]["harmonic_mean"],
-            *[value for key in ("old", "new", "harmonic_mean") for value in (data[key], *intervals[key])],
-            groups["old"]["F_true"], groups["new"]["BT_true"]]
+    return [
+        data["selection"]["harmonic_mean"],
+        *[value for key in ("old", "new", "harmonic_mean") for value in (data[key], *intervals[key])],
+        groups["old"]["F_true"],
+        groups["new"]["BT_true"],
+    ]
 
 
 def test_report_md_and_results_json_agree(linear_sweep):
@@ -242,8 +260,9 @@ def test_a_resumed_sweep_never_reuses_points_of_weights_that_changed(toy_pair, l
     shards = sorted(post.glob("*.safetensors"))
     if change == "retrained":
         for shard in shards:
-            save_file({name: tensor + 1e-3 for name, tensor in load_file(shard).items()}, shard,
-                      metadata={"format": "pt"})
+            save_file(
+                {name: tensor + 1e-3 for name, tensor in load_file(shard).items()}, shard, metadata={"format": "pt"}
+            )
     elif change == "resaved-as-one-file":
         state = {name: tensor for shard in shards for name, tensor in load_file(shard).items()}
         for shard in shards:
@@ -259,10 +278,12 @@ def test_a_resumed_sweep_never_reuses_points_of_weights_that_changed(toy_pair, l
     assert {path: path.read_bytes() for path in (folder / "points").iterdir()} == before
 
 
-@pytest.mark.parametrize("option, value, hint", [("metric", "accc", "did you mean 'acc'"),
-                                                 ("filter", "strict-match", "logged: none")])
-def test_a_global_metric_or_filter_no_task_logs_stops_the_sweep_before_a_point_is_saved(toy_pair, tmp_path, option,
-                                                                                          value, hint):
+@pytest.mark.parametrize(
+    "option, value, hint", [("metric", "accc", "did you mean 'acc'"), ("filter", "strict-match", "logged: none")]
+)
+def test_a_global_metric_or_filter_no_task_logs_stops_the_sweep_before_a_point_is_saved(
+    toy_pair, tmp_path, option, value, hint
+):
     with pytest.raises(InputError, match=rf"--{option} '{value}': no task in the evaluated tasks logs it .*{hint}"):
         run_sweep(settings_for(toy_pair, tmp_path / "run", alphas=[0.5], limit=4, **{option: [value]}))
     assert not (tmp_path / "run").exists()  # a failed first run takes its run folder back
@@ -281,10 +302,19 @@ def test_cli_sweeps_from_a_config_file_with_flag_overrides_and_saves_the_best(to
         shutil.copy(point_file(linear_sweep.out, label), point_file(folder, label))
     shutil.copy(linear_sweep.out / OUTPUT_MARKER, folder / OUTPUT_MARKER)  # a run folder of ours, as resumes need
     config = tmp_path / "sweep.yaml"
-    config.write_text(yaml.safe_dump({
-        "pre": str(toy_pair.pre_dir), "post": str(toy_pair.post_dir), "alphas": [0.5, 0.9],
-        "old_tasks": ",".join(toy_pair.old_tasks), "new_tasks": toy_pair.new_tasks,
-        "include-path": str(toy_pair.task_dir), "out": str(tmp_path / "elsewhere")}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "pre": str(toy_pair.pre_dir),
+                "post": str(toy_pair.post_dir),
+                "alphas": [0.5, 0.9],
+                "old_tasks": ",".join(toy_pair.old_tasks),
+                "new_tasks": toy_pair.new_tasks,
+                "include-path": str(toy_pair.task_dir),
+                "out": str(tmp_path / "elsewhere"),
+            }
+        )
+    )
 
     best = tmp_path / "best"
     done = cli(config, "--alphas", "0.25,0.5", "--out", folder, "--save-best", best, "--quiet", cwd=tmp_path)
@@ -318,9 +348,23 @@ def test_ctrl_c_ends_a_sweep_at_once_leaving_only_whole_points(toy_pair, tmp_pat
     the lock released, no scratch merge left, every point file whole (resuming from them:
     test_rerun_evaluates_only_...)."""
     folder = tmp_path / "run"
-    arguments = ["--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--old-tasks", ",".join(toy_pair.old_tasks),
-                 "--new-tasks", ",".join(toy_pair.new_tasks), "--include-path", toy_pair.task_dir, "--out", folder,
-                 "--quiet", "--alphas", "0:1:0.1"]
+    arguments = [
+        "--pre",
+        toy_pair.pre_dir,
+        "--post",
+        toy_pair.post_dir,
+        "--old-tasks",
+        ",".join(toy_pair.old_tasks),
+        "--new-tasks",
+        ",".join(toy_pair.new_tasks),
+        "--include-path",
+        toy_pair.task_dir,
+        "--out",
+        folder,
+        "--quiet",
+        "--alphas",
+        "0:1:0.1",
+    ]
     command = [str(Path(sys.executable).with_name("mergekit-lite")), "sweep", *map(str, arguments)]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with open(tmp_path / "stderr", "w") as stderr:
@@ -371,12 +415,21 @@ def test_sweep_example_config_is_valid(tmp_path):
 
 
 def test_a_task_with_a_non_binary_metric_is_skipped_with_a_warning_not_thresholded():
-    from mergekit_lite.evaluate.outcomes import Scoring
     from mergekit_lite.evaluate.lm_harness import TaskScore
+    from mergekit_lite.evaluate.outcomes import Scoring
     from mergekit_lite.sweep.scoring import score_task
 
-    records = [{"doc_id": i, "doc_hash": f"h{i}", "arguments": [("Q", " a"), ("Q", " b")], "acc": value,
-                "filter": "none", "metrics": ["acc"]} for i, value in enumerate([0.8, 0.1])]
+    records = [
+        {
+            "doc_id": i,
+            "doc_hash": f"h{i}",
+            "arguments": [("Q", " a"), ("Q", " b")],
+            "acc": value,
+            "filter": "none",
+            "metrics": ["acc"],
+        }
+        for i, value in enumerate([0.8, 0.1])
+    ]
     with pytest.warns(UserWarning, match="'truthfulqa_mc2' skipped: metric 'acc' is not 0/1"):
         run = score_task("truthfulqa_mc2", "old", TaskScore("truthfulqa_mc2", records, {}), Scoring())
     assert run.outcomes is None and "not 0/1" in run.skipped

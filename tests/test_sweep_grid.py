@@ -28,8 +28,17 @@ CLI = str(Path(sys.executable).parent / "mergekit-lite")
 
 def settings_for(pair, out, **changes) -> SweepSettings:
     options = {"limit": None, "method": "ties", "alphas": ALPHAS, **changes}
-    return SweepSettings(pair.pre_dir, pair.post_dir, options.pop("method"), options.pop("alphas"), pair.old_tasks,
-                         pair.new_tasks, pair.task_dir, str(out), **options)
+    return SweepSettings(
+        pair.pre_dir,
+        pair.post_dir,
+        options.pop("method"),
+        options.pop("alphas"),
+        pair.old_tasks,
+        pair.new_tasks,
+        pair.task_dir,
+        str(out),
+        **options,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +129,16 @@ def test_a_rerun_resumes_every_cell_and_saves_the_picked_cell(toy_pair, ties_gri
 
 def test_golden_and_probe_run_along_alpha_in_each_row(toy_pair, tmp_path):
     alphas = [0.0, 0.25, 0.5, 0.75, 1.0]
-    golden = run_sweep(settings_for(toy_pair, tmp_path / "golden", alphas=alphas, densities=DENSITIES,
-                                    search="golden"))
+    golden = run_sweep(settings_for(toy_pair, tmp_path / "golden", alphas=alphas, densities=DENSITIES, search="golden"))
     assert [row["density"] for row in golden.rows] == DENSITIES
     for row in golden.rows:  # the search's points of that row, and nothing else of it, were evaluated
         mine = sorted(point.alpha for point in golden.points if point.second[1] == row["density"])
         assert mine == row["evaluated"] and 0.0 in mine and 1.0 in mine
     assert golden.best.selection.harmonic_mean == max(p.selection.harmonic_mean for p in golden.points)
     probed = run_sweep(settings_for(toy_pair, tmp_path / "probe", alphas=alphas, densities=DENSITIES, probe=0.2))
-    assert [(point.alpha, point.second[1]) for point in probed.points] == \
-        [(row["probe_pick"], row["density"]) for row in probed.rows]  # each row's pick, on every doc
+    assert [(point.alpha, point.second[1]) for point in probed.points] == [
+        (row["probe_pick"], row["density"]) for row in probed.rows
+    ]  # each row's pick, on every doc
     assert all(row["probed"] == alphas for row in probed.rows)
     assert probed.best.selection.harmonic_mean == max(p.selection.harmonic_mean for p in probed.points)
 
@@ -179,8 +188,15 @@ def test_the_budget_is_respected_and_its_pick_is_the_full_grids_or_indistinguish
 
 
 def test_a_comparison_entry_may_be_a_grid(toy_pair, tmp_path):
-    data = {"pre": toy_pair.pre_dir, "post": toy_pair.post_dir, "alphas": ALPHAS, "old_tasks": toy_pair.old_tasks,
-            "new_tasks": toy_pair.new_tasks, "include_path": toy_pair.task_dir, "out": str(tmp_path / "run")}
+    data = {
+        "pre": toy_pair.pre_dir,
+        "post": toy_pair.post_dir,
+        "alphas": ALPHAS,
+        "old_tasks": toy_pair.old_tasks,
+        "new_tasks": toy_pair.new_tasks,
+        "include_path": toy_pair.task_dir,
+        "out": str(tmp_path / "run"),
+    }
     linear, lines = method_settings(data, ["linear", {"method": "lines", "betas": [0.0, 0.5]}])
     assert linear.second is None and lines.second == "beta" and lines.betas == [0.0, 0.5]
     comparison = run_comparison([linear, lines])
@@ -208,18 +224,42 @@ def test_every_sweepable_method_gets_a_report(ties_grid, method):
 def test_cli_takes_the_grid_from_flags_and_the_yaml(toy_pair, ties_grid, tmp_path):
     """--densities on the command line, `densities:` in a YAML file: the same grid, resumed from its folder."""
     config = tmp_path / "sweep.yaml"
-    config.write_text(f"pre: {toy_pair.pre_dir}\npost: {toy_pair.post_dir}\nmethod: ties\nalphas: [0.0, 0.5, 1.0]\n"
-                      f"densities: [0.3, 0.9]\nold-tasks: {','.join(toy_pair.old_tasks)}\n"
-                      f"new-tasks: {','.join(toy_pair.new_tasks)}\ninclude-path: {toy_pair.task_dir}\n")
+    config.write_text(
+        f"pre: {toy_pair.pre_dir}\npost: {toy_pair.post_dir}\nmethod: ties\nalphas: [0.0, 0.5, 1.0]\n"
+        f"densities: [0.3, 0.9]\nold-tasks: {','.join(toy_pair.old_tasks)}\n"
+        f"new-tasks: {','.join(toy_pair.new_tasks)}\ninclude-path: {toy_pair.task_dir}\n"
+    )
     best = f"best  alpha={ties_grid.best.alpha!r} density={ties_grid.best.second[1]!r} (lambda of ties)"
-    for args in ([str(config)], ["--pre", toy_pair.pre_dir, "--post", toy_pair.post_dir, "--method", "ties",
-                                 "--alphas", "0,0.5,1", "--densities", "0.3,0.9", "--include-path", toy_pair.task_dir,
-                                 "--old-tasks", ",".join(toy_pair.old_tasks), "--new-tasks",
-                                 ",".join(toy_pair.new_tasks)]):
-        done = subprocess.run([CLI, "sweep", *args, "--out", str(ties_grid.out), "-q"], capture_output=True,
-                              text=True, timeout=300)
+    for args in (
+        [str(config)],
+        [
+            "--pre",
+            toy_pair.pre_dir,
+            "--post",
+            toy_pair.post_dir,
+            "--method",
+            "ties",
+            "--alphas",
+            "0,0.5,1",
+            "--densities",
+            "0.3,0.9",
+            "--include-path",
+            toy_pair.task_dir,
+            "--old-tasks",
+            ",".join(toy_pair.old_tasks),
+            "--new-tasks",
+            ",".join(toy_pair.new_tasks),
+        ],
+    ):
+        done = subprocess.run(
+            [CLI, "sweep", *args, "--out", str(ties_grid.out), "-q"], capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         assert best in done.stdout and "evaluated 0 models" in done.stdout
-    done = subprocess.run([CLI, "sweep", str(config), "--drops", "0.1", "--out", str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [CLI, "sweep", str(config), "--drops", "0.1", "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: sweep one second")

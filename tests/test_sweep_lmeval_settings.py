@@ -20,8 +20,10 @@ from mergekit_lite.sweep.scoring import split_docs
 from mergekit_lite.sweep.store import point_file
 
 # a chat template the toy tokenizer can encode (its words and unknown tokens): role, then content, one turn a line
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} \n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant : {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} \n{% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
 SYSTEM = "Answer with one word."
 CHAT_FLAGS = ["--num-fewshot", "2", "--apply-chat-template", "--fewshot-as-multiturn", "--system-instruction", SYSTEM]
 LIMIT = 8
@@ -34,8 +36,21 @@ def cli(*args, cwd) -> subprocess.CompletedProcess:
 
 
 def pair_arguments(pre, post, pair, out) -> list:
-    return ["--pre", pre, "--post", post, "--old-tasks", ",".join(pair.old_tasks), "--new-tasks",
-            ",".join(pair.new_tasks), "--include-path", pair.task_dir, "--out", out, "--quiet"]
+    return [
+        "--pre",
+        pre,
+        "--post",
+        post,
+        "--old-tasks",
+        ",".join(pair.old_tasks),
+        "--new-tasks",
+        ",".join(pair.new_tasks),
+        "--include-path",
+        pair.task_dir,
+        "--out",
+        out,
+        "--quiet",
+    ]
 
 
 def with_chat_template(model: Path, folder: Path) -> Path:
@@ -47,8 +62,16 @@ def with_chat_template(model: Path, folder: Path) -> Path:
 
 
 def test_lm_eval_settings_are_checked_and_named_before_any_model_is_read(tmp_path):
-    common = dict(pre="pre", post="post", method="linear", alphas=[0.5], old_tasks=["a"], new_tasks=["b"],
-                  include_path=None, out=str(tmp_path / "run"))
+    common = dict(
+        pre="pre",
+        post="post",
+        method="linear",
+        alphas=[0.5],
+        old_tasks=["a"],
+        new_tasks=["b"],
+        include_path=None,
+        out=str(tmp_path / "run"),
+    )
     with pytest.raises(InputError, match="--fewshot-as-multiturn needs --apply-chat-template"):
         settings_from_dict({**common, "fewshot_as_multiturn": True})
     with pytest.raises(InputError, match="model_args: 'pretrained' is not one a sweep passes on"):
@@ -67,8 +90,18 @@ def test_lm_eval_settings_are_checked_and_named_before_any_model_is_read(tmp_pat
     assert not LmEvalSettings(apply_chat_template=True, fewshot_as_multiturn=False).multiturn
     # the YAML takes the same settings; they are part of a point's identity only when given (older folders resume)
     config = tmp_path / "sweep.yaml"
-    config.write_text(yaml.safe_dump({"num-fewshot": 5, "apply_chat_template": True, "system_instruction": SYSTEM,
-                                      "gen_kwargs": "max_gen_toks=64", "model_args": "max_length=2048", "limit": 0.1}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "num-fewshot": 5,
+                "apply_chat_template": True,
+                "system_instruction": SYSTEM,
+                "gen_kwargs": "max_gen_toks=64",
+                "model_args": "max_length=2048",
+                "limit": 0.1,
+            }
+        )
+    )
     settings = settings_from_dict({**common, **load_sweep_file(config)})
     assert settings.lm_eval == LmEvalSettings(5, True, None, SYSTEM, "max_gen_toks=64", "max_length=2048")
     assert settings.lm_eval.hflm_args() == {"max_length": 2048} and settings.limit == 0.1
@@ -93,11 +126,27 @@ def test_refusals_before_any_model_is_read(toy_pair, tmp_path):
     tasks = ["--old-tasks", "toy_old", "--new-tasks", "toy_new"]
     cases = {
         "unknown lm-eval task(s) no_such_task (not built in, not in --include-path": [
-            *common, "--old-tasks", "no_such_task", "--new-tasks", "toy_new", "--include-path", toy_pair.task_dir],
+            *common,
+            "--old-tasks",
+            "no_such_task",
+            "--new-tasks",
+            "toy_new",
+            "--include-path",
+            toy_pair.task_dir,
+        ],
         f"unknown lm-eval task(s) toy_old, toy_new (not built in, not in --include-path {empty})": [
-            *common, *tasks, "--include-path", empty],
+            *common,
+            *tasks,
+            "--include-path",
+            empty,
+        ],
         "--apply-chat-template: the tokenizer in": [
-            *common, *tasks, "--include-path", toy_pair.task_dir, "--apply-chat-template"],
+            *common,
+            *tasks,
+            "--include-path",
+            toy_pair.task_dir,
+            "--apply-chat-template",
+        ],
     }
     for index, (message, arguments) in enumerate(cases.items()):
         done = cli(*arguments, "--out", tmp_path / f"run{index}", cwd=tmp_path)
@@ -105,8 +154,7 @@ def test_refusals_before_any_model_is_read(toy_pair, tmp_path):
         assert "has no chat template" in done.stderr or "chat" not in message
         assert not (tmp_path / f"run{index}").exists()
     done = cli(*common, *tasks, "--include-path", toy_pair.task_dir, "--out", tmp_path / "control", cwd=tmp_path)
-    assert done.returncode == 2 and "safetensors" in done.stderr.lower() or "header" in done.stderr.lower(), \
-        done.stderr
+    assert done.returncode == 2 and "safetensors" in done.stderr.lower() or "header" in done.stderr.lower(), done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +167,31 @@ def chat_sweep(toy_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     pre = with_chat_template(toy_pair.pre_dir, root / "pre")
     post = with_chat_template(toy_pair.post_dir, root / "post")
-    arguments = [*pair_arguments(pre, post, toy_pair, root / "run"), "--alphas", "0.5", "--limit", LIMIT,
-                 "--selection", "none", "--bootstrap", "0", *CHAT_FLAGS]
+    arguments = [
+        *pair_arguments(pre, post, toy_pair, root / "run"),
+        "--alphas",
+        "0.5",
+        "--limit",
+        LIMIT,
+        "--selection",
+        "none",
+        "--bootstrap",
+        "0",
+        *CHAT_FLAGS,
+    ]
     done = cli(*arguments, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     tasks = ",".join(toy_pair.old_tasks + toy_pair.new_tasks)
-    lm_eval_flags = ["--limit", str(LIMIT), "--num_fewshot", "2", "--apply_chat_template", "--fewshot_as_multiturn",
-                     "--system_instruction", SYSTEM]
+    lm_eval_flags = [
+        "--limit",
+        str(LIMIT),
+        "--num_fewshot",
+        "2",
+        "--apply_chat_template",
+        "--fewshot_as_multiturn",
+        "--system_instruction",
+        SYSTEM,
+    ]
     saved_argv = sys.argv
     sys.argv = ["lm_eval", *lm_eval_arguments(pre, tasks, toy_pair.task_dir, root / "lm_eval", *lm_eval_flags)]
     try:
@@ -151,9 +217,14 @@ def test_the_prompts_scored_are_those_lm_evals_cli_builds_with_the_same_flags(ch
             assert correct[doc_id] == bool(record["acc"]), doc_id
         assert prompts[0].startswith(f"system : {SYSTEM} \nuser : ") and prompts[0].count("assistant : ") == 3
     results = json.loads((root / "run" / "results.json").read_text())
-    assert results["settings"]["lm_eval"] == {"num_fewshot": 2, "apply_chat_template": True,
-                                              "fewshot_as_multiturn": True, "system_instruction": SYSTEM,
-                                              "gen_kwargs": None, "model_args": None}
+    assert results["settings"]["lm_eval"] == {
+        "num_fewshot": 2,
+        "apply_chat_template": True,
+        "fewshot_as_multiturn": True,
+        "system_instruction": SYSTEM,
+        "gen_kwargs": None,
+        "model_args": None,
+    }
     expected = f"--num_fewshot 2, --apply_chat_template, --fewshot_as_multiturn, --system_instruction {SYSTEM!r}"
     assert f"- lm-eval settings: {expected}" in (root / "run" / "report.md").read_text()
 
@@ -165,11 +236,11 @@ def test_a_rerun_resumes_and_other_settings_are_refused(chat_sweep):
     done = cli(*arguments, cwd=root)
     assert done.returncode == 0 and "evaluated 0 models, resumed 3" in done.stdout, done.stderr[-2000:]
     for other in (["--num-fewshot", "1"], ["--no-fewshot-as-multiturn"], ["--system-instruction", "Be brief."]):
-        changed = [*arguments[:-len(CHAT_FLAGS)], *CHAT_FLAGS, *other]
+        changed = [*arguments[: -len(CHAT_FLAGS)], *CHAT_FLAGS, *other]
         done = cli(*changed, cwd=root)
         assert done.returncode == 2 and "holds a sweep with other settings (lm_eval:" in done.stderr, done.stderr
-    assert arguments[-len(CHAT_FLAGS):] == CHAT_FLAGS
-    done = cli(*arguments[:-len(CHAT_FLAGS)], cwd=root)  # lm-eval's defaults now
+    assert arguments[-len(CHAT_FLAGS) :] == CHAT_FLAGS
+    done = cli(*arguments[: -len(CHAT_FLAGS)], cwd=root)  # lm-eval's defaults now
     assert done.returncode == 2 and "other settings (lm_eval:" in done.stderr, done.stderr
     assert {path: path.stat().st_mtime_ns for path in (root / "run" / "points").iterdir()} == points
 
@@ -193,13 +264,20 @@ def test_the_pick_says_when_another_alpha_beats_it_and_what_it_keeps(toy_pair, l
     """A sweep whose saved points are built to show it: alpha 0.25 wins the selection docs, 0.5 wins the report
     docs by far. stdout and report.md name 0.5 in a warning; new skill kept is (new - new_pre) / (new_post - new_pre)
     beside forgetting recovered."""
-    from mergekit_lite.cli.sweep import summary
     from test_sweep import settings_for
 
+    from mergekit_lite.cli.sweep import summary
+
     folder = Path(shutil.copytree(linear_sweep.out, tmp_path / "run"))
-    for label, fractions in {"pre": (1, 0, 1, 0), "post": (0, 1, 0, 1), "alpha=0.0": (1, 0, 1, 0),
-                             "alpha=0.25": (1, 1, 0.5, 0.25), "alpha=0.5": (0.9, 0.9, 1, 1),
-                             "alpha=0.75": (0, 1, 0, 1), "alpha=1.0": (0, 1, 0, 1)}.items():
+    for label, fractions in {
+        "pre": (1, 0, 1, 0),
+        "post": (0, 1, 0, 1),
+        "alpha=0.0": (1, 0, 1, 0),
+        "alpha=0.25": (1, 1, 0.5, 0.25),
+        "alpha=0.5": (0.9, 0.9, 1, 1),
+        "alpha=0.75": (0, 1, 0, 1),
+        "alpha=1.0": (0, 1, 0, 1),
+    }.items():
         set_outcomes(folder, label, fractions)
     result = run_sweep(settings_for(toy_pair, folder))
     text = summary(result)
@@ -209,8 +287,10 @@ def test_the_pick_says_when_another_alpha_beats_it_and_what_it_keeps(toy_pair, l
     assert result.evaluated == [] and results["pick"]["alpha"] == 0.25 and results["better"] == ["alpha=0.5"]
     low, high = next(p for p in results["points"] if p["alpha"] == 0.5)["intervals"]["diff_to_pick"]
     assert low > 0
-    warning = (f"on the report split alpha=0.5 (HM - pick [{low:+.3f}, {high:+.3f}]) beats the pick with an interval "
-               "above zero")
+    warning = (
+        f"on the report split alpha=0.5 (HM - pick [{low:+.3f}, {high:+.3f}]) beats the pick with an interval "
+        "above zero"
+    )
     assert f"warning: {warning}" in text and f"**Warning: {warning}" in report
     kept = (results["pick"]["new"] - results["pre"]["new"]) / (results["post"]["new"] - results["pre"]["new"])
     recovered = (results["pick"]["old"] - results["post"]["old"]) / (results["pre"]["old"] - results["post"]["old"])
@@ -233,13 +313,20 @@ def test_the_pick_says_when_another_alpha_beats_it_and_what_it_keeps(toy_pair, l
 
 @pytest.mark.slow
 def test_a_pick_that_is_pre_itself_says_so_instead_of_a_recovery(toy_pair, linear_sweep, tmp_path):
-    from mergekit_lite.cli.sweep import summary
     from test_sweep import settings_for
 
+    from mergekit_lite.cli.sweep import summary
+
     folder = Path(shutil.copytree(linear_sweep.out, tmp_path / "run"))
-    for label, fractions in {"pre": (1, 0.5, 1, 0.5), "post": (0.5, 1, 0.5, 1), "alpha=0.0": (1, 0.5, 1, 0.5),
-                             "alpha=0.25": (0.5, 0.5, 0.5, 0.5), "alpha=0.5": (0.5, 0.5, 0.5, 0.5),
-                             "alpha=0.75": (0.5, 0.5, 0.5, 0.5), "alpha=1.0": (0.5, 1, 0.5, 1)}.items():
+    for label, fractions in {
+        "pre": (1, 0.5, 1, 0.5),
+        "post": (0.5, 1, 0.5, 1),
+        "alpha=0.0": (1, 0.5, 1, 0.5),
+        "alpha=0.25": (0.5, 0.5, 0.5, 0.5),
+        "alpha=0.5": (0.5, 0.5, 0.5, 0.5),
+        "alpha=0.75": (0.5, 0.5, 0.5, 0.5),
+        "alpha=1.0": (0.5, 1, 0.5, 1),
+    }.items():
         set_outcomes(folder, label, fractions)
     result = run_sweep(settings_for(toy_pair, folder))
     text = summary(result)
@@ -261,8 +348,15 @@ def test_the_same_command_with_replay_and_save_best_runs_again(toy_pair, linear_
     folder it did not write is still refused."""
     folder = Path(shutil.copytree(linear_sweep.out, tmp_path / "run"))
     replay, best = tmp_path / "replay.jsonl", tmp_path / "best"
-    arguments = [*pair_arguments(toy_pair.pre_dir, toy_pair.post_dir, toy_pair, folder),
-                 "--alphas", "0:1:0.25", "--replay", replay, "--save-best", best]
+    arguments = [
+        *pair_arguments(toy_pair.pre_dir, toy_pair.post_dir, toy_pair, folder),
+        "--alphas",
+        "0:1:0.25",
+        "--replay",
+        replay,
+        "--save-best",
+        best,
+    ]
     for attempt in range(2):
         done = cli(*arguments, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -287,8 +381,18 @@ def test_a_tokenizer_that_encodes_a_prompt_to_nothing_is_one_line(toy_pair, tmp_
     tokenizer = json.loads((pre / "tokenizer.json").read_text())
     tokenizer["normalizer"] = {"type": "Replace", "pattern": {"Regex": "[a-z]"}, "content": ""}
     (pre / "tokenizer.json").write_text(json.dumps(tokenizer))
-    settings = SweepSettings(pre, toy_pair.post_dir, "linear", [0.5], toy_pair.old_tasks, toy_pair.new_tasks,
-                             toy_pair.task_dir, tmp_path / "run", limit=4, selection="none")
+    settings = SweepSettings(
+        pre,
+        toy_pair.post_dir,
+        "linear",
+        [0.5],
+        toy_pair.old_tasks,
+        toy_pair.new_tasks,
+        toy_pair.task_dir,
+        tmp_path / "run",
+        limit=4,
+        selection="none",
+    )
     with pytest.raises(InputError, match="the tokenizer encodes a prompt or an answer to no tokens"):
         run_sweep(settings)
     assert not (tmp_path / "run").exists()
@@ -297,9 +401,19 @@ def test_a_tokenizer_that_encodes_a_prompt_to_nothing_is_one_line(toy_pair, tmp_
 def test_settings_pass_through_asdict_as_ray_actors_rebuild_them(toy_pair, tmp_path):
     from dataclasses import asdict
 
-    settings = settings_from_dict(dict(pre=str(toy_pair.pre_dir), post=str(toy_pair.post_dir), method="linear",
-                                       alphas=[0.5], old_tasks=["a"], new_tasks=["b"], out=str(tmp_path / "run"),
-                                       num_fewshot=3, apply_chat_template="tool_use"))
+    settings = settings_from_dict(
+        dict(
+            pre=str(toy_pair.pre_dir),
+            post=str(toy_pair.post_dir),
+            method="linear",
+            alphas=[0.5],
+            old_tasks=["a"],
+            new_tasks=["b"],
+            out=str(tmp_path / "run"),
+            num_fewshot=3,
+            apply_chat_template="tool_use",
+        )
+    )
     assert SweepSettings(**asdict(settings)) == settings
     assert settings.identity()["lm_eval"] == {"num_fewshot": 3, "apply_chat_template": "tool_use"}
     assert "lm_eval" not in settings_from_dict({**asdict(settings), "lm_eval": None}).identity()

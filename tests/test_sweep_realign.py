@@ -20,10 +20,33 @@ def cli(*args, cwd):
 
 
 def sweep_args(pair, folder):
-    return ["--pre", pair.pre_dir, "--post", pair.post_dir, "--method", "recall_lerp", "--recall-texts",
-            pair.typical_texts, "--alphas", "0.5,1", "--old-tasks",
-            ",".join(pair.old_tasks), "--new-tasks", ",".join(pair.new_tasks), "--include-path", pair.task_dir,
-            "--limit", 12, "--bootstrap", 0, "--realign-shots", SHOTS, "--out", folder, "--quiet"]
+    return [
+        "--pre",
+        pair.pre_dir,
+        "--post",
+        pair.post_dir,
+        "--method",
+        "recall_lerp",
+        "--recall-texts",
+        pair.typical_texts,
+        "--alphas",
+        "0.5,1",
+        "--old-tasks",
+        ",".join(pair.old_tasks),
+        "--new-tasks",
+        ",".join(pair.new_tasks),
+        "--include-path",
+        pair.task_dir,
+        "--limit",
+        12,
+        "--bootstrap",
+        0,
+        "--realign-shots",
+        SHOTS,
+        "--out",
+        folder,
+        "--quiet",
+    ]
 
 
 def saved(folder: Path, name: str) -> dict:
@@ -58,19 +81,28 @@ def test_realign_shots_splits_forgetting_as_the_saved_outcomes_say(toy_pair, tmp
         # only the forgotten docs were scored again
         scored = realigned[task]["correct"] if task in realigned else {}
         assert sorted(scored) == sorted(forgotten)
-        assert sorted(realigned[task]["doc_ids"].values()) == sorted(pre[task]["doc_ids"][k] for k in forgotten) \
-            if forgotten else task not in realigned
+        assert (
+            sorted(realigned[task]["doc_ids"].values()) == sorted(pre[task]["doc_ids"][k] for k in forgotten)
+            if forgotten
+            else task not in realigned
+        )
         kinds = {key: "spurious" if scored[key] else "genuine" for key in forgotten}
-        assert {row["key"]: row["forgetting_kind"] for row in rows if row["task"] == task} == \
-            {key: kinds.get(key) for key in pre[task]["correct"]}
+        assert {row["key"]: row["forgetting_kind"] for row in rows if row["task"] == task} == {
+            key: kinds.get(key) for key in pre[task]["correct"]
+        }
         k = pre[task]["n_choices"]
-        for part, keys in (("forgetting", forgotten),
-                           ("still_lost", [key for key in forgotten if not pick[task]["correct"][key]])):
+        for part, keys in (
+            ("forgetting", forgotten),
+            ("still_lost", [key for key in forgotten if not pick[task]["correct"][key]]),
+        ):
             shown = [key for key in keys if (task, key) in report_keys]
             spurious = sum(kinds[key] == "spurious" for key in shown)
             entry = results["realign"][part]["tasks"][task]
-            assert (entry["forgotten"], entry["spurious"], entry["genuine"]) == (len(shown), spurious,
-                                                                                 len(shown) - spurious)
+            assert (entry["forgotten"], entry["spurious"], entry["genuine"]) == (
+                len(shown),
+                spurious,
+                len(shown) - spurious,
+            )
             assert entry["spurious_share_true"] == pytest.approx(chance_corrected(spurious, len(shown), k))
     assert total_forgotten > 0  # the toy post forgets: the split above is not of nothing
     assert_lm_evals_own_cli_scores_the_forgotten_docs_alike(toy_pair, realigned, tmp_path / "lm_eval")
@@ -84,7 +116,7 @@ def test_realign_shots_splits_forgetting_as_the_saved_outcomes_say(toy_pair, tmp
     table = report.split("## Where post moved: relative drift per layer")[1].split("\n\n")[2].splitlines()
     assert f"recall_lerp weight of post (alpha {results['pick']['alpha']!r})" in table[0]
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
-    assert [row[0] for row in cells][1:layers + 1] == [f"layer {index}" for index in range(layers)]
+    assert [row[0] for row in cells][1 : layers + 1] == [f"layer {index}" for index in range(layers)]
     for row, drift in zip(cells[1:], results["drift"]["layers"]):
         assert float(row[1]) == pytest.approx(drift["relative_drift"], rel=1e-3)
         assert 0 <= float(row[2]) <= 1
@@ -105,8 +137,19 @@ def assert_lm_evals_own_cli_scores_the_forgotten_docs_alike(pair, realigned: dic
 
     chosen = {task: sorted(entry["doc_ids"].values()) for task, entry in realigned.items()}
     saved_argv = sys.argv
-    sys.argv = ["lm_eval", *lm_eval_arguments(pair.post_dir, ",".join(chosen), pair.task_dir, output,
-                                              "--num_fewshot", str(SHOTS), "--samples", json.dumps(chosen))]
+    sys.argv = [
+        "lm_eval",
+        *lm_eval_arguments(
+            pair.post_dir,
+            ",".join(chosen),
+            pair.task_dir,
+            output,
+            "--num_fewshot",
+            str(SHOTS),
+            "--samples",
+            json.dumps(chosen),
+        ),
+    ]
     try:
         cli_evaluate()
     finally:
@@ -115,16 +158,32 @@ def assert_lm_evals_own_cli_scores_the_forgotten_docs_alike(pair, realigned: dic
     for task, entry in realigned.items():
         [log] = folder.glob(f"samples_{task}_*.jsonl")
         records = {record["doc_id"]: record for record in map(json.loads, log.read_text().splitlines())}
-        assert {entry["doc_ids"][key]: right for key, right in entry["correct"].items()} == \
-            {doc_id: bool(record["acc"]) for doc_id, record in records.items()}
+        assert {entry["doc_ids"][key]: right for key, right in entry["correct"].items()} == {
+            doc_id: bool(record["acc"]) for doc_id, record in records.items()
+        }
         [results_file] = folder.glob("results_*.json")
         assert json.loads(results_file.read_text())["n-shot"][task] == SHOTS
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "two"])
 def test_a_bad_realign_shots_is_one_line_exit_2(tmp_path, value):
-    done = cli("--pre", "a", "--post", "b", "--alphas", "0.5", "--old-tasks", "x", "--new-tasks", "y",
-               "--out", tmp_path / "run", "--realign-shots", value, cwd=tmp_path)
+    done = cli(
+        "--pre",
+        "a",
+        "--post",
+        "b",
+        "--alphas",
+        "0.5",
+        "--old-tasks",
+        "x",
+        "--new-tasks",
+        "y",
+        "--out",
+        tmp_path / "run",
+        "--realign-shots",
+        value,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "realign" in done.stderr

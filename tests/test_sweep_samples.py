@@ -31,11 +31,34 @@ def expected_class(pre: bool, post: bool, pick: bool) -> str:
 
 
 def sweep_cli(toy_pair, lm_eval_runs, out, *extra):
-    result = CliRunner().invoke(main, [
-        "sweep", "--pre", str(toy_pair.pre_dir), "--post", str(toy_pair.post_dir), "--alphas", "0.3,0.7",
-        "--old-tasks", ",".join(OLD), "--new-tasks", ",".join(NEW), "--include-path", str(lm_eval_runs.include_path),
-        "--limit", str(lm_eval_runs.limit), "--filter", f"gen_old={FILTER}", "--bootstrap", "0", "-q",
-        "--out", str(out), *map(str, extra)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "sweep",
+            "--pre",
+            str(toy_pair.pre_dir),
+            "--post",
+            str(toy_pair.post_dir),
+            "--alphas",
+            "0.3,0.7",
+            "--old-tasks",
+            ",".join(OLD),
+            "--new-tasks",
+            ",".join(NEW),
+            "--include-path",
+            str(lm_eval_runs.include_path),
+            "--limit",
+            str(lm_eval_runs.limit),
+            "--filter",
+            f"gen_old={FILTER}",
+            "--bootstrap",
+            "0",
+            "-q",
+            "--out",
+            str(out),
+            *map(str, extra),
+        ],
+    )
     return result
 
 
@@ -51,8 +74,16 @@ def sweep(toy_pair, lm_eval_runs, tmp_path_factory):
     first = sweep_cli(toy_pair, lm_eval_runs, root / "run", "--replay", root / "replay.jsonl")
     assert first.exit_code == 0, first.output
     fresh = (root / "run" / SAMPLES_FILE).read_bytes()
-    again = sweep_cli(toy_pair, lm_eval_runs, root / "run", "--replay", root / "all.jsonl", "--replay-all",
-                      "--replay-format", "messages")
+    again = sweep_cli(
+        toy_pair,
+        lm_eval_runs,
+        root / "run",
+        "--replay",
+        root / "all.jsonl",
+        "--replay-all",
+        "--replay-format",
+        "messages",
+    )
     assert again.exit_code == 0, again.output
     assert "evaluated 0 models, resumed 4" in again.stdout
     assert (root / "run" / SAMPLES_FILE).read_bytes() == fresh  # texts read back from the point files
@@ -68,8 +99,10 @@ def saved(folder, label: str) -> dict[str, dict]:
 def rows_and_points(root):
     out = root / "run"
     results = json.loads((out / "results.json").read_text())
-    points = {name: saved(out, label) for name, label in
-              (("pre", "pre"), ("post", "post"), ("pick", results["samples"]["pick"]))}
+    points = {
+        name: saved(out, label)
+        for name, label in (("pre", "pre"), ("post", "post"), ("pick", results["samples"]["pick"]))
+    }
     return results, read_jsonl(out / SAMPLES_FILE), points
 
 
@@ -82,15 +115,24 @@ def test_every_doc_is_classified_as_the_point_files_say_and_counts_add_up(sweep)
         right = [points[name][row["task"]]["correct"][row["key"]] for name in ("pre", "post", "pick")]
         assert row["scores"] == [int(value) for value in right] and row["models"] == ["pre", "post", pick]
         assert row["class"] == expected_class(*right)
-        assert row["outcome_post"] == {(1, 1): "kept", (1, 0): "forgotten", (0, 1): "gained", (0, 0): "never"}[
-            right[0], right[1]]
-        assert row["outcome_pick"] == {(1, 1): "kept", (1, 0): "forgotten", (0, 1): "gained", (0, 0): "never"}[
-            right[0], right[2]]
-        assert row["answers"] == [points[name][row["task"]]["texts"][row["key"]]["answer"]
-                                  for name in ("pre", "post", "pick")]
-    maps = {name: {entry["task"]: entry for entry in point["forgetting"]["tasks"]}
-            for name, point in (("post", results["post"]),
-                                ("pick", next(p for p in results["points"] if p["label"] == pick)))}
+        assert (
+            row["outcome_post"]
+            == {(1, 1): "kept", (1, 0): "forgotten", (0, 1): "gained", (0, 0): "never"}[right[0], right[1]]
+        )
+        assert (
+            row["outcome_pick"]
+            == {(1, 1): "kept", (1, 0): "forgotten", (0, 1): "gained", (0, 0): "never"}[right[0], right[2]]
+        )
+        assert row["answers"] == [
+            points[name][row["task"]]["texts"][row["key"]]["answer"] for name in ("pre", "post", "pick")
+        ]
+    maps = {
+        name: {entry["task"]: entry for entry in point["forgetting"]["tasks"]}
+        for name, point in (
+            ("post", results["post"]),
+            ("pick", next(p for p in results["points"] if p["label"] == pick)),
+        )
+    }
     for task, docs in results["selection"]["docs"].items():
         mine = [row for row in rows if row["task"] == task]
         assert len(mine) == docs["selection"] + docs["report"] == len(points["pre"][task]["correct"])
@@ -105,8 +147,9 @@ def test_every_doc_is_classified_as_the_point_files_say_and_counts_add_up(sweep)
         assert counts["kept"] + counts["newly_lost"] == maps["post"][task]["kept"]
     for group, tasks in (("old", OLD), ("new", NEW)):
         assert results["samples"]["groups"][group] == {
-            name: sum(results["samples"]["counts"][task][name] for task in tasks) for name in results["samples"]
-            ["counts"][tasks[0]]}
+            name: sum(results["samples"]["counts"][task][name] for task in tasks)
+            for name in results["samples"]["counts"][tasks[0]]
+        }
     assert sum(counts["recovered"] for counts in results["samples"]["counts"].values()) > 0  # the toy pair forgets
     assert results["samples"]["without_text"] == 0
 
@@ -145,7 +188,7 @@ def test_prompts_gold_and_answers_are_what_lm_eval_logs_for_pre_and_post(sweep, 
 def test_report_shows_the_counts_and_examples_as_text(sweep):
     results, rows, _ = rows_and_points(sweep[0])
     report = (sweep[0] / "run" / "report.md").read_text()
-    section = report[report.index(f"(report split, `{SAMPLES_FILE}`)"):]
+    section = report[report.index(f"(report split, `{SAMPLES_FILE}`)") :]
     samples = results["samples"]
     for task, counts in samples["counts"].items():
         assert f"| {task} | {counts['recovered']} | {counts['still_lost']} | {counts['newly_lost']} |" in section
@@ -161,8 +204,10 @@ def test_report_shows_the_counts_and_examples_as_text(sweep):
             assert [example["gold"], example["post"], example["pick"]] == [row["gold"], *row["answers"][1:]]
             prompt = " ".join(row["prompt"].split())
             assert example["prompt"] == prompt or example["prompt"] == "..." + prompt[-157:]
-            assert f"  - {example['task']} doc {example['doc_id']}: `{example['prompt']}` gold `" \
-                   f"{' '.join(row['gold'].split())}`, post `{' '.join(row['answers'][1].split())}`" in section
+            assert (
+                f"  - {example['task']} doc {example['doc_id']}: `{example['prompt']}` gold `"
+                f"{' '.join(row['gold'].split())}`, post `{' '.join(row['answers'][1].split())}`" in section
+            )
 
 
 def test_replay_holds_the_still_lost_docs_or_every_forgotten_one(sweep):
@@ -173,29 +218,46 @@ def test_replay_holds_the_still_lost_docs_or_every_forgotten_one(sweep):
     assert still and len(forgotten) > len(still)
     replay = read_jsonl(root / "replay.jsonl")
     assert [(record["task"], record["doc_id"]) for record in replay] == [(row["task"], row["doc_id"]) for row in still]
-    assert all(record["completion"] == row["completion"] and record["prompt"] == row["prompt"] and
-               record["completion"].strip() == row["gold"].strip() for record, row in zip(replay, still))
+    assert all(
+        record["completion"] == row["completion"]
+        and record["prompt"] == row["prompt"]
+        and record["completion"].strip() == row["gold"].strip()
+        for record, row in zip(replay, still)
+    )
     assert f"replay: {len(still)} docs still lost by the pick written to {root / 'replay.jsonl'}; 0 left out" in first
     messages = read_jsonl(root / "all.jsonl")
     assert [(record["task"], record["doc_id"]) for record in messages] == [(r["task"], r["doc_id"]) for r in forgotten]
-    assert all(record["messages"] == [{"role": "user", "content": row["prompt"]},
-                                      {"role": "assistant", "content": row["gold"].strip()}]
-               for record, row in zip(messages, forgotten))
+    assert all(
+        record["messages"]
+        == [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["gold"].strip()}]
+        for record, row in zip(messages, forgotten)
+    )
     assert f"replay: {len(forgotten)} docs forgotten by post written to" in again
 
 
-@pytest.mark.parametrize("where, message", [
-    ("existing", "already exists"), ("pre", "is inside the input"), ("run", "is inside the run folder"),
-    ("best", "is inside --save-best"), ("flag-only", "give --replay FILE.jsonl"),
-    ("methods", "give a single --method")])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("existing", "already exists"),
+        ("pre", "is inside the input"),
+        ("run", "is inside the run folder"),
+        ("best", "is inside --save-best"),
+        ("flag-only", "give --replay FILE.jsonl"),
+        ("methods", "give a single --method"),
+    ],
+)
 def test_a_bad_replay_path_is_refused_before_any_work(sweep, toy_pair, lm_eval_runs, tmp_path, where, message):
     root = sweep[0]
     out = tmp_path / "run"
     replay = tmp_path / "replay.jsonl"
-    args = {"existing": ["--replay", root / "replay.jsonl"], "pre": ["--replay", toy_pair.pre_dir / "replay.jsonl"],
-            "run": ["--replay", out / "replay.jsonl"], "flag-only": ["--replay-all"],
-            "best": ["--save-best", tmp_path / "best", "--replay", tmp_path / "best" / "replay.jsonl"],
-            "methods": ["--method", "linear,task_arithmetic", "--replay", replay]}[where]
+    args = {
+        "existing": ["--replay", root / "replay.jsonl"],
+        "pre": ["--replay", toy_pair.pre_dir / "replay.jsonl"],
+        "run": ["--replay", out / "replay.jsonl"],
+        "flag-only": ["--replay-all"],
+        "best": ["--save-best", tmp_path / "best", "--replay", tmp_path / "best" / "replay.jsonl"],
+        "methods": ["--method", "linear,task_arithmetic", "--replay", replay],
+    }[where]
     result = sweep_cli(toy_pair, lm_eval_runs, out, *args)
     assert result.exit_code == 2 and message in result.stderr, result.output
     assert not out.exists() and not (tmp_path / "best").exists() and not replay.exists()
@@ -222,14 +284,19 @@ def test_an_old_run_folder_resumes_with_null_texts(sweep, toy_pair, lm_eval_runs
     assert "evaluated 0 models, resumed 4" in result.stdout
     new, old = read_jsonl(root / "run" / SAMPLES_FILE), read_jsonl(copy / SAMPLES_FILE)
     text = ("prompt", "gold", "answers", "answer_rule", "completion")
-    assert [{k: v for k, v in row.items() if k not in text} for row in new] == \
-           [{k: v for k, v in row.items() if k not in text} for row in old]
-    assert all(row["prompt"] is row["gold"] is row["completion"] is row["answer_rule"] is None and
-               row["answers"] == [None] * 3 for row in old)
+    assert [{k: v for k, v in row.items() if k not in text} for row in new] == [
+        {k: v for k, v in row.items() if k not in text} for row in old
+    ]
+    assert all(
+        row["prompt"] is row["gold"] is row["completion"] is row["answer_rule"] is None and row["answers"] == [None] * 3
+        for row in old
+    )
     still = sum(row["class"] == "still_lost" for row in old)
     assert (tmp_path / "replay.jsonl").read_text() == ""
-    assert f"replay: 0 docs still lost by the pick written to {tmp_path / 'replay.jsonl'}; {still} left out" in \
-        result.stderr
+    assert (
+        f"replay: 0 docs still lost by the pick written to {tmp_path / 'replay.jsonl'}; {still} left out"
+        in result.stderr
+    )
     samples = json.loads((copy / "results.json").read_text())["samples"]
     assert samples["counts"] == json.loads((root / "run" / "results.json").read_text())["samples"]["counts"]
     assert samples["without_text"] == sum(row["split"] == "report" for row in old)

@@ -31,9 +31,23 @@ pytestmark = pytest.mark.slow
 
 
 def pair_args(pair, out, *extra) -> list:
-    return ["sweep", "--pre", pair.pre_dir, "--post", pair.post_dir, "--include-path", pair.task_dir,
-            "--old-tasks", ",".join(pair.old_tasks), "--new-tasks", ",".join(pair.new_tasks), "--out", out,
-            "--quiet", *extra]
+    return [
+        "sweep",
+        "--pre",
+        pair.pre_dir,
+        "--post",
+        pair.post_dir,
+        "--include-path",
+        pair.task_dir,
+        "--old-tasks",
+        ",".join(pair.old_tasks),
+        "--new-tasks",
+        ",".join(pair.new_tasks),
+        "--out",
+        out,
+        "--quiet",
+        *extra,
+    ]
 
 
 def test_a_range_must_end_on_its_stop():
@@ -44,10 +58,13 @@ def test_a_range_must_end_on_its_stop():
     assert parse_alphas("0.1:0.9:0.2")[-1] == 0.9  # float steps that land on STOP up to rounding
 
 
-@pytest.mark.parametrize("where, message", [
-    ("run/best", "must lie outside the run folder"),
-    ("taken", "exists and is not the model this run folder's sweep saved there"),
-])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("run/best", "must lie outside the run folder"),
+        ("taken", "exists and is not the model this run folder's sweep saved there"),
+    ],
+)
 def test_save_best_is_a_new_folder_outside_the_run_folder(toy_pair, tmp_path, where, message):
     """Inside the run folder it would stop every resume (a run folder holds only its own files); an existing
     folder is never replaced, and the message names no --overwrite (sweep has none)."""
@@ -72,9 +89,17 @@ def test_a_refusal_before_the_first_point_leaves_no_run_folder(toy_pair, tmp_pat
 
 def tiny_settings(pair, out, **changes) -> SweepSettings:
     options = {"limit": 4, "bootstrap": 0, **changes}
-    return SweepSettings(pair.pre_dir, pair.post_dir, "linear", options.pop("alphas", [0.5]),
-                         options.pop("old_tasks", pair.old_tasks), pair.new_tasks,
-                         options.pop("include_path", pair.task_dir), out, **options)
+    return SweepSettings(
+        pair.pre_dir,
+        pair.post_dir,
+        "linear",
+        options.pop("alphas", [0.5]),
+        options.pop("old_tasks", pair.old_tasks),
+        pair.new_tasks,
+        options.pop("include_path", pair.task_dir),
+        out,
+        **options,
+    )
 
 
 def test_a_task_in_both_groups_through_an_lm_eval_group_is_refused_before_any_point(toy_pair, tmp_path):
@@ -84,8 +109,9 @@ def test_a_task_in_both_groups_through_an_lm_eval_group_is_refused_before_any_po
     tasks.mkdir()
     for file in Path(toy_pair.task_dir).glob("*.yaml"):
         (tasks / file.name).write_text(file.read_text())
-    (tasks / "both.yaml").write_text(yaml.safe_dump({"group": "both", "task": [*toy_pair.old_tasks,
-                                                                               *toy_pair.new_tasks]}))
+    (tasks / "both.yaml").write_text(
+        yaml.safe_dump({"group": "both", "task": [*toy_pair.old_tasks, *toy_pair.new_tasks]})
+    )
     with pytest.raises(InputError, match=f"task '{toy_pair.new_tasks[0]}' is both an old and a new task"):
         run_sweep(tiny_settings(toy_pair, tmp_path / "run", old_tasks=["both"], include_path=tasks))
     assert not (tmp_path / "run").exists()
@@ -99,11 +125,20 @@ def test_too_few_docs_to_split_is_said_after_pre_not_after_the_grid(toy_pair, tm
 
 def test_ctrl_c_before_the_first_point_leaves_no_run_folder(toy_pair, tmp_path):
     folder = tmp_path / "run"
-    command = [str(Path(sys.executable).with_name("mergekit-lite")),
-               *map(str, pair_args(toy_pair, folder, "--alphas", "0:1:0.5"))]
+    command = [
+        str(Path(sys.executable).with_name("mergekit-lite")),
+        *map(str, pair_args(toy_pair, folder, "--alphas", "0:1:0.5")),
+    ]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
-                               env=environment, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=environment,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while not folder.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -127,9 +162,23 @@ def save_as(source: Path, folder: Path, dtype=None, extra_tokens: int = 0) -> Pa
 def test_a_post_with_another_vocabulary_is_refused_before_the_run_folder(toy_pair, tmp_path):
     """The sweep merges tensor by tensor: refused from the headers, not after pre is evaluated and torch fails."""
     post = save_as(toy_pair.post_dir, tmp_path / "post", extra_tokens=3)
-    done = cli("sweep", "--pre", toy_pair.pre_dir, "--post", post, "--alphas", "0.5", "--old-tasks",
-               toy_pair.old_tasks[0], "--new-tasks", toy_pair.new_tasks[0], "--include-path", toy_pair.task_dir,
-               "--out", tmp_path / "run")
+    done = cli(
+        "sweep",
+        "--pre",
+        toy_pair.pre_dir,
+        "--post",
+        post,
+        "--alphas",
+        "0.5",
+        "--old-tasks",
+        toy_pair.old_tasks[0],
+        "--new-tasks",
+        toy_pair.new_tasks[0],
+        "--include-path",
+        toy_pair.task_dir,
+        "--out",
+        tmp_path / "run",
+    )
     one_error_line(done, 2, r"embed_tokens.weight: shape \[\d+, \d+\] in post", "--tokenizer-source base")
     assert not (tmp_path / "run").exists()
 
@@ -140,8 +189,17 @@ def test_the_model_scored_is_the_model_save_best_writes_for_bf16_checkpoints(toy
     evaluated model equals the merge written to disk and loaded back (most of them differed before)."""
     pre = save_as(toy_pair.pre_dir, tmp_path / "pre", torch.bfloat16)
     post = save_as(toy_pair.post_dir, tmp_path / "post", torch.float32)  # mixed: the base's bf16 is stored
-    settings = SweepSettings(str(pre), str(post), method, [alpha], ["a"], ["b"], None, str(tmp_path / "run"),
-                             density=0.5 if method == "ties" else None)
+    settings = SweepSettings(
+        str(pre),
+        str(post),
+        method,
+        [alpha],
+        ["a"],
+        ["b"],
+        None,
+        str(tmp_path / "run"),
+        density=0.5 if method == "ties" else None,
+    )
     config = settings.merge_config(alpha)
     loader = ModelLoader(settings.pre, torch.float32, "cpu")
     sources = open_inputs([settings.pre, settings.post], settings.pre, allow_pickle=False)
@@ -166,12 +224,27 @@ def test_hub_ids_sweep_from_an_offline_cache(toy_pair, linear_sweep, tmp_path, m
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     out, best = tmp_path / "run", tmp_path / "best"
-    result = run_sweep(SweepSettings("toy-org/pre", "toy-org/post", "linear", [0.5], toy_pair.old_tasks,
-                                     toy_pair.new_tasks, str(toy_pair.task_dir), str(out), limit=16, bootstrap=0,
-                                     save_best=str(best)))
+    result = run_sweep(
+        SweepSettings(
+            "toy-org/pre",
+            "toy-org/post",
+            "linear",
+            [0.5],
+            toy_pair.old_tasks,
+            toy_pair.new_tasks,
+            str(toy_pair.task_dir),
+            str(out),
+            limit=16,
+            bootstrap=0,
+            save_best=str(best),
+        )
+    )
     for label in ("pre", "post", "alpha=0.5"):
         ours = json.loads(point_file(out, label).read_text())["tasks"]
-        folders = {task["task"]: task["correct"] for task in json.loads(point_file(linear_sweep.out, label).read_text())["tasks"]}
+        folders = {
+            task["task"]: task["correct"]
+            for task in json.loads(point_file(linear_sweep.out, label).read_text())["tasks"]
+        }
         for task in ours:
             assert task["correct"] == {key: folders[task["task"]][key] for key in task["correct"]}
     report = (out / "report.md").read_text()
@@ -182,17 +255,27 @@ def test_hub_ids_sweep_from_an_offline_cache(toy_pair, linear_sweep, tmp_path, m
 
 def test_limit_beyond_the_docs_names_the_tasks_that_have_fewer(toy_pair, linear_sweep):
     """`--limit 1000` on 64-doc tasks: the report says how many docs each task had (the task files' lines)."""
-    lines = {task: len((Path(toy_pair.task_dir) / f"{task}.jsonl").read_text().splitlines())
-             for task in (*toy_pair.old_tasks, *toy_pair.new_tasks)}
+    lines = {
+        task: len((Path(toy_pair.task_dir) / f"{task}.jsonl").read_text().splitlines())
+        for task in (*toy_pair.old_tasks, *toy_pair.new_tasks)
+    }
     text = limit_text(1000, linear_sweep.splits)
     assert text == "1000 (fewer docs: " + ", ".join(f"{task} has {count}" for task, count in lines.items()) + ")"
     assert limit_text(min(lines.values()), linear_sweep.splits) == str(min(lines.values()))
 
 
 def test_a_shared_option_goes_to_the_methods_that_take_it(toy_pair, tmp_path):
-    data = {"pre": toy_pair.pre_dir, "post": toy_pair.post_dir, "alphas": [0.5], "old_tasks": toy_pair.old_tasks,
-            "new_tasks": toy_pair.new_tasks, "include_path": toy_pair.task_dir, "out": str(tmp_path / "run"),
-            "density": 0.5, "densities": None}
+    data = {
+        "pre": toy_pair.pre_dir,
+        "post": toy_pair.post_dir,
+        "alphas": [0.5],
+        "old_tasks": toy_pair.old_tasks,
+        "new_tasks": toy_pair.new_tasks,
+        "include_path": toy_pair.task_dir,
+        "out": str(tmp_path / "run"),
+        "density": 0.5,
+        "densities": None,
+    }
     linear, ties = method_settings(data, ["linear", "ties"])
     assert (linear.density, ties.density) == (None, 0.5)
     with pytest.raises(InputError, match=r"density: none of the methods \(linear, task_arithmetic\) takes density"):
@@ -214,13 +297,31 @@ def test_a_lora_adapter_as_post_is_audited_then_swept_as_the_fine_tune(toy_pair,
 
     adapter, out = tmp_path / "adapter", tmp_path / "run"
     extract_lora(toy_pair.pre_dir, toy_pair.post_dir, str(adapter), rank=4096)
-    run_sweep(SweepSettings(toy_pair.pre_dir, str(adapter), "linear", [0.5], toy_pair.old_tasks, toy_pair.new_tasks,
-                            str(toy_pair.task_dir), str(out), limit=16, bootstrap=0))
+    run_sweep(
+        SweepSettings(
+            toy_pair.pre_dir,
+            str(adapter),
+            "linear",
+            [0.5],
+            toy_pair.old_tasks,
+            toy_pair.new_tasks,
+            str(toy_pair.task_dir),
+            str(out),
+            limit=16,
+            bootstrap=0,
+        )
+    )
     for label in ("pre", "post", "alpha=0.5"):
         ours = json.loads(point_file(out, label).read_text())["tasks"]
-        folders = {task["task"]: task["correct"] for task in json.loads(point_file(linear_sweep.out, label).read_text())["tasks"]}
+        folders = {
+            task["task"]: task["correct"]
+            for task in json.loads(point_file(linear_sweep.out, label).read_text())["tasks"]
+        }
         for task in ours:
-            assert task["correct"] == {key: folders[task["task"]][key] for key in task["correct"]}, (label, task["task"])
+            assert task["correct"] == {key: folders[task["task"]][key] for key in task["correct"]}, (
+                label,
+                task["task"],
+            )
     no_op = tmp_path / "no-op"
     extract_lora(toy_pair.pre_dir, toy_pair.pre_dir, str(no_op), rank=4)
     args = pair_args(toy_pair, tmp_path / "refused", "--alphas", "0.5")

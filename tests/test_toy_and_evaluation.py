@@ -126,9 +126,12 @@ def test_post_checkpoints_are_the_training_runs_own_steps(tmp_path):
     assert checkpoint.name == "checkpoint-1"
     one_step = build_toy_pair(tmp_path / "one", seed=0, n_entities=8, pre_steps=2, post_steps=1)
     middle = load_file(checkpoint / "model.safetensors")
-    assert all(torch.equal(tensor, load_file(one_step.post_dir / "model.safetensors")[name])
-               for name, tensor in middle.items())
+    assert all(
+        torch.equal(tensor, load_file(one_step.post_dir / "model.safetensors")[name]) for name, tensor in middle.items()
+    )
     for end in (run.pre_dir, run.post_dir):
-        assert not all(torch.equal(tensor, load_file(end / "model.safetensors")[name]) for name, tensor in middle.items())
+        assert not all(
+            torch.equal(tensor, load_file(end / "model.safetensors")[name]) for name, tensor in middle.items()
+        )
     with pytest.raises(InputError, match="post_checkpoints must lie strictly between 0 and post_steps"):
         build_toy_pair(tmp_path / "bad", seed=0, n_entities=8, pre_steps=2, post_steps=2, post_checkpoints=[2])

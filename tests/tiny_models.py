@@ -12,8 +12,16 @@ VOCAB = 100
 def tiny_llama(seed: int = 0, hidden_size: int = 32, **overrides) -> LlamaForCausalLM:
     """A 2-layer Llama with untied head, seeded: same seed, same weights."""
     torch.manual_seed(seed)
-    settings = dict(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides}))
 
 
@@ -30,8 +38,11 @@ def save_random_pair(root: Path, n_tensors: int, shape: tuple[int, int]) -> tupl
     for seed, name in enumerate(("a", "b")):
         generator = torch.Generator().manual_seed(seed)
         (root / name).mkdir()
-        save_file({f"model.layers.{i}.mlp.weight": torch.randn(*shape, generator=generator) for i in range(n_tensors)},
-                  root / name / "model.safetensors", metadata={"format": "pt"})
+        save_file(
+            {f"model.layers.{i}.mlp.weight": torch.randn(*shape, generator=generator) for i in range(n_tensors)},
+            root / name / "model.safetensors",
+            metadata={"format": "pt"},
+        )
         paths.append(root / name)
     return paths[0], paths[1]
 
@@ -50,25 +61,41 @@ def train_lora(peft_model, steps: int, seed: int, batch: tuple[int, int] = (2, 1
 
 def _text(**extra) -> dict:
     """Tiny decoder settings every architecture below shares: hidden 16, 2 layers, vocab VOCAB."""
-    return dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                **extra)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
 
 
 def _gemma3_multimodal():
     from transformers import Gemma3Config
 
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    return Gemma3Config(text_config=_text(head_dim=8, sliding_window=8), vision_config=vision, mm_tokens_per_image=4,
-                        boi_token_index=97, eoi_token_index=98, image_token_index=99)
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    return Gemma3Config(
+        text_config=_text(head_dim=8, sliding_window=8),
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=97,
+        eoi_token_index=98,
+        image_token_index=99,
+    )
 
 
 def _gpt2():
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
-                      eos_token_id=2)
+    return GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
 
 
 def _config(class_name: str, **extra):
@@ -76,6 +103,7 @@ def _config(class_name: str, **extra):
         import transformers
 
         return getattr(transformers, class_name)(**_text(**extra))
+
     return build
 
 
@@ -90,11 +118,21 @@ ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", _config("Phi3Config", tie_word_embeddings=False)),
     "gpt2": ("GPT2LMHeadModel", _gpt2),
     "olmo2": ("Olmo2ForCausalLM", _config("Olmo2Config", tie_word_embeddings=False)),
-    "mixtral": ("MixtralForCausalLM", _config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
-                                              tie_word_embeddings=False)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", _config("Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2,
-                                                 moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                                                 tie_word_embeddings=False)),
+    "mixtral": (
+        "MixtralForCausalLM",
+        _config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        _config(
+            "Qwen2MoeConfig",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

@@ -41,14 +41,54 @@ from mergekit_lite.merge.slabs import SLAB_BYTES
 # leaf module name (the component before .weight/.bias) -> module type; attention and MLP projections under the
 # names of the common decoder families (Llama/Qwen/Mistral/Gemma/Phi, GPT-2, Mixtral's experts, NeoX, Falcon)
 LEAF_MODULES = {
-    "q_proj": "q", "wq": "q", "query": "q", "k_proj": "k", "wk": "k", "key": "k", "v_proj": "v", "wv": "v",
-    "value": "v", "o_proj": "o", "wo": "o", "out_proj": "o", "c_attn": "qkv", "qkv_proj": "qkv",
-    "query_key_value": "qkv", "wqkv": "qkv", "gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
-    "c_fc": "up", "fc1": "up", "dense_h_to_4h": "up", "down_proj": "down", "w2": "down", "fc2": "down",
-    "dense_4h_to_h": "down", "gate_up_proj": "gate_up",
+    "q_proj": "q",
+    "wq": "q",
+    "query": "q",
+    "k_proj": "k",
+    "wk": "k",
+    "key": "k",
+    "v_proj": "v",
+    "wv": "v",
+    "value": "v",
+    "o_proj": "o",
+    "wo": "o",
+    "out_proj": "o",
+    "c_attn": "qkv",
+    "qkv_proj": "qkv",
+    "query_key_value": "qkv",
+    "wqkv": "qkv",
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "c_fc": "up",
+    "fc1": "up",
+    "dense_h_to_4h": "up",
+    "down_proj": "down",
+    "w2": "down",
+    "fc2": "down",
+    "dense_4h_to_h": "down",
+    "gate_up_proj": "gate_up",
 }
-MODULE_ORDER = ("q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up", "experts", "shared_expert", "router",
-                "norm", "embed", "head", "tower", "other")
+MODULE_ORDER = (
+    "q",
+    "k",
+    "v",
+    "o",
+    "qkv",
+    "gate",
+    "up",
+    "down",
+    "gate_up",
+    "experts",
+    "shared_expert",
+    "router",
+    "norm",
+    "embed",
+    "head",
+    "tower",
+    "other",
+)
 OUTSIDE = "outside layers"
 
 
@@ -128,11 +168,21 @@ class DriftReport:
 
     def to_json(self) -> dict:
         return {
-            "pre": self.pre, "post": self.post, "relative_drift": self.total,
-            "tensors": {t.name: {"relative_drift": t.relative_drift, "layer": t.layer, "module": t.module}
-                        for t in self.tensors},
-            "layers": [{"layer": row.layer, "relative_drift": row.relative_drift, "modules": row.modules,
-                        **({"cka": row.cka} if row.cka is not None else {})} for row in self.layers],
+            "pre": self.pre,
+            "post": self.post,
+            "relative_drift": self.total,
+            "tensors": {
+                t.name: {"relative_drift": t.relative_drift, "layer": t.layer, "module": t.module} for t in self.tensors
+            },
+            "layers": [
+                {
+                    "layer": row.layer,
+                    "relative_drift": row.relative_drift,
+                    "modules": row.modules,
+                    **({"cka": row.cka} if row.cka is not None else {}),
+                }
+                for row in self.layers
+            ],
             "outside_layers": self.outside,
             "modules": self.modules,
         }
@@ -151,15 +201,27 @@ def summarise(pre: str, post: str, tensors: list[TensorDrift], cka: list[float |
     layers = []
     for index in sorted(by_layer):
         members = by_layer[index]
-        modules = {module: group_drift([t for t in members if t.module == module])
-                   for module in MODULE_ORDER if any(t.module == module for t in members)}
-        layers.append(LayerDrift(index, group_drift(members), modules,
-                                 cka[index] if cka is not None and index < len(cka) else None))
+        modules = {
+            module: group_drift([t for t in members if t.module == module])
+            for module in MODULE_ORDER
+            if any(t.module == module for t in members)
+        }
+        layers.append(
+            LayerDrift(
+                index, group_drift(members), modules, cka[index] if cka is not None and index < len(cka) else None
+            )
+        )
     outside_tensors = [t for t in tensors if t.layer is None]
-    outside = {module: group_drift([t for t in outside_tensors if t.module == module])
-               for module in MODULE_ORDER if any(t.module == module for t in outside_tensors)}
-    modules = {module: group_drift([t for t in tensors if t.module == module])
-               for module in MODULE_ORDER if any(t.module == module for t in tensors)}
+    outside = {
+        module: group_drift([t for t in outside_tensors if t.module == module])
+        for module in MODULE_ORDER
+        if any(t.module == module for t in outside_tensors)
+    }
+    modules = {
+        module: group_drift([t for t in tensors if t.module == module])
+        for module in MODULE_ORDER
+        if any(t.module == module for t in tensors)
+    }
     return DriftReport(pre, post, tensors, layers, outside, modules, group_drift(tensors))
 
 
@@ -173,8 +235,10 @@ def open_pair(pre: str, post: str) -> tuple[TensorSource, TensorSource]:
     reference, other = open_inputs([pre, post], base=pre, allow_pickle=False)
     for name in reference.names:
         if tuple(reference.shape(name)) != tuple(other.shape(name)):
-            raise InputError(f"{post}: a model of another shape: tensor {name} is {list(other.shape(name))}, "
-                             f"{list(reference.shape(name))} in {pre}")
+            raise InputError(
+                f"{post}: a model of another shape: tensor {name} is {list(other.shape(name))}, "
+                f"{list(reference.shape(name))} in {pre}"
+            )
     return reference, other
 
 
@@ -199,8 +263,10 @@ def _slabs(pre: TensorSource, post: TensorSource, name: str):
     rows = max(1, SLAB_BYTES // row_bytes)
     for begin in range(0, shape[0], rows):
         end = min(begin + rows, shape[0])
-        yield (plain_pre[0].map_rows(plain_pre[1], begin, end).to(torch.float32),
-               plain_post[0].map_rows(plain_post[1], begin, end).to(torch.float32))
+        yield (
+            plain_pre[0].map_rows(plain_pre[1], begin, end).to(torch.float32),
+            plain_post[0].map_rows(plain_post[1], begin, end).to(torch.float32),
+        )
 
 
 def tensor_drift(pre: TensorSource, post: TensorSource, name: str, model_layout: Layout) -> TensorDrift:
@@ -258,8 +324,9 @@ def token_hidden_states(model, tokenizer, texts: list[str], max_length: int) -> 
     with torch.inference_mode():
         for number, text in enumerate(texts, 1):
             interrupts.check()
-            encoded = tokenizer(text, truncation=True, max_length=max_length, return_special_tokens_mask=True,
-                                return_tensors="pt")
+            encoded = tokenizer(
+                text, truncation=True, max_length=max_length, return_special_tokens_mask=True, return_tensors="pt"
+            )
             keep = encoded["special_tokens_mask"][0] == 0
             if not bool(keep.any()):
                 raise InputError(f"text {number} has no tokens besides special ones under the tokenizer")
@@ -327,15 +394,32 @@ def format_drift_table(report: DriftReport) -> str:
     columns = report.module_columns()
     with_cka = any(row.cka is not None for row in report.layers)
     header = ["layer", "all", *columns, *(["cka"] if with_cka else [])]
-    lines = [[str(row.layer), _number(row.relative_drift), *[_number(row.modules[c]) if c in row.modules else ""
-                                                             for c in columns],
-              *([_number(row.cka)] if with_cka else [])] for row in report.layers]
+    lines = [
+        [
+            str(row.layer),
+            _number(row.relative_drift),
+            *[_number(row.modules[c]) if c in row.modules else "" for c in columns],
+            *([_number(row.cka)] if with_cka else []),
+        ]
+        for row in report.layers
+    ]
     if report.outside:
-        lines.append([OUTSIDE, _number(group_drift([t for t in report.tensors if t.layer is None])),
-                      *[_number(report.outside[c]) if c in report.outside else "" for c in columns],
-                      *([""] if with_cka else [])])
-    lines.append(["model", _number(report.total), *[_number(report.modules.get(c)) for c in columns],
-                  *([""] if with_cka else [])])
+        lines.append(
+            [
+                OUTSIDE,
+                _number(group_drift([t for t in report.tensors if t.layer is None])),
+                *[_number(report.outside[c]) if c in report.outside else "" for c in columns],
+                *([""] if with_cka else []),
+            ]
+        )
+    lines.append(
+        [
+            "model",
+            _number(report.total),
+            *[_number(report.modules.get(c)) for c in columns],
+            *([""] if with_cka else []),
+        ]
+    )
     widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
 
     def render(cells):
@@ -365,8 +449,15 @@ def plot_drift_heatmap(report: DriftReport, path) -> None:
     image = axes.imshow(values, cmap="Reds", aspect="auto", vmin=0, vmax=top)
     for r, line in enumerate(values):
         for c, value in enumerate(line):
-            axes.text(c, r, "" if value != value else f"{value:.3f}", ha="center", va="center", fontsize=6,
-                      color="white" if value > 0.6 * top else "black")
+            axes.text(
+                c,
+                r,
+                "" if value != value else f"{value:.3f}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if value > 0.6 * top else "black",
+            )
     axes.set_xticks(range(len(columns)), columns, fontsize=7, rotation=45, ha="right")
     axes.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=7)
     axes.set_ylabel("decoder layer")
@@ -377,8 +468,15 @@ def plot_drift_heatmap(report: DriftReport, path) -> None:
         dissimilarity = [[float("nan") if row.cka is None else 1 - row.cka] for row in report.layers]
         cka_axes.imshow(dissimilarity, cmap="Blues", aspect="auto", vmin=0, vmax=1)
         for r, (value,) in enumerate(dissimilarity):
-            cka_axes.text(0, r, "" if value != value else f"{value:.3f}", ha="center", va="center", fontsize=6,
-                          color="white" if value > 0.6 else "black")
+            cka_axes.text(
+                0,
+                r,
+                "" if value != value else f"{value:.3f}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if value > 0.6 else "black",
+            )
         cka_axes.set_xticks([0], ["1 - CKA"], fontsize=7)
         cka_axes.set_yticks(range(len(report.layers)), [str(row.layer) for row in report.layers], fontsize=7)
         cka_axes.set_title("representations", fontsize=8)

@@ -146,8 +146,9 @@ def truly_known(acc: float, k: float) -> float:
     return max((k * acc - 1) / (k - 1), 0.0)
 
 
-def forgetting_metrics(pre: Sequence[bool], post: Sequence[bool], k: float, task: str = "",
-                       metric: str = "") -> TaskForgetting:
+def forgetting_metrics(
+    pre: Sequence[bool], post: Sequence[bool], k: float, task: str = "", metric: str = ""
+) -> TaskForgetting:
     """Metrics for two aligned outcome lists (pre[i] and post[i] are the same sample); paper §2."""
     if len(pre) != len(post):
         raise InputError(f"task {task!r}: pre has {len(pre)} samples but post has {len(post)}; they must be aligned")
@@ -161,11 +162,24 @@ def forgetting_metrics(pre: Sequence[bool], post: Sequence[bool], k: float, task
     acc_pre, acc_post = (kept + forgotten) / n, (kept + gained) / n
     chance = chance_flips(acc_pre, acc_post, k)
     return TaskForgetting(
-        task=task, n=n, k=k, acc_pre=acc_pre, acc_post=acc_post,
-        kept=kept, gained=gained, forgotten=forgotten, never=never,
-        F=forgotten / n, BT=gained / n, F_chance=chance, BT_chance=chance,
-        F_true=max(forgotten / n - chance, 0.0), BT_true=max(gained / n - chance, 0.0),
-        F_max=truly_known(acc_pre, k), BT_max=truly_known(acc_post, k), metric=metric,
+        task=task,
+        n=n,
+        k=k,
+        acc_pre=acc_pre,
+        acc_post=acc_post,
+        kept=kept,
+        gained=gained,
+        forgotten=forgotten,
+        never=never,
+        F=forgotten / n,
+        BT=gained / n,
+        F_chance=chance,
+        BT_chance=chance,
+        F_true=max(forgotten / n - chance, 0.0),
+        BT_true=max(gained / n - chance, 0.0),
+        F_max=truly_known(acc_pre, k),
+        BT_max=truly_known(acc_post, k),
+        metric=metric,
     )
 
 
@@ -182,22 +196,29 @@ def compare(pre: SampleOutcomes, post: SampleOutcomes) -> TaskForgetting:
         )
     if pre.n_choices != post.n_choices:
         raise TaskSkipped(f"number of choices differs (pre k={pre.n_choices}, post k={post.n_choices})")
-    for what, before, after in (("metric", pre.metric, post.metric), ("filter", pre.filter, post.filter),
-                                ("num_fewshot", pre.num_fewshot, post.num_fewshot)):
+    for what, before, after in (
+        ("metric", pre.metric, post.metric),
+        ("filter", pre.filter, post.filter),
+        ("num_fewshot", pre.num_fewshot, post.num_fewshot),
+    ):
         if before not in (None, "") and after not in (None, "") and before != after:  # "" / None: not logged
             raise TaskSkipped(f"scored otherwise ({what} {before} in pre, {after} in post): not the same evaluation")
     keys = sorted(pre.correct)
     metric = "/".join(part for part in (pre.metric, pre.filter) if part and part != "none")
-    return forgetting_metrics([pre.correct[key] for key in keys], [post.correct[key] for key in keys],
-                              pre.n_choices, pre.task, metric)
+    return forgetting_metrics(
+        [pre.correct[key] for key in keys], [post.correct[key] for key in keys], pre.n_choices, pre.task, metric
+    )
 
 
 def mean_over_seeds(rows: Sequence[TaskForgetting]) -> TaskForgetting:
     """One task's comparisons under several seeds, averaged field by field (official code: mean over seeds)."""
     if len(rows) == 1:
         return rows[0]
-    numbers = {f.name: math.fsum(getattr(row, f.name) for row in rows) / len(rows)
-               for f in fields(TaskForgetting) if f.name not in ("task", "k", "metric", "seeds")}
+    numbers = {
+        f.name: math.fsum(getattr(row, f.name) for row in rows) / len(rows)
+        for f in fields(TaskForgetting)
+        if f.name not in ("task", "k", "metric", "seeds")
+    }
     return TaskForgetting(task=rows[0].task, k=rows[0].k, metric=rows[0].metric, seeds=len(rows), **numbers)
 
 
@@ -213,19 +234,28 @@ def aggregate(rows: Sequence[TaskForgetting], name: str, aggregation: str = "pap
         shares = {name_: math.fsum(getattr(row, name_) for row in rows) / len(rows) for name_ in SHARES}
     else:
         pooled = {count: math.fsum(getattr(row, count) for row in rows) for count in ("kept", "gained", "forgotten")}
-        weighted = {name_: math.fsum(row.n * getattr(row, name_) for row in rows) / total
-                    for name_ in ("F_chance", "BT_chance", "F_max", "BT_max")}
+        weighted = {
+            name_: math.fsum(row.n * getattr(row, name_) for row in rows) / total
+            for name_ in ("F_chance", "BT_chance", "F_max", "BT_max")
+        }
         forgotten, gained = pooled["forgotten"] / total, pooled["gained"] / total
-        shares = {"acc_pre": (pooled["kept"] + pooled["forgotten"]) / total,
-                  "acc_post": (pooled["kept"] + pooled["gained"]) / total, "F": forgotten, "BT": gained,
-                  "F_true": max(forgotten - weighted["F_chance"], 0.0),
-                  "BT_true": max(gained - weighted["BT_chance"], 0.0), **weighted}
-    return GroupForgetting(group=name, aggregation=aggregation, tasks=tuple(row.task for row in rows), n=total,
-                           **shares)
+        shares = {
+            "acc_pre": (pooled["kept"] + pooled["forgotten"]) / total,
+            "acc_post": (pooled["kept"] + pooled["gained"]) / total,
+            "F": forgotten,
+            "BT": gained,
+            "F_true": max(forgotten - weighted["F_chance"], 0.0),
+            "BT_true": max(gained - weighted["BT_chance"], 0.0),
+            **weighted,
+        }
+    return GroupForgetting(
+        group=name, aggregation=aggregation, tasks=tuple(row.task for row in rows), n=total, **shares
+    )
 
 
-def aggregate_seeds(rows_by_seed: dict[str, Sequence[TaskForgetting]], name: str,
-                    aggregation: str = "paper") -> GroupForgetting:
+def aggregate_seeds(
+    rows_by_seed: dict[str, Sequence[TaskForgetting]], name: str, aggregation: str = "paper"
+) -> GroupForgetting:
     """Group values per seed, then their mean over seeds (official code `create_pivot_table`)."""
     return mean_of_groups([aggregate(rows, name, aggregation) for rows in rows_by_seed.values() if rows], name)
 
@@ -281,10 +311,16 @@ def forgetting_map(pre: LoadedRun, post: LoadedRun) -> ForgettingMap:
         seeds = sorted(pre.outcomes[task].keys() & post.outcomes[task].keys())
         if not seeds:
             unknown = NO_SEED in pre.outcomes[task].keys() | post.outcomes[task].keys()
-            skipped[task] = (f"no seed in common (pre {', '.join(sorted(pre.outcomes[task]))}; "
-                             f"post {', '.join(sorted(post.outcomes[task]))})" +
-                             (f"; {NO_SEED}: no seed recorded (no results_<timestamp>.json beside the samples, or "
-                              "lm-eval before 0.4.3)" if unknown else ""))
+            skipped[task] = (
+                f"no seed in common (pre {', '.join(sorted(pre.outcomes[task]))}; "
+                f"post {', '.join(sorted(post.outcomes[task]))})"
+                + (
+                    f"; {NO_SEED}: no seed recorded (no results_<timestamp>.json beside the samples, or "
+                    "lm-eval before 0.4.3)"
+                    if unknown
+                    else ""
+                )
+            )
             continue
         per_seed, reasons = {}, {}
         for seed in seeds:  # official code: a mismatch skips that (task, seed) only, not the task's other seeds
@@ -313,8 +349,24 @@ def _seed_skips(reasons: dict[str, str], compared: list[str]) -> str:
 
 # --- tables ------------------------------------------------------------------------------------------
 
-TASK_COLUMNS = ("task", "metric", "n", "k", "acc_pre", "acc_post", "kept", "gained", "forgotten", "never",
-                "F", "BT", "F_true", "BT_true", "F_max", "BT_max")
+TASK_COLUMNS = (
+    "task",
+    "metric",
+    "n",
+    "k",
+    "acc_pre",
+    "acc_post",
+    "kept",
+    "gained",
+    "forgotten",
+    "never",
+    "F",
+    "BT",
+    "F_true",
+    "BT_true",
+    "F_max",
+    "BT_max",
+)
 GROUP_COLUMNS = ("group", "tasks", "n", "acc_pre", "acc_post", "F", "BT", "F_true", "BT_true", "F_max", "BT_max")
 
 
@@ -333,22 +385,34 @@ def _cell(column: str, value) -> str:
 
 def _table_line(cells: Sequence[str], widths: Sequence[int], names: int = 1) -> str:
     """One pipe-table line: the first `names` cells left-aligned, numbers right-aligned."""
-    padded = [cell.ljust(width) if i < names else cell.rjust(width) for i, (cell, width) in enumerate(zip(cells, widths))]
+    padded = [
+        cell.ljust(width) if i < names else cell.rjust(width) for i, (cell, width) in enumerate(zip(cells, widths))
+    ]
     return "| " + " | ".join(padded) + " |"
 
 
-def format_table(rows: Sequence[TaskForgetting | GroupForgetting], name_header: str | None = None,
-                 checkpoints: Sequence[str] | None = None) -> str:
+def format_table(
+    rows: Sequence[TaskForgetting | GroupForgetting],
+    name_header: str | None = None,
+    checkpoints: Sequence[str] | None = None,
+) -> str:
     """Markdown pipe table, padded so it also reads well as plain text; `checkpoints` adds a first column
     naming each row's checkpoint (a trajectory)."""
     columns = GROUP_COLUMNS if rows and isinstance(rows[0], GroupForgetting) else TASK_COLUMNS
-    cells = [[name_header or columns[0], *columns[1:]]] + [[_cell(column, getattr(row, column)) for column in columns]
-                                                           for row in rows]
+    cells = [[name_header or columns[0], *columns[1:]]] + [
+        [_cell(column, getattr(row, column)) for column in columns] for row in rows
+    ]
     if checkpoints is not None:
         cells = [["checkpoint", *cells[0]]] + [[label, *line] for label, line in zip(checkpoints, cells[1:])]
     names = 1 + (checkpoints is not None)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
-    rule = "|" + "|".join(["-" * (width + 2) for width in widths[:names]] +
-                          ["-" * (width + 1) + ":" for width in widths[names:]]) + "|"
-    return "\n".join([_table_line(cells[0], widths, names), rule] +
-                     [_table_line(line, widths, names) for line in cells[1:]])
+    rule = (
+        "|"
+        + "|".join(
+            ["-" * (width + 2) for width in widths[:names]] + ["-" * (width + 1) + ":" for width in widths[names:]]
+        )
+        + "|"
+    )
+    return "\n".join(
+        [_table_line(cells[0], widths, names), rule] + [_table_line(line, widths, names) for line in cells[1:]]
+    )

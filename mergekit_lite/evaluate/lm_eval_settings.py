@@ -11,8 +11,17 @@ from mergekit_lite.errors import InputError
 
 # lm-eval's --model_args an in-memory model takes: HFLM's own (how prompts are cut and scored) and those that shape
 # how transformers builds the model; the rest (pretrained, dtype, device, peft, ...) the sweep sets itself
-HFLM_ARGS = ("max_length", "truncation", "add_bos_token", "prefix_token_id", "logits_cache", "max_batch_size",
-             "softmax_dtype", "think_end_token", "enable_thinking")
+HFLM_ARGS = (
+    "max_length",
+    "truncation",
+    "add_bos_token",
+    "prefix_token_id",
+    "logits_cache",
+    "max_batch_size",
+    "softmax_dtype",
+    "think_end_token",
+    "enable_thinking",
+)
 LOADING_ARGS = ("attn_implementation", "trust_remote_code")
 
 
@@ -31,12 +40,14 @@ class LmEvalSettings:
     model_args: str | None = None
 
     def __post_init__(self):
-        if self.num_fewshot is not None and (isinstance(self.num_fewshot, bool) or not isinstance(self.num_fewshot, int)
-                                             or self.num_fewshot < 0):
+        if self.num_fewshot is not None and (
+            isinstance(self.num_fewshot, bool) or not isinstance(self.num_fewshot, int) or self.num_fewshot < 0
+        ):
             raise InputError(f"num_fewshot must be a whole number >= 0, got {self.num_fewshot!r}")
         if not isinstance(self.apply_chat_template, (bool, str)) or self.apply_chat_template == "":
-            raise InputError(f"apply_chat_template must be true, false or a template name, got "
-                             f"{self.apply_chat_template!r}")
+            raise InputError(
+                f"apply_chat_template must be true, false or a template name, got {self.apply_chat_template!r}"
+            )
         if self.fewshot_as_multiturn and not self.apply_chat_template:
             raise InputError("--fewshot-as-multiturn needs --apply-chat-template (the turns are chat messages)")
         for name in ("system_instruction", "gen_kwargs", "model_args"):
@@ -46,8 +57,10 @@ class LmEvalSettings:
         self.generation_args()
         unknown = [name for name in self.model_arguments() if name not in HFLM_ARGS + LOADING_ARGS]
         if unknown:
-            raise InputError(f"model_args: {unknown[0]!r} is not one a sweep passes on (it sets the model, dtype and "
-                             f"device itself); it takes {', '.join(HFLM_ARGS + LOADING_ARGS)}")
+            raise InputError(
+                f"model_args: {unknown[0]!r} is not one a sweep passes on (it sets the model, dtype and "
+                f"device itself); it takes {', '.join(HFLM_ARGS + LOADING_ARGS)}"
+            )
 
     @property
     def multiturn(self) -> bool:
@@ -78,17 +91,23 @@ class LmEvalSettings:
         return {name: value for name, value in asdict(self).items() if value != getattr(defaults, name)}
 
     def simple_evaluate_args(self) -> dict:
-        return {"num_fewshot": self.num_fewshot, "apply_chat_template": self.apply_chat_template,
-                "fewshot_as_multiturn": self.multiturn, "system_instruction": self.system_instruction,
-                "gen_kwargs": self.gen_kwargs}
+        return {
+            "num_fewshot": self.num_fewshot,
+            "apply_chat_template": self.apply_chat_template,
+            "fewshot_as_multiturn": self.multiturn,
+            "system_instruction": self.system_instruction,
+            "gen_kwargs": self.gen_kwargs,
+        }
 
     def describe(self) -> str:
         """One line for a report: every setting given, as lm-eval's CLI flags."""
         given = self.given()
         if "fewshot_as_multiturn" not in given and self.multiturn:
             given["fewshot_as_multiturn"] = True
-        return ", ".join(f"--{name} {value!r}" if value is not True else f"--{name}" for name, value in given.items()) \
+        return (
+            ", ".join(f"--{name} {value!r}" if value is not True else f"--{name}" for name, value in given.items())
             or "lm-eval's defaults (no few-shot, no chat template)"
+        )
 
 
 LM_EVAL_KEYS = tuple(item.name for item in fields(LmEvalSettings))
@@ -117,7 +136,12 @@ def parse_limit(limit) -> int | float | None:
             value = float(limit)
         except ValueError:
             value = None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 \
-            or (value >= 1 and not float(value).is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+        or (value >= 1 and not float(value).is_integer())
+    ):
         raise InputError(f"limit must be a whole number of docs >= 1 or a share of them in (0, 1), got {limit!r}")
     return int(value) if value >= 1 else float(value)

@@ -75,9 +75,17 @@ def _folder_state(folder: str | None) -> tuple:
     """Each file under `folder` with its size and time: a task folder edited since it was indexed is indexed again."""
     if folder is None:
         return ()
-    return tuple(sorted((os.path.join(root, name), os.stat(os.path.join(root, name)).st_mtime_ns,
-                         os.stat(os.path.join(root, name)).st_size)
-                        for root, _, names in os.walk(folder) for name in names))
+    return tuple(
+        sorted(
+            (
+                os.path.join(root, name),
+                os.stat(os.path.join(root, name)).st_mtime_ns,
+                os.stat(os.path.join(root, name)).st_size,
+            )
+            for root, _, names in os.walk(folder)
+            for name in names
+        )
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -101,14 +109,18 @@ def check_chat_template(tokenizer, settings: LmEvalSettings, where: str) -> None
         return
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise InputError(f"--apply-chat-template: the tokenizer in {where} has no chat template (chat_template in "
-                         "tokenizer_config.json or chat_template.jinja); give a model whose tokenizer has one")
+        raise InputError(
+            f"--apply-chat-template: the tokenizer in {where} has no chat template (chat_template in "
+            "tokenizer_config.json or chat_template.jinja); give a model whose tokenizer has one"
+        )
     name = settings.apply_chat_template
     if isinstance(template, dict):
         wanted = "default" if name is True else name
         if wanted not in template:
-            raise InputError(f"--apply-chat-template: the tokenizer in {where} has no template named {wanted!r} "
-                             f"(it has {', '.join(sorted(template))})")
+            raise InputError(
+                f"--apply-chat-template: the tokenizer in {where} has no template named {wanted!r} "
+                f"(it has {', '.join(sorted(template))})"
+            )
 
 
 class Evaluator:
@@ -139,22 +151,31 @@ class Evaluator:
         from lm_eval.models.huggingface import HFLM
 
         model.to(self.device)
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size, device=self.device,
-                  **self.settings.hflm_args())
+        lm = HFLM(
+            pretrained=model,
+            tokenizer=tokenizer,
+            batch_size=self.batch_size,
+            device=self.device,
+            **self.settings.hflm_args(),
+        )
         return self._scores(lm, samples=samples)
 
-    def evaluate_with(self, backend: str, model_args: dict,
-                      samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
+    def evaluate_with(
+        self, backend: str, model_args: dict, samples: dict[str, list[int]] | None = None
+    ) -> dict[str, TaskScore]:
         """Score a model folder through one of lm-eval's own backends (e.g. "vllm" with its model_args)."""
         return self._scores(backend, model_args, samples)
 
-    def _scores(self, model, model_args: dict | None = None,
-                samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
+    def _scores(
+        self, model, model_args: dict | None = None, samples: dict[str, list[int]] | None = None
+    ) -> dict[str, TaskScore]:
         """lm-eval's `samples` ({task: doc ids}) replaces `limit` and keeps the docs' order."""
         import lm_eval
 
         if samples is not None and not all(samples.values()):
-            raise ValueError("every task in samples needs at least one doc id (lm-eval scores all docs of an empty list)")
+            raise ValueError(
+                "every task in samples needs at least one doc id (lm-eval scores all docs of an empty list)"
+            )
         # lm-eval passes disable=False to its own progress bars; `quiet` silences them at the stream.
         with _silenced_stderr() if self.quiet else contextlib.nullcontext(), _empty_encoding_named():
             results = lm_eval.simple_evaluate(
@@ -168,8 +189,10 @@ class Evaluator:
                 bootstrap_iters=0,
                 **self.settings.simple_evaluate_args(),
             )
-        return {task: TaskScore(task, samples, results["configs"].get(task, {}))
-                for task, samples in results["samples"].items()}
+        return {
+            task: TaskScore(task, samples, results["configs"].get(task, {}))
+            for task, samples in results["samples"].items()
+        }
 
 
 @contextlib.contextmanager
@@ -187,9 +210,11 @@ def _empty_encoding_named():
         frames = traceback.extract_tb(error.__traceback__)
         if not frames or "_enc) > 0" not in (frames[-1].line or ""):
             raise
-        raise InputError("the tokenizer encodes a prompt or an answer to no tokens (lm-eval scores at least one "
-                         "token of each): check the tokenizer (its vocabulary, unknown-token handling) and the "
-                         "task's doc_to_text, doc_to_choice and target_delimiter") from None
+        raise InputError(
+            "the tokenizer encodes a prompt or an answer to no tokens (lm-eval scores at least one "
+            "token of each): check the tokenizer (its vocabulary, unknown-token handling) and the "
+            "task's doc_to_text, doc_to_choice and target_delimiter"
+        ) from None
     except TemplateError as error:
         raise InputError(f"the tokenizer's chat template fails to render a prompt: {error}") from None
 

@@ -76,7 +76,9 @@ def seed_of(outcomes: dict[str, SampleOutcomes], wanted: str | None = None) -> s
 def pre_docs(pre: LoadedRun) -> tuple[Docs, dict[str, SampleOutcomes]]:
     """PRE's docs (every scored task, one seed) and the per-task outcomes they came from (with its seed)."""
     if not pre.outcomes:
-        raise InputError("pre: no task could be scored (" + "; ".join(f"{t}: {r}" for t, r in pre.skipped.items()) + ")")
+        raise InputError(
+            "pre: no task could be scored (" + "; ".join(f"{t}: {r}" for t, r in pre.skipped.items()) + ")"
+        )
     chosen = {task: pre.outcomes[task][seed_of(pre.outcomes[task])] for task in sorted(pre.outcomes)}
     tasks, keys, doc_ids, correct = [], [], [], []
     for task, outcomes in chosen.items():
@@ -85,8 +87,12 @@ def pre_docs(pre: LoadedRun) -> tuple[Docs, dict[str, SampleOutcomes]]:
             keys.append(key)
             doc_ids.append(outcomes.doc_ids.get(key, -1))
             correct.append(outcomes.correct[key])
-    return Docs(np.array(tasks, dtype=str), np.array(keys, dtype=str), np.array(doc_ids, dtype=np.int64),
-                np.array(correct, dtype=bool)), chosen
+    return Docs(
+        np.array(tasks, dtype=str),
+        np.array(keys, dtype=str),
+        np.array(doc_ids, dtype=np.int64),
+        np.array(correct, dtype=bool),
+    ), chosen
 
 
 def pre_seeds(pre: LoadedRun) -> dict[str, str]:
@@ -97,21 +103,32 @@ def pre_seeds(pre: LoadedRun) -> dict[str, str]:
 def _gold_ll(outcomes: SampleOutcomes, key: str, where: str) -> float:
     text = outcomes.texts.get(key)
     if text is None or text.gold_loglikelihood is None:
-        raise InputError(f"{where}: task {outcomes.task!r} doc {key!r}: lm-eval logged no log-likelihood of the gold "
-                         "answer (a generative task?); use --value outcome")
+        raise InputError(
+            f"{where}: task {outcomes.task!r} doc {key!r}: lm-eval logged no log-likelihood of the gold "
+            "answer (a generative task?); use --value outcome"
+        )
     return text.gold_loglikelihood
 
 
-def forgetting_row(pre: dict[str, SampleOutcomes], post: LoadedRun, label: str, value: str,
-                   partial: bool = False, pre_seeds: dict[str, str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def forgetting_row(
+    pre: dict[str, SampleOutcomes],
+    post: LoadedRun,
+    label: str,
+    value: str,
+    partial: bool = False,
+    pre_seeds: dict[str, str] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """One fine-tune's row over PRE's docs, and which entries its log covers. A post must cover exactly PRE's
     tasks and docs; a probe (`partial`) covers a subset of them."""
     values, covered, pre_seeds = [], [], pre_seeds or {}
     missing_tasks = sorted(set(pre) - set(post.outcomes)) if not partial else []
     extra_tasks = sorted(set(post.outcomes) - set(pre))
     if missing_tasks or extra_tasks:
-        raise InputError(f"{label}: its tasks differ from pre's (" + ", ".join(
-            [f"missing {t}" for t in missing_tasks] + [f"not in pre: {t}" for t in extra_tasks]) + ")")
+        raise InputError(
+            f"{label}: its tasks differ from pre's ("
+            + ", ".join([f"missing {t}" for t in missing_tasks] + [f"not in pre: {t}" for t in extra_tasks])
+            + ")"
+        )
     for task, reference in pre.items():
         runs = post.outcomes.get(task, {})
         seed = seed_of(runs, pre_seeds.get(task)) if runs else None
@@ -121,8 +138,10 @@ def forgetting_row(pre: dict[str, SampleOutcomes], post: LoadedRun, label: str, 
         keys = doc_order(reference)
         theirs = set(outcomes.correct) if outcomes else set()
         if outcomes and (theirs - set(keys) or (not partial and theirs != set(keys))):
-            raise InputError(f"{label}: task {task!r} holds other docs than pre's ({len(theirs - set(keys))} not in "
-                             f"pre, {len(set(keys) - theirs)} of pre's missing)")
+            raise InputError(
+                f"{label}: task {task!r} holds other docs than pre's ({len(theirs - set(keys))} not in "
+                f"pre, {len(set(keys) - theirs)} of pre's missing)"
+            )
         for key in keys:
             seen = key in theirs
             covered.append(seen)
@@ -135,8 +154,9 @@ def forgetting_row(pre: dict[str, SampleOutcomes], post: LoadedRun, label: str, 
     return np.array(values, dtype=np.float32), np.array(covered, dtype=bool)
 
 
-def build_matrix(pre: LoadedRun, load_post: Callable[[str], LoadedRun], posts: Sequence[str],
-                 value: str) -> ForgettingMatrix:
+def build_matrix(
+    pre: LoadedRun, load_post: Callable[[str], LoadedRun], posts: Sequence[str], value: str
+) -> ForgettingMatrix:
     """Z from PRE and each post, one post loaded at a time (only its row is kept: 100 posts x 100k docs stay a
     float32 matrix, not 100 logs in memory)."""
     docs, chosen = pre_docs(pre)
@@ -159,7 +179,7 @@ def r2_by_rank(z: np.ndarray) -> list[float]:
     the eigenvalues of Z Z^T in float64 (M x M, cheap for 100k docs)."""
     z64 = z.astype(np.float64)
     sst = float(((z64 - z64.mean()) ** 2).sum())
-    squared = np.clip(np.sort(np.linalg.eigvalsh(z64 @ z64.T))[::-1][:min(z.shape)], 0, None)
+    squared = np.clip(np.sort(np.linalg.eigvalsh(z64 @ z64.T))[::-1][: min(z.shape)], 0, None)
     if sst == 0:
         return [1.0] * len(squared)
     left = squared.sum() - np.cumsum(squared)
@@ -221,7 +241,7 @@ def _gram(z: np.ndarray) -> np.ndarray:
     """Z Z^T in float64, a block of docs at a time (no float64 copy of the whole of Z)."""
     gram = np.zeros((len(z), len(z)))
     for start in range(0, z.shape[1], 16384):
-        block = z[:, start:start + 16384].astype(np.float64)
+        block = z[:, start : start + 16384].astype(np.float64)
         gram += block @ block.T
     return gram
 
@@ -325,8 +345,14 @@ class CompletionTable:
         return min(METHODS, key=lambda name: self.scores[name]["rmse"])
 
     def to_dict(self) -> dict:
-        return {"known": self.known, "seed": self.seed, "held_out_rows": self.rows, "best": self.best,
-                "metric": "f1" if self.binary else "rmse", "methods": self.scores}
+        return {
+            "known": self.known,
+            "seed": self.seed,
+            "held_out_rows": self.rows,
+            "best": self.best,
+            "metric": "f1" if self.binary else "rmse",
+            "methods": self.scores,
+        }
 
 
 def choose_known(candidates: np.ndarray, known: int, rng: np.random.Generator) -> np.ndarray:
@@ -336,8 +362,16 @@ def choose_known(candidates: np.ndarray, known: int, rng: np.random.Generator) -
     return np.sort(rng.choice(candidates, size=known, replace=False))
 
 
-def _complete_row(matrix: ForgettingMatrix, gram: Gram, held_out: int, known: int, seed: int,
-                  candidates: np.ndarray, truths: list, scores: dict) -> None:
+def _complete_row(
+    matrix: ForgettingMatrix,
+    gram: Gram,
+    held_out: int,
+    known: int,
+    seed: int,
+    candidates: np.ndarray,
+    truths: list,
+    scores: dict,
+) -> None:
     """One held-out row of `completion_table`: its truths and every method's scores on its unobserved docs."""
     rng = np.random.default_rng([seed, held_out])
     observed = choose_known(candidates, known, rng)
@@ -362,8 +396,9 @@ def completion_table(matrix: ForgettingMatrix, known: int = 30, seed: int = 0) -
     from the other rows with every method; pooled metrics over all held-out entries, beside a random predictor
     (random scores; as many predicted forgotten as the observed share) and the per-doc mean of the other rows."""
     if len(matrix.rows) < 3:
-        raise InputError(f"completion leaves one fine-tune out of the others: give at least 3 posts, got "
-                         f"{len(matrix.rows)}")
+        raise InputError(
+            f"completion leaves one fine-tune out of the others: give at least 3 posts, got {len(matrix.rows)}"
+        )
     if known < 1:
         raise InputError(f"--known must be at least 1, got {known}")
     candidates = np.flatnonzero(matrix.forgettable)
@@ -387,8 +422,11 @@ def completion_table(matrix: ForgettingMatrix, known: int = 30, seed: int = 0) -
 def format_completion(table: CompletionTable) -> str:
     """The completion table as a pipe table, the best method marked."""
     columns = ["f1", "precision", "recall", "auc"] if table.binary else ["rmse"]
-    lines = [f"completion: leave one of {table.rows} fine-tunes out, {table.known} docs observed (seed {table.seed})",
-             "| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines = [
+        f"completion: leave one of {table.rows} fine-tunes out, {table.known} docs observed (seed {table.seed})",
+        "| method | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
     for name, metrics in table.scores.items():
         cells = ["-" if metrics[c] is None else f"{metrics[c]:.3f}" for c in columns]
         lines.append(f"| {name}{' (best)' if name == table.best else ''} | " + " | ".join(cells) + " |")
@@ -437,8 +475,9 @@ class ReplaySelection:
     weights: np.ndarray
 
 
-def select_replay(scores: np.ndarray, budget: int, strategy: str = "sample", temperature: float = 0.1,
-                  seed: int = 0) -> ReplaySelection:
+def select_replay(
+    scores: np.ndarray, budget: int, strategy: str = "sample", temperature: float = 0.1, seed: int = 0
+) -> ReplaySelection:
     """`budget` distinct candidates: "sample" draws without replacement with weights softmax(score / T) (the
     authors' get_sampling_weights; drawn by the Gumbel top-k trick, which is successive sampling without
     replacement and never underflows), "top" takes the highest scores, "random" draws uniformly."""

@@ -21,10 +21,18 @@ def summary(matrix: ForgettingMatrix, r2: list[float], tables: list[CompletionTa
     """matrix.json: the rows, the docs per task, the value kind, R^2 by rank (first entry: rank 1), the
     completion tables."""
     tasks, counts = np.unique(matrix.docs.tasks, return_counts=True)
-    return {"rows": matrix.rows, "value": matrix.value,
-            "docs": {"count": len(matrix.docs), "forgettable": int(matrix.forgettable.sum()),
-                     "per_task": dict(zip(map(str, tasks), map(int, counts)))},
-            "mean": float(matrix.z.mean()), "r2_by_rank": r2, "completion": [table.to_dict() for table in tables]}
+    return {
+        "rows": matrix.rows,
+        "value": matrix.value,
+        "docs": {
+            "count": len(matrix.docs),
+            "forgettable": int(matrix.forgettable.sum()),
+            "per_task": dict(zip(map(str, tasks), map(int, counts))),
+        },
+        "mean": float(matrix.z.mean()),
+        "r2_by_rank": r2,
+        "completion": [table.to_dict() for table in tables],
+    }
 
 
 def write_matrix(folder: Path, matrix: ForgettingMatrix, payload: dict) -> None:
@@ -33,8 +41,15 @@ def write_matrix(folder: Path, matrix: ForgettingMatrix, payload: dict) -> None:
     (folder / "matrix.json").write_text(json.dumps(payload, indent=2) + "\n")
     docs = matrix.docs
     with open(folder / "matrix.npz", "wb") as handle:
-        np.savez_compressed(handle, z=matrix.z, tasks=docs.tasks, keys=docs.keys, doc_ids=docs.doc_ids,
-                            pre_correct=docs.pre_correct, rows=np.array(matrix.rows, dtype=str))
+        np.savez_compressed(
+            handle,
+            z=matrix.z,
+            tasks=docs.tasks,
+            keys=docs.keys,
+            doc_ids=docs.doc_ids,
+            pre_correct=docs.pre_correct,
+            rows=np.array(matrix.rows, dtype=str),
+        )
     plot_matrix(matrix, folder / "matrix.png")
     plot_rank(payload["r2_by_rank"], folder / "rank.png")
 
@@ -54,27 +69,43 @@ def read_history(folder) -> tuple[ForgettingMatrix, dict]:
     except (ValueError, KeyError, OSError, zipfile.BadZipFile) as error:
         raise InputError(f"--history {folder}: not a forgetting matrix ({type(error).__name__}: {error})") from None
     z = loaded["z"]
-    if not isinstance(payload, dict) or payload.get("value") not in VALUES or z.ndim != 2 or z.dtype != np.float32 or any(
-            loaded[name].shape != (z.shape[1],) for name in ("tasks", "keys", "doc_ids", "pre_correct")) or \
-            loaded["rows"].shape != (z.shape[0],) or not np.isfinite(z).all():
+    if (
+        not isinstance(payload, dict)
+        or payload.get("value") not in VALUES
+        or z.ndim != 2
+        or z.dtype != np.float32
+        or any(loaded[name].shape != (z.shape[1],) for name in ("tasks", "keys", "doc_ids", "pre_correct"))
+        or loaded["rows"].shape != (z.shape[0],)
+        or not np.isfinite(z).all()
+    ):
         raise InputError(f"--history {folder}: matrix.json and matrix.npz do not describe one forgetting matrix")
     docs = Docs(loaded["tasks"], loaded["keys"], loaded["doc_ids"], loaded["pre_correct"].astype(bool))
     return ForgettingMatrix(z, docs, [str(row) for row in loaded["rows"]], payload["value"]), payload
 
 
-def prediction_rows(matrix: ForgettingMatrix, prediction: Prediction, pre: dict[str, SampleOutcomes],
-                    seeds: dict[str, str]) -> list[dict]:
+def prediction_rows(
+    matrix: ForgettingMatrix, prediction: Prediction, pre: dict[str, SampleOutcomes], seeds: dict[str, str]
+) -> list[dict]:
     """One row per doc of the history: task, doc, PRE's score, the prompt and gold answer; observed docs carry
     what the log says, the others `predicted: true`; each p_forgotten (0/1 values) or predicted_drop."""
     rows = []
     score_name = "p_forgotten" if matrix.binary else "logprob_drop"
     for index, (task, key) in enumerate(zip(matrix.docs.tasks, matrix.docs.keys)):
         text = pre[task].texts.get(key)
-        rows.append({"task": str(task), "doc_id": pre[task].doc_ids.get(key), "doc_hash": text.doc_hash if text else None,
-                     "seed": seeds[task], "pre_correct": bool(matrix.docs.pre_correct[index]),
-                     "predicted": not bool(prediction.observed[index]), score_name: float(prediction.scores[index]),
-                     "prompt": text.prompt if text else None, "gold": text.gold if text else None,
-                     "completion": text.completion if text else None})
+        rows.append(
+            {
+                "task": str(task),
+                "doc_id": pre[task].doc_ids.get(key),
+                "doc_hash": text.doc_hash if text else None,
+                "seed": seeds[task],
+                "pre_correct": bool(matrix.docs.pre_correct[index]),
+                "predicted": not bool(prediction.observed[index]),
+                score_name: float(prediction.scores[index]),
+                "prompt": text.prompt if text else None,
+                "gold": text.gold if text else None,
+                "completion": text.completion if text else None,
+            }
+        )
     return rows
 
 
@@ -108,7 +139,9 @@ def plot_matrix(matrix: ForgettingMatrix, path) -> None:
         image = axes.imshow(shown, vmin=-limit, vmax=limit, cmap="coolwarm", aspect="auto", interpolation="nearest")
     axes.set_yticks(range(len(rows)), [Path(matrix.rows[row]).name[-24:] for row in rows], fontsize=6)
     axes.set_xlabel(f"{len(docs)} docs (ordered by the leading factor)")
-    axes.set_title("forgotten (pre right, fine-tune wrong)" if matrix.binary else "gold log-likelihood drop", fontsize=9)
+    axes.set_title(
+        "forgotten (pre right, fine-tune wrong)" if matrix.binary else "gold log-likelihood drop", fontsize=9
+    )
     figure.colorbar(image, ax=axes, shrink=0.8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -85,8 +85,13 @@ class Scoring:
         global_choices, task_choices = _split_specs("--choices", choices)
         if global_choices is not None:
             raise InputError(f"--choices {global_choices!r}: expected TASK=K (e.g. gpqa_cot=4)")
-        return cls(metric, filter_, task_metric, task_filter,
-                   tuple((task, _choices_value(task, value)) for task, value in task_choices))
+        return cls(
+            metric,
+            filter_,
+            task_metric,
+            task_filter,
+            tuple((task, _choices_value(task, value)) for task, value in task_choices),
+        )
 
     def check_logged(self, metrics: set[str], filters: set[str], where: str) -> None:
         """A global --metric or --filter is a preference applied where a task logs it; one that no task logs
@@ -95,13 +100,19 @@ class Scoring:
             if wanted is not None and wanted not in logged:
                 close = difflib.get_close_matches(wanted, sorted(logged), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise InputError(f"{option} {wanted!r}: no task in {where} logs it (logged: "
-                                 f"{', '.join(sorted(logged)) or 'none'}){hint}")
+                raise InputError(
+                    f"{option} {wanted!r}: no task in {where} logs it (logged: "
+                    f"{', '.join(sorted(logged)) or 'none'}){hint}"
+                )
 
     def rule(self, task: str) -> ScoringRule:
         metric, filter_ = _match(task, self.task_metric), _match(task, self.task_filter)
-        return ScoringRule(metric=metric or self.metric, filter=filter_ or self.filter,
-                           choices=_match(task, self.task_choices), required=bool(metric or filter_))
+        return ScoringRule(
+            metric=metric or self.metric,
+            filter=filter_ or self.filter,
+            choices=_match(task, self.task_choices),
+            required=bool(metric or filter_),
+        )
 
 
 def _split_specs(option: str, specs: Iterable[str]) -> tuple[str | None, tuple[tuple[str, str], ...]]:
@@ -167,8 +178,13 @@ def check_k(k: float, task: str) -> None:
         raise InputError(f"task {task!r}: number of choices k must be > 1 (inf for free-form generation), got {k}")
 
 
-def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = ScoringRule(),
-                          config: dict | None = None, labels: Sequence[str] | None = None) -> SampleOutcomes:
+def outcomes_from_lm_eval(
+    task: str,
+    samples: list[dict],
+    rule: ScoringRule = ScoringRule(),
+    config: dict | None = None,
+    labels: Sequence[str] | None = None,
+) -> SampleOutcomes:
     """SampleOutcomes from lm-eval's per-sample records (`results["samples"][task]` or a samples jsonl);
     `config` is the task's config lm-eval reports (`results["configs"][task]`), for metric_list and
     doc_to_choice. TaskSkipped when the metric is not 0/1; InputError for records that are not lm-eval's."""
@@ -185,12 +201,16 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
         chosen_filter = rule.filter
     elif rule.filter is not None and rule.required:
         raise InputError(f"task {task!r}: no filter {rule.filter!r} (lm-eval logged {', '.join(map(str, filters))})")
-    records = sorted(((s, label) for s, label, name in zip(samples, labels, record_filter) if name == chosen_filter),
-                     key=lambda record: record[0].get("doc_id") if isinstance(record[0].get("doc_id"), int) else 0)
+    records = sorted(
+        ((s, label) for s, label, name in zip(samples, labels, record_filter) if name == chosen_filter),
+        key=lambda record: record[0].get("doc_id") if isinstance(record[0].get("doc_id"), int) else 0,
+    )
     logged = logged_metrics(records[0][0], config)
     if records[0][0].get("metrics") == [] or logged == ["bypass"]:
-        raise InputError(f"{records[0][1]}: no scores: lm-eval ran with --predict_only, which logs the model's "
-                         "outputs and no metric; run it without --predict_only")
+        raise InputError(
+            f"{records[0][1]}: no scores: lm-eval ran with --predict_only, which logs the model's "
+            "outputs and no metric; run it without --predict_only"
+        )
     metric = rule.metric if rule.metric in logged else None
     if metric is None and rule.metric is not None and rule.required:
         raise InputError(f"task {task!r}: no metric {rule.metric!r} (lm-eval logged {', '.join(logged) or 'none'})")
@@ -206,8 +226,14 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
             raise InputError(f"{label}: no {metric!r} field")
         outcome = binary_outcome(sample[metric])
         if outcome is None:
-            raise _not_binary(task, metric, sample[metric], label, [name for name in logged if name != metric],
-                              [record for record, _ in records])
+            raise _not_binary(
+                task,
+                metric,
+                sample[metric],
+                label,
+                [name for name in logged if name != metric],
+                [record for record, _ in records],
+            )
         k = rule.choices if rule.choices is not None else sample_choices(sample, config, label)
         key = _unique_key(_sample_key(sample, label), correct)
         correct[key] = outcome
@@ -216,10 +242,17 @@ def outcomes_from_lm_eval(task: str, samples: list[dict], rule: ScoringRule = Sc
             doc_ids[key] = sample["doc_id"]
         chance_accuracies.append(1 / k)
     shots = (config or {}).get("num_fewshot")
-    return SampleOutcomes(task, correct, effective_choices(math.fsum(chance_accuracies) / len(chance_accuracies)),
-                          metric, str(chosen_filter) if chosen_filter is not None else "", doc_ids, texts,
-                          answer_rule(records[0][0], metric, chosen_filter),
-                          shots if isinstance(shots, int) and not isinstance(shots, bool) else None)
+    return SampleOutcomes(
+        task,
+        correct,
+        effective_choices(math.fsum(chance_accuracies) / len(chance_accuracies)),
+        metric,
+        str(chosen_filter) if chosen_filter is not None else "",
+        doc_ids,
+        texts,
+        answer_rule(records[0][0], metric, chosen_filter),
+        shots if isinstance(shots, int) and not isinstance(shots, bool) else None,
+    )
 
 
 def _not_binary(task: str, metric: str, value, label: str, others: list[str], records: list[dict]) -> Exception:
@@ -229,11 +262,13 @@ def _not_binary(task: str, metric: str, value, label: str, others: list[str], re
     InputError for anything else (a string: not lm-eval's)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
         return InputError(f"{label}: {metric!r} must be a number, got {value!r}")
-    what = ("a per-sample pair lm-eval aggregates over the corpus" if isinstance(value, (list, tuple))
-            else "not 0/1")
+    what = "a per-sample pair lm-eval aggregates over the corpus" if isinstance(value, (list, tuple)) else "not 0/1"
     binary = [name for name in others if all(binary_outcome(record.get(name)) is not None for record in records)]
-    hint = (f"; it also logs the 0/1 metric {binary[0]!r}: --metric {task}={binary[0]}" if binary
-            else "; choose a 0/1 metric with --metric")
+    hint = (
+        f"; it also logs the 0/1 metric {binary[0]!r}: --metric {task}={binary[0]}"
+        if binary
+        else "; choose a 0/1 metric with --metric"
+    )
     shown = repr(value if not isinstance(value, (list, tuple)) else list(value)[:2])
     return TaskSkipped(f"metric {metric!r} is {what} (e.g. {shown[:80]} at {label}){hint}")
 
@@ -316,8 +351,11 @@ def _run_info(results: ResultsFile, fallback_model: str) -> tuple[str, str]:
     the file records none, as lm-eval before 0.4.3 did) and its model_name, else model_args."""
     config = results.config or {}
     seeds = [config.get(name) for name in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")]
-    seed = NO_SEED if all(value is None for value in seeds) else (
-        str(seeds[0]) if len(set(seeds)) == 1 else "/".join(map(str, seeds)))
+    seed = (
+        NO_SEED
+        if all(value is None for value in seeds)
+        else (str(seeds[0]) if len(set(seeds)) == 1 else "/".join(map(str, seeds)))
+    )
     return seed, str(results.model_name or config.get("model_args") or fallback_model)
 
 
@@ -346,16 +384,21 @@ def _legacy_files(root: Path, cache: dict) -> list[SamplesFile]:
             name = f"{re.sub('/|=', '__', model_args)}_{task}.jsonl"
             file = results_path.parent / name
             if "/" not in name and "\0" not in name and os.path.lexists(file):
-                entries.append(SamplesFile(require_regular_inside(file, root), task, "", seed, model, config,
-                                           results.group_subtasks or {}))
+                entries.append(
+                    SamplesFile(
+                        require_regular_inside(file, root), task, "", seed, model, config, results.group_subtasks or {}
+                    )
+                )
     return entries
 
 
 def _no_samples(path: Path) -> InputError:
     """No per-sample log under `path`: lm-eval ran without --log_samples where its results files are there."""
     if any(path.rglob("results*.json")):
-        return InputError(f"{path}: lm-eval results without per-sample logs (samples_<task>_<timestamp>.jsonl): "
-                          "rerun lm-eval with --log_samples")
+        return InputError(
+            f"{path}: lm-eval results without per-sample logs (samples_<task>_<timestamp>.jsonl): "
+            "rerun lm-eval with --log_samples"
+        )
     return InputError(f"{path}: no samples_<task>_<timestamp>.jsonl files (run lm-eval with --log_samples)")
 
 
@@ -376,8 +419,10 @@ def find_samples_files(path) -> list[SamplesFile]:
     models = sorted({entry.model for entry in entries})
     if len(models) > 1:
         folders = sorted({str(entry.path.parent) for entry in entries})
-        raise InputError(f"{path} holds samples of {len(models)} models ({', '.join(models)}; in "
-                         f"{', '.join(folders)}): give one model's folder")
+        raise InputError(
+            f"{path} holds samples of {len(models)} models ({', '.join(models)}; in "
+            f"{', '.join(folders)}): give one model's folder"
+        )
     newest: dict[tuple[str, str], SamplesFile] = {}
     for entry in entries:
         if (entry.task, entry.seed) not in newest or entry.stamp > newest[(entry.task, entry.seed)].stamp:

@@ -36,8 +36,13 @@ def is_generative(sample: dict) -> bool:
     """generate_until requests carry (context, generation kwargs); loglikelihood ones (context, continuation)."""
     arguments = sample.get("arguments")
     first = next(iter(arguments.values()), None) if isinstance(arguments, dict) else (arguments or [None])[0]
-    second = (first.get("arg_1") if isinstance(first, dict) else
-              first[1] if isinstance(first, (list, tuple)) and len(first) > 1 else None)
+    second = (
+        first.get("arg_1")
+        if isinstance(first, dict)
+        else first[1]
+        if isinstance(first, (list, tuple)) and len(first) > 1
+        else None
+    )
     return isinstance(second, dict)
 
 
@@ -88,8 +93,21 @@ def sample_choices(sample: dict, config: dict | None, label: str) -> float:
 
 # The keys of an lm-eval per-sample record that are not a metric's value (lm_eval/evaluator.py, `example`, v0.4.0
 # to v0.4.13): logs before v0.4.7 list no `metrics` and no `filter`, so there every other key is a metric.
-RECORD_FIELDS = frozenset({"doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics",
-                           "doc_hash", "prompt_hash", "target_hash"})
+RECORD_FIELDS = frozenset(
+    {
+        "doc_id",
+        "doc",
+        "target",
+        "arguments",
+        "resps",
+        "filtered_resps",
+        "filter",
+        "metrics",
+        "doc_hash",
+        "prompt_hash",
+        "target_hash",
+    }
+)
 
 
 def _listed_metrics(config: dict | None) -> list:
@@ -125,8 +143,10 @@ def record_filters(samples: Sequence[dict], config: dict | None, label: str) -> 
         return [None] * len(samples)
     if names is None or len(names) != per_doc:
         told = "names no filters" if names is None else f"names {len(names)} filter(s)"
-        raise InputError(f"{label}: records name no filter and each doc has up to {per_doc} (lm-eval before 0.4.7 "
-                         f"logs one per filter), but the task config in results_*.json {told}")
+        raise InputError(
+            f"{label}: records name no filter and each doc has up to {per_doc} (lm-eval before 0.4.7 "
+            f"logs one per filter), but the task config in results_*.json {told}"
+        )
     return [names[position] for position in positions]
 
 
@@ -140,8 +160,9 @@ def _filter_names(config: dict | None) -> list[str] | None:
     return [str(entry.get("name")) if isinstance(entry, dict) else str(entry) for entry in filters]
 
 
-def logged_names(samples: Sequence, config: dict | None = None,
-                 label: str = "lm-eval records") -> tuple[set[str], set[str]]:
+def logged_names(
+    samples: Sequence, config: dict | None = None, label: str = "lm-eval records"
+) -> tuple[set[str], set[str]]:
     """The metrics and the filters lm-eval logged across a task's records: what a global --metric or --filter
     may name (`Scoring.check_logged`)."""
     records = [sample for sample in samples if isinstance(sample, dict)]
@@ -181,9 +202,15 @@ def _requests(sample: dict) -> list[list]:
     """The arguments of each request, in order: lm-eval's {"gen_args_0": {"arg_0": ...}} or older lists."""
     arguments = sample.get("arguments")
     if isinstance(arguments, dict):
-        requests = [arguments[name] for name in sorted(arguments, key=lambda name: int(name.rpartition("_")[2])
-                                                          if name.rpartition("_")[2].isdigit() else 0)]
-        return [[request[name] for name in sorted(request)] if isinstance(request, dict) else [] for request in requests]
+        requests = [
+            arguments[name]
+            for name in sorted(
+                arguments, key=lambda name: int(name.rpartition("_")[2]) if name.rpartition("_")[2].isdigit() else 0
+            )
+        ]
+        return [
+            [request[name] for name in sorted(request)] if isinstance(request, dict) else [] for request in requests
+        ]
     return [list(request) if isinstance(request, (list, tuple)) else [] for request in arguments or []]
 
 
@@ -201,8 +228,10 @@ def _loglikelihoods(sample: dict, count: int) -> list[float] | None:
     responses = sample.get("filtered_resps")
     if not isinstance(responses, list) or len(responses) < count:
         return None
-    values = [_number(response[0] if isinstance(response, (list, tuple)) and response else response)
-              for response in responses[:count]]
+    values = [
+        _number(response[0] if isinstance(response, (list, tuple)) and response else response)
+        for response in responses[:count]
+    ]
     return None if None in values else values
 
 
@@ -245,11 +274,12 @@ def _option_index(target, options: list[str], delimiter: str) -> int | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def _chosen_option(lls: list[float], options: list[str], unconditional: list[float] | None, metric: str,
-                   delimiter: str) -> int:
+def _chosen_option(
+    lls: list[float], options: list[str], unconditional: list[float] | None, metric: str, delimiter: str
+) -> int:
     """The option `metric` picks, as lm-eval's process_results does (ANSWER_RULES); the first on a tie, as
     numpy's argmax."""
-    choices = [option[len(delimiter):] if delimiter and option.startswith(delimiter) else option for option in options]
+    choices = [option[len(delimiter) :] if delimiter and option.startswith(delimiter) else option for option in options]
     if metric == "acc_norm":
         scores = [ll / max(len(choice), 1) for ll, choice in zip(lls, choices)]
     elif metric == "acc_bytes":
@@ -302,8 +332,9 @@ def sample_text(sample: dict, metric: str, config: dict | None) -> SampleText:
     lls = _loglikelihoods(sample, len(requests))
     answer = None
     if lls is not None and count > 1:
-        answer = options[_chosen_option(lls[:count], options, lls[count:] if len(lls) > count else None,
-                                        metric, delimiter)]
+        answer = options[
+            _chosen_option(lls[:count], options, lls[count:] if len(lls) > count else None, metric, delimiter)
+        ]
     gold_ll = lls[index] if lls is not None and index is not None else None
     return SampleText(contexts[0], gold, answer, gold, doc_hash, gold_ll)
 

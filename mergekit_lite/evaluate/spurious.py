@@ -73,8 +73,10 @@ def forgotten_kinds(pre: SampleOutcomes, post: SampleOutcomes, realigned: Sample
     for key in sorted(pre.correct):
         if pre.correct[key] and not post.correct.get(key, True):
             if key not in realigned.correct:
-                raise InputError(f"{where}: task {pre.task!r} has no sample of a forgotten doc "
-                                 f"(doc_id {pre.doc_ids.get(key, key)}); the re-aligned log must score the same docs")
+                raise InputError(
+                    f"{where}: task {pre.task!r} has no sample of a forgotten doc "
+                    f"(doc_id {pre.doc_ids.get(key, key)}); the re-aligned log must score the same docs"
+                )
             kinds[key] = SPURIOUS if realigned.correct[key] else GENUINE
     return kinds
 
@@ -104,8 +106,9 @@ class SpuriousMap:
         return self.doc_kinds.get((task, seed), {}).get(doc)
 
 
-def spurious_map(pre: LoadedRun, post: LoadedRun, realigned: LoadedRun, compared: dict[str, dict[str, object]],
-                 where: str) -> SpuriousMap:
+def spurious_map(
+    pre: LoadedRun, post: LoadedRun, realigned: LoadedRun, compared: dict[str, dict[str, object]], where: str
+) -> SpuriousMap:
     """Split every compared task's forgotten samples (`compared`: task -> seed -> its row, as the forgetting map
     compared them); k is pre's, as in the map."""
     common = [task for task in compared if task in realigned.outcomes]
@@ -130,12 +133,20 @@ def spurious_map(pre: LoadedRun, post: LoadedRun, realigned: LoadedRun, compared
     return SpuriousMap(tasks, kinds, doc_kinds, sorted(set(compared) - set(common)), ks)
 
 
-SPLIT_COLUMNS = ("name", "forgotten", "spurious", "genuine", "spurious_share", "spurious_share_true",
-                 "genuine_share_true")
+SPLIT_COLUMNS = (
+    "name",
+    "forgotten",
+    "spurious",
+    "genuine",
+    "spurious_share",
+    "spurious_share_true",
+    "genuine_share_true",
+)
 
 
 def format_split_table(rows: Sequence[SpuriousSplit], header: str = "task") -> str:
     """Pipe table of the splits: counts as integers (one decimal when seed means), shares to 3 decimals."""
+
     def cell(column: str, value) -> str:
         if value is None:
             return "-"
@@ -144,10 +155,12 @@ def format_split_table(rows: Sequence[SpuriousSplit], header: str = "task") -> s
         return f"{value:.3f}"
 
     lines = [[header, *SPLIT_COLUMNS[1:]]] + [
-        [row.name, *(cell(column, getattr(row, column)) for column in SPLIT_COLUMNS[1:])] for row in rows]
+        [row.name, *(cell(column, getattr(row, column)) for column in SPLIT_COLUMNS[1:])] for row in rows
+    ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    render = [("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-               + " |") for line in lines]
+    render = [
+        ("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) + " |")
+        for line in lines
+    ]
     rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
     return "\n".join([render[0], rule, *render[1:]])
-

@@ -53,7 +53,8 @@ def sample_rows(series: Trajectory) -> list[dict]:
     for task in sorted(last.rows):
         for seed in sorted(last.rows_by_seed):
             if task not in last.rows_by_seed[seed] or not all(
-                    task in m.rows_by_seed.get(seed, {}) for m in series.maps):
+                task in m.rows_by_seed.get(seed, {}) for m in series.maps
+            ):
                 continue
             outcomes = [run.outcomes[task][seed] for run in series.runs]
             for key in doc_order(outcomes[0]):
@@ -77,16 +78,23 @@ def sample_row(outcomes: Sequence[SampleOutcomes], key: str, seed: str) -> dict:
     scores = [outcome.correct[key] for outcome in outcomes]
     text = reference.texts.get(key)
     return {
-        "task": reference.task, "doc_id": reference.doc_ids.get(key), "doc_hash": text.doc_hash if text else None,
-        "seed": seed, "outcome": OUTCOMES[(scores[0], scores[-1])], "scores": [int(score) for score in scores],
-        "prompt": text.prompt if text else None, "gold": text.gold if text else None,
+        "task": reference.task,
+        "doc_id": reference.doc_ids.get(key),
+        "doc_hash": text.doc_hash if text else None,
+        "seed": seed,
+        "outcome": OUTCOMES[(scores[0], scores[-1])],
+        "scores": [int(score) for score in scores],
+        "prompt": text.prompt if text else None,
+        "gold": text.gold if text else None,
         "answers": [outcome.texts[key].answer if key in outcome.texts else None for outcome in outcomes],
-        "answer_rule": reference.answer_rule, "completion": text.completion if text else None,
+        "answer_rule": reference.answer_rule,
+        "completion": text.completion if text else None,
     }
 
 
-def replay_records(rows: Sequence[dict], replay_format: str,
-                   chosen: Callable[[dict], bool] = lambda row: row["outcome"] == "forgotten") -> tuple[list[dict], int]:
+def replay_records(
+    rows: Sequence[dict], replay_format: str, chosen: Callable[[dict], bool] = lambda row: row["outcome"] == "forgotten"
+) -> tuple[list[dict], int]:
     """The `chosen` samples (by default the forgotten ones) as TRL training records, one per (task, doc)
     whatever the seeds, and how many chosen docs had no recoverable prompt or gold answer (not written).
 
@@ -104,8 +112,12 @@ def replay_records(rows: Sequence[dict], replay_format: str,
             unrecoverable += 1
             continue
         if replay_format == "messages":
-            body = {"messages": [{"role": "user", "content": row["prompt"]},
-                                 {"role": "assistant", "content": row["completion"].lstrip()}]}
+            body = {
+                "messages": [
+                    {"role": "user", "content": row["prompt"]},
+                    {"role": "assistant", "content": row["completion"].lstrip()},
+                ]
+            }
         else:
             body = {"prompt": row["prompt"], "completion": row["completion"]}
         records.append({**body, "task": row["task"], "doc_id": row["doc_id"]})
@@ -150,21 +162,32 @@ def parse_alert(spec: str, groups: Sequence[str]) -> Alert:
     value, op = float(match["value"]), match["op"]
     if not (0 <= value < 1 if op == ">" else 0 < value <= 1):  # every metric is a share in [0, 1]
         acts = "can never be crossed" if (value >= 1) == (op == ">") else "is crossed by every value"
-        raise InputError(f"--alert {spec!r}: {metric} is a share in [0, 1], so {op}{match['value']} {acts}; give a "
-                         f"threshold in {'[0, 1)' if op == '>' else '(0, 1]'}")
+        raise InputError(
+            f"--alert {spec!r}: {metric} is a share in [0, 1], so {op}{match['value']} {acts}; give a "
+            f"threshold in {'[0, 1)' if op == '>' else '(0, 1]'}"
+        )
     return Alert(group, metric, op, value)
 
 
-def crossings(alerts: Sequence[Alert], groups_per_checkpoint: Sequence[Sequence[GroupForgetting]],
-              labels: Sequence[str]) -> list[dict]:
+def crossings(
+    alerts: Sequence[Alert], groups_per_checkpoint: Sequence[Sequence[GroupForgetting]], labels: Sequence[str]
+) -> list[dict]:
     """Every (checkpoint, alert) whose group value crosses the threshold, checkpoints 1.. in order."""
     crossed = []
     for position, groups in enumerate(groups_per_checkpoint, start=1):
         by_name = {row.group: row for row in groups}
         for alert in alerts:
             if alert.group in by_name and alert.crossed(value := getattr(by_name[alert.group], alert.metric)):
-                crossed.append({"checkpoint": position, "path": labels[position], "alert": str(alert),
-                                "group": alert.group, "metric": alert.metric, "value": value})
+                crossed.append(
+                    {
+                        "checkpoint": position,
+                        "path": labels[position],
+                        "alert": str(alert),
+                        "group": alert.group,
+                        "metric": alert.metric,
+                        "value": value,
+                    }
+                )
     return crossed
 
 
@@ -174,7 +197,7 @@ def crossings(alerts: Sequence[Alert], groups_per_checkpoint: Sequence[Sequence[
 def _short(label: str, width: int = 24) -> str:
     """A checkpoint's folder name for an axis label, its end kept when long (where step numbers are)."""
     name = os.path.basename(os.path.normpath(label)) or label
-    return name if len(name) <= width else "..." + name[-(width - 3):]
+    return name if len(name) <= width else "..." + name[-(width - 3) :]
 
 
 def heatmap_values(series: Trajectory, group_rows: Sequence[Sequence[GroupForgetting]]) -> tuple[list[str], dict]:
@@ -186,8 +209,10 @@ def heatmap_values(series: Trajectory, group_rows: Sequence[Sequence[GroupForget
     else:
         names = sorted({task for result in series.maps for task in result.rows})
         cells = [result.rows for result in series.maps]
-    return names, {metric: [[getattr(cell[name], metric) if name in cell else math.nan for cell in cells]
-                            for name in names] for metric in ("F_true", "BT_true")}
+    return names, {
+        metric: [[getattr(cell[name], metric) if name in cell else math.nan for cell in cells] for name in names]
+        for metric in ("F_true", "BT_true")
+    }
 
 
 def heatmap_formats() -> set[str]:
@@ -208,12 +233,20 @@ def plot_heatmap(series: Trajectory, group_rows: Sequence[Sequence[GroupForgetti
     FigureCanvasAgg(figure)
     for position, metric in enumerate(("F_true", "BT_true")):
         axes = figure.add_subplot(1, 2, position + 1)
-        image = axes.imshow(values[metric], vmin=0, vmax=1, cmap="Reds" if metric == "F_true" else "Greens",
-                            aspect="auto")
+        image = axes.imshow(
+            values[metric], vmin=0, vmax=1, cmap="Reds" if metric == "F_true" else "Greens", aspect="auto"
+        )
         for row, line in enumerate(values[metric]):
             for column, value in enumerate(line):
-                axes.text(column, row, "-" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7,
-                          color="white" if value > 0.6 else "black")
+                axes.text(
+                    column,
+                    row,
+                    "-" if value != value else f"{value:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if value > 0.6 else "black",
+                )
         axes.set_xticks(range(len(checkpoints)), checkpoints, fontsize=7, rotation=45, ha="right")
         axes.set_yticks(range(len(names)), names, fontsize=7)
         axes.set_xlabel("checkpoint")

@@ -61,8 +61,14 @@ def _buildable_size(config) -> bool:
         elif isinstance(item, dict):
             for key, value in item.items():
                 if isinstance(value, int) and not isinstance(value, bool) and isinstance(key, str):
-                    limit = (MAX_SKELETON_EXPERTS if "experts" in key else  # counts, not sizes or capacities
-                             MAX_SKELETON_LAYERS if key.endswith(("layers", "layer")) else None)
+                    limit = (
+                        MAX_SKELETON_EXPERTS
+                        if "experts" in key
+                        # counts, not sizes or capacities
+                        else MAX_SKELETON_LAYERS
+                        if key.endswith(("layers", "layer"))
+                        else None
+                    )
                     if limit is not None and value > limit:
                         return False
                 stack.append(value)
@@ -138,5 +144,10 @@ def _tower_roots(model) -> tuple[str, ...]:
     decoder_name = names.get(decoder, "")
     parent = model.get_submodule(decoder_name.rpartition(".")[0]) if decoder_name else model
     skip = {id(decoder), id(model.get_input_embeddings()), id(model.get_output_embeddings())}
-    return tuple(sorted(name for name, child in parent.named_children()
-                        if id(child) not in skip and any(True for _ in child.parameters())))
+    return tuple(
+        sorted(
+            name
+            for name, child in parent.named_children()
+            if id(child) not in skip and any(True for _ in child.parameters())
+        )
+    )

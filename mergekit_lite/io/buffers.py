@@ -31,7 +31,7 @@ class BufferRing:
     def __init__(self, capacity: int, pin: bool = False):
         self.capacity = aligned(max(capacity, 1))
         storage = torch.empty(self.capacity + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
-        self._arena = storage[-storage.data_ptr() % ALIGNMENT:][:self.capacity]  # torch aligns to 64 bytes only
+        self._arena = storage[-storage.data_ptr() % ALIGNMENT :][: self.capacity]  # torch aligns to 64 bytes only
         self._live: deque[tuple[int, int]] = deque()  # (begin, end) of taken blocks, oldest first
         self._changed = threading.Condition()
         self._closed = False
@@ -49,7 +49,7 @@ class BufferRing:
             if self._closed:
                 raise RingClosed("buffer ring closed")
             self._live.append((begin, begin + size))
-            return self._arena[begin:begin + nbytes]
+            return self._arena[begin : begin + nbytes]
 
     def release(self, block: torch.Tensor) -> None:
         """Give back the oldest live block (blocks are released in the order they were taken)."""
@@ -101,8 +101,11 @@ def reuse_freed_memory() -> bool:
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, SMALL_ALLOCATION_LIMIT)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_MEMORY)) \
+    return (
+        bool(mallopt(M_MMAP_THRESHOLD, SMALL_ALLOCATION_LIMIT))
+        and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_MEMORY))
         and bool(mallopt(M_ARENA_MAX, len(os.sched_getaffinity(0))))
+    )
 
 
 def aligned(nbytes: int) -> int:

@@ -40,11 +40,15 @@ def _check_checkpoint(item: Path, folder: Path) -> None:
     refused, never skipped: an average that silently leaves a checkpoint out is not the one asked for."""
     real, root = Path(os.path.realpath(item)), Path(os.path.realpath(folder))
     if item.is_symlink() and root not in real.parents:
-        raise InputError(f"{item}: a link out of {folder}; a run folder's checkpoints are read inside it only (copy "
-                         "the checkpoint in, or list the checkpoints as --model flags in training order)")
+        raise InputError(
+            f"{item}: a link out of {folder}; a run folder's checkpoints are read inside it only (copy "
+            "the checkpoint in, or list the checkpoints as --model flags in training order)"
+        )
     if not real.is_dir():
-        raise InputError(f"{item}: not a checkpoint folder{' (a broken link)' if not real.exists() else ''}; move it "
-                         "out of the run folder, or list the checkpoints as --model flags in training order")
+        raise InputError(
+            f"{item}: not a checkpoint folder{' (a broken link)' if not real.exists() else ''}; move it "
+            "out of the run folder, or list the checkpoints as --model flags in training order"
+        )
 
 
 def in_training_order(paths: Sequence[str], order: str | None) -> list[str]:
@@ -60,9 +64,11 @@ def in_training_order(paths: Sequence[str], order: str | None) -> list[str]:
             continue
         if order is None:
             names = ", ".join(found[step].name for step in sorted(found)[:3]) + (", ..." if len(found) > 3 else "")
-            raise InputError(f"{path}: a folder of {len(found)} checkpoints ({names}) gives no training order: "
-                             "list them as --model flags in training order, or add --order step to order them "
-                             "by the step in their checkpoint-N names")
+            raise InputError(
+                f"{path}: a folder of {len(found)} checkpoints ({names}) gives no training order: "
+                "list them as --model flags in training order, or add --order step to order them "
+                "by the step in their checkpoint-N names"
+            )
         ordered += [str(found[step]) for step in sorted(found)]
         expanded = True
     if order is not None and not expanded:

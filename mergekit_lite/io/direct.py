@@ -65,7 +65,7 @@ class DirectFile:
         while done < len(view):
             take = min(len(view) - done, STAGE_BYTES - self._staged)
             stage = self._stages[self._filling]
-            stage[self._staged:self._staged + take] = view[done:done + take]
+            stage[self._staged : self._staged + take] = view[done : done + take]
             self._staged += take
             done += take
             if self._staged == STAGE_BYTES:

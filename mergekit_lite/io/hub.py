@@ -25,13 +25,32 @@ from mergekit_lite.errors import InputError
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?P<subfolder>(?:/[\w.-]+)*)(?:@(?P<revision>[\w./-]+))?$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")  # what huggingface_hub writes into refs/ and names snapshots by
 # What a merge reads from a model repository: weights, their index, config and tokenizer files.
-TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
-                      "chat_template.*"]
-ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-                  *TOKENIZER_PATTERNS, "adapter_config.json", "README.md"]
+TOKENIZER_PATTERNS = [
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "chat_template.*",
+]
+ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    *TOKENIZER_PATTERNS,
+    "adapter_config.json",
+    "README.md",
+]
 # What an audit reads from an adapter repository: never a pickle (adapter_model.bin is refused unread).
-ADAPTER_PATTERNS = ["adapter_config.json", "adapter_model.safetensors", "base_fingerprint.json", "README.md",
-                    *TOKENIZER_PATTERNS]
+ADAPTER_PATTERNS = [
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "base_fingerprint.json",
+    "README.md",
+    *TOKENIZER_PATTERNS,
+]
 
 
 def is_hub_id(reference: str) -> bool:
@@ -46,8 +65,10 @@ def split_hub_id(reference: str) -> tuple[str, str | None]:
         raise InputError(f"{reference}: not a Hugging Face Hub id (org/name[@revision])")
     revision = match["revision"]
     if revision is not None and (revision.startswith("/") or ".." in revision.split("/")):
-        raise InputError(f"{reference}: revision {revision!r} is not a branch, tag or commit (it holds '..' or "
-                         "starts with '/'); refused")
+        raise InputError(
+            f"{reference}: revision {revision!r} is not a branch, tag or commit (it holds '..' or "
+            "starts with '/'); refused"
+        )
     return match["repo"], revision
 
 
@@ -86,8 +107,10 @@ def check_ref(reference: str, repo: str, revision: str | None) -> None:
     with open(ref, "rb") as handle:
         held = handle.read(128).decode("ascii", "replace").strip()
     if not COMMIT.match(held):
-        raise InputError(f"{reference}: {ref} does not hold a commit hash (40 hex digits); refused, the cache "
-                         "would be read outside the repository's folder")
+        raise InputError(
+            f"{reference}: {ref} does not hold a commit hash (40 hex digits); refused, the cache "
+            "would be read outside the repository's folder"
+        )
 
 
 def checked_snapshot(reference: str, repo: str, snapshot: str) -> Path:
@@ -104,8 +127,10 @@ def checked_snapshot(reference: str, repo: str, snapshot: str) -> Path:
             mode = os.stat(path).st_mode if os.path.exists(path) else 0
             regular = stat.S_ISDIR(mode) if name in dirs else stat.S_ISREG(mode)
             if not regular or not _inside(target, folder):
-                raise InputError(f"{reference}: {path} in the cached snapshot is not a regular file inside "
-                                 f"{folder} (a link out of the cache?); refused")
+                raise InputError(
+                    f"{reference}: {path} in the cached snapshot is not a regular file inside "
+                    f"{folder} (a link out of the cache?); refused"
+                )
     return Path(snapshot)
 
 
@@ -126,12 +151,14 @@ def split_lora_reference(reference: str) -> tuple[str, str] | None:
     text = str(reference)
     if "+" not in text or os.path.lexists(text):
         return None
-    splits = [(text[:at], text[at + 1:]) for at, char in enumerate(text) if char == "+"]
+    splits = [(text[:at], text[at + 1 :]) for at, char in enumerate(text) if char == "+"]
     if len(splits) > 1:
         splits = [split for split in splits if all(os.path.lexists(part) for part in split)]
     if len(splits) != 1 or not all(splits[0]):
-        raise InputError(f"{text}: no such file or folder, nor a model+lora reference (mergekit's form: one "
-                         "model and one LoRA adapter joined by '+')")
+        raise InputError(
+            f"{text}: no such file or folder, nor a model+lora reference (mergekit's form: one "
+            "model and one LoRA adapter joined by '+')"
+        )
     return splits[0]
 
 
@@ -161,12 +188,16 @@ def resolve_model(reference: str, allow_patterns: list[str] = ALLOW_PATTERNS) ->
     check_ref(reference, repo, revision)
     patterns = [f"{subfolder}/{pattern}" for pattern in allow_patterns] if subfolder else allow_patterns
     with hub_errors(reference, revision):
-        snapshot = snapshot_download(repo, revision=revision, allow_patterns=patterns,
-                                     local_files_only=constants.HF_HUB_OFFLINE)
+        snapshot = snapshot_download(
+            repo, revision=revision, allow_patterns=patterns, local_files_only=constants.HF_HUB_OFFLINE
+        )
     folder = checked_snapshot(reference, repo, snapshot) / subfolder
     if not folder.is_dir():
-        raise InputError(f"{reference}: {repo} has no folder {subfolder!r}" + (f" at {revision}" if revision else "")
-                         + " (or none of the files read from it)")
+        raise InputError(
+            f"{reference}: {repo} has no folder {subfolder!r}"
+            + (f" at {revision}" if revision else "")
+            + " (or none of the files read from it)"
+        )
     return str(folder)
 
 
@@ -214,8 +245,9 @@ class hub_errors:
 
         reference = self.reference
         if isinstance(error, GatedRepoError):
-            raise InputError(f"{reference}: gated model on the Hugging Face Hub; accept its terms and log in "
-                             "(huggingface-cli login)") from None
+            raise InputError(
+                f"{reference}: gated model on the Hugging Face Hub; accept its terms and log in (huggingface-cli login)"
+            ) from None
         if isinstance(error, RevisionNotFoundError):
             raise InputError(f"{reference}: the Hugging Face Hub has no revision {self.revision!r}") from None
         if isinstance(error, RepositoryNotFoundError):
@@ -223,13 +255,19 @@ class hub_errors:
         if isinstance(error, LocalEntryNotFoundError):
             cached = cached_refs(split_hub_id(reference)[0])
             if constants.HF_HUB_OFFLINE and self.revision and cached:
-                raise InputError(f"{reference}: revision {self.revision!r} is not in the Hugging Face cache (which holds "
-                                 f"{', '.join(cached)}) and HF_HUB_OFFLINE=1; download it once online") from None
+                raise InputError(
+                    f"{reference}: revision {self.revision!r} is not in the Hugging Face cache (which holds "
+                    f"{', '.join(cached)}) and HF_HUB_OFFLINE=1; download it once online"
+                ) from None
             if constants.HF_HUB_OFFLINE:
-                raise InputError(f"{reference}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                                 "HF_HUB_OFFLINE=1; download it once online") from None
-            raise InputError(f"{reference}: no such folder, and the Hugging Face Hub cannot be reached "
-                             "(set HF_HUB_OFFLINE=1 to use the cache)") from None
+                raise InputError(
+                    f"{reference}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                    "HF_HUB_OFFLINE=1; download it once online"
+                ) from None
+            raise InputError(
+                f"{reference}: no such folder, and the Hugging Face Hub cannot be reached "
+                "(set HF_HUB_OFFLINE=1 to use the cache)"
+            ) from None
         if isinstance(error, HfHubHTTPError):
             raise InputError(f"{reference}: the Hugging Face Hub refused it ({str(error).splitlines()[0]})") from None
         return False

@@ -27,8 +27,11 @@ def content_identity(path: str | Path) -> str:
     folder, names = (path, sorted(os.listdir(path))) if path.is_dir() else (path.parent, [path.name])
     digest = hashlib.sha256()
     for name in names:
-        if not (name.endswith(WEIGHT_SUFFIXES) or name in (INDEX_FILE, "config.json")) \
-                or name.startswith("adapter_") or not is_regular_inside(folder / name, folder):
+        if (
+            not (name.endswith(WEIGHT_SUFFIXES) or name in (INDEX_FILE, "config.json"))
+            or name.startswith("adapter_")
+            or not is_regular_inside(folder / name, folder)
+        ):
             continue
         with open_regular(folder / name) as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -41,8 +44,9 @@ def content_identity(path: str | Path) -> str:
             digest.update(header)
             start = len(header)
             for index in range(CONTENT_SAMPLES if size > start else 0):
-                digest.update(os.pread(handle.fileno(), CONTENT_BLOCK,
-                                       start + (size - start) * index // CONTENT_SAMPLES))
+                digest.update(
+                    os.pread(handle.fileno(), CONTENT_BLOCK, start + (size - start) * index // CONTENT_SAMPLES)
+                )
     return digest.hexdigest()
 
 
@@ -50,9 +54,14 @@ def inner_models_hint(folder: Path) -> str:
     """Where a folder holds no weights but its subfolders do (PEFT saves an adapter named other than "default" in
     `NAME/`; a repository may keep several models): which ones to name instead, read by file names alone."""
     marks = (SINGLE_FILE, INDEX_FILE, "adapter_config.json")
-    inner = [child.name for child in sorted(folder.iterdir())
-             if child.is_dir() and any((child / mark).is_file() for mark in marks)]
+    inner = [
+        child.name
+        for child in sorted(folder.iterdir())
+        if child.is_dir() and any((child / mark).is_file() for mark in marks)
+    ]
     if not inner:
         return ""
-    shown = ", ".join(str(folder / name) for name in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+    shown = ", ".join(str(folder / name) for name in inner[:3]) + (
+        f" and {len(inner) - 3} more" if len(inner) > 3 else ""
+    )
     return f"; its subfolders hold {shown}: name one of them"

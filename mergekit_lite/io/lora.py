@@ -33,7 +33,9 @@ PEFT_PREFIX = "base_model.model."
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's default, which PEFT applies when a config omits lora_alpha
 
 LINEAR_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
-LORA_BIAS = re.compile(r"^(?P<module>.+)\.lora_B(?:\.[^.]+)?\.bias$")  # lora_bias: B's own bias, merged into the layer's
+LORA_BIAS = re.compile(
+    r"^(?P<module>.+)\.lora_B(?:\.[^.]+)?\.bias$"
+)  # lora_bias: B's own bias, merged into the layer's
 EMBEDDING_FACTOR = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<side>[AB])(?:\.[^.]+)?$")
 SAVED_MODULE_INFIX = re.compile(r"\.modules_to_save(?:\.[^.]+)?\.")
 BASE_LAYER_INFIX = ".base_layer."
@@ -53,7 +55,7 @@ REFUSED_OPTIONS = {
     "layer_replication": "layer_replication duplicates base layers, so the merged model has more layers than the base",
     "use_qalora": "QALoRA pools inputs in groups, so B@A does not have the base weight's shape",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) only acts after its invocation tokens appear; "
-                               "it cannot be merged into the weights (PEFT refuses to merge it too)",
+    "it cannot be merged into the weights (PEFT refuses to merge it too)",
     "megatron_config": "megatron_config builds tensor-parallel LoRA layers whose factors may be sharded",
     "use_bdlora": "BD-LoRA (use_bdlora) stores block-diagonal factors",
     "arrow_config": "Arrow (arrow_config) routes each token among several LoRA experts; there is no single update",
@@ -128,17 +130,21 @@ def refusal_reason(config: dict) -> str | None:
     init = config.get("init_lora_weights", True)
     if init not in PLAIN_INITS:
         if isinstance(init, str) and init.startswith(RESIDUAL_INITS):
-            return (f"init_lora_weights={init!r} trains the adapter on a residual base (PEFT rewrites W to "
-                    "W - scaling*B0@A0 at init), so adding it to the original base is wrong; re-save it with "
-                    "save_pretrained(path_initial_model_for_weight_conversion=...) to get a plain LoRA")
+            return (
+                f"init_lora_weights={init!r} trains the adapter on a residual base (PEFT rewrites W to "
+                "W - scaling*B0@A0 at init), so adding it to the original base is wrong; re-save it with "
+                "save_pretrained(path_initial_model_for_weight_conversion=...) to get a plain LoRA"
+            )
         return f"init_lora_weights={init!r} is not a plain LoRA initialisation this reader knows"
     for option, why in REFUSED_OPTIONS.items():
         if not _is_default_like(config.get(option)):
             return why
     for option in sorted(set(config) - set(AdapterConfigSchema.model_fields)):
         if not _is_default_like(config[option]):
-            return (f"unknown option {option}={config[option]!r}: it is not one this reader knows, so how it changes "
-                    "the weights is unknown (an adapter from a newer PEFT?)")
+            return (
+                f"unknown option {option}={config[option]!r}: it is not one this reader knows, so how it changes "
+                "the weights is unknown (an adapter from a newer PEFT?)"
+            )
     return None
 
 
@@ -224,11 +230,16 @@ def _check_patterns(config: dict, path: Path) -> None:
     """The options PEFT reads as regular expressions (rank/alpha_pattern keys, a target_modules or exclude_modules
     string, layers_pattern) must compile: a broken one is the adapter's fault, said in one line."""
     patterns = [(option, key) for option in ("rank_pattern", "alpha_pattern") for key in config.get(option) or {}]
-    patterns += [(option, config[option]) for option in ("target_modules", "exclude_modules")
-                 if isinstance(config.get(option), str)]
+    patterns += [
+        (option, config[option])
+        for option in ("target_modules", "exclude_modules")
+        if isinstance(config.get(option), str)
+    ]
     layers_pattern = config.get("layers_pattern")
-    patterns += [("layers_pattern", pattern) for pattern in
-                 ([layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or [])]
+    patterns += [
+        ("layers_pattern", pattern)
+        for pattern in ([layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or [])
+    ]
     for option, pattern in patterns:
         check_pattern(pattern, f"{path}: {option}: ")
 
@@ -242,8 +253,10 @@ def _open_weights(folder: Path, allow_pickle: bool) -> _TensorFile:
         raise InputError(f"{folder}: no {SAFETENSORS_FILE}")
     require_regular_inside(pickle_path, folder)
     if not allow_pickle:
-        raise InputError(f"{pickle_path}: pickle weights can run code when loaded; refused "
-                         "(convert to safetensors, or pass --allow-pickle)")
+        raise InputError(
+            f"{pickle_path}: pickle weights can run code when loaded; refused "
+            "(convert to safetensors, or pass --allow-pickle)"
+        )
     try:
         tensors = torch.load(pickle_path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a bad or unsafe pickle
@@ -270,7 +283,7 @@ def _scaling(config: dict, module: str) -> tuple[int, float]:
 
 
 def _strip_prefix(key: str) -> str:
-    return key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+    return key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else key
 
 
 def _classify_keys(weights: _TensorFile) -> tuple[dict[str, dict[str, str]], set[str], dict[str, str]]:
@@ -286,7 +299,9 @@ def _classify_keys(weights: _TensorFile) -> tuple[dict[str, dict[str, str]], set
             side = "bias" if match.re is LORA_BIAS else match["side"]
             module_sides = sides.setdefault(match["module"], {})
             if side in module_sides:
-                raise InputError(f"{weights.path}: two lora_{side} tensors for {match['module']} (several adapters in one file?)")
+                raise InputError(
+                    f"{weights.path}: two lora_{side} tensors for {match['module']} (several adapters in one file?)"
+                )
             module_sides[side] = key
             if match.re is EMBEDDING_FACTOR:
                 embeddings.add(match["module"])
@@ -297,8 +312,9 @@ def _classify_keys(weights: _TensorFile) -> tuple[dict[str, dict[str, str]], set
     return sides, embeddings, full_tensors
 
 
-def _module_factors(weights: _TensorFile, config: dict, sides: dict[str, dict[str, str]],
-                    embeddings: set[str]) -> tuple[dict[str, _Factors], dict[str, float]]:
+def _module_factors(
+    weights: _TensorFile, config: dict, sides: dict[str, dict[str, str]], embeddings: set[str]
+) -> tuple[dict[str, _Factors], dict[str, float]]:
     """Factors and scaling per base weight name; every module needs both A and B at the config's rank, and a
     lora_B bias only where the config says lora_bias (PEFT's lora_B has no bias otherwise: it would drop it)."""
     factors, scaling = {}, {}
@@ -307,8 +323,10 @@ def _module_factors(weights: _TensorFile, config: dict, sides: dict[str, dict[st
         if missing:
             raise InputError(f"{weights.path}: {module} has no lora_{missing.pop()} tensor")
         if "bias" in module_sides and not config.get("lora_bias"):
-            raise InputError(f"{weights.path}: {module} has a lora_B bias but the config does not set lora_bias "
-                             "(PEFT would leave it out of the model)")
+            raise InputError(
+                f"{weights.path}: {module} has a lora_B bias but the config does not set lora_bias "
+                "(PEFT would leave it out of the model)"
+            )
         factor = _Factors(module_sides["A"], module_sides["B"], module in embeddings, module_sides.get("bias"))
         rank, scaling[f"{module}.weight"] = _scaling(config, module)
         _check_factor_shapes(weights, module, factor, rank)
@@ -320,8 +338,9 @@ def _bias_name(weight_name: str) -> str:
     return weight_name.removesuffix(".weight") + ".bias"
 
 
-def _full_tensor_roles(weights: _TensorFile, full_tensors: dict[str, str],
-                       factors: dict[str, _Factors]) -> tuple[dict[str, str], dict[str, str]]:
+def _full_tensor_roles(
+    weights: _TensorFile, full_tensors: dict[str, str], factors: dict[str, _Factors]
+) -> tuple[dict[str, str], dict[str, str]]:
     """Split full tensors into replacements and untouched copies of a targeted module's base weight."""
     replacements, base_copies = {}, {}
     for name, key in full_tensors.items():
@@ -360,8 +379,10 @@ def _check_layers(config: dict, names: list[str], path: Path) -> None:
     left_out = sorted(name for name in names if not peft_transforms(config, name))
     if left_out:
         shown = ", ".join(left_out[:3]) + (f" (+{len(left_out) - 3} more)" if len(left_out) > 3 else "")
-        raise InputError(f"{path}: LoRA tensors for {len(left_out)} modules in layers that layers_to_transform "
-                         f"{config.get('layers_to_transform')!r} leaves out (PEFT would not load them): {shown}")
+        raise InputError(
+            f"{path}: LoRA tensors for {len(left_out)} modules in layers that layers_to_transform "
+            f"{config.get('layers_to_transform')!r} leaves out (PEFT would not load them): {shown}"
+        )
 
 
 @dataclass
@@ -383,7 +404,7 @@ class LoraAdapter:
         return (Path(path) / CONFIG_FILE).is_file()
 
     @classmethod
-    def open(cls, path, allow_pickle: bool = False) -> "LoraAdapter":
+    def open(cls, path, allow_pickle: bool = False) -> LoraAdapter:
         """Read config and tensor index (no factor data yet); refuse what would merge wrongly."""
         folder = Path(path)
         if not folder.is_dir():
@@ -476,14 +497,19 @@ def _check_factor_shapes(weights: _TensorFile, module: str, factor: _Factors, ra
     """A and B must be 2-D, agree on the rank, and that rank must be the config's (else scaling is wrong)."""
     a_shape, b_shape = weights.shape(factor.a_key), weights.shape(factor.b_key)
     if 0 in a_shape + b_shape:
-        raise InputError(f"{weights.path}: {module} has empty LoRA factors A{list(a_shape)} and B{list(b_shape)}: saved "
-                         "under DeepSpeed ZeRO-3 without gathering the partitioned parameters (re-save with the "
-                         "gathered state dict, e.g. stage3_gather_16bit_weights_on_model_save)")
+        raise InputError(
+            f"{weights.path}: {module} has empty LoRA factors A{list(a_shape)} and B{list(b_shape)}: saved "
+            "under DeepSpeed ZeRO-3 without gathering the partitioned parameters (re-save with the "
+            "gathered state dict, e.g. stage3_gather_16bit_weights_on_model_save)"
+        )
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
         raise InputError(f"{weights.path}: {module} has mismatched LoRA factors A{list(a_shape)} and B{list(b_shape)}")
     if factor.bias_key and weights.shape(factor.bias_key) != (b_shape[0],):
-        raise InputError(f"{weights.path}: {module} has a lora_B bias of shape {list(weights.shape(factor.bias_key))} "
-                         f"for B{list(b_shape)}")
+        raise InputError(
+            f"{weights.path}: {module} has a lora_B bias of shape {list(weights.shape(factor.bias_key))} "
+            f"for B{list(b_shape)}"
+        )
     if a_shape[0] != rank:
-        raise InputError(f"{weights.path}: {module} has rank {a_shape[0]} but the config says r={rank} "
-                         "(rank_pattern missing?)")
+        raise InputError(
+            f"{weights.path}: {module} has rank {a_shape[0]} but the config says r={rank} (rank_pattern missing?)"
+        )

@@ -84,8 +84,12 @@ class ModelCard:
     sections: list[tuple[str, str]] = field(default_factory=list)
 
     def front_matter(self) -> dict:
-        data = {"base_model": list(dict.fromkeys(self.bases)), "base_model_relation": self.relation,
-                "library_name": "transformers", "tags": TAGS}
+        data = {
+            "base_model": list(dict.fromkeys(self.bases)),
+            "base_model_relation": self.relation,
+            "library_name": "transformers",
+            "tags": TAGS,
+        }
         if self.licenses:
             data["license"] = self.licenses[0] if len(self.licenses) == 1 else "other"
             if len(self.licenses) > 1:
@@ -95,17 +99,32 @@ class ModelCard:
     def render(self) -> str:
         what = "merge" if self.relation == "merge" else "LoRA adapter extracted"
         front_matter = yaml.safe_dump(self.front_matter(), sort_keys=False, width=math.inf)  # never folded
-        lines = ["---", front_matter.rstrip(), "---", "", f"# {what} made with mergekit-lite", "",
-                 f"Method: {_code(self.method)}, from: " + ", ".join(map(_code, dict.fromkeys(self.bases))), ""]
+        lines = [
+            "---",
+            front_matter.rstrip(),
+            "---",
+            "",
+            f"# {what} made with mergekit-lite",
+            "",
+            f"Method: {_code(self.method)}, from: " + ", ".join(map(_code, dict.fromkeys(self.bases))),
+            "",
+        ]
         if self.parameters:
-            lines += ["## Parameters", "", *(f"- {_code(key)}: {_code(value)}" for key, value in self.parameters.items()),
-                      ""]
+            lines += [
+                "## Parameters",
+                "",
+                *(f"- {_code(key)}: {_code(value)}" for key, value in self.parameters.items()),
+                "",
+            ]
         if self.licenses:
             lines += ["## Licenses", "", "The inputs' cards declare: " + ", ".join(map(_text, self.licenses)) + ".", ""]
         if self.audits:
             lines += ["## Adapter audits", "", "| adapter | verdict | reasons |", "|---|---|---|"]
-            lines += [f"| {_cell(_code(a['adapter']))} | {_text(a['verdict'])} | "
-                      f"{_cell(_text('; '.join(a['reasons']) or '-'))} |" for a in self.audits]
+            lines += [
+                f"| {_cell(_code(a['adapter']))} | {_text(a['verdict'])} | "
+                f"{_cell(_text('; '.join(a['reasons']) or '-'))} |"
+                for a in self.audits
+            ]
             lines.append("")
         for title, text in self.sections:
             lines += [f"## {title}", "", text.rstrip(), ""]
@@ -156,13 +175,17 @@ def selection_section(alpha: float, scores: list[dict], tied: list[float] | None
     """The section a sweep's --save-best adds: the pick and every point's scores with their intervals. `scores`: one
     {"label", "old", "new", "harmonic_mean"} per point, each value a number, plus optional "intervals": {name: [lo,
     hi]}."""
+
     def shown(point: dict, name: str) -> str:
         interval = (point.get("intervals") or {}).get(name)
         value = f"{point[name]:.4f}"
         return f"{value} [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else value
 
-    lines = [f"The sweep picked alpha = {alpha:g} (highest harmonic mean of old and new skills on the selection "
-             "split; intervals on the report split).", ""]
+    lines = [
+        f"The sweep picked alpha = {alpha:g} (highest harmonic mean of old and new skills on the selection "
+        "split; intervals on the report split).",
+        "",
+    ]
     if tied:
         lines += [f"Alphas the report split cannot tell from the pick: {', '.join(f'{a:g}' for a in tied)}.", ""]
     lines += ["| point | old | new | harmonic mean |", "|---|---|---|---|"]

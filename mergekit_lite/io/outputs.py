@@ -19,10 +19,10 @@ import json
 import os
 import shutil
 import stat
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
@@ -64,8 +64,10 @@ def _entries(folder: Path) -> dict[str, int | None]:
 def record_output(folder: Path) -> None:
     """Write the marker as the manifest of what mergekit-lite wrote in `folder` (each file with its size), so
     --overwrite can later tell our files from any a user put beside them."""
-    manifest = {"written_by": "mergekit-lite; --overwrite may replace this folder while it holds only these files",
-                "files": _entries(folder)}
+    manifest = {
+        "written_by": "mergekit-lite; --overwrite may replace this folder while it holds only these files",
+        "files": _entries(folder),
+    }
     (Path(folder) / OUTPUT_MARKER).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
@@ -115,17 +117,22 @@ def _refuse_existing(out: Path, overwrite: bool) -> None:
     if not out.exists():
         return
     if not written_by_us(out):
-        raise InputError(f"{out}: already exists and was not written by mergekit-lite (no {OUTPUT_MARKER}); "
-                         "--overwrite replaces only mergekit-lite outputs, choose a new folder")
+        raise InputError(
+            f"{out}: already exists and was not written by mergekit-lite (no {OUTPUT_MARKER}); "
+            "--overwrite replaces only mergekit-lite outputs, choose a new folder"
+        )
     if not overwrite:
         raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
     if foreign := foreign_files(out):
-        raise InputError(f"{out}: holds files mergekit-lite did not write there ({_named(foreign)}); --overwrite "
-                         "replaces only a folder holding nothing but a mergekit-lite output, choose a new folder")
+        raise InputError(
+            f"{out}: holds files mergekit-lite did not write there ({_named(foreign)}); --overwrite "
+            "replaces only a folder holding nothing but a mergekit-lite output, choose a new folder"
+        )
 
 
-def check_output_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
-                        overwrite: bool = False) -> Path:
+def check_output_folder(
+    out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (), overwrite: bool = False
+) -> Path:
     """All the output rules that can be checked before any work: where `out` is, and what is there now."""
     out = check_output_path(out, inputs)
     _refuse_existing(out, overwrite)
@@ -170,8 +177,10 @@ def rename_no_clobber(source: Path, target: Path) -> None:
         return
     except OSError as error:
         if error.errno == errno.EEXIST:
-            raise InputError(f"{target}: appeared while this run was writing (another run?); "
-                             "left it untouched, this run's result is discarded") from None
+            raise InputError(
+                f"{target}: appeared while this run was writing (another run?); "
+                "left it untouched, this run's result is discarded"
+            ) from None
         if error.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
             raise
     # No renameat2 (old kernel, macOS, some network filesystems): link-free fallback that still never
@@ -201,8 +210,9 @@ def _replace_own_output(temp: Path, out: Path) -> None:
 
 
 @contextmanager
-def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False,
-                      inputs: Iterable[str | os.PathLike | None] = ()) -> Iterator[Path]:
+def atomic_output_dir(
+    out: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike | None] = ()
+) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; rename it to `out` only if the block finishes.
 
     A failed or interrupted run removes its temporary folder; a killed one (SIGKILL) leaves a
@@ -233,8 +243,11 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False,
             raise
 
 
-def check_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
-                     own: Callable[[str], bool] = lambda name: True) -> Path:
+def check_run_folder(
+    out: str | os.PathLike,
+    inputs: Iterable[str | os.PathLike | None] = (),
+    own: Callable[[str], bool] = lambda name: True,
+) -> Path:
     """The rules of a run folder (sweep, demo) that later runs resume, checked without writing anything: it must
     be new, empty, or one mergekit-lite made that holds nothing but entries `own` recognises (relative paths) as
     what the run writes there, and no link, FIFO or device anywhere (empty folders of its own are fine)."""
@@ -242,17 +255,29 @@ def check_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike 
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise InputError(f"{out}: exists and is not a folder; choose a new run folder")
     if out.is_dir() and any(out.iterdir()) and not written_by_us(out):
-        raise InputError(f"{out}: is a non-empty folder that mergekit-lite did not create (no {OUTPUT_MARKER}); "
-                         "choose a new or empty run folder")
-    if out.is_dir() and (foreign := sorted(name for name, size in _entries(out).items()
-                                           if not own(name.rstrip("/")) or (size is None and name[-1] != "/"))):
-        raise InputError(f"{out}: holds files a run does not write ({_named(foreign)}); a run folder holds only "
-                         "its own files, choose a new run folder or move them")
+        raise InputError(
+            f"{out}: is a non-empty folder that mergekit-lite did not create (no {OUTPUT_MARKER}); "
+            "choose a new or empty run folder"
+        )
+    if out.is_dir() and (
+        foreign := sorted(
+            name
+            for name, size in _entries(out).items()
+            if not own(name.rstrip("/")) or (size is None and name[-1] != "/")
+        )
+    ):
+        raise InputError(
+            f"{out}: holds files a run does not write ({_named(foreign)}); a run folder holds only "
+            "its own files, choose a new run folder or move them"
+        )
     return out
 
 
-def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
-                       own: Callable[[str], bool] = lambda name: True) -> Path:
+def prepare_run_folder(
+    out: str | os.PathLike,
+    inputs: Iterable[str | os.PathLike | None] = (),
+    own: Callable[[str], bool] = lambda name: True,
+) -> Path:
     """`check_run_folder`, then the folder made (or kept) with the marker that lets later runs resume it."""
     out = check_run_folder(out, inputs, own)
     created = not out.exists()
@@ -268,9 +293,13 @@ def prepare_run_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLik
     return out
 
 
-def check_output_file(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
-                      recognise=lambda path: False, overwrite: bool = False,
-                      suffixes: Iterable[str] | None = None) -> Path:
+def check_output_file(
+    out: str | os.PathLike,
+    inputs: Iterable[str | os.PathLike | None] = (),
+    recognise=lambda path: False,
+    overwrite: bool = False,
+    suffixes: Iterable[str] | None = None,
+) -> Path:
     """A file output (e.g. a fingerprint): never an input or inside one's folder tree, in a folder that exists, with
     one of `suffixes` when the format follows the name, never replacing a file that `recognise` does not identify
     as mergekit-lite's own, or, with `overwrite`, that `write_files` did not write (`written_file`)."""
@@ -285,15 +314,18 @@ def check_output_file(out: str | os.PathLike, inputs: Iterable[str | os.PathLike
     if not out.absolute().parent.is_dir():
         raise InputError(f"{out}: {out.parent} is not an existing folder; create it first or write elsewhere")
     if suffixes is not None and out.suffix.lower().lstrip(".") not in suffixes:
-        raise InputError(f"{out}: cannot tell the format from {out.suffix or 'a name without a suffix'}; end the name "
-                         f"with one of .{', .'.join(sorted(suffixes))}")
+        raise InputError(
+            f"{out}: cannot tell the format from {out.suffix or 'a name without a suffix'}; end the name "
+            f"with one of .{', .'.join(sorted(suffixes))}"
+        )
     if os.path.lexists(out) and not (out.is_file() and not out.is_symlink() and recognise(out)):
         if overwrite and written_file(out):
             return out
         if written_file(out):
             raise InputError(f"{out}: already exists (mergekit-lite wrote it; pass --overwrite to replace it)")
-        raise InputError(f"{out}: already exists and is not a file mergekit-lite wrote (or it was changed since); "
-                         "not replacing it")
+        raise InputError(
+            f"{out}: already exists and is not a file mergekit-lite wrote (or it was changed since); not replacing it"
+        )
     return out
 
 
@@ -339,8 +371,10 @@ def write_files(files: dict[Path, str | Callable[[Path], None]], overwrite: bool
                 else:
                     rename_no_clobber(temp, path)
                     placed.append(path)
-                record = {"written_by": "mergekit-lite; --overwrite may replace this file while it is unchanged",
-                          "sha256": _digest(path)}
+                record = {
+                    "written_by": "mergekit-lite; --overwrite may replace this file while it is unchanged",
+                    "sha256": _digest(path),
+                }
                 write_atomic(_file_record(path), json.dumps(record) + "\n")
             placed.clear()
     finally:
@@ -395,8 +429,10 @@ class FreeSpace:
 
     def describe(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit: a merge is refused"
-        return (f"disk: output {self.needed / 1e6:.1f} MB, free {self.free / 1e6:.1f} MB where it goes "
-                f"({self.folder}): {verdict}")
+        return (
+            f"disk: output {self.needed / 1e6:.1f} MB, free {self.free / 1e6:.1f} MB where it goes "
+            f"({self.folder}): {verdict}"
+        )
 
 
 def free_space(folder: Path) -> int:
@@ -412,8 +448,10 @@ def check_free_space(out: str | os.PathLike, needed: int, refuse: bool = True) -
         folder = folder.parent
     space = FreeSpace(folder, free_space(folder), needed)
     if refuse and not space.fits:
-        raise InputError(f"{out}: the output needs {needed / 1e6:.1f} MB and {folder} has {space.free / 1e6:.1f} MB "
-                         "free; nothing was written")
+        raise InputError(
+            f"{out}: the output needs {needed / 1e6:.1f} MB and {folder} has {space.free / 1e6:.1f} MB "
+            "free; nothing was written"
+        )
     return space
 
 
@@ -449,8 +487,12 @@ def copy_side_files(source_folder: Path, out_folder: Path, tokenizer: bool = Tru
     if not source_folder.is_dir():
         return copied  # a bare .safetensors file has no side files
     for item in sorted(source_folder.iterdir()):
-        if item.name.endswith(WEIGHT_SUFFIXES) or item.name in (INDEX_FILE, OUTPUT_MARKER, CARD_FILE) \
-                or item.name.startswith("adapter_") or (not tokenizer and is_tokenizer_file(item.name)):
+        if (
+            item.name.endswith(WEIGHT_SUFFIXES)
+            or item.name in (INDEX_FILE, OUTPUT_MARKER, CARD_FILE)
+            or item.name.startswith("adapter_")
+            or (not tokenizer and is_tokenizer_file(item.name))
+        ):
             continue
         if _side_file(source_folder, item.name):
             _copy_file(item, out_folder)
@@ -459,8 +501,15 @@ def copy_side_files(source_folder: Path, out_folder: Path, tokenizer: bool = Tru
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-                   "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 

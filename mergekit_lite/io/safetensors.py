@@ -14,10 +14,11 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -122,8 +123,12 @@ def _header_entry(path: Path, name: str, info, data_start: int) -> TensorEntry:
     shape, offsets = info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(_whole(dim) for dim in shape):
         raise bad("shape must be a list of whole numbers >= 0")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(x) for x in offsets) \
-            or offsets[0] > offsets[1]:
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_whole(x) for x in offsets)
+        or offsets[0] > offsets[1]
+    ):
         raise bad("data_offsets must be [begin, end] with 0 <= begin <= end")
     nbytes = math.prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != nbytes:
@@ -144,7 +149,9 @@ def _check_layout(path: Path, entries: list[TensorEntry], data_start: int, size:
             raise InputError(f"{path}: corrupted safetensors header (tensor {entry.name[:200]!r} {what})")
         position += entry.nbytes
         if position > size:
-            raise InputError(f"{path}: truncated file (tensor {entry.name[:200]} ends at byte {position}, file has {size})")
+            raise InputError(
+                f"{path}: truncated file (tensor {entry.name[:200]} ends at byte {position}, file has {size})"
+            )
     if position != size:
         raise InputError(f"{path}: corrupted safetensors header ({size - position} bytes after the last tensor)")
 
@@ -210,8 +217,9 @@ class ModelSource:
             raise InputError(f"{entry.file}: truncated file (tensor {entry.name})") from None
         return _typed(torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset - start), entry, shape)
 
-    def _read(self, entry: TensorEntry, offset: int, nbytes: int, shape: tuple[int, ...],
-              into: torch.Tensor | None) -> torch.Tensor:
+    def _read(
+        self, entry: TensorEntry, offset: int, nbytes: int, shape: tuple[int, ...], into: torch.Tensor | None
+    ) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8) if into is None else into[:nbytes]
         if nbytes:
             if read_at(self._handle(entry.file), memoryview(buffer.numpy()), offset) != nbytes:
@@ -352,14 +360,18 @@ def open_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelSour
         for shard in shards:
             for name, entry in read_header(_weight_file(path, shard.name, path)).items():
                 if name in entries:
-                    raise InputError(f"{path}: tensor {name} is in both {entries[name].file.name} and {shard.name}, and there is no index")
+                    raise InputError(
+                        f"{path}: tensor {name} is in both {entries[name].file.name} and {shard.name}, and there is no index"
+                    )
                 entries[name] = entry
         return _nonempty(ModelSource(path, entries, config))
     pickles = sorted(path.glob("pytorch_model*.bin"))
     if pickles:
         if not allow_pickle:
-            raise InputError(f"{path}: only pickle weights ({pickles[0].name}); refusing to unpickle untrusted files "
-                             "(convert to safetensors, or pass --allow-pickle)")
+            raise InputError(
+                f"{path}: only pickle weights ({pickles[0].name}); refusing to unpickle untrusted files "
+                "(convert to safetensors, or pass --allow-pickle)"
+            )
         return _nonempty(PickleSource(path, [_weight_file(path, p.name, path) for p in pickles], config))
     raise InputError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE}){inner_models_hint(path)}")
 
@@ -400,8 +412,11 @@ def _header_bytes(tensors: Sequence[PlannedTensor]) -> bytes:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for tensor in tensors:
-        header[tensor.name] = {"dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
-                               "data_offsets": [offset, offset + tensor.nbytes]}
+        header[tensor.name] = {
+            "dtype": DTYPE_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
         offset += tensor.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -422,8 +437,9 @@ class ShardedWriter:
         self.folder = Path(folder)
         self.shards = split_into_shards(tensors, max_shard_bytes)
         count = len(self.shards)
-        self.file_names = [SINGLE_FILE] if count == 1 else [
-            f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        self.file_names = (
+            [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
         self._queue = [(shard_index, tensor) for shard_index, shard in enumerate(self.shards) for tensor in shard]
         self._position = 0
         self._rows_written = 0  # of the tensor at `_position`, when it comes in row slabs
@@ -434,12 +450,20 @@ class ShardedWriter:
         """Append the planned tensor `name`, whole or as its rows from `first_row` on (row slabs, in order)."""
         shard_index, planned = self._queue[self._position]
         shape = tuple(tensor.shape)
-        fits = shape == planned.shape if not planned.shape else (
-            shape[1:] == planned.shape[1:] and first_row == self._rows_written
-            and first_row + shape[0] <= planned.shape[0])
+        fits = (
+            shape == planned.shape
+            if not planned.shape
+            else (
+                shape[1:] == planned.shape[1:]
+                and first_row == self._rows_written
+                and first_row + shape[0] <= planned.shape[0]
+            )
+        )
         if name != planned.name or not fits or tensor.dtype != planned.dtype:
-            raise RuntimeError(f"writer expected {planned} from row {self._rows_written}, got {name} {shape} "
-                               f"{tensor.dtype} from row {first_row}")
+            raise RuntimeError(
+                f"writer expected {planned} from row {self._rows_written}, got {name} {shape} "
+                f"{tensor.dtype} from row {first_row}"
+            )
         with self._naming_failed_file():
             if shard_index != self._open_shard:
                 self._start_shard(shard_index)

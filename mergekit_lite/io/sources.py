@@ -34,6 +34,7 @@ class TensorSource(Protocol):
     def dtype(self, name: str) -> torch.dtype: ...
     def load(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor; a source may read it into `into` (a uint8 block of at least its bytes) instead of new memory."""
+
     def close(self) -> None:
         """Close the files read so far (a wrapper closes the source it reads through)."""
 
@@ -112,8 +113,9 @@ class AdapterSource:
         self._head = tied_head(base.config) if replaces_tied_head(adapter, base) else None
         missing = sorted(set(self._adapter_name) - set(base.names) - ({self._head[0]} if self._head else set()))
         if missing:
-            raise InputError(f"{adapter.path}: adapts {self._adapter_name[missing[0]]}, which the base {base.path} "
-                             f"does not have")
+            raise InputError(
+                f"{adapter.path}: adapts {self._adapter_name[missing[0]]}, which the base {base.path} does not have"
+            )
 
     @property
     def own_head(self) -> bool:
@@ -164,8 +166,10 @@ def open_model_reference(reference: str, allow_pickle: bool) -> TensorSource:
     if not lora:
         return open_model(reference, allow_pickle=allow_pickle)
     if not LoraAdapter.is_adapter_dir(lora[1]):
-        raise InputError(f"{reference}: {lora[1]} is not a LoRA adapter folder (no adapter_config.json), so it "
-                         f"cannot be applied to {lora[0]}")
+        raise InputError(
+            f"{reference}: {lora[1]} is not a LoRA adapter folder (no adapter_config.json), so it "
+            f"cannot be applied to {lora[0]}"
+        )
     host = open_model(lora[0], allow_pickle=allow_pickle)
     return AdapterSource(LoraAdapter.open(lora[1], allow_pickle=allow_pickle), host)
 
@@ -199,7 +203,9 @@ def check_architectures(sources: list[TensorSource]) -> None:
         described = [(path, value) for path, value in described if value]
         for path, value in described[1:]:
             if value != described[0][1]:
-                raise InputError(f"different architectures: {described[0][0]} has {key} {described[0][1]}, {path} has {value}")
+                raise InputError(
+                    f"different architectures: {described[0][0]} has {key} {described[0][1]}, {path} has {value}"
+                )
 
 
 def align(reference: TensorSource, source: TensorSource) -> TensorSource:
@@ -233,7 +239,7 @@ def _candidate_maps(reference_names: list[str], source: TensorSource, tied: dict
     a reference tensor the source does not store read from the one it is tied to (`tied`, source names)."""
     have = set(source.names)
     for prefix in ("", *KNOWN_PREFIXES):
-        for rename in (lambda n, p=prefix: p + n, lambda n, p=prefix: n[len(p):] if n.startswith(p) else None):
+        for rename in (lambda n, p=prefix: p + n, lambda n, p=prefix: n[len(p) :] if n.startswith(p) else None):
             name_map = {}
             for name in reference_names:
                 actual = rename(name)

@@ -44,8 +44,14 @@ def is_regular_inside(path: Path, folder: Path) -> bool:
         return False
     real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
     roots = [root]
-    snapshot = next((folder for folder in (root, *root.parents) if folder.parent.name == "snapshots"
-                     and folder.parent.parent.name.startswith(HUB_CACHE_REPO_PREFIXES)), None)
+    snapshot = next(
+        (
+            folder
+            for folder in (root, *root.parents)
+            if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith(HUB_CACHE_REPO_PREFIXES)
+        ),
+        None,
+    )
     if snapshot is not None:
         roots.append(snapshot.parent.parent / "blobs")
     return any(real == allowed or allowed in real.parents for allowed in roots)
@@ -65,8 +71,9 @@ def require_regular(path: str | Path, what: str = "file") -> Path:
     try:
         mode = os.stat(path).st_mode
     except OSError as error:
-        raise InputError(f"{path}: no such {what}" if error.errno == errno.ENOENT
-                         else f"{path}: cannot read ({error.strerror})") from None
+        raise InputError(
+            f"{path}: no such {what}" if error.errno == errno.ENOENT else f"{path}: cannot read ({error.strerror})"
+        ) from None
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
         raise InputError(f"{path}: not a regular file ({kind}); give a {what}")
@@ -182,7 +189,8 @@ class _LimitedLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, typing.Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {str(key)[:80]!r} at line {key_node.start_mark.line + 1}")
+                    None, None, f"duplicate key {str(key)[:80]!r} at line {key_node.start_mark.line + 1}"
+                )
             seen.add(key) if isinstance(key, typing.Hashable) else None
         return super().construct_mapping(node, deep)
 
@@ -194,8 +202,10 @@ def parse_yaml(text: str, where: str | Path) -> Any:
         if node is None:
             return None
         if _expanded_size(node, {}) > MAX_YAML_NODES:
-            raise InputError(f"{where}: YAML expands to more than {MAX_YAML_NODES} values through its aliases "
-                             "(an anchor bomb?); write the values out")
+            raise InputError(
+                f"{where}: YAML expands to more than {MAX_YAML_NODES} values through its aliases "
+                "(an anchor bomb?); write the values out"
+            )
         data = loader.construct_document(node)
     except RecursionError:
         raise InputError(f"{where}: nested too deeply (more than {MAX_DEPTH} levels)") from None
@@ -216,8 +226,9 @@ def _expanded_size(node: yaml.Node, memo: dict[int, int], depth: int = 0) -> int
     if isinstance(node, yaml.SequenceNode):
         size = 1 + sum(_expanded_size(child, memo, depth + 1) for child in node.value)
     elif isinstance(node, yaml.MappingNode):
-        size = 1 + sum(_expanded_size(key, memo, depth + 1) + _expanded_size(value, memo, depth + 1)
-                       for key, value in node.value)
+        size = 1 + sum(
+            _expanded_size(key, memo, depth + 1) + _expanded_size(value, memo, depth + 1) for key, value in node.value
+        )
     else:
         size = 1
     memo[id(node)] = size
@@ -245,8 +256,15 @@ def validate(model: type[Model], data: Any, where: str | Path) -> Model:
 
 def _json_type(value: Any) -> str:
     """The type of a parsed value in the file's own terms (a quoted "false" is a string)."""
-    names = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
+    names = {
+        dict: "a mapping",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -257,11 +275,21 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         value = text
     else:
-        units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+        units = {
+            "": 1,
+            "B": 1,
+            "KB": 10**3,
+            "MB": 10**6,
+            "GB": 10**9,
+            "TB": 10**12,
+            "KIB": 2**10,
+            "MIB": 2**20,
+            "GIB": 2**30,
+            "TIB": 2**40,
+        }
         cleaned = text.strip().upper().replace(" ", "")
         number = cleaned.rstrip("KMGTIB")
-        unit = cleaned[len(number):]
+        unit = cleaned[len(number) :]
         try:
             value = int(float(number) * units[unit])
         except (ValueError, KeyError, OverflowError):

@@ -30,8 +30,16 @@ from mergekit_lite.merge import methods
 from mergekit_lite.merge.methods.registry import Method, did_you_mean
 from mergekit_lite.merge.methods.task_vectors import DARE_MASK_VERSION
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
 TOKENIZER_SOURCES = ("base", "union")
 
 
@@ -145,7 +153,7 @@ class MergeConfig:
         """The registered method this config merges with."""
         return methods.method(self.method)
 
-    def with_parameter(self, name: str, value: Any) -> "MergeConfig":
+    def with_parameter(self, name: str, value: Any) -> MergeConfig:
         """A copy with one global parameter set (what a sweep varies)."""
         copied = copy.deepcopy(self)
         return replace(copied, parameters={**copied.parameters, name: value})
@@ -153,8 +161,11 @@ class MergeConfig:
     def validate(self) -> None:
         method = self.merge_method
         if bool(self.models) == bool(self.slices):
-            raise InputError("no models to merge (give --model, or models: in the config)" if not self.slices
-                             else "give models: or slices:, not both")
+            raise InputError(
+                "no models to merge (give --model, or models: in the config)"
+                if not self.slices
+                else "give models: or slices:, not both"
+            )
         allowed = method.parameter_names
         self._check_parameters(self.parameters, allowed, "parameter", per_model=False)
         for spec in self.models:
@@ -179,8 +190,10 @@ class MergeConfig:
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise InputError(f"unknown device {self.device!r} (use cpu or cuda)")
         if self.chat_template and self.chat_template not in ("auto", "chatml") and "{" not in self.chat_template:
-            raise InputError(f"chat_template {self.chat_template!r}: give auto, chatml or a Jinja template "
-                             "(mergekit's other bundled template names are not included)")
+            raise InputError(
+                f"chat_template {self.chat_template!r}: give auto, chatml or a Jinja template "
+                "(mergekit's other bundled template names are not included)"
+            )
         if self.pad_to_multiple_of is not None and (self.pad_to_multiple_of < 1 or not self.tokenizer_source):
             raise InputError("tokenizer pad_to_multiple_of must be a positive integer, with a tokenizer source")
 
@@ -189,13 +202,21 @@ class MergeConfig:
         Called by the plan, so a config can be read and checked without fetching anything."""
         self.base = resolve_model(self.base) if self.base else None
         self.models = [ModelSpec(resolve_model(spec.path), spec.parameters) for spec in self.models]
-        self.slices = [Slice([SliceSource(resolve_model(s.model), s.layer_range, s.parameters) for s in part.sources],
-                             resolve_model(part.base) if part.base else None, part.parameters) for part in self.slices]
+        self.slices = [
+            Slice(
+                [SliceSource(resolve_model(s.model), s.layer_range, s.parameters) for s in part.sources],
+                resolve_model(part.base) if part.base else None,
+                part.parameters,
+            )
+            for part in self.slices
+        ]
         if self.copy_files_from and self.copy_files_from != "base":
             self.copy_files_from = resolve_model(self.copy_files_from)
             if os.path.exists(self.copy_files_from) and not os.path.isdir(self.copy_files_from):
-                raise InputError(f"{self.copy_files_from}: --copy-files-from takes a model folder (its config and "
-                                 "tokenizer files are copied), not a file")
+                raise InputError(
+                    f"{self.copy_files_from}: --copy-files-from takes a model folder (its config and "
+                    "tokenizer files are copied), not a file"
+                )
         if self.tokenizer_source and self.tokenizer_source not in TOKENIZER_SOURCES:
             self.tokenizer_source = resolve_model(self.tokenizer_source)
         for path in reference_paths(*self.inputs):
@@ -208,20 +229,31 @@ class MergeConfig:
     def unused_settings(self) -> list[str]:
         """Per-model settings of a parameter mergekit reads only from `parameters:` (lambda, normalize, ...):
         mergekit accepts them and ignores them, so mergekit_compat mode does too, and the plan says so."""
-        owners = [(f"model {spec.path}", spec.parameters) for spec in self.models] + \
-            [(f"base {self.base}", self.base_parameters)] + \
-            [(f"slices[{number}]: {source.model}", source.parameters)
-             for number, part in enumerate(self.slices) for source in part.sources]
-        return [f"{owner}: {name} has no effect per model (mergekit reads it from parameters: only)"
-                for owner, parameters in owners for name in parameters if name not in methods.PER_MODEL_PARAMETERS]
+        owners = (
+            [(f"model {spec.path}", spec.parameters) for spec in self.models]
+            + [(f"base {self.base}", self.base_parameters)]
+            + [
+                (f"slices[{number}]: {source.model}", source.parameters)
+                for number, part in enumerate(self.slices)
+                for source in part.sources
+            ]
+        )
+        return [
+            f"{owner}: {name} has no effect per model (mergekit reads it from parameters: only)"
+            for owner, parameters in owners
+            for name in parameters
+            if name not in methods.PER_MODEL_PARAMETERS
+        ]
 
     def _check_parameters(self, parameters: dict, allowed: set[str], where: str, per_model: bool) -> None:
         for name, value in parameters.items():
             if name not in allowed:
-                raise InputError(f"{where} {name!r} does not apply to method {self.method} "
-                                 f"(it takes {', '.join(sorted(allowed))}){did_you_mean(name, allowed)}"
-                                 if not per_model else
-                                 f"{where} {name!r} cannot be set per model for method {self.method}")
+                raise InputError(
+                    f"{where} {name!r} does not apply to method {self.method} "
+                    f"(it takes {', '.join(sorted(allowed))}){did_you_mean(name, allowed)}"
+                    if not per_model
+                    else f"{where} {name!r} cannot be set per model for method {self.method}"
+                )
             if per_model and name not in methods.PER_MODEL_PARAMETERS and not self.mergekit_compat:
                 raise InputError(f"{where} {name!r} cannot be set per model for method {self.method}")
             _check_value(self.merge_method.parameter(name), value)
@@ -234,23 +266,31 @@ class MergeConfig:
         for source in part.sources:
             start, end = source.layer_range
             if not 0 <= start < end:
-                raise InputError(f"{where}: {source.model}: layer_range {[start, end]} must be [start, end) "
-                                 "with 0 <= start < end")
+                raise InputError(
+                    f"{where}: {source.model}: layer_range {[start, end]} must be [start, end) with 0 <= start < end"
+                )
             if end - start != part.n_layers:
-                raise InputError(f"{where}: every source must give the same number of layers "
-                                 f"({part.n_layers} and {end - start})")
+                raise InputError(
+                    f"{where}: every source must give the same number of layers ({part.n_layers} and {end - start})"
+                )
             self._check_parameters(source.parameters, allowed, f"{where}: {source.model}: parameter", per_model=True)
 
     def _density_to_drop(self) -> None:
         """DARE's `density` is mergekit's keep share: stored as our `drop` = 1 - density (gradients and
         filters too, since interpolation commutes with 1 - x)."""
-        for parameters in [self.parameters, self.base_parameters, *(spec.parameters for spec in self.models),
-                           *(part.parameters for part in self.slices),
-                           *(source.parameters for part in self.slices for source in part.sources)]:
+        for parameters in [
+            self.parameters,
+            self.base_parameters,
+            *(spec.parameters for spec in self.models),
+            *(part.parameters for part in self.slices),
+            *(source.parameters for part in self.slices for source in part.sources),
+        ]:
             if "density" in parameters:
                 if "drop" in parameters:
-                    raise InputError(f"{self.method}: give density (the share kept, as in mergekit) or drop "
-                                     "(the share dropped), not both")
+                    raise InputError(
+                        f"{self.method}: give density (the share kept, as in mergekit) or drop "
+                        "(the share dropped), not both"
+                    )
                 parameters["drop"] = _complement(parameters.pop("density"))
 
     def to_dict(self) -> dict:
@@ -295,7 +335,11 @@ def _numbers_in(name: str, value: Any) -> list[float]:
         return [value]
     if isinstance(value, dict):
         return _numbers_in(name, [value])
-    if isinstance(value, list) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
         return list(value)
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         numbers = []
@@ -310,7 +354,9 @@ def _numbers_in(name: str, value: Any) -> list[float]:
                 raise InputError(f"parameter {name}: filter must be a string, got {entry['filter']!r}")
             numbers += _numbers_in(name, entry["value"])
         return numbers
-    raise InputError(f"parameter {name}: expected a number, a list of numbers, or a list of {{filter, value}}, got {value!r}")
+    raise InputError(
+        f"parameter {name}: expected a number, a list of numbers, or a list of {{filter, value}}, got {value!r}"
+    )
 
 
 def _complement(value: Any) -> Any:
@@ -338,8 +384,9 @@ def fall_through(*specs: Any) -> Any:
     return entries or None
 
 
-def resolve(name: str, value: Any, tensor_name: str, layer: int | None, n_layers: int,
-            mergekit_compat: bool = False) -> float | bool:
+def resolve(
+    name: str, value: Any, tensor_name: str, layer: int | None, n_layers: int, mergekit_compat: bool = False
+) -> float | bool:
     """The number a value spec gives for one tensor (see the module docstring for the forms).
 
     Layers sit at t = layer / (n_layers - 1) along a gradient. Embeddings take t = 0; the final norm and

@@ -57,6 +57,8 @@ IO_BYTES = 32 << 20  # enough that a shard's final sync is not most of the write
 REPEATS = 2  # the best of two timings: one is at times far off on a busy machine
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 WRITER_BYTES = 2 * STAGE_BYTES  # the writer's two direct-write stages (none where a filesystem refuses O_DIRECT)
+
+
 @dataclass
 class Rates:
     startup_s: float
@@ -112,15 +114,18 @@ class Estimate:
     device: str = "cpu"
 
     def describe(self, source: str) -> str:
-        note = "  (excludes RECALL's forward passes over the texts)" if REGISTRY[self.method].reads_recall_weights \
-            else ""
+        note = (
+            "  (excludes RECALL's forward passes over the texts)" if REGISTRY[self.method].reads_recall_weights else ""
+        )
         if self.device != "cpu":
             note += f"  (math at this CPU's rates, not {self.device}'s)"
-        return (f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + the longer of "
-                f"read {self.read_s:.1f} + math {self.math_s:.1f} and write {self.write_s:.1f}), peak RSS "
-                f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB, writer "
-                f"{self.writer_bytes / 1e6:.0f} MB){note}\n"
-                f"  rates: {source} (--calibrate measures them again, best on an idle machine)")
+        return (
+            f"estimate on this machine: wall {self.wall_s:.1f} s (start-up {self.startup_s:.1f} + the longer of "
+            f"read {self.read_s:.1f} + math {self.math_s:.1f} and write {self.write_s:.1f}), peak RSS "
+            f"{self.peak_rss / 1e6:.0f} MB (ring {self.ring_bytes / 1e6:.0f} MB, writer "
+            f"{self.writer_bytes / 1e6:.0f} MB){note}\n"
+            f"  rates: {source} (--calibrate measures them again, best on an idle machine)"
+        )
 
 
 def cache_file() -> Path:
@@ -137,16 +142,20 @@ def machine_key() -> str:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
-    return (f"{platform.node()}|{cpu}|{len(os.sched_getaffinity(0))} cores|{torch.get_num_threads()} threads|"
-            f"torch {torch.__version__}|mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}|"
-            f"kernels {'compiled' if tensor_math._kernels is not None else 'torch'}")
+    return (
+        f"{platform.node()}|{cpu}|{len(os.sched_getaffinity(0))} cores|{torch.get_num_threads()} threads|"
+        f"torch {torch.__version__}|mergekit-lite {mergekit_lite.__version__}|rates {RATES_FORMAT}|"
+        f"kernels {'compiled' if tensor_math._kernels is not None else 'torch'}"
+    )
 
 
-def load_rates(refresh: bool = False, say: Callable[[str], None] = lambda line: None,
-               methods: Iterable[str] = ()) -> tuple[Rates, str]:
+def load_rates(
+    refresh: bool = False, say: Callable[[str], None] = lambda line: None, methods: Iterable[str] = ()
+) -> tuple[Rates, str]:
     """This machine's rates for `methods` (default: all) from the cache, measured (and cached) when missing,
     unusable or when `refresh`; `say` gets a line before a measurement, and one saying why a cache that is there
     cannot be used. A dry run asks for its plan's method only, so it measures that one (seconds, not minutes)."""
@@ -159,8 +168,10 @@ def load_rates(refresh: bool = False, say: Callable[[str], None] = lambda line: 
     if rates is not None and wanted <= set(rates.math_ns_per_element):
         return rates, f"{path}, {_when(rates)}"
     missing = sorted(wanted - set(rates.math_ns_per_element) if rates else wanted)
-    say(f"measuring this machine's rates for {', '.join(missing) if methods else 'every method'} (a few seconds, "
-        "once; cached for the next dry runs)")
+    say(
+        f"measuring this machine's rates for {', '.join(missing) if methods else 'every method'} (a few seconds, "
+        "once; cached for the next dry runs)"
+    )
     rates = calibrate(missing, rates)
     entries = {**{machine: asdict(value) for machine, value in cached.items()}, key: asdict(rates)}
     try:
@@ -212,15 +223,26 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     method = plan.config.merge_method.same_math_as or plan.config.method
     merged = [step for step in plan.steps if step.action != "copy"]
     input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
-    math_s = sum(rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
-                 for step in merged)
+    math_s = sum(
+        rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9
+        for step in merged
+    )
     units = slabs.parts(plan)
     ring = slabs.ring_capacity(plan, units) + slabs.statistics_slab_bytes(plan, units)  # blocks read into, slab mapped
     working = max((_working_memory(rates, method, step) for step in merged), default=0)
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
-    return Estimate(plan.config.method, rates.startup_s + max(read_s + math_s, write_s), rates.startup_s, read_s,
-                    math_s, write_s, int(rates.startup_rss + ring + WRITER_BYTES + working), ring, WRITER_BYTES,
-                    plan.config.device)
+    return Estimate(
+        plan.config.method,
+        rates.startup_s + max(read_s + math_s, write_s),
+        rates.startup_s,
+        read_s,
+        math_s,
+        write_s,
+        int(rates.startup_rss + ring + WRITER_BYTES + working),
+        ring,
+        WRITER_BYTES,
+        plan.config.device,
+    )
 
 
 def _working_memory(rates: Rates, method: str, step) -> float:
@@ -239,10 +261,20 @@ def calibrate(methods: Iterable[str] = NAMES, known: Rates | None = None) -> Rat
     and working memory (the engine's merge_tensor on bf16 tensors of two sizes); other methods' rates come from
     `known` (an earlier measurement of this machine), whose start-up and I/O rates are measured again."""
     measured = {REGISTRY[method].same_math_as or method for method in methods}
-    tables = (known.math_ns_per_element, known.math_s_per_step, known.memory_bytes_per_element,
-              known.memory_peak_bytes, known.statistics_peak_bytes) if known else ({}, {}, {}, {}, {})
+    tables = (
+        (
+            known.math_ns_per_element,
+            known.math_s_per_step,
+            known.memory_bytes_per_element,
+            known.memory_peak_bytes,
+            known.statistics_peak_bytes,
+        )
+        if known
+        else ({}, {}, {}, {}, {})
+    )
     per_element, per_step, memory_per_element, memory_peak, statistics_peak = (
-        {name: value for name, value in table.items() if name not in measured} for table in tables)
+        {name: value for name, value in table.items() if name not in measured} for table in tables
+    )
     with tempfile.TemporaryDirectory(prefix="mergekit-lite-calibrate-") as scratch:
         folder = Path(scratch)
         startup_s, startup_rss = _startup()
@@ -265,20 +297,31 @@ def calibrate(methods: Iterable[str] = NAMES, known: Rates | None = None) -> Rat
             for table in (per_element, per_step, memory_per_element, memory_peak):
                 if declared.same_math_as in table:  # RECALL's math is linear's; its forward passes are not timed
                     table[alias] = table[declared.same_math_as]
-    return Rates(startup_s, startup_rss, read_rate, write_rate, per_element, per_step,
-                 memory_per_element, memory_peak, statistics_peak, time.strftime("%Y-%m-%d %H:%M:%S"),
-                 os.getloadavg()[0])
+    return Rates(
+        startup_s,
+        startup_rss,
+        read_rate,
+        write_rate,
+        per_element,
+        per_step,
+        memory_per_element,
+        memory_peak,
+        statistics_peak,
+        time.strftime("%Y-%m-%d %H:%M:%S"),
+        os.getloadavg()[0],
+    )
 
 
 def _startup() -> tuple[float, int]:
     """Wall time and RSS of a fresh interpreter that imports what a merge imports."""
-    script = ("import resource, mergekit_lite.merge.engine, mergekit_lite.cli.main; "
-              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    script = (
+        "import resource, mergekit_lite.merge.engine, mergekit_lite.cli.main; "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
     root = Path(mergekit_lite.__file__).resolve().parent.parent
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment,
-                            check=True)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, check=True)
     return time.perf_counter() - started, int(result.stdout.split()[-1])
 
 
@@ -326,15 +369,17 @@ def _merge_rates(method: str, size: int, folder: Path) -> tuple[float, int, int]
         paths.append(folder / f"m{index}.safetensors")
         save_file({TENSOR: tensor.to(torch.bfloat16)}, paths[-1])
     models = [str(path) for path in (paths[1:] if with_base else paths[:count])]
-    config = config_from_dict({"method": method, "base": str(paths[0]) if with_base else None,
-                               "models": models, "parameters": parameters})
+    config = config_from_dict(
+        {"method": method, "base": str(paths[0]) if with_base else None, "models": models, "parameters": parameters}
+    )
     with plan_merge(config) as plan:
         [step] = plan.steps
         tensors = [source.load(name) for source, name in plan.inputs_of(step)]
     out = torch.empty(step.shape, dtype=step.out_dtype)
     runs = [_measured(lambda: engine.merge_tensor(config, step, tensors, out)) for _ in range(REPEATS)]
-    statistics_peak = _measured(lambda: engine.tensor_statistics(config, step, tensors))[1] \
-        if REGISTRY[method].slab_statistics else 0
+    statistics_peak = (
+        _measured(lambda: engine.tensor_statistics(config, step, tensors))[1] if REGISTRY[method].slab_statistics else 0
+    )
     return min(seconds for seconds, _ in runs), runs[-1][1], statistics_peak
 
 

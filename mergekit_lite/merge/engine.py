@@ -8,10 +8,11 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy
 import torch
@@ -23,6 +24,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.buffers import BufferRing, reuse_freed_memory
 from mergekit_lite.io.hub import lora_host, reference_paths, split_lora_reference
 from mergekit_lite.io.lora import LoraAdapter
+from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, write_card
 from mergekit_lite.io.outputs import (
     atomic_output_dir,
     check_free_space,
@@ -30,7 +32,6 @@ from mergekit_lite.io.outputs import (
     copy_side_files,
     keep_post_trained_files,
 )
-from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, write_card
 from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource, adapter_of
 from mergekit_lite.merge import slabs
@@ -48,9 +49,14 @@ from mergekit_lite.merge.vocab import write_tokenizer
 from mergekit_lite.threads import torch_threads
 
 
-def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor],
-                 out: torch.Tensor | None = None, first_element: int = 0,
-                 statistics: list[float] | tuple[float, float] | None = None) -> torch.Tensor:
+def merge_tensor(
+    config: MergeConfig,
+    step: TensorStep,
+    tensors: list[torch.Tensor],
+    out: torch.Tensor | None = None,
+    first_element: int = 0,
+    statistics: list[float] | tuple[float, float] | None = None,
+) -> torch.Tensor:
     """Apply the method to one tensor's inputs (input 0 is the base where the method has one), into `out`.
     The inputs may be a row slab of the step's tensors (merge/slabs.py) starting at flat index `first_element`,
     with the `statistics` computed over the whole tensors (TIES's thresholds, SLERP's weights).
@@ -85,15 +91,21 @@ def merge_tensor(config: MergeConfig, step: TensorStep, tensors: list[torch.Tens
     return out
 
 
-def tensor_statistics(config: MergeConfig, step: TensorStep,
-                      tensors: list[torch.Tensor]) -> list[float] | tuple[float, float] | None:
+def tensor_statistics(
+    config: MergeConfig, step: TensorStep, tensors: list[torch.Tensor]
+) -> list[float] | tuple[float, float] | None:
     """What a chunked merge needs from the whole tensors before its first chunk (merge/slabs.py computes the same
     from slabs): SLERP's two weights, TIES's trim threshold per model; None for the other methods."""
     return config.merge_method.tensor_statistics(step.parameters, tensors)
 
 
-def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
-            sink_keeps_tensors: bool = False, in_slabs: bool = False) -> None:
+def execute(
+    plan: MergePlan,
+    sink: Callable[..., None],
+    progress: bool = False,
+    sink_keeps_tensors: bool = False,
+    in_slabs: bool = False,
+) -> None:
     """Stream every step: read its inputs, check them, merge (or copy), hand the result to `sink`.
 
     Three threads overlap: a reader fills the coming steps' inputs and checks them while step i is merged, and a
@@ -120,16 +132,21 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
     ring = BufferRing(slabs.ring_capacity(plan, units), pin=device.type == "cuda")
     decided: dict[str, bool] = {}  # a slabbed step's copy decision, from its first slab
     needs_statistics = config.merge_method.slab_statistics  # of the steps in slabs (a first slab: rows)
-    with interrupts.deferred(), \
-            tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar, \
-            ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as writer, \
-            ThreadPoolExecutor(max_workers=1) as statistician:
+    with (
+        interrupts.deferred(),
+        tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar,
+        ThreadPoolExecutor(max_workers=1) as reader,
+        ThreadPoolExecutor(max_workers=1) as writer,
+        ThreadPoolExecutor(max_workers=1) as statistician,
+    ):
         # the statistics of the steps in slabs that need them, in step order, as far ahead as the statistician gets
-        ahead = {part.step.name: statistician.submit(_decide_step, plan, part)
-                 for part in units if needs_statistics and part.rows is not None and part.rows[0] == 0}
+        ahead = {
+            part.step.name: statistician.submit(_decide_step, plan, part)
+            for part in units
+            if needs_statistics and part.rows is not None and part.rows[0] == 0
+        }
         # both queues are in step order, and the ring's blocks bound how far the reader runs ahead of the writer
-        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, ahead)
-                                     for part in units)
+        reads: deque[Future] = deque(reader.submit(_read_step, plan, part, ring, decided, ahead) for part in units)
         writes: deque[Future] = deque()
         write_failed = threading.Event()
         try:
@@ -140,8 +157,14 @@ def execute(plan: MergePlan, sink: Callable[..., None], progress: bool = False,
                 if copied:
                     merged = tensors[0].to(step.out_dtype)
                 else:
-                    merged = merge_tensor(config, step, [t.to(device, non_blocking=True) for t in tensors],
-                                          _output_slot(part, tensors[0], block), part.first_element, statistics)
+                    merged = merge_tensor(
+                        config,
+                        step,
+                        [t.to(device, non_blocking=True) for t in tensors],
+                        _output_slot(part, tensors[0], block),
+                        part.first_element,
+                        statistics,
+                    )
                 _wait_for(device)
                 del tensors
                 if sink_keeps_tensors and _within(merged, block):
@@ -197,8 +220,7 @@ def _decide_step(plan: MergePlan, part: slabs.Part):
         return slabs.decide(plan, part)
 
 
-def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, bool],
-               ahead: dict[str, Future]):
+def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dict[str, bool], ahead: dict[str, Future]):
     """The reader thread's job: one ring block holding every input of `part` (waits while the ring is full),
     whether its step is a plain copy (identical inputs), the inputs' finite check where the method needs it, and
     the step's statistics (TIES's thresholds, SLERP's weights; None for other methods): a step in slabs has them
@@ -237,7 +259,7 @@ def _output_slot(part: slabs.Part, first: torch.Tensor, block: torch.Tensor) -> 
     and the output dtype is no wider, else new host memory (e.g. a float32 output of bf16 inputs)."""
     out_dtype = part.step.out_dtype
     if first.data_ptr() == block.data_ptr() and out_dtype.itemsize <= first.dtype.itemsize:
-        return block[:part.nbytes].view(out_dtype).view(part.shape)
+        return block[: part.nbytes].view(out_dtype).view(part.shape)
     return torch.empty(part.shape, dtype=out_dtype)
 
 
@@ -245,8 +267,15 @@ def _within(tensor: torch.Tensor, block: torch.Tensor) -> bool:
     return block.data_ptr() <= tensor.data_ptr() < block.data_ptr() + max(block.numel(), 1)
 
 
-def _write_step(plan: MergePlan, part: slabs.Part, sink, merged: torch.Tensor, ring: BufferRing,
-                block: torch.Tensor, failed: threading.Event) -> None:
+def _write_step(
+    plan: MergePlan,
+    part: slabs.Part,
+    sink,
+    merged: torch.Tensor,
+    ring: BufferRing,
+    block: torch.Tensor,
+    failed: threading.Event,
+) -> None:
     """The writer thread's job: check the result (on one thread, beside the math) and hand it to `sink`; the
     step's ring block is free again once that is done. After a failed write or check the queued steps are skipped,
     so nothing more goes to a sink that broke before the merge stops."""
@@ -294,16 +323,19 @@ class _FiniteChecks:
         for (source, name), tensor in zip(self.inputs, tensors):
             if not all_finite(tensor):
                 where = source.entry(name).file if isinstance(source, ModelSource) else source.path
-                raise InputError(f"tensor {name} in {where} has NaN or Inf values "
-                                 f"(pass --allow-nonfinite to merge anyway)")
+                raise InputError(
+                    f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)"
+                )
 
     def of_result(self, merged: torch.Tensor) -> None:
         if all_finite(merged):
             return
         self.of_inputs([source.load(name) for source, name in self.inputs])
-        raise InputError(f"merged tensor {self.step.name} has NaN or Inf values (overflow in the merge or the "
-                         f"output dtype {str(merged.dtype).removeprefix('torch.')}; pass --allow-nonfinite to "
-                         f"write it anyway)")
+        raise InputError(
+            f"merged tensor {self.step.name} has NaN or Inf values (overflow in the merge or the "
+            f"output dtype {str(merged.dtype).removeprefix('torch.')}; pass --allow-nonfinite to "
+            f"write it anyway)"
+        )
 
 
 # The integer views of IEEE floats: signed, and its unsigned twin in numpy (torch has few unsigned kernels)
@@ -342,9 +374,16 @@ class MergeResult:
 AdapterGate = Callable[[str, MergeConfig], Any]
 
 
-def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, progress: bool = False,
-              gate: AdapterGate | None = None, card_sections: list[tuple[str, str]] = (), copy_tokenizer: bool = True,
-              model_card: bool = True) -> MergeResult:
+def run_merge(
+    config: MergeConfig,
+    out: str | Path,
+    overwrite: bool = False,
+    progress: bool = False,
+    gate: AdapterGate | None = None,
+    card_sections: list[tuple[str, str]] = (),
+    copy_tokenizer: bool = True,
+    model_card: bool = True,
+) -> MergeResult:
     """Plan and stream a merge into `out`, which appears only once complete, with its model card (README.md;
     `card_sections`: (title, markdown) a caller adds, e.g. a sweep's pick) unless not `model_card`, and the
     tokenizer files of the donor unless not `copy_tokenizer` (mergekit's flags). Adapters pass `gate` first
@@ -363,8 +402,9 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
         plan.close()
         raise
     with plan, atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
-        with ShardedWriter(folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps],
-                           config.out_shard_size) as writer:
+        with ShardedWriter(
+            folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps], config.out_shard_size
+        ) as writer:
             execute(plan, writer.write, progress=progress, in_slabs=True)
             writer.close()
         _write_side_files(plan, folder, copy_tokenizer)
@@ -374,8 +414,9 @@ def run_merge(config: MergeConfig, out: str | Path, overwrite: bool = False, pro
     return MergeResult(Path(out), plan, time.perf_counter() - started, files)
 
 
-def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None,
-                     gate: AdapterGate | None = None) -> dict[str, torch.Tensor]:
+def merge_state_dict(
+    config: MergeConfig, sources: list[TensorSource] | None = None, gate: AdapterGate | None = None
+) -> dict[str, torch.Tensor]:
     """The same merge, kept in memory: for models that fit, e.g. each point of a sweep."""
     state = {}
     _audit_adapters(config, gate)
@@ -394,8 +435,10 @@ def _audit_adapters(config: MergeConfig, gate: AdapterGate | None) -> list:
     if not adapters or (not config.base and any(LoraAdapter.is_adapter_dir(path) for path in adapters)):
         return []
     if gate is None:
-        raise InputError(f"adapter {adapters[0]} is merged only after its audit: use mergekit_lite.audited.run_merge "
-                         "(or pass the engine a gate)")
+        raise InputError(
+            f"adapter {adapters[0]} is merged only after its audit: use mergekit_lite.audited.run_merge "
+            "(or pass the engine a gate)"
+        )
     # adapter folders (applied to the base) first: a base they cannot be audited against is refused before any
     # model+lora reference's verdict is printed
     return [gate(adapter, config) for adapter in sorted(adapters, key=lambda path: bool(split_lora_reference(path)))]
@@ -408,12 +451,16 @@ def merge_card(config: MergeConfig, reports: list, sections=()) -> ModelCard:
     # no local paths in a card meant for the Hub: every path read (side files, texts too) by hub id or name
     names = {str(path): input_name(path) for path in [*config.read_paths, *inputs] if path}
     shown = _renamed(config.to_dict(), names)
-    return ModelCard(bases=[names[str(path)] for path in inputs], relation="merge", method=config.method,
-                     parameters=dict(config.parameters), config_yaml=yaml.safe_dump(shown, sort_keys=False),
-                     licenses=licenses_of(reference_paths(*inputs)),
-                     audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons}
-                             for r in reports],
-                     sections=[("Merge method", f"`{config.method}`: {config.merge_method.summary}."), *sections])
+    return ModelCard(
+        bases=[names[str(path)] for path in inputs],
+        relation="merge",
+        method=config.method,
+        parameters=dict(config.parameters),
+        config_yaml=yaml.safe_dump(shown, sort_keys=False),
+        licenses=licenses_of(reference_paths(*inputs)),
+        audits=[{"adapter": input_name(r.adapter), "verdict": r.verdict, "reasons": r.reasons} for r in reports],
+        sections=[("Merge method", f"`{config.method}`: {config.merge_method.summary}."), *sections],
+    )
 
 
 def _renamed(data, names: dict[str, str]):
@@ -428,16 +475,22 @@ def _renamed(data, names: dict[str, str]):
 def _audit_notes(reports: list) -> list[str]:
     """What the audits say about how an adapter merges (a tied base's head written untied), so the user hears it
     from merge too."""
-    return [f"{Path(report.adapter).name}: {note}" for report in reports for check in report.checks
-            if check.name == "structure" for note in check.measurements.get("merge_notes", [])]
+    return [
+        f"{Path(report.adapter).name}: {note}"
+        for report in reports
+        for check in report.checks
+        if check.name == "structure"
+        for note in check.measurements.get("merge_notes", [])
+    ]
 
 
 def _restack_layers(model_config: dict, plan: MergePlan) -> None:
     """The output's layer count, and per-layer lists (Qwen2/Gemma's layer_types) taken from each layer's source."""
     model_config["num_hidden_layers"] = plan.n_layers
     if isinstance(model_config.get("layer_types"), list):
-        model_config["layer_types"] = [(plan.sources[index].config or model_config)["layer_types"][layer]
-                                       for index, layer in plan.layer_origins]
+        model_config["layer_types"] = [
+            (plan.sources[index].config or model_config)["layer_types"][layer] for index, layer in plan.layer_origins
+        ]
 
 
 def _write_side_files(plan: MergePlan, folder: Path, copy_tokenizer: bool = True) -> None:

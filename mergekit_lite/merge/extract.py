@@ -32,8 +32,9 @@ ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def low_rank_factors(delta: torch.Tensor, rank: int, distribute_scale: bool = True, device: str = "cpu"
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def low_rank_factors(
+    delta: torch.Tensor, rank: int, distribute_scale: bool = True, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """B [out, r], A [r, in] on the CPU with B @ A the best rank-r approximation (Eckart-Young); the singular
     values split evenly between the factors (their square roots on each side), as mergekit does by default, or
     all in A (mergekit's --no-distribute-scale). The SVD runs on `device`."""
@@ -55,8 +56,9 @@ class ModuleKinds:
     heads: list[str]  # the linear output head among them (not factored unless asked: mergekit's embed_out)
 
 
-def module_kinds(config_dir: Path, names: set[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
-                 ) -> ModuleKinds:
+def module_kinds(
+    config_dir: Path, names: set[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+) -> ModuleKinds:
     """Classify modules by their class in the real architecture (built on the meta device from config.json).
 
     nn.Linear modules whose name matches `include` (all when empty) and no `exclude` regex get LoRA
@@ -70,8 +72,10 @@ def module_kinds(config_dir: Path, names: set[str], include: tuple[str, ...] = (
     architecture = (getattr(config, "architectures", None) or [None])[0]
     model_class = getattr(transformers, architecture or "", None)
     if model_class is None:
-        raise InputError(f"{config_dir}: config.json names no transformers architecture ({architecture!r}); "
-                         "extraction needs one to know which weights are linear layers")
+        raise InputError(
+            f"{config_dir}: config.json names no transformers architecture ({architecture!r}); "
+            "extraction needs one to know which weights are linear layers"
+        )
     with torch.device("meta"):
         model = model_class(config)
     heads = {module for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None}
@@ -79,8 +83,11 @@ def module_kinds(config_dir: Path, names: set[str], include: tuple[str, ...] = (
     for name, module in model.named_modules():
         if f"{name}.weight" not in names or any(re.search(pattern, name) for pattern in exclude):
             continue
-        if isinstance(module, nn.Linear) and module not in heads and (
-                not include or any(re.search(pattern, name) for pattern in include)):
+        if (
+            isinstance(module, nn.Linear)
+            and module not in heads
+            and (not include or any(re.search(pattern, name) for pattern in include))
+        ):
             linear.append(name)
         else:
             full_rank.append(name)
@@ -118,12 +125,16 @@ def _delta(base, tuned, name: str) -> torch.Tensor:
     first, second = base.load(name), tuned.load(name)
     for source, tensor in ((base, first), (tuned, second)):
         if not tensor.is_floating_point():
-            raise InputError(f"tensor {name} in {source.path} is {str(tensor.dtype).replace('torch.', '')}; "
-                             "extraction factors floating-point weights")
+            raise InputError(
+                f"tensor {name} in {source.path} is {str(tensor.dtype).replace('torch.', '')}; "
+                "extraction factors floating-point weights"
+            )
     delta = second.to(torch.float32) - first.to(torch.float32)
     if not torch.isfinite(delta).all():
-        where = next((source.path for source, tensor in ((base, first), (tuned, second))
-                      if not torch.isfinite(tensor).all()), f"{tuned.path} - {base.path} (overflow)")
+        where = next(
+            (source.path for source, tensor in ((base, first), (tuned, second)) if not torch.isfinite(tensor).all()),
+            f"{tuned.path} - {base.path} (overflow)",
+        )
         raise InputError(f"tensor {name} in {where} has NaN or Inf values; extraction needs finite weights")
     return delta
 
@@ -161,38 +172,66 @@ def _ranks(base, tuned, modules: list[str], embeddings: set[str], settings: Fact
     return ranks
 
 
-def _adapter_tensors(base: TensorSource, tuned: TensorSource, ranks: dict[str, int], lora_bias: bool,
-                     saved: list[str], embeddings: set[str], settings: FactorSettings
-                     ) -> list[tuple[PlannedTensor, Callable[[], torch.Tensor]]]:
+def _adapter_tensors(
+    base: TensorSource,
+    tuned: TensorSource,
+    ranks: dict[str, int],
+    lora_bias: bool,
+    saved: list[str],
+    embeddings: set[str],
+    settings: FactorSettings,
+) -> list[tuple[PlannedTensor, Callable[[], torch.Tensor]]]:
     """The adapter's tensors in file order, each planned (PEFT's name, shape, the fine-tune's dtype) beside the
     function that computes it: a factored module's lora_A, lora_B (one SVD for both; an embedding table's
     lora_embedding_A, lora_embedding_B) and, with `lora_bias`, its bias delta as lora_B.bias; then the `saved`
     modules' weights and biases whole."""
     factors = functools.lru_cache(maxsize=1)(
-        lambda module: low_rank_factors(_module_delta(base, tuned, module, module in embeddings), ranks[module],
-                                        settings.distribute_scale, settings.device))
+        lambda module: low_rank_factors(
+            _module_delta(base, tuned, module, module in embeddings),
+            ranks[module],
+            settings.distribute_scale,
+            settings.device,
+        )
+    )
     tensors = []
     for module, module_rank in ranks.items():
         rows, columns = tuned.shape(f"{module}.weight")
         dtype, prefix = tuned.dtype(f"{module}.weight"), f"base_model.model.{module}"
         if module in embeddings:  # [vocab, dim] factored as its transpose: A [r, vocab], B [dim, r]
-            names, (out_features, in_features) = (f"{prefix}.lora_embedding_A", f"{prefix}.lora_embedding_B"), \
-                (columns, rows)
+            names, (out_features, in_features) = (
+                (f"{prefix}.lora_embedding_A", f"{prefix}.lora_embedding_B"),
+                (columns, rows),
+            )
         else:
-            names, (out_features, in_features) = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"), \
-                (rows, columns)
-        tensors.append((PlannedTensor(names[0], (module_rank, in_features), dtype),
-                        lambda module=module, dtype=dtype: factors(module)[1].to(dtype)))
-        tensors.append((PlannedTensor(names[1], (out_features, module_rank), dtype),
-                        lambda module=module, dtype=dtype: factors(module)[0].to(dtype)))
+            names, (out_features, in_features) = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"), (rows, columns)
+        tensors.append(
+            (
+                PlannedTensor(names[0], (module_rank, in_features), dtype),
+                lambda module=module, dtype=dtype: factors(module)[1].to(dtype),
+            )
+        )
+        tensors.append(
+            (
+                PlannedTensor(names[1], (out_features, module_rank), dtype),
+                lambda module=module, dtype=dtype: factors(module)[0].to(dtype),
+            )
+        )
         if lora_bias and module not in embeddings:
             bias = f"{module}.bias"
-            tensors.append((PlannedTensor(f"{prefix}.lora_B.bias", tuned.shape(bias), tuned.dtype(bias)),
-                            lambda bias=bias: _delta(base, tuned, bias).to(tuned.dtype(bias))))
+            tensors.append(
+                (
+                    PlannedTensor(f"{prefix}.lora_B.bias", tuned.shape(bias), tuned.dtype(bias)),
+                    lambda bias=bias: _delta(base, tuned, bias).to(tuned.dtype(bias)),
+                )
+            )
     for name in (f"{module}.{part}" for module in saved for part in ("weight", "bias")):
         if name in tuned.names:
-            tensors.append((PlannedTensor(f"base_model.model.{name}", tuned.shape(name), tuned.dtype(name)),
-                            lambda name=name: tuned.load(name)))
+            tensors.append(
+                (
+                    PlannedTensor(f"base_model.model.{name}", tuned.shape(name), tuned.dtype(name)),
+                    lambda name=name: tuned.load(name),
+                )
+            )
     return tensors
 
 
@@ -201,12 +240,24 @@ def _named(module: str, names: tuple[str, ...]) -> bool:
     return module in names or module.rsplit(".", 1)[-1] in names
 
 
-def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, include: tuple[str, ...] = (),
-                 exclude: tuple[str, ...] = (), linear_only: bool = False, overwrite: bool = False,
-                 save_modules: tuple[str, ...] = (), skip_undecomposable: bool = False, embed_lora: bool = False,
-                 sv_epsilon: float = 0.0, distribute_scale: bool = True, device: str = "cpu",
-                 model_card: bool = True,
-                 side_files: Callable[[Path, str], None] | None = None) -> Extraction:
+def extract_lora(
+    base_dir: str,
+    tuned_dir: str,
+    out_dir: str,
+    rank: int = 8,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
+    linear_only: bool = False,
+    overwrite: bool = False,
+    save_modules: tuple[str, ...] = (),
+    skip_undecomposable: bool = False,
+    embed_lora: bool = False,
+    sv_epsilon: float = 0.0,
+    distribute_scale: bool = True,
+    device: str = "cpu",
+    model_card: bool = True,
+    side_files: Callable[[Path, str], None] | None = None,
+) -> Extraction:
     """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base.
 
     Factors are stored in the fine-tune's dtype (math in float32). Ranks are min(rank, out, in) per
@@ -243,21 +294,35 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
         if unknown:
             raise InputError(f"--save-module {unknown[0]}: no module of {tuned_dir} has that name")
         embedding_lora = [module for module in kinds.embeddings + kinds.heads if embed_lora and module not in forced]
-        linear = [module for module in kinds.linear + kinds.heads if module not in forced and (
-            module not in kinds.heads or module in embedding_lora)]
+        linear = [
+            module
+            for module in kinds.linear + kinds.heads
+            if module not in forced and (module not in kinds.heads or module in embedding_lora)
+        ]
         changed_bias = [module for module in linear if _changed(base, tuned, f"{module}.bias")]
         lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in linear)
         whole = [] if lora_bias else changed_bias
-        factored = [module for module in linear if module not in whole] + \
-            [module for module in embedding_lora if module in kinds.embeddings]
+        factored = [module for module in linear if module not in whole] + [
+            module for module in embedding_lora if module in kinds.embeddings
+        ]
         if not factored:
             raise InputError(f"{tuned_dir}: no linear layers to extract (check --include/--exclude)")
-        candidates = [module for module in kinds.full_rank if module not in forced + embedding_lora
-                      and any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))] + whole
-        undecomposable = [] if not skip_undecomposable else [
-            module for module in candidates if module not in kinds.embeddings + kinds.heads + whole]
-        saved, dropped = ([], candidates) if linear_only else (
-            [module for module in candidates if module not in undecomposable], undecomposable)
+        candidates = [
+            module
+            for module in kinds.full_rank
+            if module not in forced + embedding_lora
+            and any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))
+        ] + whole
+        undecomposable = (
+            []
+            if not skip_undecomposable
+            else [module for module in candidates if module not in kinds.embeddings + kinds.heads + whole]
+        )
+        saved, dropped = (
+            ([], candidates)
+            if linear_only
+            else ([module for module in candidates if module not in undecomposable], undecomposable)
+        )
         saved = forced + saved
 
         ranks = _ranks(base, tuned, factored, set(kinds.embeddings), settings)
@@ -269,11 +334,22 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
         top_rank = max(ranks.values())
         smaller = {module: r for module, r in ranks.items() if r != top_rank}
         all_modules = {name.rsplit(".", 1)[0] for name in tuned.names}
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": top_rank, "lora_alpha": top_rank,
-                  "rank_pattern": smaller, "alpha_pattern": smaller,
-                  "target_modules": peft_target_names(list(ranks), all_modules), "lora_dropout": 0.0, "bias": "none",
-                  "lora_bias": lora_bias, "fan_in_fan_out": False, "use_rslora": False,
-                  "modules_to_save": saved or None, "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir)}
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": top_rank,
+            "lora_alpha": top_rank,
+            "rank_pattern": smaller,
+            "alpha_pattern": smaller,
+            "target_modules": peft_target_names(list(ranks), all_modules),
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "lora_bias": lora_bias,
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "modules_to_save": saved or None,
+            "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir),
+        }
         with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
             with ShardedWriter(folder, [planned for planned, _ in tensors], max_shard_bytes=2**63) as writer:
                 for planned, make in tensors:
@@ -281,12 +357,24 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, rank: int = 8, inc
                 writer.close()
             (Path(folder) / SINGLE_FILE).rename(Path(folder) / ADAPTER_FILE)
             (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            parameters = {"model": input_name(tuned_dir), "rank": rank, "include": list(include),
-                          "exclude": list(exclude), "linear_only": linear_only}
+            parameters = {
+                "model": input_name(tuned_dir),
+                "rank": rank,
+                "include": list(include),
+                "exclude": list(exclude),
+                "linear_only": linear_only,
+            }
             if model_card:
-                write_card(folder, ModelCard(bases=[input_name(base_dir)], relation="adapter",
-                                             method="extract (truncated SVD)", parameters=parameters,
-                                             licenses=licenses_of([base_dir, tuned_dir])))
+                write_card(
+                    folder,
+                    ModelCard(
+                        bases=[input_name(base_dir)],
+                        relation="adapter",
+                        method="extract (truncated SVD)",
+                        parameters=parameters,
+                        licenses=licenses_of([base_dir, tuned_dir]),
+                    ),
+                )
             if side_files is not None:
                 side_files(Path(folder), base_dir)
         return Extraction(list(ranks), saved, dropped)

@@ -62,7 +62,7 @@ def depth_position(tensor_name: str, model_layout: Layout) -> tuple[int | None, 
 def with_layer(tensor_name: str, index: int) -> str:
     """The same tensor in another layer: model.layers.3.mlp.up_proj.weight -> model.layers.{index}.mlp..."""
     match = LAYER_PATTERN.search(tensor_name)
-    return f"{tensor_name[:match.start(1)]}{index}{tensor_name[match.end(1):]}"
+    return f"{tensor_name[: match.start(1)]}{index}{tensor_name[match.end(1) :]}"
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class MergePlan:
             for source in self.sources:
                 source.close()
 
-    def __enter__(self) -> "MergePlan":
+    def __enter__(self) -> MergePlan:
         return self
 
     def __exit__(self, *_) -> None:
@@ -119,8 +119,10 @@ class MergePlan:
 
     def describe(self) -> str:
         """The dry-run view: every tensor, its shape, bytes and what will be done to it."""
-        lines = [f"method: {self.config.method}   inputs: {len(self.sources)}   tensors: {len(self.steps)}   "
-                 f"output: {self.total_bytes / 1e6:.1f} MB   layers: {self.n_layers}"]
+        lines = [
+            f"method: {self.config.method}   inputs: {len(self.sources)}   tensors: {len(self.steps)}   "
+            f"output: {self.total_bytes / 1e6:.1f} MB   layers: {self.n_layers}"
+        ]
         for position, source in enumerate(self.sources):
             lines.append(f"  input {position}: {source.path}")
         lines += [f"  note: {note}" for note in self.notes]
@@ -129,8 +131,10 @@ class MergePlan:
             what = step.reason if step.action == "copy" else _format_parameters(step.parameters.shown())
             if any(name != step.name for _, name in step.inputs):
                 what += "  from " + ", ".join(f"{index}:{name}" for index, name in step.inputs)
-            lines.append(f"{step.name:<{width}}  {str(list(step.shape)):<16} {str(step.out_dtype).replace('torch.', ''):<9} "
-                         f"{step.nbytes:>12,d}  {step.action:<5} {what}")
+            lines.append(
+                f"{step.name:<{width}}  {str(list(step.shape)):<16} {str(step.out_dtype).replace('torch.', ''):<9} "
+                f"{step.nbytes:>12,d}  {step.action:<5} {what}"
+            )
         return "\n".join(lines)
 
 
@@ -163,14 +167,17 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
         dtypes = [reference.dtype(name)]
         for source in sources[1:]:
             if source.shape(name) != shape:
-                raise InputError(f"tensor {name}: shape {list(source.shape(name))} in {source.path} "
-                                 f"but {list(shape)} in {reference.path}")
+                raise InputError(
+                    f"tensor {name}: shape {list(source.shape(name))} in {source.path} "
+                    f"but {list(shape)} in {reference.path}"
+                )
             dtypes.append(source.dtype(name))
         _check_kinds(name, [(source.path, dtype) for source, dtype in zip(sources, dtypes)])
         if len(set(dtypes)) > 1:
             mixed.add(tuple(sorted({str(d).replace("torch.", "") for d in dtypes})))
-        steps.append(_plan_step(config, name, shape, dtypes[0], depth_position(name, model_layout), n_layers,
-                                recall_weights))
+        steps.append(
+            _plan_step(config, name, shape, dtypes[0], depth_position(name, model_layout), n_layers, recall_weights)
+        )
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
     return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary, owns_sources=owned)
@@ -190,9 +197,11 @@ def _check_kinds(name: str, dtypes: list[tuple[str, torch.dtype]]) -> None:
     (reference, first), *others = dtypes
     for path, dtype in others:
         if dtype != first and not (dtype.is_floating_point and first.is_floating_point):
-            raise InputError(f"tensor {name}: {str(dtype).replace('torch.', '')} in {path} but "
-                             f"{str(first).replace('torch.', '')} in {reference}; only floating-point tensors are "
-                             "merged (others are copied, so every input must store them alike)")
+            raise InputError(
+                f"tensor {name}: {str(dtype).replace('torch.', '')} in {path} but "
+                f"{str(first).replace('torch.', '')} in {reference}; only floating-point tensors are "
+                "merged (others are copied, so every input must store them alike)"
+            )
 
 
 def _plan_step(config: MergeConfig, name, shape, stored_dtype, depth, n_layers, recall_weights) -> TensorStep:
@@ -201,7 +210,9 @@ def _plan_step(config: MergeConfig, name, shape, stored_dtype, depth, n_layers, 
     out_dtype = getattr(torch, config.dtype) if config.dtype else stored_dtype
     skipped = next((pattern for pattern in config.skip if pattern in name), None)
     if skipped:
-        return TensorStep(name, shape, out_dtype, "copy", reason=f"matches skip filter {skipped!r}: copied from input 0")
+        return TensorStep(
+            name, shape, out_dtype, "copy", reason=f"matches skip filter {skipped!r}: copied from input 0"
+        )
     parameters = step_parameters(config, name, depth, n_layers, recall_weights)
     copied = config.merge_method.copies(parameters)
     if copied:
@@ -236,7 +247,9 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
             source = sources[position[path]]
             available = layer_count(layout(source.config), source.names)
             if not 0 <= start < end <= available:
-                raise InputError(f"slice {number}: layer_range [{start}, {end}] of {path} is outside its {available} layers")
+                raise InputError(
+                    f"slice {number}: layer_range [{start}, {end}] of {path} is outside its {available} layers"
+                )
         pieces.append((merge, [position[path] for path, _ in located], ranges))
     steps, origins = [], []
 
@@ -247,10 +260,14 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
             if name not in sources[index].names:
                 raise InputError(f"{sources[index].path}: no tensor {name}")
             if sources[index].shape(name) != shape:
-                raise InputError(f"tensor {name}: shape {list(sources[index].shape(name))} in {sources[index].path} "
-                                 f"but {list(shape)} in {template.path}")
-        _check_kinds(tensor_names[0], [(sources[index].path, sources[index].dtype(name))
-                                       for index, name in zip(indices, tensor_names)])
+                raise InputError(
+                    f"tensor {name}: shape {list(sources[index].shape(name))} in {sources[index].path} "
+                    f"but {list(shape)} in {template.path}"
+                )
+        _check_kinds(
+            tensor_names[0],
+            [(sources[index].path, sources[index].dtype(name)) for index, name in zip(indices, tensor_names)],
+        )
         step = _plan_step(merge, out_name, shape, template.dtype(tensor_names[0]), depth, n_layers, None)
         steps.append(replace(step, inputs=tuple(zip(indices, tensor_names))))
 
@@ -263,19 +280,28 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
         for offset in range(length):
             first = sources[indices[0]]
             for name in (n for n in first.names if layer_index(n) == ranges[0][0] + offset):
-                add(merge, indices, [with_layer(name, start + offset) for start, _ in ranges],
-                    with_layer(name, len(origins)), (offset, "layer"), length)
+                add(
+                    merge,
+                    indices,
+                    [with_layer(name, start + offset) for start, _ in ranges],
+                    with_layer(name, len(origins)),
+                    (offset, "layer"),
+                    length,
+                )
             origins.append((indices[0], ranges[0][0] + offset))
     for name in (n for n in outside if not is_embedding(n)):
         merge, indices, ranges = pieces[-1]
         add(merge, indices, [name] * len(indices), name, (None, "head"), ranges[0][1] - ranges[0][0])
     limit_vocabulary_inputs(sources, {step.name: [index for index, _ in step.inputs] for step in steps})
     notes = [f"slices: {len(origins)} output layers from {len(pieces)} slices", *config.unused_settings()]
-    return MergePlan(config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins,
-                     owns_sources=owned)
+    return MergePlan(
+        config, sources, steps, len(origins), notes, vocabulary=vocabulary, layer_origins=origins, owns_sources=owned
+    )
 
 
-def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeConfig, list[tuple[str, tuple[int, int]]]]:
+def slice_config(
+    config: MergeConfig, piece: Slice, number: int
+) -> tuple[MergeConfig, list[tuple[str, tuple[int, int]]]]:
     """One slice as a plain merge, and (model, layer range) for each of its inputs in its input order.
 
     Its base is the slice's, else the config's, when the method uses one and it is among the sources
@@ -291,8 +317,10 @@ def slice_config(config: MergeConfig, piece: Slice, number: int) -> tuple[MergeC
     ordered = ([base_source] if base_source else []) + others
     models = [ModelSpec(source.model, dict(source.parameters)) for source in others]
     try:
-        parameters = {name: fall_through(piece.parameters.get(name), config.parameters.get(name))
-                      for name in {**config.parameters, **piece.parameters}}
+        parameters = {
+            name: fall_through(piece.parameters.get(name), config.parameters.get(name))
+            for name in {**config.parameters, **piece.parameters}
+        }
         merge = replace(config, base=base, models=models, parameters=parameters, slices=[])
     except InputError as error:
         raise InputError(f"slice {number}: {error}") from None
@@ -304,12 +332,14 @@ def tensor_parameters(config: MergeConfig, name: str, model_layout: Layout, n_la
     return step_parameters(config, name, depth_position(name, model_layout), n_layers, recall_weights)
 
 
-def step_parameters(config: MergeConfig, name: str, depth: tuple[int | None, str], n_layers: int,
-                    recall_weights) -> StepParameters:
+def step_parameters(
+    config: MergeConfig, name: str, depth: tuple[int | None, str], n_layers: int, recall_weights
+) -> StepParameters:
     """Resolve the method's parameters for one tensor at `depth` (layer, part), gradients and filters applied."""
     layer, part = depth
-    return config.merge_method.step_parameters(config, TensorValues(config, name, depth, n_layers),
-                                               Depth(name, layer, part, n_layers, recall_weights))
+    return config.merge_method.step_parameters(
+        config, TensorValues(config, name, depth, n_layers), Depth(name, layer, part, n_layers, recall_weights)
+    )
 
 
 class TensorValues:
@@ -340,11 +370,20 @@ def load_recall_weights(config: MergeConfig):
     if settings.weights_file:
         return recall.RecallWeights.from_json(read_json(require_regular(settings.weights_file, "weights file")))
     if not settings.texts:
-        raise InputError("recall needs typical samples: recall.texts (a text file, one sample per line) or --recall-texts")
+        raise InputError(
+            "recall needs typical samples: recall.texts (a text file, one sample per line) or --recall-texts"
+        )
     if any(LoraAdapter.is_adapter_dir(path) for path in config.inputs):
         raise InputError("recall runs the models to compare representations: give model folders, not adapters")
     return recall.compute_recall_weights(
-        config.inputs, recall.read_texts(settings.texts), n_typical=settings.samples,
-        temperature=float(config.parameter("temperature")), reference=settings.reference,
-        device=config.device, seed=config.seed, max_length=settings.max_length, bandwidth=settings.bandwidth,
-        special_tokens=settings.special_tokens)
+        config.inputs,
+        recall.read_texts(settings.texts),
+        n_typical=settings.samples,
+        temperature=float(config.parameter("temperature")),
+        reference=settings.reference,
+        device=config.device,
+        seed=config.seed,
+        max_length=settings.max_length,
+        bandwidth=settings.bandwidth,
+        special_tokens=settings.special_tokens,
+    )

@@ -233,8 +233,10 @@ def uniform_warning(similarity: list[list[float]]) -> str | None:
     lowest = min(min(row) for row in similarity)
     if 1 - lowest >= UNIFORM_SPREAD:
         return None
-    return (f"RECALL: every similarity is >= {lowest:.4f}, so the weights are nearly uniform; "
-            "the bandwidth is wide next to the drift (try a smaller recall.bandwidth sigma)")
+    return (
+        f"RECALL: every similarity is >= {lowest:.4f}, so the weights are nearly uniform; "
+        "the bandwidth is wide next to the drift (try a smaller recall.bandwidth sigma)"
+    )
 
 
 def layer_drift(similarity: list[list[float]], model: int = 0) -> list[float]:
@@ -393,15 +395,17 @@ def check_same_architecture(model_dirs: list[str]) -> None:
             )
 
 
-def model_representations(model_dir: str, tokenizer, texts: list[str], device: str, max_length: int,
-                          special_tokens: bool = False) -> torch.Tensor:
+def model_representations(
+    model_dir: str, tokenizer, texts: list[str], device: str, max_length: int, special_tokens: bool = False
+) -> torch.Tensor:
     """Load one model, represent the texts, free it: peak memory stays one model."""
     from transformers import AutoModelForCausalLM
 
     with interrupts.deferred():  # transformers builds the model through torch's device modes: see interrupts
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    representations = token_mean_hidden_states(model, tokenizer, texts, device=device, max_length=max_length,
-                                               special_tokens=special_tokens)
+    representations = token_mean_hidden_states(
+        model, tokenizer, texts, device=device, max_length=max_length, special_tokens=special_tokens
+    )
     del model
     gc.collect()
     if torch.cuda.is_available():
@@ -456,9 +460,12 @@ def compute_recall_weights(
         similarity=similarity,
         weights=softmax_weights(similarity, temperature),
         typical_samples=typical,
-        bandwidth={"rule": bandwidth if bandwidth == MEDIAN_BANDWIDTH else "fixed", "sigma": sigmas,
-                   "kernel": "exp(-||x - y||^2 / (2 sigma^2))",
-                   "median": "sigma^2 = median squared distance between the reference's samples at the row / 2"},
+        bandwidth={
+            "rule": bandwidth if bandwidth == MEDIAN_BANDWIDTH else "fixed",
+            "sigma": sigmas,
+            "kernel": "exp(-||x - y||^2 / (2 sigma^2))",
+            "median": "sigma^2 = median squared distance between the reference's samples at the row / 2",
+        },
         special_tokens=special_tokens,
     )
 

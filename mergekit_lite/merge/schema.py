@@ -13,7 +13,7 @@ from __future__ import annotations
 import typing
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from pydantic import (
     BaseModel,
@@ -49,19 +49,19 @@ ParameterMap = Optional[dict[StrictStr, Any]]  # values: checked by config._chec
 
 class _Tokenizer(_Schema):
     source: StrictStr = "union"
-    pad_to_multiple_of: Optional[StrictInt] = None
-    tokens: Optional[dict] = None
+    pad_to_multiple_of: StrictInt | None = None
+    tokens: dict | None = None
 
 
 class _Recall(_Schema):
-    texts: Optional[StrictStr] = None
-    samples: Optional[StrictInt] = None
-    embed_rule: Optional[StrictStr] = None
-    reference: Optional[StrictInt] = None
-    weights_file: Optional[StrictStr] = None
-    max_length: Optional[StrictInt] = None
-    bandwidth: Optional[Union[StrictStr, StrictFloat, StrictInt]] = None
-    special_tokens: Optional[StrictBool] = None
+    texts: StrictStr | None = None
+    samples: StrictInt | None = None
+    embed_rule: StrictStr | None = None
+    reference: StrictInt | None = None
+    weights_file: StrictStr | None = None
+    max_length: StrictInt | None = None
+    bandwidth: StrictStr | StrictFloat | StrictInt | None = None
+    special_tokens: StrictBool | None = None
 
 
 class _SliceSource(_Schema):
@@ -76,40 +76,53 @@ class _SliceSource(_Schema):
 class _Options(_Schema):
     """Keys both schemas share: mergekit's output keys and mergekit-lite's run options."""
 
-    dtype: Optional[StrictStr] = None
+    dtype: StrictStr | None = None
     seed: StrictInt = 0
     out_shard_size: Any = 5 * 10**9  # bytes, or "2GB": checked by parse_size
-    copy_files_from: Optional[StrictStr] = None
+    copy_files_from: StrictStr | None = None
     skip: list[StrictStr] = []
-    recall: Optional[_Recall] = None
+    recall: _Recall | None = None
     allow_pickle: StrictBool = False
     allow_nonfinite: StrictBool = False
     force: StrictBool = False
     device: StrictStr = "cpu"
-    tokenizer_source: Optional[StrictStr] = None
-    tokenizer: Optional[_Tokenizer] = None
-    chat_template: Optional[StrictStr] = None
-    mergekit_compat: Optional[StrictBool] = None
+    tokenizer_source: StrictStr | None = None
+    tokenizer: _Tokenizer | None = None
+    chat_template: StrictStr | None = None
+    mergekit_compat: StrictBool | None = None
     parameters: ParameterMap = None
-    dare_mask_version: Optional[StrictInt] = None  # written by to_dict; only the version this code draws merges
+    dare_mask_version: StrictInt | None = None  # written by to_dict; only the version this code draws merges
 
     def common_fields(self) -> dict:
         if self.dare_mask_version not in (None, DARE_MASK_VERSION):
-            raise InputError(f"dare_mask_version {self.dare_mask_version}: this mergekit-lite draws DARE masks of "
-                             f"version {DARE_MASK_VERSION}, which give other masks for the same seed (remove the key "
-                             f"to merge with version {DARE_MASK_VERSION})")
+            raise InputError(
+                f"dare_mask_version {self.dare_mask_version}: this mergekit-lite draws DARE masks of "
+                f"version {DARE_MASK_VERSION}, which give other masks for the same seed (remove the key "
+                f"to merge with version {DARE_MASK_VERSION})"
+            )
         if self.tokenizer_source and self.tokenizer:
             raise InputError("give tokenizer_source or tokenizer, not both")
         if self.tokenizer and self.tokenizer.tokens:
-            raise InputError("tokenizer.tokens (per-token embedding sources) is not supported; "
-                             "tokens a model lacks are filled from the models that have them")
+            raise InputError(
+                "tokenizer.tokens (per-token embedding sources) is not supported; "
+                "tokens a model lacks are filled from the models that have them"
+            )
         recall = {k: v for k, v in (self.recall.model_dump() if self.recall else {}).items() if v is not None}
-        return {"seed": self.seed, "out_shard_size": self.out_shard_size, "copy_files_from": self.copy_files_from,
-                "skip": list(self.skip), "recall": RecallSettings(**recall), "allow_pickle": self.allow_pickle,
-                "allow_nonfinite": self.allow_nonfinite, "force": self.force, "device": self.device,
-                "tokenizer_source": self.tokenizer.source if self.tokenizer else self.tokenizer_source,
-                "pad_to_multiple_of": self.tokenizer.pad_to_multiple_of if self.tokenizer else None,
-                "chat_template": self.chat_template, "parameters": dict(self.parameters or {})}
+        return {
+            "seed": self.seed,
+            "out_shard_size": self.out_shard_size,
+            "copy_files_from": self.copy_files_from,
+            "skip": list(self.skip),
+            "recall": RecallSettings(**recall),
+            "allow_pickle": self.allow_pickle,
+            "allow_nonfinite": self.allow_nonfinite,
+            "force": self.force,
+            "device": self.device,
+            "tokenizer_source": self.tokenizer.source if self.tokenizer else self.tokenizer_source,
+            "pad_to_multiple_of": self.tokenizer.pad_to_multiple_of if self.tokenizer else None,
+            "chat_template": self.chat_template,
+            "parameters": dict(self.parameters or {}),
+        }
 
 
 class _LiteModel(_Schema):
@@ -122,7 +135,7 @@ class _LiteModel(_Schema):
 
 class _LiteSlice(_Schema):
     sources: list[_SliceSource]
-    base: Optional[StrictStr] = None
+    base: StrictStr | None = None
     parameters: ParameterMap = None
 
 
@@ -130,7 +143,7 @@ class _LiteConfig(_Options):
     """mergekit-lite's own schema."""
 
     method: StrictStr
-    base: Optional[StrictStr] = None
+    base: StrictStr | None = None
     models: list[_LiteModel] = []
     slices: list[_LiteSlice] = []
     base_parameters: ParameterMap = None
@@ -138,21 +151,38 @@ class _LiteConfig(_Options):
     @field_validator("models", mode="before")
     @classmethod
     def _paths_as_entries(cls, value):
-        return [{"model": entry} if isinstance(entry, str) else entry for entry in value] \
-            if isinstance(value, list) else value
+        return (
+            [{"model": entry} if isinstance(entry, str) else entry for entry in value]
+            if isinstance(value, list)
+            else value
+        )
 
     def to_fields(self) -> dict:
         models = []
         for entry in self.models:
             parameters = dict(entry.parameters or {})
-            parameters.update({name: getattr(entry, name) for name in ("weight", "density", "drop")
-                               if getattr(entry, name) is not None})
+            parameters.update(
+                {
+                    name: getattr(entry, name)
+                    for name in ("weight", "density", "drop")
+                    if getattr(entry, name) is not None
+                }
+            )
             models.append(ModelSpec(entry.model, parameters))
-        slices = [Slice([source.to_source() for source in part.sources], part.base, dict(part.parameters or {}))
-                  for part in self.slices]
-        return {**self.common_fields(), "method": self.method, "base": self.base, "models": models,
-                "slices": slices, "dtype": self.dtype, "base_parameters": dict(self.base_parameters or {}),
-                "mergekit_compat": bool(self.mergekit_compat)}
+        slices = [
+            Slice([source.to_source() for source in part.sources], part.base, dict(part.parameters or {}))
+            for part in self.slices
+        ]
+        return {
+            **self.common_fields(),
+            "method": self.method,
+            "base": self.base,
+            "models": models,
+            "slices": slices,
+            "dtype": self.dtype,
+            "base_parameters": dict(self.base_parameters or {}),
+            "mergekit_compat": bool(self.mergekit_compat),
+        }
 
 
 class _MergekitModel(_Schema):
@@ -162,8 +192,8 @@ class _MergekitModel(_Schema):
 
 class _MergekitSlice(_Schema):
     sources: list[_SliceSource]
-    base_model: Optional[StrictStr] = None
-    residual_weight: Optional[float] = None
+    base_model: StrictStr | None = None
+    residual_weight: float | None = None
     parameters: ParameterMap = None
 
 
@@ -171,11 +201,11 @@ class _MergekitConfig(_Options):
     """mergekit's schema (its config.py MergeConfiguration), read with mergekit's meaning for each key."""
 
     merge_method: StrictStr
-    base_model: Optional[StrictStr] = None
-    models: Optional[list[_MergekitModel]] = None
-    slices: Optional[list[_MergekitSlice]] = None
-    out_dtype: Optional[StrictStr] = None
-    name: Optional[StrictStr] = None  # mergekit-multi's name for a stage; mergekit-yaml ignores it, as we do
+    base_model: StrictStr | None = None
+    models: list[_MergekitModel] | None = None
+    slices: list[_MergekitSlice] | None = None
+    out_dtype: StrictStr | None = None
+    name: StrictStr | None = None  # mergekit-multi's name for a stage; mergekit-yaml ignores it, as we do
 
     def to_fields(self) -> dict:
         if bool(self.models) == bool(self.slices):
@@ -188,23 +218,38 @@ class _MergekitConfig(_Options):
             else:
                 models.append(ModelSpec(_reference(entry.model), _as_mergekit_reads(entry.parameters)))
         if self.models and not models:
-            raise InputError(f"every entry under models: is the base ({base}): nothing to merge into it "
-                             "(mergekit writes the base unchanged)")
+            raise InputError(
+                f"every entry under models: is the base ({base}): nothing to merge into it "
+                "(mergekit writes the base unchanged)"
+            )
         slices = []
         for number, part in enumerate(self.slices or []):
             if part.residual_weight is not None:
                 raise InputError("slices: residual_weight is not supported")
             _check_slice_base(number, self.merge_method, part.base_model or self.base_model, part.sources)
-            sources = [replace(source.to_source(), parameters=_as_mergekit_reads(source.parameters))
-                       for source in part.sources]
-            slices.append(Slice(sources, _reference(part.base_model) if part.base_model else None,
-                                _as_mergekit_reads(part.parameters)))
+            sources = [
+                replace(source.to_source(), parameters=_as_mergekit_reads(source.parameters)) for source in part.sources
+            ]
+            slices.append(
+                Slice(
+                    sources,
+                    _reference(part.base_model) if part.base_model else None,
+                    _as_mergekit_reads(part.parameters),
+                )
+            )
         # mergekit's dtype is the compute dtype, which also becomes the stored one unless out_dtype is given;
         # here the math is float32 always, so only the stored dtype is taken.
-        return {**self.common_fields(), "parameters": _as_mergekit_reads(self.parameters), "method": self.merge_method,
-                "base": base, "models": models, "slices": slices, "dtype": self.out_dtype or self.dtype,
-                "base_parameters": base_parameters,
-                "mergekit_compat": True if self.mergekit_compat is None else self.mergekit_compat}
+        return {
+            **self.common_fields(),
+            "parameters": _as_mergekit_reads(self.parameters),
+            "method": self.merge_method,
+            "base": base,
+            "models": models,
+            "slices": slices,
+            "dtype": self.out_dtype or self.dtype,
+            "base_parameters": base_parameters,
+            "mergekit_compat": True if self.mergekit_compat is None else self.mergekit_compat,
+        }
 
 
 def _check_slice_base(number: int, method: str, base: str | None, sources: list[_SliceSource]) -> None:
@@ -212,8 +257,10 @@ def _check_slice_base(number: int, method: str, base: str | None, sources: list[
     slice's sources: it refuses a slice without it, where the slice's first source would otherwise stand in."""
     declared = methods.REGISTRY.get(method)  # an unknown method is refused with the config
     if base and not (declared and declared.base_ignored) and base not in [source.model for source in sources]:
-        raise InputError(f"slices[{number}]: the base model {base} is not among this slice's sources; {method} merges "
-                         "each slice against its base, so list it there with a layer_range (mergekit refuses this too)")
+        raise InputError(
+            f"slices[{number}]: the base model {base} is not among this slice's sources; {method} merges "
+            "each slice against its base, so list it there with a layer_range (mergekit refuses this too)"
+        )
 
 
 def _default_module(data: dict) -> dict:
@@ -222,12 +269,19 @@ def _default_module(data: dict) -> dict:
     its parameters override the top-level ones (mergekit's precedence: slice, module, global). Other modules
     (a multimodal model's towers) stay refused."""
     modules = data.get("modules")
-    if not isinstance(modules, dict) or set(modules) != {"default"} or not isinstance(modules["default"], dict) \
-            or data.get("models") or data.get("slices"):
+    if (
+        not isinstance(modules, dict)
+        or set(modules) != {"default"}
+        or not isinstance(modules["default"], dict)
+        or data.get("models")
+        or data.get("slices")
+    ):
         return data
     module = modules["default"]
-    unwrapped = {**{key: value for key, value in data.items() if key != "modules"},
-                 **{key: value for key, value in module.items() if key != "parameters"}}
+    unwrapped = {
+        **{key: value for key, value in data.items() if key != "modules"},
+        **{key: value for key, value in module.items() if key != "parameters"},
+    }
     if module.get("parameters"):
         unwrapped["parameters"] = {**(data.get("parameters") or {}), **module["parameters"]}
     return unwrapped
@@ -261,9 +315,18 @@ def _reference(model: str) -> str:
     return model
 
 
-EXPECTED = {"bool_type": "true or false", "int_type": "an integer", "string_type": "a string", "list_type": "a list",
-            "dict_type": "a mapping", "model_type": "a mapping", "tuple_type": "a list [start, end]",
-            "float_type": "a number", "int_from_float": "an integer", "int_parsing": "an integer"}
+EXPECTED = {
+    "bool_type": "true or false",
+    "int_type": "an integer",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "tuple_type": "a list [start, end]",
+    "float_type": "a number",
+    "int_from_float": "an integer",
+    "int_parsing": "an integer",
+}
 
 
 def _describe(error: ValidationError, schema: type[BaseModel]) -> str:

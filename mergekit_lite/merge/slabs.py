@@ -59,8 +59,12 @@ def slab_rows(plan: MergePlan, step: TensorStep) -> int | None:
     inputs = plan.inputs_of(step)
     method = plan.config.merge_method
     in_slabs = method.elementwise or method.slab_statistics
-    if step.action != "merge" or len(step.shape) < 2 or not in_slabs \
-            or any(type(source) is not ModelSource for source, _ in inputs):
+    if (
+        step.action != "merge"
+        or len(step.shape) < 2
+        or not in_slabs
+        or any(type(source) is not ModelSource for source, _ in inputs)
+    ):
         return None
     row_elements = math.prod(step.shape[1:])
     row_bytes = sum(row_elements * source.dtype(name).itemsize for source, name in inputs)
@@ -104,7 +108,7 @@ def load_part(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int]
     """The part's inputs read into `block`, each at its offset in `sizes` (`block_sizes`)."""
     tensors, offset = [], 0
     for (source, name), size in zip(plan.inputs_of(part.step), sizes):
-        into = block[offset:offset + size]
+        into = block[offset : offset + size]
         tensors.append(source.load(name, into) if part.rows is None else source.load_rows(name, *part.rows, into))
         offset += size
     return tensors
@@ -158,8 +162,9 @@ def statistics_slab_bytes(plan: MergePlan, found: list[Part]) -> int:
     mapped: the largest first slab of a step whose statistics need a pass of their own (0 where none does)."""
     if not plan.config.merge_method.slab_statistics:
         return 0
-    return max((sum(block_sizes(plan, part)) for part in found if part.rows is not None and part.rows[0] == 0),
-               default=0)
+    return max(
+        (sum(block_sizes(plan, part)) for part in found if part.rows is not None and part.rows[0] == 0), default=0
+    )
 
 
 def decide(plan: MergePlan, first: Part) -> tuple[bool, list[float] | tuple[float, float] | None]:

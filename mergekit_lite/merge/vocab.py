@@ -23,8 +23,10 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.sources import TensorSource
 
 VOCABULARY_PARTS = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings")
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def is_vocabulary_tensor(name: str, shape: tuple[int, ...], vocab_size: int | None) -> bool:
@@ -96,14 +98,17 @@ class Vocabulary:
             config_file.write_text(json.dumps(model_config, indent=2) + "\n")
 
 
-def build_vocabulary(sources: list[TensorSource], tokenizer_source: str, base_index: int,
-                     pad_to_multiple_of: int | None = None) -> Vocabulary:
+def build_vocabulary(
+    sources: list[TensorSource], tokenizer_source: str, base_index: int, pad_to_multiple_of: int | None = None
+) -> Vocabulary:
     """The output tokenizer for `tokenizer_source` and each input's rows for it (by token string)."""
     tokenizers = [_load_tokenizer(source.path) for source in sources]
     base_tokenizer = tokenizers[base_index]
     if base_tokenizer is None:
-        raise InputError(f"{sources[base_index].path}: no tokenizer to build the output vocabulary from "
-                         f"(tokenizer_source: {tokenizer_source})")
+        raise InputError(
+            f"{sources[base_index].path}: no tokenizer to build the output vocabulary from "
+            f"(tokenizer_source: {tokenizer_source})"
+        )
     if tokenizer_source == "base":
         tokenizer = base_tokenizer
     elif tokenizer_source == "union":
@@ -189,27 +194,36 @@ class AlignedSource:
         self.source.close()
 
 
-def align_vocabularies(sources: list[TensorSource], tokenizer_source: str | None, base_index: int = 0,
-                       pad_to_multiple_of: int | None = None) -> tuple[list[TensorSource], Vocabulary | None]:
+def align_vocabularies(
+    sources: list[TensorSource],
+    tokenizer_source: str | None,
+    base_index: int = 0,
+    pad_to_multiple_of: int | None = None,
+) -> tuple[list[TensorSource], Vocabulary | None]:
     """The plan's hook: inputs re-indexed onto the output vocabulary when a tokenizer source is set;
     without one, inputs whose vocabulary tensors differ in size are a one-line error naming the option."""
     reference = sources[0]
-    names = {name for name in reference.names
-             if is_vocabulary_tensor(name, reference.shape(name), _vocab_size(reference))}
+    names = {
+        name for name in reference.names if is_vocabulary_tensor(name, reference.shape(name), _vocab_size(reference))
+    }
     if tokenizer_source is None:
         for name in sorted(names):
             for source in sources[1:]:
                 if name in source.names and source.shape(name)[0] != reference.shape(name)[0]:
-                    raise InputError(f"vocabularies differ ({reference.shape(name)[0]} tokens in {reference.path}, "
-                                     f"{source.shape(name)[0]} in {source.path}): set tokenizer_source: base, union "
-                                     "or a model (--tokenizer-source) to align them by token")
+                    raise InputError(
+                        f"vocabularies differ ({reference.shape(name)[0]} tokens in {reference.path}, "
+                        f"{source.shape(name)[0]} in {source.path}): set tokenizer_source: base, union "
+                        "or a model (--tokenizer-source) to align them by token"
+                    )
         return sources, None
     vocabulary = build_vocabulary(sources, tokenizer_source, base_index, pad_to_multiple_of)
     for source in sources[1:]:
         for name in names:
             if name in source.names and not is_vocabulary_tensor(name, source.shape(name), _vocab_size(source)):
-                raise InputError(f"{source.path}: {name} has {source.shape(name)[0]} rows but its config says "
-                                 f"vocab_size {_vocab_size(source)}")
+                raise InputError(
+                    f"{source.path}: {name} has {source.shape(name)[0]} rows but its config says "
+                    f"vocab_size {_vocab_size(source)}"
+                )
     aligner = VocabularyAligner(sources, vocabulary, names)
     return [AlignedSource(source, index, aligner) for index, source in enumerate(sources)], vocabulary
 
@@ -232,8 +246,9 @@ def chat_template_text(chat_template: str, sources: list[TensorSource]) -> str |
     return CHATML if chat_template == "chatml" else chat_template
 
 
-def write_tokenizer(folder: Path, vocabulary: Vocabulary | None, chat_template: str | None,
-                    sources: list[TensorSource]) -> None:
+def write_tokenizer(
+    folder: Path, vocabulary: Vocabulary | None, chat_template: str | None, sources: list[TensorSource]
+) -> None:
     """The engine's hook after side files are copied: the output tokenizer, and the chat template."""
     template = chat_template_text(chat_template, sources) if chat_template else None
     if vocabulary is not None:
@@ -241,6 +256,8 @@ def write_tokenizer(folder: Path, vocabulary: Vocabulary | None, chat_template: 
     elif template:
         tokenizer = _load_tokenizer(folder)
         if tokenizer is None:
-            raise InputError("chat_template: the output has no tokenizer to carry it (copy_files_from a model with one)")
+            raise InputError(
+                "chat_template: the output has no tokenizer to carry it (copy_files_from a model with one)"
+            )
         tokenizer.chat_template = template
         tokenizer.save_pretrained(str(folder))

@@ -34,5 +34,14 @@ from mergekit_lite.sweep.result import PointResult, SweepResult
 from mergekit_lite.sweep.run import run_comparison, run_sweep
 from mergekit_lite.sweep.settings import SweepSettings, load_sweep_file, settings_from_dict
 
-__all__ = ["Comparison", "PointResult", "SweepResult", "SweepSettings", "load_sweep_file", "method_settings",
-           "run_comparison", "run_sweep", "settings_from_dict"]
+__all__ = [
+    "Comparison",
+    "PointResult",
+    "SweepResult",
+    "SweepSettings",
+    "load_sweep_file",
+    "method_settings",
+    "run_comparison",
+    "run_sweep",
+    "settings_from_dict",
+]

@@ -51,18 +51,24 @@ def golden_search(settings: SweepSettings, runs: dict[str, list[TaskRun]], evalu
         return summaries[index]
 
     def indistinguishable(i: int, j: int) -> bool:
-        draws = paired_bootstrap([at(i), at(j)], splits, settings.aggregation, settings.bootstrap, settings.seed,
-                                 split=0)
+        draws = paired_bootstrap(
+            [at(i), at(j)], splits, settings.aggregation, settings.bootstrap, settings.seed, split=0
+        )
         tail = (1 - settings.confidence) / 2 * 100
         low, high = np.percentile(draws[:, 0, 2] - draws[:, 1, 2], [tail, 100 - tail])
         return low <= 0 <= high
 
-    return golden_section(len(settings.alphas), lambda i: at(i).selection.harmonic_mean,
-                          indistinguishable if settings.bootstrap else None)
+    return golden_section(
+        len(settings.alphas), lambda i: at(i).selection.harmonic_mean, indistinguishable if settings.bootstrap else None
+    )
 
 
-def probe_plans(settings: SweepSettings, runs: dict[str, list[TaskRun]],
-                splits: dict[str, tuple[list[str], list[str]]], rate: float | None = None) -> dict[str, ProbePlan]:
+def probe_plans(
+    settings: SweepSettings,
+    runs: dict[str, list[TaskRun]],
+    splits: dict[str, tuple[list[str], list[str]]],
+    rate: float | None = None,
+) -> dict[str, ProbePlan]:
     """Per scored task, on its selection docs: where pre and post disagree, plus a seeded share of the rest
     (`rate`, by default --probe's)."""
     post = {run.task: run.outcomes for run in runs["post"]}
@@ -72,11 +78,16 @@ def probe_plans(settings: SweepSettings, runs: dict[str, list[TaskRun]],
             continue
         keys = splits[run.task][0]
         if any(key not in run.outcomes.doc_ids for key in keys):
-            raise InputError(f"task {run.task!r}: pre's saved point has no lm-eval doc ids (written before --probe "
-                             "existed); use another --out")
-        plans[run.task] = probe_plan({key: run.outcomes.correct[key] for key in keys},
-                                     {key: post[run.task].correct[key] for key in keys if key in post[run.task].correct},
-                                     rate or settings.probe, f"{settings.seed}:{run.task}")
+            raise InputError(
+                f"task {run.task!r}: pre's saved point has no lm-eval doc ids (written before --probe "
+                "existed); use another --out"
+            )
+        plans[run.task] = probe_plan(
+            {key: run.outcomes.correct[key] for key in keys},
+            {key: post[run.task].correct[key] for key in keys if key in post[run.task].correct},
+            rate or settings.probe,
+            f"{settings.seed}:{run.task}",
+        )
     return plans
 
 
@@ -102,7 +113,9 @@ def on_pre_keys(run: TaskRun, chosen: list[int], pre: SampleOutcomes) -> TaskRun
     expected = [key_of[doc_id] for doc_id in sorted(chosen)]
     observed = sorted(run.outcomes.correct, key=lambda key: run.outcomes.doc_ids.get(key, -1))
     if len(observed) != len(expected):
-        raise InputError(f"task {run.task!r}: lm-eval scored {len(observed)} probe docs, {len(expected)} were asked for")
+        raise InputError(
+            f"task {run.task!r}: lm-eval scored {len(observed)} probe docs, {len(expected)} were asked for"
+        )
     correct = {}
     for key, original, doc_id in zip(observed, expected, sorted(chosen)):
         hashed = original.split("#")[0] != str(doc_id)
@@ -113,8 +126,9 @@ def on_pre_keys(run: TaskRun, chosen: list[int], pre: SampleOutcomes) -> TaskRun
     return TaskRun(run.task, run.group, outcomes)
 
 
-def run_probes(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]],
-               probe) -> tuple[ProbeTrace, SearchTrace | None]:
+def run_probes(
+    settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]], probe
+) -> tuple[ProbeTrace, SearchTrace | None]:
     """Score alphas on probe samples (every alpha, or those the golden search visits), estimate each one's
     selection-split scores with their standard errors, and pick the best estimated harmonic mean (ties to the
     smallest alpha). `probe(label, alpha, samples)` scores one merge on {group: {task: doc ids}}. Probe points
@@ -137,8 +151,11 @@ def run_probes(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskR
             alpha = settings.alphas[index]
             label = point_label(settings, alpha)
             if label not in saved:
-                scored = [on_pre_keys(run, samples[run.group][run.task], pre[run.task])
-                          for run in probe(label, alpha, samples) if run.task in plans]
+                scored = [
+                    on_pre_keys(run, samples[run.group][run.task], pre[run.task])
+                    for run in probe(label, alpha, samples)
+                    if run.task in plans
+                ]
                 save_point(point_file(folder, label, PROBES_DIR), identity, label, alpha, scored)
                 saved[label] = scored
             observed = {run.task: run.outcomes.correct for run in saved[label]}
@@ -148,8 +165,9 @@ def run_probes(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskR
     z = NormalDist().inv_cdf((1 + settings.confidence) / 2)
 
     def indistinguishable(i: int, j: int) -> bool:
-        return abs(at(i).harmonic_mean - at(j).harmonic_mean) <= z * math.hypot(at(i).harmonic_mean_se,
-                                                                                 at(j).harmonic_mean_se)
+        return abs(at(i).harmonic_mean - at(j).harmonic_mean) <= z * math.hypot(
+            at(i).harmonic_mean_se, at(j).harmonic_mean_se
+        )
 
     search = None
     if settings.search == "golden":
@@ -157,9 +175,12 @@ def run_probes(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskR
         best = search.best
     else:
         best = max(range(len(settings.alphas)), key=lambda i: (at(i).harmonic_mean, -i))
-    trace = ProbeTrace(settings.probe, {settings.alphas[i]: estimates[i] for i in sorted(estimates)},
-                       settings.alphas[best], [settings.alphas[i] for i in sorted(estimates)
-                                               if i != best and indistinguishable(i, best)],
-                       sum(len(plan.scored) for plan in plans.values()),
-                       sum(len(run.outcomes.correct) for run in baseline if run.task in plans))
+    trace = ProbeTrace(
+        settings.probe,
+        {settings.alphas[i]: estimates[i] for i in sorted(estimates)},
+        settings.alphas[best],
+        [settings.alphas[i] for i in sorted(estimates) if i != best and indistinguishable(i, best)],
+        sum(len(plan.scored) for plan in plans.values()),
+        sum(len(run.outcomes.correct) for run in baseline if run.task in plans),
+    )
     return trace, search

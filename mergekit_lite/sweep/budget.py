@@ -61,8 +61,9 @@ def halving_plan(n: int, budget: float, costs: list[float]) -> HalvingPlan | Non
     return None
 
 
-def run_budget(settings: SweepSettings, found: dict, folder: Path, runs: dict[str, list[TaskRun]], probe,
-               evaluate) -> dict:
+def run_budget(
+    settings: SweepSettings, found: dict, folder: Path, runs: dict[str, list[TaskRun]], probe, evaluate
+) -> dict:
     """Successive halving over `found` (label -> grid.Cell), pre and post already in `runs`; `probe(label, alpha,
     samples)` scores one merge on {group: {task: doc ids}}, `evaluate(label, alpha)` scores it on every doc. The
     rounds' probe points go to probes/ (a rerun resumes them). Returns the trace results.json keeps."""
@@ -70,8 +71,14 @@ def run_budget(settings: SweepSettings, found: dict, folder: Path, runs: dict[st
     if len(labels) + 2 <= budget:
         for label in labels:
             evaluate(label, found[label].alpha)
-        return {"budget": budget, "cost": len(labels) + 2, "evaluations": len(labels) + 2, "rounds": [],
-                "full": labels, "note": "the whole grid fits the budget: every point on every doc"}
+        return {
+            "budget": budget,
+            "cost": len(labels) + 2,
+            "evaluations": len(labels) + 2,
+            "rounds": [],
+            "full": labels,
+            "note": "the whole grid fits the budget: every point on every doc",
+        }
     baseline = runs["pre"]
     splits = doc_splits(settings, baseline)
     rates = [settings.probe or BUDGET_PROBE]
@@ -82,9 +89,11 @@ def run_budget(settings: SweepSettings, found: dict, folder: Path, runs: dict[st
     costs = [sum(len(plan.scored) for plan in by_task.values()) / total for by_task in plans]
     schedule = halving_plan(len(labels), budget, costs)
     if schedule is None:
-        raise InputError(f"budget {budget} is too small for {len(labels)} points: probing each once on "
-                         f"{costs[0]:.0%} of the docs and one in full costs {3 + len(labels) * costs[0]:.1f} "
-                         "full evaluations (raise --budget, or lower --probe)")
+        raise InputError(
+            f"budget {budget} is too small for {len(labels)} points: probing each once on "
+            f"{costs[0]:.0%} of the docs and one in full costs {3 + len(labels) * costs[0]:.1f} "
+            "full evaluations (raise --budget, or lower --probe)"
+        )
     identity = {**probe_identity(settings), "probe": rates[0]}
     (folder / PROBES_DIR).mkdir(exist_ok=True)
     saved = load_points(folder, identity, PROBES_DIR)
@@ -98,8 +107,11 @@ def run_budget(settings: SweepSettings, found: dict, folder: Path, runs: dict[st
         for label in alive:
             name = f"{label},probe={rate!r}"
             if name not in saved:
-                scored = [on_pre_keys(run, samples[run.group][run.task], pre[run.task])
-                          for run in probe(label, found[label].alpha, samples) if run.task in by_task]
+                scored = [
+                    on_pre_keys(run, samples[run.group][run.task], pre[run.task])
+                    for run in probe(label, found[label].alpha, samples)
+                    if run.task in by_task
+                ]
                 save_point(point_file(folder, name, PROBES_DIR), identity, name, found[label].alpha, scored)
                 saved[name] = scored
             observed = {run.task: run.outcomes.correct for run in saved[name]}
@@ -107,12 +119,26 @@ def run_budget(settings: SweepSettings, found: dict, folder: Path, runs: dict[st
         keep = schedule.rounds[index + 1] if index + 1 < len(schedule.rounds) else schedule.survivors
         best = set(sorted(alive, key=lambda label: (-estimates[label], labels.index(label)))[:keep])
         alive = [label for label in alive if label in best]
-        trace.append({"probe": rate, "docs_per_point": sum(len(plan.scored) for plan in by_task.values()),
-                      "cost_per_point": costs[min(index, len(costs) - 1)], "estimates": estimates, "kept": alive})
+        trace.append(
+            {
+                "probe": rate,
+                "docs_per_point": sum(len(plan.scored) for plan in by_task.values()),
+                "cost_per_point": costs[min(index, len(costs) - 1)],
+                "estimates": estimates,
+                "kept": alive,
+            }
+        )
     for label in alive:
         evaluate(label, found[label].alpha)
-    return {"budget": budget, "cost": schedule.cost, "evaluations": 2 + sum(schedule.rounds) + schedule.survivors,
-            "keep": schedule.keep, "docs_per_full_point": total, "rounds": trace, "full": alive}
+    return {
+        "budget": budget,
+        "cost": schedule.cost,
+        "evaluations": 2 + sum(schedule.rounds) + schedule.survivors,
+        "keep": schedule.keep,
+        "docs_per_full_point": total,
+        "rounds": trace,
+        "full": alive,
+    }
 
 
 def budget_lines(results: dict) -> list[str]:
@@ -120,16 +146,30 @@ def budget_lines(results: dict) -> list[str]:
     budget = results.get("budget")
     if budget is None:
         return []
-    lines = [f"## Budgeted search (--budget {budget['budget']})", "",
-             f"Cost {budget['cost']:.2f} full evaluations (pre and post 1 each, a merge on every doc 1, a probe its "
-             f"share of the docs); {budget['evaluations']} models evaluated in all.", ""]
+    lines = [
+        f"## Budgeted search (--budget {budget['budget']})",
+        "",
+        f"Cost {budget['cost']:.2f} full evaluations (pre and post 1 each, a merge on every doc 1, a probe its "
+        f"share of the docs); {budget['evaluations']} models evaluated in all.",
+        "",
+    ]
     if not budget["rounds"]:
         return [*lines, budget["note"] + ".", ""]
-    lines += [f"Successive halving keeping 1/{budget['keep']} each round, on the selection split:", "",
-              "| round | probe share | docs per point | points | kept (best estimated harmonic mean) |",
-              "|---:|---:|---:|---:|---|"]
+    lines += [
+        f"Successive halving keeping 1/{budget['keep']} each round, on the selection split:",
+        "",
+        "| round | probe share | docs per point | points | kept (best estimated harmonic mean) |",
+        "|---:|---:|---:|---:|---|",
+    ]
     for index, entry in enumerate(budget["rounds"]):
-        lines.append(f"| {index} | {entry['probe']:g} | {entry['docs_per_point']} | {len(entry['estimates'])} | "
-                     f"{', '.join(entry['kept'])} |")
-    return [*lines, "", f"Scored on every doc ({budget['docs_per_full_point']} docs each): "
-                        f"{', '.join(budget['full'])}; the pick is the best of them on the selection split.", ""]
+        lines.append(
+            f"| {index} | {entry['probe']:g} | {entry['docs_per_point']} | {len(entry['estimates'])} | "
+            f"{', '.join(entry['kept'])} |"
+        )
+    return [
+        *lines,
+        "",
+        f"Scored on every doc ({budget['docs_per_full_point']} docs each): "
+        f"{', '.join(budget['full'])}; the pick is the best of them on the selection split.",
+        "",
+    ]

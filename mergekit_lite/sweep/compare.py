@@ -70,10 +70,15 @@ def method_settings(data: dict, methods: list) -> list[SweepSettings]:
         name = entry.pop("method", None)
         unknown = set(entry) - set(PER_METHOD)
         if not isinstance(name, str) or unknown:
-            raise InputError(f"methods: each entry is a method name or {{method: NAME, "
-                             f"{', '.join(PER_METHOD)}}}, got {entry if name else 'no method'}")
-        shared = {key: value for key, value in data.items()  # --density 0.5 beside linear,ties is ties' density
-                  if key not in METHOD_OPTIONS or METHOD_OPTIONS[key] in merge_methods.parameters_of(name)}
+            raise InputError(
+                f"methods: each entry is a method name or {{method: NAME, "
+                f"{', '.join(PER_METHOD)}}}, got {entry if name else 'no method'}"
+            )
+        shared = {
+            key: value
+            for key, value in data.items()  # --density 0.5 beside linear,ties is ties' density
+            if key not in METHOD_OPTIONS or METHOD_OPTIONS[key] in merge_methods.parameters_of(name)
+        }
         own = {**shared, **entry, "method": name}
         settings.append(settings_from_dict({**own, "out": str(Path(own["out"]) / name) if own.get("out") else None}))
     names = [s.method for s in settings]
@@ -102,15 +107,23 @@ def compare(sweeps: dict[str, SweepResult], baseline: str, folder: Path, evaluat
         interval = None
         if settings.bootstrap:
             interval = np.percentile(draws[:, index, 2] - draws[:, base_index, 2], [tail, 100 - tail]).tolist()
-        rows.append(MethodRow(method, result.best, interval,
-                              None if interval is None else bool(interval[0] <= 0 <= interval[1])))
+        rows.append(
+            MethodRow(
+                method, result.best, interval, None if interval is None else bool(interval[0] <= 0 <= interval[1])
+            )
+        )
     return Comparison(baseline, reference.pre, reference.post, sweeps, rows, evaluations, folder)
 
 
 def comparison_json(comparison: Comparison) -> dict:
     def scores(point: PointResult) -> dict:
-        return {"old": point.old, "new": point.new, "harmonic_mean": point.harmonic_mean,
-                "selection_harmonic_mean": point.selection.harmonic_mean, "intervals": point.intervals}
+        return {
+            "old": point.old,
+            "new": point.new,
+            "harmonic_mean": point.harmonic_mean,
+            "selection_harmonic_mean": point.selection.harmonic_mean,
+            "intervals": point.intervals,
+        }
 
     settings = comparison.sweeps[comparison.baseline].settings
     return {
@@ -120,16 +133,25 @@ def comparison_json(comparison: Comparison) -> dict:
         "selection": settings.selection,
         "pre": scores(comparison.pre),
         "post": scores(comparison.post),
-        "methods": [{"method": row.method, "coefficient": comparison.sweeps[row.method].settings.coefficient,
-                     "pick": row.pick.alpha, **({row.pick.second[0]: row.pick.second[1]} if row.pick.second else {}),
-                     **scores(row.pick), "diff_to_baseline": row.diff_to_baseline,
-                     "indistinguishable_from_baseline": row.indistinguishable,
-                     **pick_fields(comparison.sweeps[row.method]),
-                     "pareto": comparison.sweeps[row.method].pareto,
-                     "points": [{"alpha": p.alpha, **({p.second[0]: p.second[1]} if p.second else {}),
-                                 "old": p.old, "new": p.new}
-                                for p in comparison.sweeps[row.method].points],
-                     "report": f"{row.method}/report.md"} for row in comparison.rows],
+        "methods": [
+            {
+                "method": row.method,
+                "coefficient": comparison.sweeps[row.method].settings.coefficient,
+                "pick": row.pick.alpha,
+                **({row.pick.second[0]: row.pick.second[1]} if row.pick.second else {}),
+                **scores(row.pick),
+                "diff_to_baseline": row.diff_to_baseline,
+                "indistinguishable_from_baseline": row.indistinguishable,
+                **pick_fields(comparison.sweeps[row.method]),
+                "pareto": comparison.sweeps[row.method].pareto,
+                "points": [
+                    {"alpha": p.alpha, **({p.second[0]: p.second[1]} if p.second else {}), "old": p.old, "new": p.new}
+                    for p in comparison.sweeps[row.method].points
+                ],
+                "report": f"{row.method}/report.md",
+            }
+            for row in comparison.rows
+        ],
     }
 
 
@@ -145,30 +167,47 @@ def _cell(value: float, interval: list[float] | None) -> str:
 def comparison_markdown(comparison: Comparison, data: dict) -> str:
     settings = comparison.sweeps[comparison.baseline].settings
     lines = [
-        "# Method comparison", "",
+        "# Method comparison",
+        "",
         f"pre: old {comparison.pre.old:.3f}, new {comparison.pre.new:.3f}; "
         f"post: old {comparison.post.old:.3f}, new {comparison.post.new:.3f} (report split; evaluated once, shared).",
         "",
         "Each method's coefficient is picked by the harmonic mean on the selection split; scores are on the report "
-        f"split with {settings.confidence:.0%} paired-bootstrap intervals. \"vs {comparison.baseline}\" is the "
+        f'split with {settings.confidence:.0%} paired-bootstrap intervals. "vs {comparison.baseline}" is the '
         f"interval of the pick's harmonic mean minus {comparison.baseline}'s pick's, resampled on the same docs; "
-        "\"indistinguishable\" when it holds 0.", "",
+        '"indistinguishable" when it holds 0.',
+        "",
         f"| method | pick | old | new | harmonic mean | vs {comparison.baseline} | |",
         "|---|---|---|---|---|---|---|",
     ]
     for row, entry in zip(comparison.rows, data["methods"]):
         pick = row.pick
-        verdict = ("baseline" if row.method == comparison.baseline else "" if row.indistinguishable is None else
-                   "indistinguishable" if row.indistinguishable else
-                   "better" if row.diff_to_baseline[0] > 0 else "worse")
+        verdict = (
+            "baseline"
+            if row.method == comparison.baseline
+            else ""
+            if row.indistinguishable is None
+            else "indistinguishable"
+            if row.indistinguishable
+            else "better"
+            if row.diff_to_baseline[0] > 0
+            else "worse"
+        )
         low_high = row.diff_to_baseline
         diff = "" if low_high is None else f"[{low_high[0]:+.3f}, {low_high[1]:+.3f}]"
-        lines.append(f"| [{row.method}]({entry['report']}) | {_chosen(pick, entry['coefficient'])} | "
-                     f"{_cell(pick.old, pick.intervals.get('old'))} | {_cell(pick.new, pick.intervals.get('new'))} | "
-                     f"{_cell(pick.harmonic_mean, pick.intervals.get('harmonic_mean'))} | {diff} | {verdict} |")
+        lines.append(
+            f"| [{row.method}]({entry['report']}) | {_chosen(pick, entry['coefficient'])} | "
+            f"{_cell(pick.old, pick.intervals.get('old'))} | {_cell(pick.new, pick.intervals.get('new'))} | "
+            f"{_cell(pick.harmonic_mean, pick.intervals.get('harmonic_mean'))} | {diff} | {verdict} |"
+        )
     lines += ["", *pick_lines(comparison, "- {method}: {text}.", "- **{method}: {text}**")]
-    lines += ["", f"{comparison.evaluations} models evaluated by this run (pre and post once for every method).",
-              "", f"![old against new]({PARETO_PLOT})", ""]
+    lines += [
+        "",
+        f"{comparison.evaluations} models evaluated by this run (pre and post once for every method).",
+        "",
+        f"![old against new]({PARETO_PLOT})",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -214,15 +253,22 @@ def write_comparison(comparison: Comparison) -> None:
 
 def comparison_summary(comparison: Comparison) -> str:
     """A few lines for stdout: pre, post, each method's pick and its verdict against the baseline."""
-    lines = [f"pre   old {comparison.pre.old:.3f}  new {comparison.pre.new:.3f}",
-             f"post  old {comparison.post.old:.3f}  new {comparison.post.new:.3f}"]
+    lines = [
+        f"pre   old {comparison.pre.old:.3f}  new {comparison.pre.new:.3f}",
+        f"post  old {comparison.post.old:.3f}  new {comparison.post.new:.3f}",
+    ]
     for row in comparison.rows:
         pick = row.pick
-        verdict = "" if row.method == comparison.baseline or row.diff_to_baseline is None else \
-            f"  vs {comparison.baseline} [{row.diff_to_baseline[0]:+.3f}, {row.diff_to_baseline[1]:+.3f}]" + \
-            (" indistinguishable" if row.indistinguishable else "")
-        lines.append(f"best {row.method:<16} ({_chosen(pick, comparison.sweeps[row.method].settings.coefficient)})  "
-                     f"old {pick.old:.3f}  new {pick.new:.3f}  harmonic mean {pick.harmonic_mean:.3f}{verdict}")
+        verdict = (
+            ""
+            if row.method == comparison.baseline or row.diff_to_baseline is None
+            else f"  vs {comparison.baseline} [{row.diff_to_baseline[0]:+.3f}, {row.diff_to_baseline[1]:+.3f}]"
+            + (" indistinguishable" if row.indistinguishable else "")
+        )
+        lines.append(
+            f"best {row.method:<16} ({_chosen(pick, comparison.sweeps[row.method].settings.coefficient)})  "
+            f"old {pick.old:.3f}  new {pick.new:.3f}  harmonic mean {pick.harmonic_mean:.3f}{verdict}"
+        )
     lines += pick_lines(comparison, "      {method}: {text}", "      {method} {text}")
     lines.append(f"evaluated {comparison.evaluations} models; comparison: {comparison.out / COMPARISON_MD}")
     return "\n".join(lines)

@@ -34,13 +34,15 @@ def worker_count(pending: int, resources: dict, available: dict) -> int:
     fit = int(available.get("GPU", 0) // gpus) if gpus else int(available.get("CPU", 0) // cpus)
     if fit < 1:
         need = f"{gpus} GPU" if gpus else f"{cpus} CPU"
-        raise InputError(f"the Ray cluster has no room for one sweep worker (each needs {need}; "
-                         f"available: {available})")
+        raise InputError(
+            f"the Ray cluster has no room for one sweep worker (each needs {need}; available: {available})"
+        )
     return max(1, min(pending, fit))
 
 
-def run_points_on_ray(settings, todo: list[tuple[str, float | None, dict | None]], address: str | None,
-                      gpus_per_point: int = 1) -> list[str]:
+def run_points_on_ray(
+    settings, todo: list[tuple[str, float | None, dict | None]], address: str | None, gpus_per_point: int = 1
+) -> list[str]:
     """Evaluate `todo` (label, alpha, merge config as a dict; None for pre and post) on Ray actors.
 
     The driver resolves every point's merge config first (RECALL's similarities are computed once
@@ -52,8 +54,12 @@ def run_points_on_ray(settings, todo: list[tuple[str, float | None, dict | None]
         raise InputError("--ray needs Ray: pip install 'mergekit-lite[ray]'") from None
     started_here = not ray.is_initialized()
     if started_here:
-        init = {"address": None if address in (None, LOCAL) else address, "include_dashboard": False,
-                "log_to_driver": False, "logging_level": "ERROR"}
+        init = {
+            "address": None if address in (None, LOCAL) else address,
+            "include_dashboard": False,
+            "log_to_driver": False,
+            "logging_level": "ERROR",
+        }
         if init["address"] is None:
             init["num_cpus"] = os.cpu_count()
         # Workers import this package as the driver does (an editable install or PYTHONPATH on every node).
@@ -84,6 +90,7 @@ class PointWorker:
 
         if self.evaluator is None:
             self.evaluator = PointEvaluator(self.settings, Path(self.settings.out), tqdm(disable=True))
-        evaluate_point(self.evaluator, self.settings, label, alpha,
-                       None if config is None else config_from_dict(config))
+        evaluate_point(
+            self.evaluator, self.settings, label, alpha, None if config is None else config_from_dict(config)
+        )
         return label

@@ -49,9 +49,18 @@ class PointEvaluator:
         from mergekit_lite.evaluate.lm_harness import Evaluator
 
         settings = self.settings
-        return {group: Evaluator(tasks, include_path=settings.include_path, limit=settings.limit,
-                                 batch_size=settings.batch_size, device=settings.device, quiet=True, settings=lm_eval)
-                for group, tasks in (("old", settings.old_tasks), ("new", settings.new_tasks))}
+        return {
+            group: Evaluator(
+                tasks,
+                include_path=settings.include_path,
+                limit=settings.limit,
+                batch_size=settings.batch_size,
+                device=settings.device,
+                quiet=True,
+                settings=lm_eval,
+            )
+            for group, tasks in (("old", settings.old_tasks), ("new", settings.new_tasks))
+        }
 
     def close(self) -> None:
         """Close the inputs' files (a later merge would open them again)."""
@@ -160,14 +169,19 @@ def evaluation_tokenizer(settings: SweepSettings, folder: str):
     trust = settings.lm_eval.trusts_remote_code
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     has_tokenizer = any((Path(settings.post) / name).is_file() for name in TOKENIZER_FILES)
-    if settings.lm_eval.apply_chat_template and not tokenizer.chat_template and has_tokenizer \
-            and Path(folder).resolve() != Path(settings.post).resolve():
+    if (
+        settings.lm_eval.apply_chat_template
+        and not tokenizer.chat_template
+        and has_tokenizer
+        and Path(folder).resolve() != Path(settings.post).resolve()
+    ):
         tokenizer.chat_template = AutoTokenizer.from_pretrained(settings.post, trust_remote_code=trust).chat_template
     return tokenizer
 
 
-def evaluate_point(evaluator: PointEvaluator, settings: SweepSettings, label: str, alpha: float | None,
-                   config: MergeConfig | None) -> list[TaskRun]:
+def evaluate_point(
+    evaluator: PointEvaluator, settings: SweepSettings, label: str, alpha: float | None, config: MergeConfig | None
+) -> list[TaskRun]:
     """Evaluate one point (pre or post themselves when alpha is None, else the merge `config`) and save
     its point file: the one step a local sweep and a Ray actor share."""
     if alpha is None:

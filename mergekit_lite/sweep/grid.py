@@ -31,10 +31,12 @@ from mergekit_lite.sweep.settings import SECOND_AXES, SweepSettings
 from mergekit_lite.sweep.store import point_label
 
 SECONDS = tuple(SECOND_AXES.values())
-RULE = ("full grid: every cell; golden: a golden-section search along alpha in each row of the second "
-        "coefficient; probe: each row's alphas on probe docs, the row's best estimate on every doc; budget: "
-        "successive halving over all cells on probe docs, the survivors on every doc. The pick is the best "
-        "selection-split harmonic mean among the cells evaluated on every doc.")
+RULE = (
+    "full grid: every cell; golden: a golden-section search along alpha in each row of the second "
+    "coefficient; probe: each row's alphas on probe docs, the row's best estimate on every doc; budget: "
+    "successive halving over all cells on probe docs, the survivors on every doc. The pick is the best "
+    "selection-split harmonic mean among the cells evaluated on every doc."
+)
 
 
 @dataclass
@@ -66,8 +68,11 @@ def cells(grid: list[SweepSettings], folder: Path) -> dict[str, Cell]:
 
 def seconds(found: dict[str, Cell]) -> dict[str, tuple[str, float]]:
     """label -> (second coefficient, value) of a 2-D grid's cells; empty for a 1-D sweep."""
-    return {label: (cell.row.second, getattr(cell.row, cell.row.second))
-            for label, cell in found.items() if cell.row.second is not None}
+    return {
+        label: (cell.row.second, getattr(cell.row, cell.row.second))
+        for label, cell in found.items()
+        if cell.row.second is not None
+    }
 
 
 def row_trace(row: SweepSettings, search: SearchTrace | None, probed: ProbeTrace | None) -> dict:
@@ -76,9 +81,11 @@ def row_trace(row: SweepSettings, search: SearchTrace | None, probed: ProbeTrace
     if search is not None:
         trace.update(evaluated=[row.alphas[index] for index in search.evaluated], stopped=search.reason)
     if probed is not None:
-        trace.update(probed=list(probed.estimates), probe_pick=probed.pick,
-                     probe_estimates={repr(alpha): estimate.harmonic_mean
-                                      for alpha, estimate in probed.estimates.items()})
+        trace.update(
+            probed=list(probed.estimates),
+            probe_pick=probed.pick,
+            probe_estimates={repr(alpha): estimate.harmonic_mean for alpha, estimate in probed.estimates.items()},
+        )
     return trace
 
 
@@ -100,12 +107,25 @@ def grid_json(result: SweepResult) -> dict | None:
     settings = result.settings
     if settings.second is None:
         return None
-    return {"coefficients": [settings.coefficient, settings.second], "alphas": settings.alphas,
-            "values": settings.second_values(), "rule": RULE, "rows": result.rows,
-            "cells": [{settings.coefficient: point.alpha, settings.second: point.second[1],
-                       "old": point.old, "new": point.new, "harmonic_mean": point.harmonic_mean,
-                       "selection_harmonic_mean": point.selection.harmonic_mean} for point in result.points],
-            "pick": {settings.coefficient: result.best.alpha, settings.second: result.best.second[1]}}
+    return {
+        "coefficients": [settings.coefficient, settings.second],
+        "alphas": settings.alphas,
+        "values": settings.second_values(),
+        "rule": RULE,
+        "rows": result.rows,
+        "cells": [
+            {
+                settings.coefficient: point.alpha,
+                settings.second: point.second[1],
+                "old": point.old,
+                "new": point.new,
+                "harmonic_mean": point.harmonic_mean,
+                "selection_harmonic_mean": point.selection.harmonic_mean,
+            }
+            for point in result.points
+        ],
+        "pick": {settings.coefficient: result.best.alpha, settings.second: result.best.second[1]},
+    }
 
 
 def grid_lines(results: dict) -> list[str]:
@@ -117,10 +137,14 @@ def grid_lines(results: dict) -> list[str]:
     alpha_name, second = grid["coefficients"]
     scores = {(cell[alpha_name], cell[second]): cell for cell in grid["cells"]}
     pick = (grid["pick"][alpha_name], grid["pick"][second])
-    lines = [f"## Grid: harmonic mean over {alpha_name} (alpha) x {second}", "",
-             f"Report split (selection split in brackets); `-`: not evaluated on every doc. {grid['rule']}", "",
-             f"| {second} \\ alpha | " + " | ".join(map(repr, grid["alphas"])) + " |",
-             "|---|" + "---:|" * len(grid["alphas"])]
+    lines = [
+        f"## Grid: harmonic mean over {alpha_name} (alpha) x {second}",
+        "",
+        f"Report split (selection split in brackets); `-`: not evaluated on every doc. {grid['rule']}",
+        "",
+        f"| {second} \\ alpha | " + " | ".join(map(repr, grid["alphas"])) + " |",
+        "|---|" + "---:|" * len(grid["alphas"]),
+    ]
     for value in grid["values"]:
         row = []
         for alpha in grid["alphas"]:
@@ -146,16 +170,26 @@ def plot_heatmap(result: SweepResult, path: Path, new_figure) -> None:
     image = axes.imshow(np.ma.masked_invalid(matrix), origin="lower", aspect="auto", cmap="viridis", vmin=0, vmax=1)
     for (row, column), value in np.ndenumerate(matrix):
         if not np.isnan(value):
-            axes.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                      color="black" if value > 0.6 else "white")
+            axes.text(
+                column,
+                row,
+                f"{value:.2f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="black" if value > 0.6 else "white",
+            )
     best = result.best
     axes.add_patch(_pick_box(alphas.index(best.alpha), values.index(best.second[1])))
     axes.set_xticks(range(len(alphas)), [f"{alpha:g}" for alpha in alphas], fontsize=7)
     axes.set_yticks(range(len(values)), [f"{value:g}" for value in values], fontsize=7)
     axes.set_xlabel(f"alpha ({settings.coefficient} of {settings.method})")
     axes.set_ylabel(settings.second)
-    axes.set_title(f"harmonic mean (report split); box: pick ({settings.coefficient} {best.alpha:g}, "
-                   f"{settings.second} {best.second[1]:g})", fontsize=8)
+    axes.set_title(
+        f"harmonic mean (report split); box: pick ({settings.coefficient} {best.alpha:g}, "
+        f"{settings.second} {best.second[1]:g})",
+        fontsize=8,
+    )
     figure.colorbar(image, ax=axes, shrink=0.8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

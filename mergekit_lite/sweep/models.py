@@ -48,10 +48,16 @@ class MergeConfigs:
             settings = self.settings
             config = settings.merge_config(settings.alphas[0])
             weights = compute_recall_weights(
-                config.inputs, read_texts(settings.recall_texts), n_typical=settings.recall_samples,
-                reference=config.recall.reference, device=config.device, seed=settings.seed,
-                max_length=config.recall.max_length, bandwidth=config.recall.bandwidth,
-                special_tokens=config.recall.special_tokens)
+                config.inputs,
+                read_texts(settings.recall_texts),
+                n_typical=settings.recall_samples,
+                reference=config.recall.reference,
+                device=config.device,
+                seed=settings.seed,
+                max_length=config.recall.max_length,
+                bandwidth=config.recall.bandwidth,
+                special_tokens=config.recall.special_tokens,
+            )
             path.parent.mkdir(exist_ok=True)
             write_atomic(path, json.dumps(weights.to_json(), indent=2) + "\n")
         return path
@@ -79,7 +85,8 @@ class ModelLoader:
 
         self.loading_args = dict(loading_args or {})  # --model-args: attn_implementation, trust_remote_code
         self.config = transformers.AutoConfig.from_pretrained(
-            pre, trust_remote_code=self.loading_args.get("trust_remote_code", False))
+            pre, trust_remote_code=self.loading_args.get("trust_remote_code", False)
+        )
         architecture = next(iter(self.config.architectures or []), None)
         self.model_class = getattr(transformers, architecture, None) if architecture else None
         if self.model_class is None:
@@ -88,22 +95,31 @@ class ModelLoader:
 
     def from_folder(self, folder) -> object:
         with interrupts.deferred():  # transformers builds the model through torch's device modes: see interrupts
-            loaded = self.model_class.from_pretrained(str(folder), dtype=self.dtype, output_loading_info=True,
-                                                      **self.loading_args)
+            loaded = self.model_class.from_pretrained(
+                str(folder), dtype=self.dtype, output_loading_info=True, **self.loading_args
+            )
         return self._checked(str(folder), loaded)
 
     def from_state(self, state: dict, what: str) -> object:
         """A model from on-disk tensor names (e.g. an adapter applied to pre, or a task vector)."""
         with interrupts.deferred():
-            loaded = self.model_class.from_pretrained(None, config=self.config, state_dict=state, dtype=self.dtype,
-                                                      output_loading_info=True, **self.loading_args)
+            loaded = self.model_class.from_pretrained(
+                None,
+                config=self.config,
+                state_dict=state,
+                dtype=self.dtype,
+                output_loading_info=True,
+                **self.loading_args,
+            )
         return self._checked(what, loaded)
 
     def _checked(self, what, loaded):
         model, info = loaded
         if info["missing_keys"]:
-            raise InputError(f"{what}: lacks tensor {sorted(info['missing_keys'])[0]}, which the "
-                             f"{self.model_class.__name__} built from --pre's config.json needs")
+            raise InputError(
+                f"{what}: lacks tensor {sorted(info['missing_keys'])[0]}, which the "
+                f"{self.model_class.__name__} built from --pre's config.json needs"
+            )
         return model.to(self.device).eval()
 
 
@@ -150,8 +166,9 @@ class ResidentPair:
             held = post_model(loader, settings, sources)
             self.held = {name: parameter.detach() for name, parameter in held.named_parameters()}
             del held
-        self.identical = {name for name in self.parameters
-                          if not self.sparsified and torch.equal(self.pre[name], self.held[name])}
+        self.identical = {
+            name for name in self.parameters if not self.sparsified and torch.equal(self.pre[name], self.held[name])
+        }
         self.layout = layout(sources[0].config)
         self.n_layers = layer_count(self.layout, sources[0].names)
         self.stored = stored_dtypes(self.parameters, sources[0])
@@ -217,8 +234,10 @@ def stored_dtypes(parameters: dict, source) -> dict:
     parameter's own (nothing rounded)."""
     floating = {source.dtype(name) for name in source.names if source.dtype(name).is_floating_point}
     common = floating.pop() if len(floating) == 1 else None
-    return {name: source.dtype(name) if name in source.names else common or parameter.dtype
-            for name, parameter in parameters.items()}
+    return {
+        name: source.dtype(name) if name in source.names else common or parameter.dtype
+        for name, parameter in parameters.items()
+    }
 
 
 def check_pair(settings: SweepSettings) -> None:
@@ -237,9 +256,15 @@ def check_pair(settings: SweepSettings) -> None:
                     f"tensor {name}: shape {list(post.shape(name))} in post ({settings.post}) but "
                     f"{list(pre.shape(name))} in pre ({settings.pre}); a sweep merges them tensor by tensor as they "
                     "are (for another vocabulary, re-index post onto pre's tokens first: mergekit-lite merge "
-                    "--method linear --alpha 1 --base PRE --model POST --tokenizer-source base --out POST_ALIGNED)")
-        plan_merge(config_from_dict({"method": "linear", "base": settings.pre, "models": [settings.post],
-                                     "parameters": {"alpha": 0.5}}, where="sweep"), sources)
+                    "--method linear --alpha 1 --base PRE --model POST --tokenizer-source base --out POST_ALIGNED)"
+                )
+        plan_merge(
+            config_from_dict(
+                {"method": "linear", "base": settings.pre, "models": [settings.post], "parameters": {"alpha": 0.5}},
+                where="sweep",
+            ),
+            sources,
+        )
     finally:
         for source in sources:
             source.close()

@@ -39,15 +39,19 @@ def forgotten_docs(pre: list[TaskRun], post: list[TaskRun]) -> dict[str, dict[st
         after = post_by_task.get(run.task)
         if run.outcomes is None or after is None or after.outcomes is None:
             continue
-        ids = sorted(run.outcomes.doc_ids[key] for key, right in run.outcomes.correct.items()
-                     if right and not after.outcomes.correct.get(key, True))
+        ids = sorted(
+            run.outcomes.doc_ids[key]
+            for key, right in run.outcomes.correct.items()
+            if right and not after.outcomes.correct.get(key, True)
+        )
         if ids:
             docs.setdefault(run.group, {})[run.task] = ids
     return docs
 
 
-def evaluate_realigned(settings: SweepSettings, runs: dict[str, list[TaskRun]],
-                       score: Callable[[int, dict], list[TaskRun]]) -> list[TaskRun]:
+def evaluate_realigned(
+    settings: SweepSettings, runs: dict[str, list[TaskRun]], score: Callable[[int, dict], list[TaskRun]]
+) -> list[TaskRun]:
     """The realigned runs: saved ones (`runs`, by label) when there, else `score(K, docs)` (None docs: post forgot
     nothing, nothing to score)."""
     label = realigned_label(settings.realign_shots)
@@ -57,8 +61,9 @@ def evaluate_realigned(settings: SweepSettings, runs: dict[str, list[TaskRun]],
     return runs[label]
 
 
-def forgetting_kinds(pre: list[TaskRun], post: list[TaskRun], realigned: list[TaskRun],
-                     where: str) -> dict[str, dict[str, str]]:
+def forgetting_kinds(
+    pre: list[TaskRun], post: list[TaskRun], realigned: list[TaskRun], where: str
+) -> dict[str, dict[str, str]]:
     """task -> forgotten doc key -> spurious or genuine (evaluate.spurious.forgotten_kinds), both splits' docs."""
     post_by_task = {run.task: run.outcomes for run in post}
     again = {run.task: run.outcomes for run in realigned if run.outcomes is not None}
@@ -72,8 +77,7 @@ def forgetting_kinds(pre: list[TaskRun], post: list[TaskRun], realigned: list[Ta
     return kinds
 
 
-def _splits(name_keys: dict[str, list[str]], kinds: dict[str, dict[str, str]],
-            ks: dict[str, float]) -> SpuriousMap:
+def _splits(name_keys: dict[str, list[str]], kinds: dict[str, dict[str, str]], ks: dict[str, float]) -> SpuriousMap:
     """The split of the given keys per task (counts, chance-corrected shares), as a SpuriousMap for its groups."""
     tasks = {}
     for task, keys in name_keys.items():
@@ -82,8 +86,13 @@ def _splits(name_keys: dict[str, list[str]], kinds: dict[str, dict[str, str]],
     return SpuriousMap(tasks, {}, {}, [], ks)
 
 
-def realign_json(settings: SweepSettings, pre: list[TaskRun], kinds: dict[str, dict[str, str]],
-                 report_keys: dict[str, set[str]], classes: dict[tuple[str, str], str]) -> dict:
+def realign_json(
+    settings: SweepSettings,
+    pre: list[TaskRun],
+    kinds: dict[str, dict[str, str]],
+    report_keys: dict[str, set[str]],
+    classes: dict[tuple[str, str], str],
+) -> dict:
     """results.json's `realign`: on the report split, post's forgotten docs and the pick's still-lost docs split into
     spurious and genuine per task and group (counts; chance-corrected shares as `forgetting --realigned` gives them).
     `classes`: (task, key) -> the doc's class in samples.jsonl."""
@@ -91,26 +100,40 @@ def realign_json(settings: SweepSettings, pre: list[TaskRun], kinds: dict[str, d
     group_of = {run.task: run.group for run in pre}
     forgotten = {task: [key for key in sorted(kinds[task]) if key in report_keys[task]] for task in kinds}
     still_lost = {task: [key for key in keys if classes[task, key] == "still_lost"] for task, keys in forgotten.items()}
-    out = {"shots": settings.realign_shots,
-           "lm_eval": replace(settings.lm_eval, num_fewshot=settings.realign_shots).describe(), "split": "report"}
+    out = {
+        "shots": settings.realign_shots,
+        "lm_eval": replace(settings.lm_eval, num_fewshot=settings.realign_shots).describe(),
+        "split": "report",
+    }
     for name, keys in (("forgetting", forgotten), ("still_lost", still_lost)):
         mapped = _splits(keys, kinds, ks)
         groups = {group: mapped.group(group, [task for task in keys if group_of[task] == group]) for group in GROUPS}
-        out[name] = {"tasks": {task: row.to_dict() for task, row in mapped.tasks.items()},
-                     "groups": {group: row.to_dict() for group, row in groups.items()}}
+        out[name] = {
+            "tasks": {task: row.to_dict() for task, row in mapped.tasks.items()},
+            "groups": {group: row.to_dict() for group, row in groups.items()},
+        }
     return out
 
 
 def realign_lines(realign: dict) -> list[str]:
     """report.md: the forgetting and the pick's still-lost docs split into spurious and genuine."""
+
     def rows(part: dict) -> list[SpuriousSplit]:
         return [SpuriousSplit(**row) for row in (*part["tasks"].values(), *part["groups"].values())]
 
-    return [f"## Spurious or genuine forgetting (report split, post again with {realign['shots']} demonstrations)", "",
-            f"Post was scored again on the docs it forgot with {realign['lm_eval']}. A forgotten doc is **spurious** "
-            "when the demonstrations bring it back (the task's format was lost, not the knowledge) and **genuine** "
-            "when they do not; the `_true` shares remove lucky guesses on K-choice docs (docs/forgetting.md).", "",
-            "Post's forgetting (pre right, post wrong):", "",
-            format_split_table(rows(realign["forgetting"])), "",
-            "The docs the pick still loses (pre right, post and the pick wrong):", "",
-            format_split_table(rows(realign["still_lost"]), header="task"), ""]
+    return [
+        f"## Spurious or genuine forgetting (report split, post again with {realign['shots']} demonstrations)",
+        "",
+        f"Post was scored again on the docs it forgot with {realign['lm_eval']}. A forgotten doc is **spurious** "
+        "when the demonstrations bring it back (the task's format was lost, not the knowledge) and **genuine** "
+        "when they do not; the `_true` shares remove lucky guesses on K-choice docs (docs/forgetting.md).",
+        "",
+        "Post's forgetting (pre right, post wrong):",
+        "",
+        format_split_table(rows(realign["forgetting"])),
+        "",
+        "The docs the pick still loses (pre right, post and the pick wrong):",
+        "",
+        format_split_table(rows(realign["still_lost"]), header="task"),
+        "",
+    ]

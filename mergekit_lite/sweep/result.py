@@ -87,15 +87,16 @@ class SweepResult:
 
     @property
     def pick_is(self) -> str | None:
-        """"pre" or "post" when the merge at the pick is that model itself (e.g. linear at alpha 0 or 1): then the
+        """ "pre" or "post" when the merge at the pick is that model itself (e.g. linear at alpha 0 or 1): then the
         sweep found no merge better than an endpoint, and a recovery percentage would describe no merge."""
         settings, best = self.settings, self.best
         method = methods.method(settings.method)  # its declaration says which coefficients give pre or post
         if best.alpha == 0 and method.pre_at_zero:
             return "pre"
         beta = best.second[1] if best.second and best.second[0] == "beta" else settings.beta
-        if best.alpha == 1 and (method.post_at_one and best.second is None
-                                or method.post_at_one_without_beta and not beta):
+        if best.alpha == 1 and (
+            method.post_at_one and best.second is None or method.post_at_one_without_beta and not beta
+        ):
             return "post"
         return None
 
@@ -104,8 +105,10 @@ class SweepResult:
         pre or post itself, that instead."""
         settings, best = self.settings, self.best
         if endpoint := self.pick_is:
-            return (f"the pick is {endpoint} itself ({settings.method} at {settings.coefficient}={best.alpha!r}): no "
-                    f"merge beat {endpoint} on the selection split, so there is no recovery to report")
+            return (
+                f"the pick is {endpoint} itself ({settings.method} at {settings.coefficient}={best.alpha!r}): no "
+                f"merge beat {endpoint} on the selection split, so there is no recovery to report"
+            )
         recovered = f"{self.recovered:.1%}" if self.recovered is not None else "N/A (post lost no old-task accuracy)"
         kept = f"{self.kept:.1%}" if self.kept is not None else "N/A (post gained no new-task accuracy)"
         return f"forgetting recovered {recovered}, new skill kept {kept}"
@@ -115,18 +118,27 @@ class SweepResult:
         made on the selection docs did not hold up on the others."""
         if not self.better:
             return None
-        named = ", ".join(f"{point.label} (HM - pick [{point.intervals['diff_to_pick'][0]:+.3f}, "
-                          f"{point.intervals['diff_to_pick'][1]:+.3f}])" for point in self.better)
-        return (f"warning: on the report split {named} beat{'s' if len(self.better) == 1 else ''} the pick with an "
-                f"interval above zero; the pick made on the selection docs does not hold up on the others: consider "
-                f"{self.better[0].label}, or score more docs (--limit)")
+        named = ", ".join(
+            f"{point.label} (HM - pick [{point.intervals['diff_to_pick'][0]:+.3f}, "
+            f"{point.intervals['diff_to_pick'][1]:+.3f}])"
+            for point in self.better
+        )
+        return (
+            f"warning: on the report split {named} beat{'s' if len(self.better) == 1 else ''} the pick with an "
+            f"interval above zero; the pick made on the selection docs does not hold up on the others: consider "
+            f"{self.better[0].label}, or score more docs (--limit)"
+        )
 
 
 def pick_fields(result: SweepResult) -> dict:
     """results.json's account of the pick: what it gives back (null where it is pre or post itself), which endpoint it
     is, and the alphas that beat it on the report split."""
-    return {"recovered": None if result.pick_is else result.recovered, "kept": None if result.pick_is else result.kept,
-            "pick_is": result.pick_is, "better": [point.label for point in result.better]}
+    return {
+        "recovered": None if result.pick_is else result.recovered,
+        "kept": None if result.pick_is else result.kept,
+        "pick_is": result.pick_is,
+        "better": [point.label for point in result.better],
+    }
 
 
 def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
@@ -136,8 +148,10 @@ def pick(points: list[PointResult]) -> tuple[PointResult, list[float]]:
     broken = [point.label for point in points if point.nonfinite]
     points = [point for point in points if not point.nonfinite]
     if not points:
-        raise InputError(f"every merged model gave NaN or infinite logits ({', '.join(broken)}); no alpha can be "
-                         "picked: sweep smaller coefficients")
+        raise InputError(
+            f"every merged model gave NaN or infinite logits ({', '.join(broken)}); no alpha can be "
+            "picked: sweep smaller coefficients"
+        )
     top = max(p.selection.harmonic_mean for p in points)
     tied = [p for p in points if top - p.selection.harmonic_mean <= TIE_TOLERANCE]
     return tied[0], [p.key for p in tied]
@@ -161,29 +175,51 @@ def add_intervals(result: SweepResult) -> None:
         difference = draws[:, index, 2] - draws[:, pick_index, 2]
         model.intervals["diff_to_pick"] = np.percentile(difference, [tail, 100 - tail]).tolist()
     candidates = [point for point in result.points if not point.nonfinite]  # a broken model is never a rival
-    result.indistinguishable = [point.key for point in candidates if point is not result.best
-                                and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]]
-    result.better = sorted((point for point in candidates if point.intervals["diff_to_pick"][0] > 0),
-                           key=lambda point: -point.intervals["diff_to_pick"][0])
+    result.indistinguishable = [
+        point.key
+        for point in candidates
+        if point is not result.best and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]
+    ]
+    result.better = sorted(
+        (point for point in candidates if point.intervals["diff_to_pick"][0] > 0),
+        key=lambda point: -point.intervals["diff_to_pick"][0],
+    )
 
 
-def build_result(settings, folder, plan, runs, evaluated,
-                 cells: dict[str, tuple[str, float]] | None = None) -> SweepResult:
+def build_result(
+    settings, folder, plan, runs, evaluated, cells: dict[str, tuple[str, float]] | None = None
+) -> SweepResult:
     """Split every task's docs, summarise every model on both splits, pick on selection, bootstrap on report;
     `cells`: a 2-D grid's label -> (second coefficient, value)."""
     skipped = {run.task: f"{label}: {run.skipped}" for label, _ in plan for run in runs[label] if run.outcomes is None}
-    runs = {label: [TaskRun(run.task, run.group, None, skipped[run.task]) if run.task in skipped else run
-                    for run in runs[label]] for label, _ in plan}  # a task skipped for one model is for all
+    runs = {
+        label: [
+            TaskRun(run.task, run.group, None, skipped[run.task]) if run.task in skipped else run for run in runs[label]
+        ]
+        for label, _ in plan
+    }  # a task skipped for one model is for all
     baseline = runs["pre"]
     splits = doc_splits(settings, baseline)
-    results = {label: summarise(label, alpha, runs[label], baseline, splits, settings.aggregation)
-               for label, alpha in plan}
+    results = {
+        label: summarise(label, alpha, runs[label], baseline, splits, settings.aggregation) for label, alpha in plan
+    }
     for label, second in (cells or {}).items():
         if label in results:
             results[label].second = second
     points = [results[label] for label, alpha in plan if alpha is not None]
     best, ties = pick(points)
-    result = SweepResult(settings, results["pre"], results["post"], points, best, ties, pareto_front(points),
-                         evaluated, folder, splits, skipped=skipped)
+    result = SweepResult(
+        settings,
+        results["pre"],
+        results["post"],
+        points,
+        best,
+        ties,
+        pareto_front(points),
+        evaluated,
+        folder,
+        splits,
+        skipped=skipped,
+    )
     add_intervals(result)
     return result

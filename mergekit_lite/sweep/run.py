@@ -47,10 +47,10 @@ from mergekit_lite.sweep.store import (
     load_points,
     point_file,
     point_label,
-    taken_back_if_unused,
     record_written,
     run_lock,
     save_point,
+    taken_back_if_unused,
     wrote_before,
 )
 
@@ -68,8 +68,11 @@ def run_file(name: str) -> bool:
     if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR):
         return not rest or rest.endswith(".json") and "/" not in rest
     own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE, SAMPLES_FILE, OUTPUTS_FILE)
-    return top in own or top.startswith((f"{MERGE_TEMP}-", f".{MERGE_TEMP}-")) \
+    return (
+        top in own
+        or top.startswith((f"{MERGE_TEMP}-", f".{MERGE_TEMP}-"))
         or any(top.startswith(f".{file}.tmp-") for file in own)
+    )
 
 
 def comparison_file(name: str, methods: tuple[str, ...]) -> bool:
@@ -79,8 +82,12 @@ def comparison_file(name: str, methods: tuple[str, ...]) -> bool:
     if top in methods:
         return not rest or rest == OUTPUT_MARKER or run_file(rest)
     own = (LOCK_FILE, COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT)
-    return top in own or any(top.startswith(f".{file}.tmp-") for file in own) \
-        or top == POINTS_DIR and (not rest or rest.endswith(".json") and "/" not in rest)
+    return (
+        top in own
+        or any(top.startswith(f".{file}.tmp-") for file in own)
+        or top == POINTS_DIR
+        and (not rest or rest.endswith(".json") and "/" not in rest)
+    )
 
 
 def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
@@ -102,8 +109,10 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
     search = probed = budget = None
     traces = []  # each row's golden search or probe mode
-    with taken_back_if_unused(settings.out, lambda: prepared(settings.out, inputs, run_file)) as folder, \
-            run_lock(folder):
+    with (
+        taken_back_if_unused(settings.out, lambda: prepared(settings.out, inputs, run_file)) as folder,
+        run_lock(folder),
+    ):
         found = grid.cells(rows, folder)  # label -> cell (a 1-D sweep's labels: alpha=A)
         plan = [("pre", None), ("post", None)] + [(label, cell.alpha) for label, cell in found.items()]
         runs = load_points(folder, identity)
@@ -111,8 +120,16 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         evaluated = []
         probe_mode = settings.probe is not None and settings.budget is None
         total = len(plan) + (len(rows) if probe_mode else 0)  # probe mode: every alpha, then each row's pick
-        with tqdm(total=total * n_tasks, initial=(len(plan) - len(todo)) * n_tasks, unit="task",
-                  desc="sweep", disable=not progress) as bar, ExitStack() as opened:
+        with (
+            tqdm(
+                total=total * n_tasks,
+                initial=(len(plan) - len(todo)) * n_tasks,
+                unit="task",
+                desc="sweep",
+                disable=not progress,
+            ) as bar,
+            ExitStack() as opened,
+        ):
             evaluator = None
 
             def point_evaluator() -> PointEvaluator:
@@ -125,21 +142,26 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                 from mergekit_lite.sweep.distributed import run_points_on_ray
 
                 for index, row in enumerate(rows):  # each row saves its points under its own cell identity
-                    points = [(label, alpha, None if alpha is None else found[label].config().to_dict())
-                              for label, alpha in todo if (index == 0 if alpha is None else found[label].row is row)]
+                    points = [
+                        (label, alpha, None if alpha is None else found[label].config().to_dict())
+                        for label, alpha in todo
+                        if (index == 0 if alpha is None else found[label].row is row)
+                    ]
                     for _ in run_points_on_ray(row, points, settings.ray) if points else ():
                         bar.update(n_tasks)
                 runs.update(load_points(folder, identity))
                 evaluated = [label for label, _ in todo]
             else:
+
                 def evaluate(label: str, alpha: float | None) -> None:
                     if label in runs:
                         return
                     point = point_evaluator()
                     bar.set_postfix_str(label)
                     cell = found.get(label)
-                    runs[label] = evaluate_point(point, cell.row if cell else settings, label, alpha,
-                                                 cell and cell.config())
+                    runs[label] = evaluate_point(
+                        point, cell.row if cell else settings, label, alpha, cell and cell.config()
+                    )
                     evaluated.append(label)
 
                 def probe(label: str, alpha: float, samples: dict) -> list[TaskRun]:
@@ -167,8 +189,9 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
                         traces.append(grid.row_trace(row, search, None))
                     bar.total = (sum(len(trace["evaluated"]) for trace in traces) + 2) * n_tasks
                     bar.refresh()
-            realigned = None if settings.realign_shots is None else realign_post(settings, folder, runs,
-                                                                                 point_evaluator)
+            realigned = (
+                None if settings.realign_shots is None else realign_post(settings, folder, runs, point_evaluator)
+            )
         plan = [(label, alpha) for label, alpha in plan if label in runs]
         result = build_result(settings, folder, plan, runs, evaluated, grid.seconds(found))
         result.realigned, result.drift = realigned, post_drift(settings)
@@ -186,14 +209,16 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
             best = found[result.best.label].config()
             if settings.copy_files_from:
                 best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
-            run_merge(best, settings.save_best, overwrite=again, progress=progress,
-                      card_sections=[card_section(result)])
+            run_merge(
+                best, settings.save_best, overwrite=again, progress=progress, card_sections=[card_section(result)]
+            )
             record_written(folder, "save_best", settings.save_best)
     return result
 
 
-def realign_post(settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]],
-                 point_evaluator) -> list[TaskRun]:
+def realign_post(
+    settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]], point_evaluator
+) -> list[TaskRun]:
     """--realign-shots: post again with K demonstrations on the docs it forgot, saved as a point of its own (resumed
     when there)."""
     from mergekit_lite.sweep.realign import evaluate_realigned, realigned_identity, realigned_label
@@ -252,11 +277,15 @@ def check_save_best(settings: SweepSettings, inputs: list) -> None:
     check_output_path(settings.save_best, inputs)
     best, run = (Path(os.path.realpath(path)) for path in (settings.save_best, settings.out))
     if best == run or run in best.parents or best in run.parents:
-        raise InputError(f"{settings.save_best}: --save-best must lie outside the run folder {settings.out} (and not "
-                         "hold it); choose a folder beside it")
+        raise InputError(
+            f"{settings.save_best}: --save-best must lie outside the run folder {settings.out} (and not "
+            "hold it); choose a folder beside it"
+        )
     if os.path.lexists(settings.save_best) and not wrote_before(settings.out, "save_best", settings.save_best):
-        raise InputError(f"{settings.save_best}: already exists and is not the model this run folder's sweep saved "
-                         "there; --save-best replaces only its own, choose a new folder")
+        raise InputError(
+            f"{settings.save_best}: already exists and is not the model this run folder's sweep saved "
+            "there; --save-best replaces only its own, choose a new folder"
+        )
 
 
 def run_comparison(settings: list[SweepSettings], baseline: str = "linear", progress: bool = False) -> Comparison:
@@ -281,8 +310,10 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     def saved_endpoints() -> dict[str, list[TaskRun]]:
         return {label: runs for label, runs in load_points(folder, pair).items() if label in ENDPOINTS}
 
-    with taken_back_if_unused(top, lambda: prepared(top, inputs, lambda name: comparison_file(name, methods))) \
-            as folder, run_lock(folder):
+    with (
+        taken_back_if_unused(top, lambda: prepared(top, inputs, lambda name: comparison_file(name, methods))) as folder,
+        run_lock(folder),
+    ):
         endpoints = saved_endpoints()
         todo = [label for label in ENDPOINTS if label not in endpoints]
         if todo and shared.ray is not None:

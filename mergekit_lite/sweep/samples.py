@@ -57,12 +57,26 @@ def sample_rows(result: SweepResult) -> list[dict]:
         for key in doc_order(task_outcomes[0]):
             row = sample_row(task_outcomes, key, NO_SEED)
             pre, post, pick = (bool(score) for score in row["scores"])
-            rows.append({"task": task, "doc_id": row["doc_id"], "doc_hash": doc_hash(key, row["doc_id"]), "key": key,
-                         "split": "report" if key in report else "selection", "class": CLASSES[pre, post, pick],
-                         "outcome_post": OUTCOMES[pre, post], "outcome_pick": OUTCOMES[pre, pick],
-                         "models": ["pre", "post", result.best.label], "seed": row["seed"], "scores": row["scores"],
-                         "prompt": row["prompt"], "gold": row["gold"], "answers": row["answers"],
-                         "answer_rule": row["answer_rule"] or None, "completion": row["completion"]})
+            rows.append(
+                {
+                    "task": task,
+                    "doc_id": row["doc_id"],
+                    "doc_hash": doc_hash(key, row["doc_id"]),
+                    "key": key,
+                    "split": "report" if key in report else "selection",
+                    "class": CLASSES[pre, post, pick],
+                    "outcome_post": OUTCOMES[pre, post],
+                    "outcome_pick": OUTCOMES[pre, pick],
+                    "models": ["pre", "post", result.best.label],
+                    "seed": row["seed"],
+                    "scores": row["scores"],
+                    "prompt": row["prompt"],
+                    "gold": row["gold"],
+                    "answers": row["answers"],
+                    "answer_rule": row["answer_rule"] or None,
+                    "completion": row["completion"],
+                }
+            )
             if kinds is not None:  # --realign-shots: spurious or genuine where post forgot the doc, else null
                 rows[-1]["forgetting_kind"] = kinds[task].get(key)
     return rows
@@ -100,7 +114,7 @@ def _tail(text: str | None, width: int = PROMPT_WIDTH) -> str | None:
     if text is None:
         return None
     flat = " ".join(text.split())
-    return flat if len(flat) <= width else "..." + flat[-(width - 3):]
+    return flat if len(flat) <= width else "..." + flat[-(width - 3) :]
 
 
 def samples_json(result: SweepResult, shown: int = 3) -> dict:
@@ -110,16 +124,31 @@ def samples_json(result: SweepResult, shown: int = 3) -> dict:
     rows = [row for row in sample_rows(result) if row["split"] == "report"]
     group = {run.task: run.group for run in result.pre.tasks}
     by_group = class_counts([(group[row["task"]], row) for row in rows])
-    examples = {name: [{"task": row["task"], "doc_id": row["doc_id"] if row["doc_id"] is not None else row["key"],
-                        "prompt": _tail(row["prompt"]), "gold": row["gold"],
-                        "post": row["answers"][1], "pick": row["answers"][2]}
-                       for row in rows if row["class"] == name][:shown] for name in SHOWN}
-    return {"file": SAMPLES_FILE, "rows": "every doc, its split in `split`", "split": "report",
-            "pick": result.best.label,
-            "counts": class_counts([(row["task"], row) for row in rows]),
-            "groups": {name: by_group[name] for name in GROUPS if name in by_group},
-            "without_text": sum(row["prompt"] is None or row["gold"] is None for row in rows),
-            "examples": examples}
+    examples = {
+        name: [
+            {
+                "task": row["task"],
+                "doc_id": row["doc_id"] if row["doc_id"] is not None else row["key"],
+                "prompt": _tail(row["prompt"]),
+                "gold": row["gold"],
+                "post": row["answers"][1],
+                "pick": row["answers"][2],
+            }
+            for row in rows
+            if row["class"] == name
+        ][:shown]
+        for name in SHOWN
+    }
+    return {
+        "file": SAMPLES_FILE,
+        "rows": "every doc, its split in `split`",
+        "split": "report",
+        "pick": result.best.label,
+        "counts": class_counts([(row["task"], row) for row in rows]),
+        "groups": {name: by_group[name] for name in GROUPS if name in by_group},
+        "without_text": sum(row["prompt"] is None or row["gold"] is None for row in rows),
+        "examples": examples,
+    }
 
 
 def _code(text: str | None) -> str:
@@ -129,22 +158,35 @@ def _code(text: str | None) -> str:
 
 def samples_lines(samples: dict) -> list[str]:
     """report.md: the counts per task and group of the classes a merge is for, and a few report docs of each."""
-    lines = [f"## What the pick did to the docs post forgot (report split, `{SAMPLES_FILE}`)", "",
-             "| task | " + " | ".join(SHOWN) + " |", "|---|" + "---:|" * len(SHOWN)]
-    lines += [f"| {task} | " + " | ".join(str(counts[name]) for name in SHOWN) + " |"
-              for task, counts in samples["counts"].items()]
-    lines += [f"| **{name}** | " + " | ".join(str(counts[name]) for name in SHOWN) + " |"
-              for name, counts in samples["groups"].items()]
+    lines = [
+        f"## What the pick did to the docs post forgot (report split, `{SAMPLES_FILE}`)",
+        "",
+        "| task | " + " | ".join(SHOWN) + " |",
+        "|---|" + "---:|" * len(SHOWN),
+    ]
+    lines += [
+        f"| {task} | " + " | ".join(str(counts[name]) for name in SHOWN) + " |"
+        for task, counts in samples["counts"].items()
+    ]
+    lines += [
+        f"| **{name}** | " + " | ".join(str(counts[name]) for name in SHOWN) + " |"
+        for name, counts in samples["groups"].items()
+    ]
     lines.append("")
     for name in SHOWN:
         total = sum(counts[name] for counts in samples["counts"].values())
         lines.append(f"- {name.replace('_', ' ')}: {total}")
-        lines += [f"  - {example['task']} doc {example['doc_id']}: {_code(example['prompt'])} gold "
-                  f"{_code(example['gold'])}, post {_code(example['post'])}, pick {_code(example['pick'])}"
-                  for example in samples["examples"][name]]
+        lines += [
+            f"  - {example['task']} doc {example['doc_id']}: {_code(example['prompt'])} gold "
+            f"{_code(example['gold'])}, post {_code(example['post'])}, pick {_code(example['pick'])}"
+            for example in samples["examples"][name]
+        ]
     if samples["without_text"]:
-        lines += ["", f"{samples['without_text']} report docs have no prompt or gold answer in the point files (`?`: "
-                  "points saved before they were kept, or a log that does not give them)."]
+        lines += [
+            "",
+            f"{samples['without_text']} report docs have no prompt or gold answer in the point files (`?`: "
+            "points saved before they were kept, or a log that does not give them).",
+        ]
     return lines + [""]
 
 
@@ -160,12 +202,19 @@ def check_replay(path: str | os.PathLike, settings: SweepSettings) -> None:
     for what, folder in (("the run folder", settings.out), ("--save-best", settings.save_best)):
         if folder is not None and Path(os.path.realpath(folder)) in parents:
             raise InputError(f"{path}: is inside {what} {folder}; write the replay set elsewhere")
-    check_output_file(path, [settings.pre, settings.post, settings.include_path, settings.recall_texts],
-                      recognise=lambda existing: wrote_before(settings.out, "replay", existing))
+    check_output_file(
+        path,
+        [settings.pre, settings.post, settings.include_path, settings.recall_texts],
+        recognise=lambda existing: wrote_before(settings.out, "replay", existing),
+    )
 
 
-def write_replay(result: SweepResult, path: str | os.PathLike, replay_format: str = "prompt-completion",
-                 every_forgotten: bool = False) -> tuple[int, int]:
+def write_replay(
+    result: SweepResult,
+    path: str | os.PathLike,
+    replay_format: str = "prompt-completion",
+    every_forgotten: bool = False,
+) -> tuple[int, int]:
     """The docs of both splits the pick still loses (`every_forgotten`: every doc post forgot) as TRL training
     records (`trajectory.replay_records`), whole or not at all; (records written, docs left out for lack of a
     prompt or gold answer)."""

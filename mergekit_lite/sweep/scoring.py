@@ -44,12 +44,18 @@ class TaskRun:
         flagged = {"nonfinite_logits": True} if self.nonfinite else {}
         k = self.outcomes.n_choices
         kept = TEXT_FIELDS if prompts else ("answer",)
-        return {"task": self.task, "group": self.group, "metric": self.outcomes.metric,
-                "filter": self.outcomes.filter, "n_choices": None if math.isinf(k) else k,
-                "correct": self.outcomes.correct, "doc_ids": self.outcomes.doc_ids,
-                "answer_rule": self.outcomes.answer_rule, **flagged,
-                "texts": {key: {name: getattr(text, name) for name in kept}
-                          for key, text in self.outcomes.texts.items()}}
+        return {
+            "task": self.task,
+            "group": self.group,
+            "metric": self.outcomes.metric,
+            "filter": self.outcomes.filter,
+            "n_choices": None if math.isinf(k) else k,
+            "correct": self.outcomes.correct,
+            "doc_ids": self.outcomes.doc_ids,
+            "answer_rule": self.outcomes.answer_rule,
+            **flagged,
+            "texts": {key: {name: getattr(text, name) for name in kept} for key, text in self.outcomes.texts.items()},
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> TaskRun:
@@ -57,10 +63,20 @@ class TaskRun:
         if "correct" not in data:
             return cls(data["task"], data["group"], None, str(data["skipped"]))
         k = math.inf if data["n_choices"] is None else float(data["n_choices"])
-        texts = {key: SampleText(*(text.get(name) for name in TEXT_FIELDS))
-                 for key, text in (data.get("texts") or {}).items()}
-        outcomes = SampleOutcomes(data["task"], data["correct"], k, data.get("metric", ""), data.get("filter", ""),
-                                  data.get("doc_ids") or {}, texts, data.get("answer_rule") or "")
+        texts = {
+            key: SampleText(*(text.get(name) for name in TEXT_FIELDS))
+            for key, text in (data.get("texts") or {}).items()
+        }
+        outcomes = SampleOutcomes(
+            data["task"],
+            data["correct"],
+            k,
+            data.get("metric", ""),
+            data.get("filter", ""),
+            data.get("doc_ids") or {},
+            texts,
+            data.get("answer_rule") or "",
+        )
         return cls(data["task"], data["group"], outcomes, nonfinite=bool(data.get("nonfinite_logits")))
 
 
@@ -77,6 +93,7 @@ def score_task(task: str, group: str, score, scoring: Scoring) -> TaskRun:
 def nonfinite_responses(samples: list[dict]) -> bool:
     """Whether any response lm-eval recorded holds a NaN or infinite number: the log-likelihoods of a model whose
     logits are not finite (any backend; generated text carries no number, so those need `evaluator.logit_watch`)."""
+
     def numbers(value):
         if isinstance(value, float):
             yield value
@@ -92,8 +109,10 @@ def check_groups_disjoint(runs: list[TaskRun]) -> None:
     groups = {}
     for run in runs:
         if groups.setdefault(run.task, run.group) != run.group:
-            raise InputError(f"task {run.task!r} is both an old and a new task (an lm-eval group or tag in "
-                             "--old-tasks or --new-tasks holds it); list each task in one of them")
+            raise InputError(
+                f"task {run.task!r} is both an old and a new task (an lm-eval group or tag in "
+                "--old-tasks or --new-tasks holds it); list each task in one of them"
+            )
 
 
 @dataclass(frozen=True)
@@ -169,18 +188,30 @@ def group_scores(tasks: list[TaskRun], keys: dict[str, list[str]], aggregation: 
         if aggregation == "paper":
             values[group] = math.fsum(task_accuracy(run.outcomes, keys[run.task]) for run in runs) / len(runs)
         else:
-            values[group] = (sum(sum(run.outcomes.correct[key] for key in keys[run.task]) for run in runs)
-                             / sum(len(keys[run.task]) for run in runs))
+            values[group] = sum(sum(run.outcomes.correct[key] for key in keys[run.task]) for run in runs) / sum(
+                len(keys[run.task]) for run in runs
+            )
     return Scores(values["old"], values["new"], harmonic_mean(values["old"], values["new"]))
 
 
 def restricted(outcomes: SampleOutcomes, keys: list[str]) -> SampleOutcomes:
-    return SampleOutcomes(outcomes.task, {key: outcomes.correct[key] for key in keys}, outcomes.n_choices,
-                          outcomes.metric, outcomes.filter)
+    return SampleOutcomes(
+        outcomes.task,
+        {key: outcomes.correct[key] for key in keys},
+        outcomes.n_choices,
+        outcomes.metric,
+        outcomes.filter,
+    )
 
 
-def summarise(label: str, alpha: float | None, tasks: list[TaskRun], baseline: list[TaskRun],
-              splits: dict[str, tuple[list[str], list[str]]], aggregation: str = "paper") -> PointResult:
+def summarise(
+    label: str,
+    alpha: float | None,
+    tasks: list[TaskRun],
+    baseline: list[TaskRun],
+    splits: dict[str, tuple[list[str], list[str]]],
+    aggregation: str = "paper",
+) -> PointResult:
     """Scores on both splits and the forgetting map against the baseline (pre) on the report split."""
     pre = {run.task: run.outcomes for run in baseline}
     rows = {}
@@ -192,12 +223,21 @@ def summarise(label: str, alpha: float | None, tasks: list[TaskRun], baseline: l
             rows[run.task] = compare(restricted(pre[run.task], report_keys), restricted(run.outcomes, report_keys))
         except TaskSkipped as reason:
             raise InputError(f"task {run.task!r} of {label}: {reason}") from None
-    groups = {group: aggregate([rows[run.task] for run in tasks if run.group == group and run.task in rows],
-                               group, aggregation) for group in GROUPS}
-    return PointResult(label, alpha, tasks,
-                       group_scores(tasks, {task: keys[1] for task, keys in splits.items()}, aggregation),
-                       group_scores(tasks, {task: keys[0] for task, keys in splits.items()}, aggregation),
-                       list(rows.values()), groups)
+    groups = {
+        group: aggregate(
+            [rows[run.task] for run in tasks if run.group == group and run.task in rows], group, aggregation
+        )
+        for group in GROUPS
+    }
+    return PointResult(
+        label,
+        alpha,
+        tasks,
+        group_scores(tasks, {task: keys[1] for task, keys in splits.items()}, aggregation),
+        group_scores(tasks, {task: keys[0] for task, keys in splits.items()}, aggregation),
+        list(rows.values()),
+        groups,
+    )
 
 
 def doc_splits(settings: SweepSettings, baseline: list[TaskRun]) -> dict[str, tuple[list[str], list[str]]]:
@@ -207,17 +247,28 @@ def doc_splits(settings: SweepSettings, baseline: list[TaskRun]) -> dict[str, tu
         if run.outcomes is None:
             continue
         keys = list(run.outcomes.correct)
-        selection, report = split_docs(keys, settings.seed, settings.selection_fraction) \
-            if settings.selection == "docs" else (keys, keys)
+        selection, report = (
+            split_docs(keys, settings.seed, settings.selection_fraction)
+            if settings.selection == "docs"
+            else (keys, keys)
+        )
         if not selection or not report:
-            raise InputError(f"task {run.task!r}: {len(keys)} doc(s) cannot be split into selection and report "
-                             "docs (raise --limit, or use --selection none)")
+            raise InputError(
+                f"task {run.task!r}: {len(keys)} doc(s) cannot be split into selection and report "
+                "docs (raise --limit, or use --selection none)"
+            )
         splits[run.task] = (selection, report)
     return splits
 
 
-def paired_bootstrap(models: list[PointResult], splits: dict[str, tuple[list[str], list[str]]], aggregation: str,
-                     iterations: int, seed: int, split: int = 1):
+def paired_bootstrap(
+    models: list[PointResult],
+    splits: dict[str, tuple[list[str], list[str]]],
+    aggregation: str,
+    iterations: int,
+    seed: int,
+    split: int = 1,
+):
     """Resampled (old, new, harmonic mean) of every model: array [iterations, models, 3]. Each task's docs
     of `split` (0 selection, 1 report) are resampled with replacement, the same draw for every model
     (paired: they answered the same samples), independently per task (stratified). [ours]"""
@@ -230,8 +281,15 @@ def paired_bootstrap(models: list[PointResult], splits: dict[str, tuple[list[str
         if run.outcomes is None:
             continue
         keys = splits[run.task][split]
-        correct = np.array([[model_run.outcomes.correct[key] for key in keys]
-                            for model in models for model_run in model.tasks if model_run.task == run.task], float)
+        correct = np.array(
+            [
+                [model_run.outcomes.correct[key] for key in keys]
+                for model in models
+                for model_run in model.tasks
+                if model_run.task == run.task
+            ],
+            float,
+        )
         weights = rng.multinomial(len(keys), np.full(len(keys), 1 / len(keys)), size=iterations)
         hits = weights @ correct.T  # [iterations, models]: correct answers in each resample
         if aggregation == "paper":

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping, Sequence
 
 GOLDEN = (math.sqrt(5) - 1) / 2  # 0.618...
 
@@ -36,8 +36,9 @@ class SearchTrace:
     reason: str
 
 
-def golden_section(n: int, score: Callable[[int], float],
-                   indistinguishable: Callable[[int, int], bool] | None = None) -> SearchTrace:
+def golden_section(
+    n: int, score: Callable[[int], float], indistinguishable: Callable[[int, int], bool] | None = None
+) -> SearchTrace:
     """The index in range(n) with the highest score, evaluating few of them.
 
     `score(i)` is called at most once per index (results are cached here). `indistinguishable(i, j)`
@@ -67,8 +68,11 @@ def golden_section(n: int, score: Callable[[int], float],
             low = left
         inside = [i for i in cache if low <= i <= high]
         best = max(inside, key=lambda i: (cache[i], -i))
-        if indistinguishable is not None and len(inside) >= 3 and all(
-                i == best or indistinguishable(i, best) for i in inside):
+        if (
+            indistinguishable is not None
+            and len(inside) >= 3
+            and all(i == best or indistinguishable(i, best) for i in inside)
+        ):
             reason = "every point left in the bracket is indistinguishable from the best"
             break
     else:
@@ -93,8 +97,9 @@ class ProbePlan:
         return self.disagree + self.agree_sampled
 
 
-def probe_plan(pre: Mapping[Hashable, bool], post: Mapping[Hashable, bool], rate: float, seed: int,
-               minimum: int = 8) -> ProbePlan:
+def probe_plan(
+    pre: Mapping[Hashable, bool], post: Mapping[Hashable, bool], rate: float, seed: int, minimum: int = 8
+) -> ProbePlan:
     """Disagreeing samples, plus `rate` of the agreeing ones (at least `minimum`), chosen by `seed`."""
     if not 0 < rate <= 1:
         raise ValueError(f"probe rate must be in (0, 1], got {rate}")
@@ -104,8 +109,9 @@ def probe_plan(pre: Mapping[Hashable, bool], post: Mapping[Hashable, bool], rate
     count = min(len(agree), max(minimum, math.ceil(rate * len(agree))))
     position = {key: index for index, key in enumerate(agree)}
     sampled = tuple(sorted(random.Random(seed).sample(agree, count), key=position.__getitem__))
-    return ProbePlan(disagree, sampled, len(agree), sum(bool(pre[key]) for key in agree),
-                     tuple(bool(pre[key]) for key in sampled))
+    return ProbePlan(
+        disagree, sampled, len(agree), sum(bool(pre[key]) for key in agree), tuple(bool(pre[key]) for key in sampled)
+    )
 
 
 def estimate_accuracy(plan: ProbePlan, observed: Mapping[Hashable, bool]) -> tuple[float, float]:
@@ -153,8 +159,12 @@ class ProbeEstimate:
     harmonic_mean_se: float
 
 
-def estimate_scores(plans: Mapping[str, ProbePlan], groups: Mapping[str, str],
-                    observed: Mapping[str, Mapping[Hashable, bool]], aggregation: str = "paper") -> ProbeEstimate:
+def estimate_scores(
+    plans: Mapping[str, ProbePlan],
+    groups: Mapping[str, str],
+    observed: Mapping[str, Mapping[Hashable, bool]],
+    aggregation: str = "paper",
+) -> ProbeEstimate:
     """Group scores from each task's `estimate_accuracy`, aggregated as the sweep aggregates full scores
     ("paper": the unweighted mean over a group's tasks; "pooled": weighted by samples), with errors
     propagated assuming independent tasks; the harmonic mean's error by the delta method. [ours]"""
@@ -168,14 +178,17 @@ def estimate_scores(plans: Mapping[str, ProbePlan], groups: Mapping[str, str],
         if aggregation == "pooled":
             sizes = {task: len(plans[task].disagree) + plans[task].agree_total for task in tasks}
             weights = {task: sizes[task] / sum(sizes.values()) for task in tasks}
-        values[group] = (math.fsum(weights[task] * estimates[task][0] for task in tasks),
-                         math.sqrt(math.fsum((weights[task] * estimates[task][1]) ** 2 for task in tasks)))
+        values[group] = (
+            math.fsum(weights[task] * estimates[task][0] for task in tasks),
+            math.sqrt(math.fsum((weights[task] * estimates[task][1]) ** 2 for task in tasks)),
+        )
     (old, old_se), (new, new_se) = values["old"], values["new"]
     if old + new == 0:
         return ProbeEstimate(old, new, 0.0, old_se, new_se, 0.0)
     d_old, d_new = 2 * new**2 / (old + new) ** 2, 2 * old**2 / (old + new) ** 2
-    return ProbeEstimate(old, new, harmonic_mean(old, new), old_se, new_se,
-                         math.sqrt((d_old * old_se) ** 2 + (d_new * new_se) ** 2))
+    return ProbeEstimate(
+        old, new, harmonic_mean(old, new), old_se, new_se, math.sqrt((d_old * old_se) ** 2 + (d_new * new_se) ** 2)
+    )
 
 
 def evaluations_saved(plans: Sequence[ProbePlan], n_points: int) -> tuple[int, int]:

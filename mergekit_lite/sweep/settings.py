@@ -23,9 +23,24 @@ from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import DTYPES, MergeConfig, did_you_mean
 from mergekit_lite.merge.schema import config_from_dict
 
-IDENTITY_FIELDS = ("pre", "post", "method", "old_tasks", "new_tasks", "include_path", "limit",
-                   "density", "drop", "seed", "recall_texts", "recall_samples", "metric", "filter", "choices",
-                   "eval_dtype")
+IDENTITY_FIELDS = (
+    "pre",
+    "post",
+    "method",
+    "old_tasks",
+    "new_tasks",
+    "include_path",
+    "limit",
+    "density",
+    "drop",
+    "seed",
+    "recall_texts",
+    "recall_samples",
+    "metric",
+    "filter",
+    "choices",
+    "eval_dtype",
+)
 SEARCHES = ("grid", "golden")
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
@@ -79,15 +94,19 @@ def _alpha_range(spec: str, name: str = "alphas") -> list[float]:
         raise InputError(f"{name}: {spec!r} needs STEP > 0 and START <= STOP")
     steps = (stop - start) / step + 1e-9  # may be inf for a subnormal STEP
     if not steps < MAX_ALPHA_POINTS:
-        raise InputError(f"{name}: {spec!r} is a grid of {steps + 1:,.0f} points; at most {MAX_ALPHA_POINTS} "
-                         "(each point is a merge and an evaluation), use a larger STEP")
+        raise InputError(
+            f"{name}: {spec!r} is a grid of {steps + 1:,.0f} points; at most {MAX_ALPHA_POINTS} "
+            "(each point is a merge and an evaluation), use a larger STEP"
+        )
     values = [round(start + index * step, 12) for index in range(math.floor(steps) + 1)]
     if not math.isclose(values[-1], stop, rel_tol=1e-9, abs_tol=1e-9):
         # STOP is documented as included: a grid that silently ends short of it (0:1:0.3 -> 0.9) drops the
         # endpoint the user asked for
-        raise InputError(f"{name}: {spec!r} does not reach STOP {stop:g} (its last value is {values[-1]:g}; STOP is "
-                         "included, so STOP - START must be a whole number of STEPs): use another STEP or list "
-                         "the values")
+        raise InputError(
+            f"{name}: {spec!r} does not reach STOP {stop:g} (its last value is {values[-1]:g}; STOP is "
+            "included, so STOP - START must be a whole number of STEPs): use another STEP or list "
+            "the values"
+        )
     return values
 
 
@@ -150,8 +169,9 @@ class SweepSettings:
         self.alphas = parse_alphas(self.alphas)
         self._check_grid()
         self.old_tasks, self.new_tasks = parse_tasks(self.old_tasks), parse_tasks(self.new_tasks)
-        self.metric, self.filter, self.choices = (_spec_list(getattr(self, name))
-                                                  for name in ("metric", "filter", "choices"))
+        self.metric, self.filter, self.choices = (
+            _spec_list(getattr(self, name)) for name in ("metric", "filter", "choices")
+        )
         self.scoring()  # bad --metric/--filter/--choices fail before any model is read
         if self.aggregation not in AGGREGATIONS:
             raise InputError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
@@ -181,7 +201,9 @@ class SweepSettings:
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
         if self.method not in methods.SWEEPABLE:
-            kind = "has no coefficient to sweep between pre and post" if self.method in methods.REGISTRY else "is unknown"
+            kind = (
+                "has no coefficient to sweep between pre and post" if self.method in methods.REGISTRY else "is unknown"
+            )
             raise InputError(f"method {self.method!r} {kind} (choose from {', '.join(methods.SWEEPABLE)})")
         if not self.old_tasks or not self.new_tasks:
             raise InputError("give at least one old task and one new task (--old-tasks, --new-tasks)")
@@ -189,8 +211,9 @@ class SweepSettings:
         if shared:
             raise InputError(f"task {shared[0]!r} is both an old and a new task")
         self.limit = parse_limit(self.limit)
-        if self.realign_shots is not None and (isinstance(self.realign_shots, bool)
-                                               or not isinstance(self.realign_shots, int) or self.realign_shots < 1):
+        if self.realign_shots is not None and (
+            isinstance(self.realign_shots, bool) or not isinstance(self.realign_shots, int) or self.realign_shots < 1
+        ):
             raise InputError(f"realign_shots must be a whole number of demonstrations >= 1, got {self.realign_shots!r}")
         if isinstance(self.lm_eval, dict):  # as asdict() gives it (a Ray actor's settings)
             self.lm_eval = LmEvalSettings(**self.lm_eval)
@@ -220,8 +243,10 @@ class SweepSettings:
         values += [(self.second + "s", value) for value in self.second_values() or []]
         for name, value in values:
             if isinstance(value, (int, float)) and not abs(value) <= largest:
-                raise InputError(f"{name}: {value!r} overflows {self.eval_dtype} (largest {largest:.4g}); every weight "
-                                 "it scales would be infinite")
+                raise InputError(
+                    f"{name}: {value!r} overflows {self.eval_dtype} (largest {largest:.4g}); every weight "
+                    "it scales would be infinite"
+                )
 
     def _check_grid(self) -> None:
         """At most one second coefficient, one the method takes; the budget a whole number, only where it decides."""
@@ -233,14 +258,17 @@ class SweepSettings:
             if SECOND_AXES[name] not in methods.parameters_of(self.method):
                 raise InputError(f"{name}: method {self.method!r} has no {SECOND_AXES[name]} to sweep")
             if len(self.alphas) * len(getattr(self, name)) > MAX_ALPHA_POINTS:
-                raise InputError(f"alphas x {name}: {len(self.alphas)} x {len(getattr(self, name))} points; at most "
-                                 f"{MAX_ALPHA_POINTS} (each point is a merge and an evaluation)")
+                raise InputError(
+                    f"alphas x {name}: {len(self.alphas)} x {len(getattr(self, name))} points; at most "
+                    f"{MAX_ALPHA_POINTS} (each point is a merge and an evaluation)"
+                )
         if self.budget is not None:
             if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 3:
                 raise InputError(f"budget must be a whole number >= 3 (pre, post and one merge), got {self.budget!r}")
             if self.search == "golden" or self.ray is not None:
-                raise InputError("--budget chooses which points to evaluate itself: run it without --search golden "
-                                 "and --ray")
+                raise InputError(
+                    "--budget chooses which points to evaluate itself: run it without --search golden and --ray"
+                )
 
     @property
     def second(self) -> str | None:
@@ -261,18 +289,24 @@ class SweepSettings:
         """The merge parameter alpha stands for with this method."""
         return methods.method(self.method).main_coefficient
 
-    def merge_config(self, alpha: float, recall_weights_file: str | None = None,
-                     cell: float | None = None) -> MergeConfig:
+    def merge_config(
+        self, alpha: float, recall_weights_file: str | None = None, cell: float | None = None
+    ) -> MergeConfig:
         """The merge at one point: pre is the base (input 0), post the one model, alpha the main coefficient;
         `cell`, in a 2-D grid, the second coefficient's value (else this settings' own)."""
         fixed = {"density": self.density, "drop": self.drop, "beta": self.beta}
         if self.second is not None:
             fixed[self.second] = getattr(self, self.second) if cell is None else cell
         parameters = {name: value for name, value in (*fixed.items(), (self.coefficient, alpha)) if value is not None}
-        data = {"method": self.method, "base": self.pre, "models": [self.post], "parameters": parameters,
-                "seed": self.seed, "device": self.device if self.device.startswith("cuda") else "cpu",
-                "recall": {"texts": self.recall_texts, "samples": self.recall_samples,
-                           "weights_file": recall_weights_file}}
+        data = {
+            "method": self.method,
+            "base": self.pre,
+            "models": [self.post],
+            "parameters": parameters,
+            "seed": self.seed,
+            "device": self.device if self.device.startswith("cuda") else "cpu",
+            "recall": {"texts": self.recall_texts, "samples": self.recall_samples, "weights_file": recall_weights_file},
+        }
         return config_from_dict(data, where="sweep")
 
     def identity(self) -> dict:
@@ -308,8 +342,10 @@ class SweepSettings:
         if not (Path(self.pre) / "config.json").is_file():
             raise InputError(f"{self.pre}: --pre must be a model folder with a config.json")
         if not any((Path(self.post) / name).is_file() for name in ("config.json", "adapter_config.json")):
-            raise InputError(f"{self.post}: --post must be a model folder with a config.json, or a LoRA adapter "
-                             "folder (adapter_config.json) trained on pre")
+            raise InputError(
+                f"{self.post}: --post must be a model folder with a config.json, or a LoRA adapter "
+                "folder (adapter_config.json) trained on pre"
+            )
         for root, _, files in os.walk(self.include_path) if self.include_path else ():
             for name in files:
                 require_regular(Path(root) / name, "task file")
@@ -399,8 +435,10 @@ def load_sweep_file(path: str | Path) -> dict:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in SETTINGS_KEYS and name != "methods":
-            raise InputError(f"{path}: unknown key {key!r}{did_you_mean(name, (*SETTINGS_KEYS, 'methods'))} "
-                             f"(known: {', '.join(SETTINGS_KEYS)}, methods)")
+            raise InputError(
+                f"{path}: unknown key {key!r}{did_you_mean(name, (*SETTINGS_KEYS, 'methods'))} "
+                f"(known: {', '.join(SETTINGS_KEYS)}, methods)"
+            )
         settings[name] = value
     validate(SweepFile, settings, path)
     return {name: value for name, value in settings.items() if value is not None}
@@ -408,16 +446,21 @@ def load_sweep_file(path: str | Path) -> dict:
 
 def settings_from_dict(data: dict) -> SweepSettings:
     """SweepSettings from merged config-file and flag values, naming the first missing setting."""
-    required = [name for name, spec in SweepSettings.__dataclass_fields__.items()
-                if spec.default is MISSING and spec.default_factory is MISSING and name != "include_path"]
+    required = [
+        name
+        for name, spec in SweepSettings.__dataclass_fields__.items()
+        if spec.default is MISSING and spec.default_factory is MISSING and name != "include_path"
+    ]
     missing = [name for name in required if data.get(name) in (None, [], ())]
     if missing:
         flag = "--" + missing[0].replace("_", "-")
         raise InputError(f"missing setting {missing[0]!r} (give {flag} or put it in the config file)")
     for grid, fixed in SECOND_AXES.items():  # a grid's values replace the fixed value in every row: never both
         if data.get(grid) is not None and data.get(fixed) is not None:
-            raise InputError(f"{fixed} and {grid} both set {fixed} (--{fixed}, --{grid} or the config file): give "
-                             "a fixed value or a grid of values, not both")
+            raise InputError(
+                f"{fixed} and {grid} both set {fixed} (--{fixed}, --{grid} or the config file): give "
+                "a fixed value or a grid of values, not both"
+            )
     data = dict(data)
     lm_eval = LmEvalSettings(**{name: data.pop(name) for name in LM_EVAL_KEYS if data.get(name) is not None})
     try:

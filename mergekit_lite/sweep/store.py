@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.outputs import OUTPUT_MARKER, written_by_us, write_atomic
+from mergekit_lite.io.outputs import OUTPUT_MARKER, write_atomic, written_by_us
 from mergekit_lite.io.validation import is_regular_inside, parse_json, read_text, require_regular_inside, validate
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
@@ -101,21 +101,27 @@ def load_points(folder: Path, identity: dict, directory: str = POINTS_DIR) -> di
         keys = [*identity, *(["lm_eval"] if "lm_eval" in saved and "lm_eval" not in identity else [])]
         changed = next((key for key in keys if saved.get(key) != identity.get(key)), None)
         if changed:
-            raise InputError(f"{folder} holds a sweep with other settings ({changed}: {saved.get(changed)!r} "
-                             f"there, {identity.get(changed)!r} now); use another --out")
+            raise InputError(
+                f"{folder} holds a sweep with other settings ({changed}: {saved.get(changed)!r} "
+                f"there, {identity.get(changed)!r} now); use another --out"
+            )
         points[label] = runs
     return points
 
 
 def save_point(path: Path, identity: dict, label: str, alpha: float | None, runs: list[TaskRun]) -> None:
     """One finished point; pre's file also keeps the prompts and gold answers every point shares."""
-    data = {"identity": identity, "label": label, "alpha": alpha,
-            "tasks": [run.to_json(prompts=label == "pre") for run in runs]}
+    data = {
+        "identity": identity,
+        "label": label,
+        "alpha": alpha,
+        "tasks": [run.to_json(prompts=label == "pre") for run in runs],
+    }
     write_atomic(path, json.dumps(data) + "\n")
 
 
 def _folder_state(out: Path) -> str:
-    """"absent", "empty" or "used": what `taken_back_if_unused` may take back from a run folder."""
+    """ "absent", "empty" or "used": what `taken_back_if_unused` may take back from a run folder."""
     if not os.path.lexists(out):
         return "absent"
     return "empty" if out.is_dir() and not out.is_symlink() and not any(out.iterdir()) else "used"
@@ -171,8 +177,12 @@ def run_lock(folder: Path):
 
 def probe_identity(settings: SweepSettings) -> dict:
     """What a probe point depends on beyond a full point's identity: the rate and the docs it samples from."""
-    return {**settings.identity(), "probe": settings.probe, "selection": settings.selection,
-            "selection_fraction": settings.selection_fraction}
+    return {
+        **settings.identity(),
+        "probe": settings.probe,
+        "selection": settings.selection,
+        "selection_fraction": settings.selection_fraction,
+    }
 
 
 def _fingerprint(path: Path) -> str | None:

@@ -9,8 +9,8 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.merge.methods import (
     ema,
     geometric,
-    lines,
     linear,
+    lines,
     nearswap,
     passthrough,
     recall,
@@ -20,14 +20,17 @@ from mergekit_lite.merge.methods import (
 from mergekit_lite.merge.methods.registry import Method, Parameter, did_you_mean
 
 # the methods in the order the CLI and the docs list them
-REGISTRY: dict[str, Method] = {method.name: method for module in (linear, slerp, nearswap, task_vectors, geometric,
-                                                                  passthrough, recall, lines, ema)
-                               for method in module.METHODS}
+REGISTRY: dict[str, Method] = {
+    method.name: method
+    for module in (linear, slerp, nearswap, task_vectors, geometric, passthrough, recall, lines, ema)
+    for method in module.METHODS
+}
 NAMES = tuple(REGISTRY)
 # every parameter by name, as the first method that takes it declares it (the defaults of a parameter a method
 # does not take, e.g. RECALL's temperature when recall_lerp computes its weights)
-PARAMETERS: dict[str, Parameter] = {parameter.name: parameter for method in reversed(REGISTRY.values())
-                                     for parameter in reversed(method.parameters)}
+PARAMETERS: dict[str, Parameter] = {
+    parameter.name: parameter for method in reversed(REGISTRY.values()) for parameter in reversed(method.parameters)
+}
 BOOLEAN_PARAMETERS = {name for name, parameter in PARAMETERS.items() if parameter.kind is bool}
 PER_MODEL_PARAMETERS = {name for name, parameter in PARAMETERS.items() if parameter.per_model}
 SWEEPABLE = {name: method for name, method in REGISTRY.items() if method.main_coefficient}
@@ -44,5 +47,6 @@ def method(name: str) -> Method:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
-        raise InputError(f"unknown method {name!r}{did_you_mean(str(name), NAMES)} (choose from {', '.join(NAMES)})") \
-            from None
+        raise InputError(
+            f"unknown method {name!r}{did_you_mean(str(name), NAMES)} (choose from {', '.join(NAMES)})"
+        ) from None

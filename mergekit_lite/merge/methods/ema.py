@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from mergekit_lite.merge.methods.registry import Calibration, Depth, Method, Parameter, WeightedSum, linear_combiner, require
+from mergekit_lite.merge.methods.registry import (
+    Calibration,
+    Depth,
+    Method,
+    Parameter,
+    WeightedSum,
+    linear_combiner,
+    require,
+)
 
 DECAY = Parameter("decay", "the weight of the running average at each checkpoint", low=0.0, high=1.0)
 
@@ -12,7 +20,7 @@ def ema_weights(count: int, decay: float) -> list[float]:
     s_0 = c_0, s_i = decay * s_(i-1) + (1 - decay) * c_i: w_0 = decay^n, w_i = (1 - decay) * decay^(n - i).
     They sum to 1, so the EMA is `linear` with these weights, unnormalised (computed in float64)."""
     last = count - 1
-    return [decay ** last] + [(1.0 - decay) * decay ** (last - i) for i in range(1, count)]
+    return [decay**last] + [(1.0 - decay) * decay ** (last - i) for i in range(1, count)]
 
 
 class Ema(Method):
@@ -26,8 +34,10 @@ class Ema(Method):
     def check_inputs(self, config) -> None:
         count = len(config.inputs)
         require(count >= 2, f"ema averages at least two checkpoints (in training order), got {count}")
-        require(config.parameters.get("decay") is not None,
-                "ema needs decay (--decay), the weight of the running average at each checkpoint")
+        require(
+            config.parameters.get("decay") is not None,
+            "ema needs decay (--decay), the weight of the running average at each checkpoint",
+        )
 
     def step_parameters(self, config, value, depth: Depth):
         return WeightedSum(ema_weights(len(config.inputs), value("decay")), False)

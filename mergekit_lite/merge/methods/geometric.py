@@ -6,8 +6,9 @@ matrix per row and need whole tensors."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from mergekit_lite.merge.methods.registry import (
     WEIGHT,
@@ -25,16 +26,20 @@ if TYPE_CHECKING:
     import torch
 
 FILTER_WISE = Parameter("filter_wise", "Model Stock's ratio per row instead of per tensor", kind=bool, default=False)
-NUSLERP_FLATTEN = Parameter("nuslerp_flatten", "the angle of whole tensors (false: per row or column)", kind=bool,
-                            default=True)
-NUSLERP_ROW_WISE = Parameter("nuslerp_row_wise", "without flattening, the angle per row (else per column)", kind=bool,
-                             default=False)
+NUSLERP_FLATTEN = Parameter(
+    "nuslerp_flatten", "the angle of whole tensors (false: per row or column)", kind=bool, default=True
+)
+NUSLERP_ROW_WISE = Parameter(
+    "nuslerp_row_wise", "without flattening, the angle per row (else per column)", kind=bool, default=False
+)
 NORMALIZE_WEIGHTS = Parameter("normalize_weights", "divide the weights by their sum", kind=bool, default=True)
 EPS = Parameter("eps", "Multi-SLERP's tolerance for colinear inputs", default=1e-8, low=0.0, high_inclusive=False)
-MAX_ITER = Parameter("max_iter", "the Karcher mean's iterations at most", kind=int, default=10, low=1.0,
-                     high_inclusive=False)
-TOL = Parameter("tol", "the Karcher mean's convergence tolerance", default=1e-5, low=0.0, low_inclusive=False,
-                high_inclusive=False)
+MAX_ITER = Parameter(
+    "max_iter", "the Karcher mean's iterations at most", kind=int, default=10, low=1.0, high_inclusive=False
+)
+TOL = Parameter(
+    "tol", "the Karcher mean's convergence tolerance", default=1e-5, low=0.0, low_inclusive=False, high_inclusive=False
+)
 
 
 def with_base(weights: list[float], has_base: bool) -> list[float]:
@@ -50,21 +55,28 @@ def model_stock_ratio(offset_gram: torch.Tensor) -> torch.Tensor:
     base is kept), as in mergekit.
     """
     import torch
+
     count = offset_gram.shape[-1]
     norms = offset_gram.diagonal(dim1=-2, dim2=-1).clamp(min=0).sqrt()
-    cosines = [(offset_gram[..., i, j] / (norms[..., i] * norms[..., j]).clamp(min=1e-6)).clamp(-1, 1)
-               for i in range(count) for j in range(i + 1, count)]
+    cosines = [
+        (offset_gram[..., i, j] / (norms[..., i] * norms[..., j]).clamp(min=1e-6)).clamp(-1, 1)
+        for i in range(count)
+        for j in range(i + 1, count)
+    ]
     cosine = torch.stack(cosines).mean(dim=0)
     denominator = 1 + (count - 1) * cosine
     singular = denominator.abs() < 1e-6
     return torch.where(singular, torch.zeros_like(cosine), count * cosine / torch.where(singular, 1.0, denominator))
 
+
 def model_stock_coefficients(offset_gram: torch.Tensor) -> torch.Tensor:
     """Coefficients on [base, model_1..model_N]: t·mean(models) + (1-t)·base ([..., N+1])."""
     import torch
+
     count = offset_gram.shape[-1]
     ratio = model_stock_ratio(offset_gram).unsqueeze(-1)
     return torch.cat([1 - ratio, (ratio / count).expand(*ratio.shape[:-1], count)], dim=-1)
+
 
 def nuslerp_coefficients(gram: torch.Tensor, t: float) -> torch.Tensor:
     """NuSLERP's two coefficients ([..., 2]) for vectors with Gram matrix [..., 2, 2], as mergekit's nuslerp.
@@ -73,6 +85,7 @@ def nuslerp_coefficients(gram: torch.Tensor, t: float) -> torch.Tensor:
     (1 - cos² <= 1e-16) fall back to linear, unlike `slerp_weights`' wider band.
     """
     import torch
+
     norms = gram.diagonal(dim1=-2, dim2=-1).clamp(min=0).sqrt().clamp(min=1e-7)
     cosine = (gram[..., 0, 1] / (norms[..., 0] * norms[..., 1])).clamp(-1, 1)
     colinear = (1 - cosine.square()) <= 1e-16
@@ -81,6 +94,7 @@ def nuslerp_coefficients(gram: torch.Tensor, t: float) -> torch.Tensor:
     spherical = torch.stack([torch.sin((1 - t) * theta), torch.sin(t * theta)], dim=-1) / sin_theta.unsqueeze(-1)
     linear_pair = torch.tensor([1 - t, t], dtype=gram.dtype).expand_as(spherical)
     return torch.where(colinear.unsqueeze(-1), linear_pair, spherical)
+
 
 def multislerp_coefficients(gram: torch.Tensor, weights: Sequence[float], eps: float = 1e-8) -> torch.Tensor:
     """Multi-SLERP's coefficients on its k vectors (Goddard 2024, "multislerp"), from their Gram matrix.
@@ -92,6 +106,7 @@ def multislerp_coefficients(gram: torch.Tensor, weights: Sequence[float], eps: f
     them first for a barycentre).
     """
     import torch
+
     w = torch.tensor(list(weights), dtype=torch.float64)
     norms = gram.diagonal().clamp(min=0).sqrt()
     to_unit = 1.0 / (norms + eps)
@@ -108,6 +123,7 @@ def multislerp_coefficients(gram: torch.Tensor, weights: Sequence[float], eps: f
     on_sphere = mean * torch.cos(tangent_norm) + tangent * (torch.sin(tangent_norm) / tangent_norm)
     return on_sphere * (norms * w).sum() * to_unit
 
+
 def karcher_coefficients(gram: torch.Tensor, max_iter: int = 10, tol: float = 1e-5) -> torch.Tensor:
     """The equal-weight Karcher (Riemannian, Fréchet) mean on the unit sphere, scaled by the mean norm.
 
@@ -117,6 +133,7 @@ def karcher_coefficients(gram: torch.Tensor, max_iter: int = 10, tol: float = 1e
     the direction but count in the norm. Coefficients on the inputs, from their Gram matrix.
     """
     import torch
+
     count = gram.shape[0]
     norms = gram.diagonal().clamp(min=0).sqrt()
     valid = [index for index in range(count) if norms[index] > tol]
@@ -168,8 +185,10 @@ class ModelStock(Method):
     parameters = (FILTER_WISE,)
 
     def check_inputs(self, config) -> None:
-        require(config.base and len(config.models) >= 2,
-                f"model_stock needs a base model and at least two fine-tunes, got {len(config.inputs)} inputs")
+        require(
+            config.base and len(config.models) >= 2,
+            f"model_stock needs a base model and at least two fine-tunes, got {len(config.inputs)} inputs",
+        )
 
     def step_parameters(self, config, value, depth: Depth):
         return ModelStockParameters(value("filter_wise"))
@@ -179,6 +198,7 @@ class ModelStock(Method):
 
     def whole_tensor_merge(self, parameters, tensors, seed, tensor_name):
         from mergekit_lite.merge.methods import tensor_math
+
         if not parameters.filter_wise:
             return None
         gram = tensor_math.row_gram_matrices(tensors[1:], -1, origin=tensors[0])
@@ -186,6 +206,7 @@ class ModelStock(Method):
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
         from mergekit_lite.merge.methods import tensor_math
+
         gram = tensor_math.gram_matrix(tensors[1:], origin=tensors[0])
         return linear_combiner(model_stock_coefficients(gram).tolist(), normalize=False)
 
@@ -204,20 +225,28 @@ class Nuslerp(Method):
     parameters = (WEIGHT, NUSLERP_FLATTEN, NUSLERP_ROW_WISE)
 
     def check_inputs(self, config) -> None:
-        require(len(config.models) == 2,
-                f"nuslerp merges exactly two models (plus an optional base), got {len(config.models)}")
+        require(
+            len(config.models) == 2,
+            f"nuslerp merges exactly two models (plus an optional base), got {len(config.models)}",
+        )
 
     def step_parameters(self, config, value, depth: Depth):
         second = value("weight", 1)
-        return NuslerpParameters(second / weight_total([value("weight", 0), second], depth.name, self.name),
-                                 config.base is not None, value("nuslerp_flatten"), value("nuslerp_row_wise"))
+        return NuslerpParameters(
+            second / weight_total([value("weight", 0), second], depth.name, self.name),
+            config.base is not None,
+            value("nuslerp_flatten"),
+            value("nuslerp_row_wise"),
+        )
 
     def holds_whole_tensors(self, parameters) -> bool:
         return not parameters.flatten
 
     def whole_tensor_merge(self, parameters, tensors, seed, tensor_name):
         import torch
+
         from mergekit_lite.merge.methods import tensor_math
+
         if parameters.flatten:
             return None
         axis = 0 if parameters.row_wise else -1
@@ -230,6 +259,7 @@ class Nuslerp(Method):
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
         from mergekit_lite.merge.methods import tensor_math
+
         origin = tensors[0] if parameters.base else None
         ends = tensors[1:] if parameters.base else tensors
         weights = nuslerp_coefficients(tensor_math.gram_matrix(ends, origin=origin), parameters.t).tolist()
@@ -257,6 +287,7 @@ class Multislerp(Method):
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
         from mergekit_lite.merge.methods import tensor_math
+
         has_base = parameters.base
         origin = tensors[0] if has_base else None
         ends = tensors[1:] if has_base else tensors
@@ -289,9 +320,11 @@ class Karcher(Method):
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
         from mergekit_lite.merge.methods import tensor_math
+
         gram = tensor_math.gram_matrix(tensors)
-        return linear_combiner(karcher_coefficients(gram, parameters.max_iter, parameters.tol).tolist(),
-                               normalize=False)
+        return linear_combiner(
+            karcher_coefficients(gram, parameters.max_iter, parameters.tol).tolist(), normalize=False
+        )
 
 
 METHODS = (ModelStock(), Nuslerp(), Multislerp(), Karcher())

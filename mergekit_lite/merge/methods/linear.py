@@ -32,20 +32,31 @@ class Linear(Method):
 
     def check_inputs(self, config) -> None:
         count = len(config.inputs)
-        require("alpha" not in config.parameters or count == 2,
-                f"linear with alpha interpolates exactly two models, got {count}; use per-model weights for more")
-        require(not (config.mergekit_compat and config.base and "alpha" not in config.parameters
-                     and "weight" not in config.base_parameters and "weight" not in config.parameters),
-                f"linear weights every input, the base too: give {config.base} a weight "
-                "(list it under models: with parameters: weight)")
+        require(
+            "alpha" not in config.parameters or count == 2,
+            f"linear with alpha interpolates exactly two models, got {count}; use per-model weights for more",
+        )
+        require(
+            not (
+                config.mergekit_compat
+                and config.base
+                and "alpha" not in config.parameters
+                and "weight" not in config.base_parameters
+                and "weight" not in config.parameters
+            ),
+            f"linear weights every input, the base too: give {config.base} a weight "
+            "(list it under models: with parameters: weight)",
+        )
 
     def step_parameters(self, config, value, depth: Depth):
         if "alpha" in config.parameters:
             return Lerp(value("alpha"))
-        base_weight = value.fall_through(config.base_parameters.get("weight"),
-                                         config.parameter("weight") if config.mergekit_compat else 1.0)
-        weights = ([value.of_spec("weight", base_weight)] if config.base else []) \
-            + [value("weight", i) for i in range(len(config.models))]
+        base_weight = value.fall_through(
+            config.base_parameters.get("weight"), config.parameter("weight") if config.mergekit_compat else 1.0
+        )
+        weights = ([value.of_spec("weight", base_weight)] if config.base else []) + [
+            value("weight", i) for i in range(len(config.models))
+        ]
         if config.parameter("normalize"):
             weight_total(weights, depth.name, self.name)
         return WeightedSum(weights, config.parameter("normalize"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mergekit_lite.merge.methods.registry import T, Calibration, Depth, Method, Position, require
+from mergekit_lite.merge.methods.registry import Calibration, Depth, Method, Position, T, require
 
 if TYPE_CHECKING:
     import torch
@@ -16,6 +16,7 @@ def nearswap(base: torch.Tensor, model: torch.Tensor, t: float) -> torch.Tensor:
     within `t` of the base's, and elsewhere a step of t/|model - base| from the base toward them, so entries
     that moved far in fine-tuning stay close to the base. The step is clamped to [0, 1], the distance at 1e-6."""
     import torch
+
     base32, model32 = base.to(torch.float32), model.to(torch.float32)
     step = (t / (base32 - model32).abs_().clamp_min_(1e-6)).clamp_(0.0, 1.0)
     return step * model32 + (1.0 - step) * base32
@@ -31,8 +32,10 @@ class Nearswap(Method):
     def check_inputs(self, config) -> None:
         count = len(config.inputs)
         require(count == 2 and config.base, f"nearswap merges exactly two models, a base and one model, got {count}")
-        require(config.parameters.get("t") is not None,
-                "nearswap needs t, the distance below which the model's entries are taken whole")
+        require(
+            config.parameters.get("t") is not None,
+            "nearswap needs t, the distance below which the model's entries are taken whole",
+        )
 
     def step_parameters(self, config, value, depth: Depth):
         return Position(value("t"))

@@ -25,7 +25,9 @@ class Passthrough(Method):
 
     def check_inputs(self, config) -> None:
         count = len(config.inputs)
-        require(count == 1, f"passthrough copies one model per tensor, got {count} inputs (use slices to stack several)")
+        require(
+            count == 1, f"passthrough copies one model per tensor, got {count} inputs (use slices to stack several)"
+        )
 
     def step_parameters(self, config, value, depth: Depth):
         return Scale(value("scale", 0))
@@ -35,6 +37,7 @@ class Passthrough(Method):
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
         import torch
+
         return lambda chunk, out: chunk[0].to(torch.float32) * parameters.scale
 
 

@@ -20,8 +20,14 @@ from mergekit_lite.merge.methods.registry import (
     require,
 )
 
-TEMPERATURE = Parameter("temperature", "the softmax temperature of the per-layer weights", default=1.0, low=0.0,
-                        low_inclusive=False, high_inclusive=False)
+TEMPERATURE = Parameter(
+    "temperature",
+    "the softmax temperature of the per-layer weights",
+    default=1.0,
+    low=0.0,
+    low_inclusive=False,
+    high_inclusive=False,
+)
 EMBED_RULES = ("nearest", "average", "base", "reference")
 MEDIAN_BANDWIDTH = "median"  # RECALL's sigma from the reference's own samples at each layer
 
@@ -31,7 +37,9 @@ def check_bandwidth(bandwidth) -> None:
     if bandwidth == MEDIAN_BANDWIDTH:
         return
     if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
-        raise InputError(f"recall bandwidth must be {MEDIAN_BANDWIDTH!r} or a number > 0 (a fixed sigma), got {bandwidth!r}")
+        raise InputError(
+            f"recall bandwidth must be {MEDIAN_BANDWIDTH!r} or a number > 0 (a fixed sigma), got {bandwidth!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,9 @@ class RecallMethod(Method):
     def check(self, config) -> None:
         check_bandwidth(config.recall.bandwidth)
         if config.recall.embed_rule not in EMBED_RULES:
-            raise InputError(f"recall embed_rule must be one of {', '.join(EMBED_RULES)}, got {config.recall.embed_rule!r}")
+            raise InputError(
+                f"recall embed_rule must be one of {', '.join(EMBED_RULES)}, got {config.recall.embed_rule!r}"
+            )
 
 
 class Recall(RecallMethod):
@@ -84,10 +94,14 @@ class RecallLerp(RecallMethod):
 
     def check_inputs(self, config) -> None:
         count = len(config.inputs)
-        require(count == 2 and config.base,
-                f"recall_lerp interpolates exactly two models, a base (pre) and one model (post), got {count}")
-        require(isinstance(config.parameters.get("alpha"), (int, float)),
-                "recall_lerp needs one number alpha (the global weight of post the layer profile centres on)")
+        require(
+            count == 2 and config.base,
+            f"recall_lerp interpolates exactly two models, a base (pre) and one model (post), got {count}",
+        )
+        require(
+            isinstance(config.parameters.get("alpha"), (int, float)),
+            "recall_lerp needs one number alpha (the global weight of post the layer profile centres on)",
+        )
 
     def step_parameters(self, config, value, depth: Depth):
         return Lerp(depth.recall_weights.lerp_alpha(value("alpha"), depth.layer, depth.part, config.recall.embed_rule))

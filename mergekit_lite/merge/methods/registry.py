@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.methods.chunks import ELEMENTWISE_CHUNK
@@ -58,10 +59,19 @@ NORMALIZE = Parameter("normalize", "divide by the sum of the weights", kind=bool
 ALPHA = Parameter("alpha", "the weight of the second model (post)", low=0.0, high=1.0)
 LAMBDA = Parameter("lambda", "the scale of the combined task vectors added to the base", default=1.0)
 T = Parameter("t", "the interpolation position from the base (0) to the model (1)", default=0.5, low=0.0, high=1.0)
-DENSITY = Parameter("density", "the share of each task vector's entries kept", default=0.5, low=0.0, high=1.0,
-                    low_inclusive=False, per_model=True, mergekit_default=1.0)
-INT8_MASK = Parameter("int8_mask", "mergekit's int8 masks (accepted; masks here are exact either way)", kind=bool,
-                      default=False)
+DENSITY = Parameter(
+    "density",
+    "the share of each task vector's entries kept",
+    default=0.5,
+    low=0.0,
+    high=1.0,
+    low_inclusive=False,
+    per_model=True,
+    mergekit_default=1.0,
+)
+INT8_MASK = Parameter(
+    "int8_mask", "mergekit's int8 masks (accepted; masks here are exact either way)", kind=bool, default=False
+)
 RESCALE = Parameter("rescale", "the sparsifier's rescaling of the entries kept", kind=bool, default=False)
 
 
@@ -173,8 +183,9 @@ class Method:
 
     # ------------------------------------------------------------------------------------------------ the math
 
-    def whole_tensor_merge(self, parameters: StepParameters, tensors: list[torch.Tensor], seed: int,
-                           tensor_name: str) -> torch.Tensor | None:
+    def whole_tensor_merge(
+        self, parameters: StepParameters, tensors: list[torch.Tensor], seed: int, tensor_name: str
+    ) -> torch.Tensor | None:
         """The merge of a step whose combination needs whole rows or whole-tensor statistics; None where the
         combination runs chunk by chunk (`chunk_combiner`)."""
         return None
@@ -189,8 +200,15 @@ class Method:
         merge/slabs.py's `SlabPass` (the slabs mapped one at a time, single rows, whole inputs)."""
         raise NotImplementedError
 
-    def chunk_combiner(self, parameters: StepParameters, tensors: list[torch.Tensor], statistics, seed: int,
-                       tensor_name: str, first_element: int) -> Combiner:
+    def chunk_combiner(
+        self,
+        parameters: StepParameters,
+        tensors: list[torch.Tensor],
+        statistics,
+        seed: int,
+        tensor_name: str,
+        first_element: int,
+    ) -> Combiner:
         """The elementwise part of the method, with its per-tensor statistics bound in."""
         raise NotImplementedError
 
@@ -212,8 +230,10 @@ def weight_total(weights: list[float], name: str, method: str) -> float:
     proportions at all (a division by zero, or mergekit's silent fallback to an even mix for nuslerp)."""
     total = math.fsum(weights)
     if abs(total) < 1e-6:
-        raise InputError(f"tensor {name}: {method} weights {', '.join(f'{w:g}' for w in weights)} sum to zero; "
-                         "they are divided by their sum (give weights with a non-zero sum)")
+        raise InputError(
+            f"tensor {name}: {method} weights {', '.join(f'{w:g}' for w in weights)} sum to zero; "
+            "they are divided by their sum (give weights with a non-zero sum)"
+        )
     return total
 
 

@@ -4,7 +4,7 @@ tensors seen as flat vectors."""
 from __future__ import annotations
 
 from mergekit_lite.merge.methods.chunks import CHUNK
-from mergekit_lite.merge.methods.registry import T, Calibration, Depth, Method, Position, linear_combiner, require
+from mergekit_lite.merge.methods.registry import Calibration, Depth, Method, Position, T, linear_combiner, require
 
 
 class Slerp(Method):
@@ -28,12 +28,14 @@ class Slerp(Method):
 
     def tensor_statistics(self, parameters, tensors):
         from mergekit_lite.merge.methods import tensor_math
+
         return tensor_math.slerp_weights(tensors[0], tensors[1], parameters.t)
 
     def statistics_in_slabs(self, parameters, slabs):
         """SLERP's two weights from the mapped slabs in order: `tensor_math.SlerpAngle`'s sums over blocks that are
         the whole tensor's."""
         from mergekit_lite.merge.methods import tensor_math
+
         angle = tensor_math.SlerpAngle()
         slabs.for_each(angle.add)
         return angle.weights(parameters.t)

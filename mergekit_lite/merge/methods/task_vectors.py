@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.methods.registry import (
@@ -31,19 +32,43 @@ from mergekit_lite.threads import start_on_other_cores
 if TYPE_CHECKING:
     import torch
 
-DROP = Parameter("drop", "DARE's share of each task vector's entries dropped", default=0.5, low=0.0, high=1.0,
-                 high_inclusive=False, per_model=True, mergekit_default=0.0)
-EPSILON = Parameter("epsilon", "DELLA's spread of drop probabilities around 1 - density", default=0.15, low=0.0,
-                    high=1.0, high_inclusive=False, per_model=True)
-GAMMA = Parameter("gamma", "Breadcrumbs' share of the largest entries left out", default=0.01, low=0.0, high=1.0,
-                  per_model=True)
-SELECT_TOPK = Parameter("select_topk", "SCE's share of entries kept, by their variance across models", default=1.0,
-                        low=0.0, high=1.0)
-DARE_MASK_VERSION = 2  # 1: torch's Mersenne Twister, float uniforms, one sequential stream per tensor; 2: Philox4x64-10,
+DROP = Parameter(
+    "drop",
+    "DARE's share of each task vector's entries dropped",
+    default=0.5,
+    low=0.0,
+    high=1.0,
+    high_inclusive=False,
+    per_model=True,
+    mergekit_default=0.0,
+)
+EPSILON = Parameter(
+    "epsilon",
+    "DELLA's spread of drop probabilities around 1 - density",
+    default=0.15,
+    low=0.0,
+    high=1.0,
+    high_inclusive=False,
+    per_model=True,
+)
+GAMMA = Parameter(
+    "gamma", "Breadcrumbs' share of the largest entries left out", default=0.01, low=0.0, high=1.0, per_model=True
+)
+SELECT_TOPK = Parameter(
+    "select_topk", "SCE's share of entries kept, by their variance across models", default=1.0, low=0.0, high=1.0
+)
+DARE_MASK_VERSION = (
+    2  # 1: torch's Mersenne Twister, float uniforms, one sequential stream per tensor; 2: Philox4x64-10,
+)
 # 16 bits per entry at the entry's own counter (`tensor_math.keep_indicator`)
 # the knobs of each sparsifier beyond lambda, weight, normalize, int8_mask and rescale
-SPARSIFIER_PARAMETERS = {None: (), "magnitude": (DENSITY,), "random": (DROP, DENSITY), "magprune": (DENSITY, EPSILON),
-                         "outliers": (DENSITY, GAMMA)}
+SPARSIFIER_PARAMETERS = {
+    None: (),
+    "magnitude": (DENSITY,),
+    "random": (DROP, DENSITY),
+    "magprune": (DENSITY, EPSILON),
+    "outliers": (DENSITY, GAMMA),
+}
 
 
 def _draw_digest(seed: int, tensor_name: str, model_index: int) -> bytes:
@@ -58,8 +83,10 @@ def dare_key(seed: int, tensor_name: str, model_index: int) -> int:
 def magprune_generator(seed: int, tensor_name: str, model_index: int) -> torch.Generator:
     """DELLA's seeded CPU generator per (seed, tensor, model)."""
     import torch
-    return torch.Generator().manual_seed(int.from_bytes(_draw_digest(seed, tensor_name, model_index)[:8], "little")
-                                         & (2**63 - 1))
+
+    return torch.Generator().manual_seed(
+        int.from_bytes(_draw_digest(seed, tensor_name, model_index)[:8], "little") & (2**63 - 1)
+    )
 
 
 class KeepsAhead:
@@ -84,10 +111,14 @@ class KeepsAhead:
 
     def _start_next(self) -> None:
         from mergekit_lite.merge.methods import tensor_math
+
         begin, size = next(self._chunks, (None, 0))
         if begin is not None:
-            self._ahead.append(start_on_other_cores(
-                lambda model: tensor_math.keep_indicator(model[0], begin, size, model[1]), self._models))
+            self._ahead.append(
+                start_on_other_cores(
+                    lambda model: tensor_math.keep_indicator(model[0], begin, size, model[1]), self._models
+                )
+            )
 
 
 @dataclass(frozen=True)
@@ -119,8 +150,17 @@ class TaskVectorMethod(Method):
     main_coefficient = "lambda"
     needs_base = True
 
-    def __init__(self, name: str, sparsifier: str | None, consensus: bool, normalize: bool, rescale: bool,
-                 summary: str, alpha_meaning: str, mergekit_normalize: bool | None = None):
+    def __init__(
+        self,
+        name: str,
+        sparsifier: str | None,
+        consensus: bool,
+        normalize: bool,
+        rescale: bool,
+        summary: str,
+        alpha_meaning: str,
+        mergekit_normalize: bool | None = None,
+    ):
         self.name, self.sparsifier, self.consensus, self.summary = name, sparsifier, consensus, summary
         self.normalize, self.rescale, self.alpha_meaning = normalize, rescale, alpha_meaning
         self.mergekit_normalize = normalize if mergekit_normalize is None else mergekit_normalize
@@ -151,6 +191,7 @@ class TaskVectorMethod(Method):
 
     def step_parameters(self, config, value, depth: Depth) -> TaskVectorParameters:
         from mergekit_lite.merge.methods import tensor_math
+
         models = range(len(config.models))
         per_model = {}
         if self.sparsifier in ("magnitude", "magprune", "outliers"):
@@ -161,15 +202,22 @@ class TaskVectorMethod(Method):
             per_model["epsilons"] = [value("epsilon", i) for i in models]
             for density, epsilon in zip(per_model["densities"], per_model["epsilons"]):
                 if density < 1.0 and not (density - epsilon > 0.0 and density + epsilon < 1.0):
-                    raise InputError(f"tensor {depth.name}: della needs 0 < density - epsilon and density + epsilon "
-                                     f"< 1, got density {density:g}, epsilon {epsilon:g}")
+                    raise InputError(
+                        f"tensor {depth.name}: della needs 0 < density - epsilon and density + epsilon "
+                        f"< 1, got density {density:g}, epsilon {epsilon:g}"
+                    )
         if self.sparsifier == "outliers":
             per_model["gammas"] = [value("gamma", i) for i in models]
         if self.sparsifier in ("random", *tensor_math.L1_RESCALED):
             per_model["rescale"] = config.parameter("rescale")
         rules = config.mergekit_compat and (self.sparsifier == "magnitude" or self.consensus)
-        return TaskVectorParameters(value("lambda"), [value("weight", i) for i in models], config.parameter("normalize"),
-                                    mergekit_rules=rules, **per_model)
+        return TaskVectorParameters(
+            value("lambda"),
+            [value("weight", i) for i in models],
+            config.parameter("normalize"),
+            mergekit_rules=rules,
+            **per_model,
+        )
 
     def holds_whole_tensors(self, parameters) -> bool:
         """DELLA's ranks and Breadcrumbs' band are selections over every magnitude of the tensor."""
@@ -178,33 +226,51 @@ class TaskVectorMethod(Method):
     def whole_tensor_merge(self, parameters, tensors, seed, tensor_name):
         """DELLA (ranks within rows) and the L1 rescales (a norm of the sparsified delta) need whole tensors."""
         from mergekit_lite.merge.methods import tensor_math
+
         l1_rescaled = self.sparsifier in tensor_math.L1_RESCALED and parameters.rescale
         if not (self.sparsifier == "magprune" or l1_rescaled):
             return None
         return tensor_math.task_vector_merge(
-            tensors[0], tensors[1:], parameters.weights, scale=parameters.scale, sparsifier=self.sparsifier,
-            densities=parameters.densities, epsilons=parameters.epsilons, gammas=parameters.gammas,
+            tensors[0],
+            tensors[1:],
+            parameters.weights,
+            scale=parameters.scale,
+            sparsifier=self.sparsifier,
+            densities=parameters.densities,
+            epsilons=parameters.epsilons,
+            gammas=parameters.gammas,
             generators=[magprune_generator(seed, tensor_name, i) for i in range(len(tensors) - 1)],
-            rescale=parameters.rescale, consensus=self.consensus, normalize=parameters.normalize,
-            mergekit_rules=parameters.mergekit_rules)
+            rescale=parameters.rescale,
+            consensus=self.consensus,
+            normalize=parameters.normalize,
+            mergekit_rules=parameters.mergekit_rules,
+        )
 
     def tensor_statistics(self, parameters, tensors):
         """TIES's trim threshold per model (one model per core: exact selections, in any order)."""
         from mergekit_lite.merge.methods import tensor_math
+
         if self.sparsifier != "magnitude":
             return None
-        return [future.result() for future in start_on_other_cores(
-            lambda pair: tensor_math.trim_threshold(tensors[0], *pair, parameters.mergekit_rules),
-            zip(tensors[1:], parameters.densities))]
+        return [
+            future.result()
+            for future in start_on_other_cores(
+                lambda pair: tensor_math.trim_threshold(tensors[0], *pair, parameters.mergekit_rules),
+                zip(tensors[1:], parameters.densities),
+            )
+        ]
 
     def statistics_in_slabs(self, parameters, slabs):
         """Each model's TIES trim threshold (`tensor_math.TrimThreshold`, the value `trim_threshold` gives on whole
         tensors): sampled from rows spread over the tensor (a few hundred small reads), then counted in one pass
         over the mapped slabs, the models on other cores."""
         from mergekit_lite.merge.methods import tensor_math
+
         shape = slabs.shape
-        trims = [tensor_math.TrimThreshold(math.prod(shape), density, parameters.mergekit_rules)
-                 for density in parameters.densities]
+        trims = [
+            tensor_math.TrimThreshold(math.prod(shape), density, parameters.mergekit_rules)
+            for density in parameters.densities
+        ]
         sampled_rows = max(tensor_math.THRESHOLD_SAMPLE // math.prod(shape[1:]), 1)
         for row in range(0, shape[0], max(shape[0] // sampled_rows, 1)):
             base, *models = slabs.row(row)
@@ -220,20 +286,33 @@ class TaskVectorMethod(Method):
 
     def chunk_combiner(self, parameters, tensors, statistics, seed, tensor_name, first_element):
         from mergekit_lite.merge.methods import tensor_math
+
         thresholds = statistics
         if self.sparsifier == "outliers":
-            thresholds = [tensor_math.outlier_band(tensors[0], model, density, gamma)
-                          for model, density, gamma in zip(tensors[1:], parameters.densities, parameters.gammas)]
+            thresholds = [
+                tensor_math.outlier_band(tensors[0], model, density, gamma)
+                for model, density, gamma in zip(tensors[1:], parameters.densities, parameters.gammas)
+            ]
         keeps = None
         if self.sparsifier == "random":
             keys = [dare_key(seed, tensor_name, i) for i in range(len(tensors) - 1)]
             keeps = KeepsAhead(keys, parameters.drops, tensors[0].numel(), tensor_math.ELEMENTWISE_CHUNK, first_element)
         rescale = True if parameters.rescale is None else parameters.rescale
         return lambda chunk, out: tensor_math.task_vector_merge(
-            chunk[0], chunk[1:], parameters.weights, scale=parameters.scale, sparsifier=self.sparsifier,
-            thresholds=thresholds, drops=parameters.drops, keeps=None if keeps is None else keeps.take(),
-            consensus=self.consensus, normalize=parameters.normalize, rescale=rescale,
-            mergekit_rules=parameters.mergekit_rules, out=out)
+            chunk[0],
+            chunk[1:],
+            parameters.weights,
+            scale=parameters.scale,
+            sparsifier=self.sparsifier,
+            thresholds=thresholds,
+            drops=parameters.drops,
+            keeps=None if keeps is None else keeps.take(),
+            consensus=self.consensus,
+            normalize=parameters.normalize,
+            rescale=rescale,
+            mergekit_rules=parameters.mergekit_rules,
+            out=out,
+        )
 
 
 def sce(base: torch.Tensor, models: Sequence[torch.Tensor], select_topk: float = 1.0) -> torch.Tensor:
@@ -246,8 +325,9 @@ def sce(base: torch.Tensor, models: Sequence[torch.Tensor], select_topk: float =
     kept, added to the base. Whole tensors: the selection ranks and the weights are per tensor.
     """
     import torch
-    from mergekit_lite.merge.methods.tensor_math import sign_consensus
-    from mergekit_lite.merge.methods.tensor_math import task_vector
+
+    from mergekit_lite.merge.methods.tensor_math import sign_consensus, task_vector
+
     base32 = base.to(torch.float32)
     deltas = torch.stack([task_vector(model, base32) for model in models])
     if select_topk < 1.0:
@@ -256,23 +336,27 @@ def sce(base: torch.Tensor, models: Sequence[torch.Tensor], select_topk: float =
     weighted = agree * sce_weights(deltas).view(-1, *[1] * base32.dim())
     return base32 + (deltas * weighted).sum(dim=0) / weighted.sum(dim=0).clamp_min(1e-6)  # mergekit's floor
 
+
 def variance_keep(deltas: torch.Tensor, share: float) -> torch.Tensor:
     """1.0 where the variance across the models (population variance, dim 0) is among the top `share` of the
     non-zero variances, else 0.0. Variances tied at the threshold are kept alike (mergekit's topk keeps exactly k,
     breaking ties by position)."""
     import torch
-    from mergekit_lite.merge.methods.tensor_math import at_least
-    from mergekit_lite.merge.methods.tensor_math import magnitude_threshold
+
+    from mergekit_lite.merge.methods.tensor_math import at_least, magnitude_threshold
+
     variance = deltas.var(dim=0, unbiased=False)
     keep = int(torch.count_nonzero(variance).item() * share)
     if keep == 0:
         return torch.zeros_like(variance)
     return at_least(variance.clone(), magnitude_threshold(variance, keep))
 
+
 def sce_weights(deltas: torch.Tensor) -> torch.Tensor:
     """Each model's mean squared (selected) task vector as a share of their sum; equal shares where the sum is
     below 1e-6, when the models barely moved (SCE's Calculate step, mergekit's threshold)."""
     import torch
+
     weights = deltas.square().reshape(deltas.shape[0], -1).mean(dim=1)
     total = weights.sum().item()
     return torch.full_like(weights, 1.0 / len(weights)) if abs(total) < 1e-6 else weights / total
@@ -303,26 +387,91 @@ class Sce(Method):
 
 
 def _member(name, sparsifier, consensus, normalize, rescale, summary, meaning, **mergekit) -> TaskVectorMethod:
-    return TaskVectorMethod(name, sparsifier, consensus, normalize, rescale, summary,
-                            f"lambda, the scale of post's {meaning} added to pre", **mergekit)
+    return TaskVectorMethod(
+        name,
+        sparsifier,
+        consensus,
+        normalize,
+        rescale,
+        summary,
+        f"lambda, the scale of post's {meaning} added to pre",
+        **mergekit,
+    )
 
 
 METHODS = (
     Sce(),
-    _member("task_arithmetic", None, False, False, False, "task arithmetic: the base plus scaled task vectors",
-            "task vector (post - pre)"),
-    _member("ties", "magnitude", True, True, False, "TIES: trimmed task vectors, elected signs, disjoint mean",
-            "TIES-trimmed task vector"),
-    _member("dare_linear", "random", False, False, True, "DARE: randomly dropped, rescaled task vectors",
-            "DARE-dropped task vector"),
-    _member("dare_ties", "random", True, True, True, "DARE with TIES's sign election",
-            "DARE-dropped, sign-elected task vector", mergekit_normalize=False),  # mergekit's does not divide
-    _member("della", "magprune", True, True, True, "DELLA: magnitude-ranked random drop, elected signs",
-            "DELLA-pruned (magnitude-ranked drop), sign-elected task vector"),
-    _member("della_linear", "magprune", False, False, True, "DELLA without sign election",
-            "DELLA-pruned (magnitude-ranked drop) task vector"),
-    _member("breadcrumbs", "outliers", False, False, False, "Model Breadcrumbs: task vectors without their outliers",
-            "task vector without its largest and smallest entries,"),
-    _member("breadcrumbs_ties", "outliers", True, False, False, "Model Breadcrumbs with TIES's sign election",
-            "Breadcrumbs-trimmed, sign-elected task vector"),
+    _member(
+        "task_arithmetic",
+        None,
+        False,
+        False,
+        False,
+        "task arithmetic: the base plus scaled task vectors",
+        "task vector (post - pre)",
+    ),
+    _member(
+        "ties",
+        "magnitude",
+        True,
+        True,
+        False,
+        "TIES: trimmed task vectors, elected signs, disjoint mean",
+        "TIES-trimmed task vector",
+    ),
+    _member(
+        "dare_linear",
+        "random",
+        False,
+        False,
+        True,
+        "DARE: randomly dropped, rescaled task vectors",
+        "DARE-dropped task vector",
+    ),
+    _member(
+        "dare_ties",
+        "random",
+        True,
+        True,
+        True,
+        "DARE with TIES's sign election",
+        "DARE-dropped, sign-elected task vector",
+        mergekit_normalize=False,
+    ),  # mergekit's does not divide
+    _member(
+        "della",
+        "magprune",
+        True,
+        True,
+        True,
+        "DELLA: magnitude-ranked random drop, elected signs",
+        "DELLA-pruned (magnitude-ranked drop), sign-elected task vector",
+    ),
+    _member(
+        "della_linear",
+        "magprune",
+        False,
+        False,
+        True,
+        "DELLA without sign election",
+        "DELLA-pruned (magnitude-ranked drop) task vector",
+    ),
+    _member(
+        "breadcrumbs",
+        "outliers",
+        False,
+        False,
+        False,
+        "Model Breadcrumbs: task vectors without their outliers",
+        "task vector without its largest and smallest entries,",
+    ),
+    _member(
+        "breadcrumbs_ties",
+        "outliers",
+        True,
+        False,
+        False,
+        "Model Breadcrumbs with TIES's sign election",
+        "Breadcrumbs-trimmed, sign-elected task vector",
+    ),
 )

@@ -18,13 +18,12 @@ Gram matrices, one per row.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy
 import torch
 
 from mergekit_lite.merge.methods.chunks import CHUNK, ELEMENTWISE_CHUNK
-
 
 try:  # the merge math fused in C (kernels.c), an optional extension: the same bytes as the torch code below
     from mergekit_lite.merge import _kernels
@@ -32,8 +31,11 @@ except ImportError:  # not built (no C compiler where the package was installed)
     _kernels = None
 MAX_FUSED_MODELS = 0 if _kernels is None else _kernels.MAX_MODELS  # models per compiled task-vector merge
 # the input dtypes of the compiled angle, by the kernel's code for each (float16 where the compiler had _Float16)
-ANGLE_DTYPES = {dtype: code for dtype, code in ((torch.bfloat16, "b"), (torch.float16, "h"), (torch.float32, "f"))
-                if _kernels is not None and code in _kernels.ANGLE_DTYPES}
+ANGLE_DTYPES = {
+    dtype: code
+    for dtype, code in ((torch.bfloat16, "b"), (torch.float16, "h"), (torch.float32, "f"))
+    if _kernels is not None and code in _kernels.ANGLE_DTYPES
+}
 
 COLINEAR_DOT = 0.9995
 NORM_EPS = 1e-8
@@ -50,8 +52,9 @@ THRESHOLD_SAMPLE = 1 << 16  # strided sample that brackets TIES's trim threshold
 L1_RESCALED = {"magprune", "outliers"}  # sparsifiers whose `rescale` restores the L1 norm (DARE's divides by 1-drop)
 
 
-def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weighted sum of tensors; with `normalize`, weights are proportions of their sum. Two tensors whose weights
     are proportions (normalized, or summing to exactly 1) are a `lerp`, which may write into `out`."""
     if normalize:
@@ -78,8 +81,12 @@ def lerp(start: torch.Tensor, end: torch.Tensor, alpha: float, out: torch.Tensor
     from float32: the same bytes as rounding the float32 result, in one pass instead of four (convert both inputs,
     combine, round). `out` may be `start` itself. Else the float32 result is returned.
     """
-    if out is not None and start.dtype == end.dtype == out.dtype and out.dtype in EXACT_IN_FLOAT32 \
-            and start.device == end.device == out.device:
+    if (
+        out is not None
+        and start.dtype == end.dtype == out.dtype
+        and out.dtype in EXACT_IN_FLOAT32
+        and start.device == end.device == out.device
+    ):
         return torch.lerp(start, end, alpha, out=out)
     return torch.lerp(start.to(torch.float32), end.to(torch.float32), alpha)
 
@@ -113,8 +120,9 @@ class SlerpAngle:
 
     def add(self, start: torch.Tensor, end: torch.Tensor) -> None:
         if fused(start, end, dtypes=ANGLE_DTYPES):
-            self._totals = _kernels.angle_sums(start.data_ptr(), end.data_ptr(), start.numel(),
-                                               ANGLE_DTYPES[start.dtype], ANGLE_BLOCK, self._totals)
+            self._totals = _kernels.angle_sums(
+                start.data_ptr(), end.data_ptr(), start.numel(), ANGLE_DTYPES[start.dtype], ANGLE_BLOCK, self._totals
+            )
         else:
             self._totals = angle_sums(start.reshape(-1), end.reshape(-1), self._totals)
 
@@ -130,23 +138,26 @@ class SlerpAngle:
         return spherical_weights(cosine, t)
 
 
-def angle_sums(start: torch.Tensor, end: torch.Tensor,
-               totals: tuple[float, float, float]) -> tuple[float, float, float]:
+def angle_sums(
+    start: torch.Tensor, end: torch.Tensor, totals: tuple[float, float, float]
+) -> tuple[float, float, float]:
     """`SlerpAngle`'s sums of two flat tensors added to `totals`, in torch ops, addition for addition as kernels.c
     adds them (a short last block padded with zeros), ANGLE_STEP entries at a time."""
     running = torch.tensor(totals, dtype=torch.float64, device=start.device)
     for begin in range(0, start.numel(), ANGLE_STEP):
-        pair = [tensor[begin:begin + ANGLE_STEP].to(torch.float64) for tensor in (start, end)]
+        pair = [tensor[begin : begin + ANGLE_STEP].to(torch.float64) for tensor in (start, end)]
         blocks = -(-pair[0].numel() // ANGLE_BLOCK)
-        a, b = (torch.nn.functional.pad(x, (0, blocks * ANGLE_BLOCK - x.numel())).view(blocks, -1, ANGLE_LANES)
-                for x in pair)
+        a, b = (
+            torch.nn.functional.pad(x, (0, blocks * ANGLE_BLOCK - x.numel())).view(blocks, -1, ANGLE_LANES)
+            for x in pair
+        )
         lanes = torch.zeros((3, blocks, ANGLE_LANES), dtype=torch.float64, device=start.device)
         for sums, x, y in zip(lanes, (a, a, b), (a, b, b)):
             for row in range(x.shape[1]):
                 sums.addcmul_(x[:, row], y[:, row])  # the product is exact: added once, fused or not
         half = ANGLE_LANES // 2
         while half:
-            lanes = lanes[..., :half] + lanes[..., half:2 * half]
+            lanes = lanes[..., :half] + lanes[..., half : 2 * half]
             half //= 2
         for block in lanes[..., 0].unbind(1):
             running += block
@@ -160,8 +171,12 @@ def fused(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
         return False
     spans = set()
     for tensor in tensors:
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != tensors[0].dtype \
-                or tensor.numel() != tensors[0].numel():
+        if (
+            tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or tensor.dtype != tensors[0].dtype
+            or tensor.numel() != tensors[0].numel()
+        ):
             return False
         spans.add((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()))
     spans = sorted(spans)
@@ -251,14 +266,17 @@ class TrimThreshold:
             sample = torch.cat(self._samples).numpy()
             quantile = 1.0 - self.keep / self.total
             margin = 6.0 * math.sqrt(sample.size * quantile * (1.0 - quantile)) + 8
-            ranks = (max(int(quantile * sample.size - margin), 0),
-                     min(int(quantile * sample.size + margin), sample.size - 1))
+            ranks = (
+                max(int(quantile * sample.size - margin), 0),
+                min(int(quantile * sample.size + margin), sample.size - 1),
+            )
             self._bracket = numpy.partition(sample, ranks)[list(ranks)]  # two order statistics, not a full sort
         low, high = self._bracket
         if fused(base, model, dtypes=(torch.bfloat16,)):  # kernels.c: the same counts and band in one pass
             band = numpy.empty(base.numel(), dtype=numpy.float32)
-            above, inside = _kernels.magnitude_band(base.data_ptr(), model.data_ptr(), base.numel(), low, high,
-                                                    band.ctypes.data, True)
+            above, inside = _kernels.magnitude_band(
+                base.data_ptr(), model.data_ptr(), base.numel(), low, high, band.ctypes.data, True
+            )
             self._band.append(band[:inside].copy())
             self._above += above
             return
@@ -368,7 +386,7 @@ def keep_indicator(key: int, begin: int, size: int, drop: float) -> torch.Tensor
         return None
     counter, skip = divmod(begin, ENTRIES_PER_COUNTER)
     words = numpy.random.Philox(key=key, counter=counter).random_raw(-(-(skip + size) // 4))
-    draws = words.astype("<u8", copy=False).view("<u2")[skip:skip + size]
+    draws = words.astype("<u8", copy=False).view("<u2")[skip : skip + size]
     return torch.from_numpy(numpy.greater_equal(draws, threshold).astype(numpy.float32))
 
 
@@ -386,8 +404,9 @@ def random_drop(delta: torch.Tensor, drop: float, keep: torch.Tensor | None, res
     """
     if keep is None:
         return delta
-    return torch.addcmul(delta.new_zeros(()), delta, keep.to(delta.device), value=drop_rescale(drop, rescale),
-                         out=delta)
+    return torch.addcmul(
+        delta.new_zeros(()), delta, keep.to(delta.device), value=drop_rescale(drop, rescale), out=delta
+    )
 
 
 def drop_rescale(drop: float, rescale: bool = True) -> float:
@@ -468,8 +487,13 @@ def positive_agreement(weighted_deltas: torch.Tensor, zero_sum_positive: bool = 
     total's zero may be -0.0 (`row_sum`): only when every delta is a zero, which no elected sign keeps.
     """
     total = row_sum(weighted_deltas)
-    elected = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total) if zero_sum_positive \
-        else total.sign_() if len(weighted_deltas) > 1 else torch.sign(total)  # one row: total is that row
+    elected = (
+        torch.copysign(torch.ones((), dtype=total.dtype, device=total.device), total)
+        if zero_sum_positive
+        else total.sign_()
+        if len(weighted_deltas) > 1
+        else torch.sign(total)
+    )  # one row: total is that row
     return torch.mul(weighted_deltas, elected).sign_().clamp_min_(0.0)
 
 
@@ -513,15 +537,32 @@ def task_vector_merge(
         thresholds = [trim_threshold(base, model, density, mergekit_rules) for model, density in zip(models, densities)]
     if sparsifier == "random" and keeps is None:
         keeps = [keep_indicator(key, 0, base.numel(), drop) for key, drop in zip(keys, drops)]
-    if out is not None and sparsifier in (None, "magnitude", "random") and len(models) <= MAX_FUSED_MODELS \
-            and fused(out, base, *models, dtypes=(torch.bfloat16,)) \
-            and all(keep is None or fused(keep, dtypes=(torch.float32,)) for keep in keeps or ()):
-        return fused_task_vectors(out, base, models, weights, scale, thresholds if sparsifier == "magnitude" else None,
-                                  keeps, drops, consensus, normalize, rescale, mergekit_rules)
+    if (
+        out is not None
+        and sparsifier in (None, "magnitude", "random")
+        and len(models) <= MAX_FUSED_MODELS
+        and fused(out, base, *models, dtypes=(torch.bfloat16,))
+        and all(keep is None or fused(keep, dtypes=(torch.float32,)) for keep in keeps or ())
+    ):
+        return fused_task_vectors(
+            out,
+            base,
+            models,
+            weights,
+            scale,
+            thresholds if sparsifier == "magnitude" else None,
+            keeps,
+            drops,
+            consensus,
+            normalize,
+            rescale,
+            mergekit_rules,
+        )
     base32 = base.to(torch.float32)
     if sparsifier == "outliers" and thresholds is None:
-        thresholds = [outlier_band(base32, model, density, gamma)
-                      for model, density, gamma in zip(models, densities, gammas)]
+        thresholds = [
+            outlier_band(base32, model, density, gamma) for model, density, gamma in zip(models, densities, gammas)
+        ]
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
     merged = None
@@ -532,8 +573,9 @@ def task_vector_merge(
         if sparsifier == "magnitude":
             trim(delta, thresholds[index])
         elif sparsifier == "random":
-            delta = random_drop(delta, drops[index], None if keeps[index] is None else keeps[index].view(delta.shape),
-                                rescale)
+            delta = random_drop(
+                delta, drops[index], None if keeps[index] is None else keeps[index].view(delta.shape), rescale
+            )
         elif sparsifier == "magprune":
             delta = magprune(delta, densities[index], epsilons[index], generators[index])
         elif sparsifier == "outliers":
@@ -548,8 +590,11 @@ def task_vector_merge(
             merged = delta if merged is None else merged.add_(delta)
     if consensus:
         positive = weighted_at_least_eps(weights)
-        agree = positive_agreement(stacked, mergekit_rules) if positive else \
-            sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)  # converted once
+        agree = (
+            positive_agreement(stacked, mergekit_rules)
+            if positive
+            else sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)
+        )  # converted once
         merged = sum_of_products(stacked, agree)
         if normalize:
             divisor = row_sum(agree, weights)
@@ -574,10 +619,20 @@ def weighted_at_least_eps(weights: Sequence[float]) -> bool:
     return all(weight >= NORM_EPS for weight in weights)
 
 
-def fused_task_vectors(out: torch.Tensor, base: torch.Tensor, models: Sequence[torch.Tensor], weights: Sequence[float],
-                       scale: float, thresholds: Sequence[float] | None, keeps: Sequence[torch.Tensor | None] | None,
-                       drops: Sequence[float] | None, consensus: bool, normalize: bool, rescale: bool,
-                       mergekit_rules: bool) -> torch.Tensor:
+def fused_task_vectors(
+    out: torch.Tensor,
+    base: torch.Tensor,
+    models: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    scale: float,
+    thresholds: Sequence[float] | None,
+    keeps: Sequence[torch.Tensor | None] | None,
+    drops: Sequence[float] | None,
+    consensus: bool,
+    normalize: bool,
+    rescale: bool,
+    mergekit_rules: bool,
+) -> torch.Tensor:
     """`task_vector_merge` for bfloat16 inputs and output on the CPU, in kernels.c's one pass: the same operations
     in the same order (trim's hardshrink at `below` the threshold, DARE's addcmul, the weights, the sum or the
     consensus of `positive_agreement` or `sign_consensus`, the divisor of `row_sum`, the scale and the base), so
@@ -585,15 +640,29 @@ def fused_task_vectors(out: torch.Tensor, base: torch.Tensor, models: Sequence[t
     count = len(models)
     lambdas = [-1.0] * count if thresholds is None else [trim_lambda(threshold) for threshold in thresholds]
     keeps = [None] * count if keeps is None else keeps
-    keep_scales = [drop_rescale(drop, rescale) if keep is not None else 1.0
-                   for keep, drop in zip(keeps, drops or [0.0] * count)]
+    keep_scales = [
+        drop_rescale(drop, rescale) if keep is not None else 1.0 for keep, drop in zip(keeps, drops or [0.0] * count)
+    ]
     agreement = 0 if not consensus else 1 if weighted_at_least_eps(weights) else 2
     total = math.fsum(weights)
-    _kernels.task_vectors(out.data_ptr(), base.data_ptr(), [model.data_ptr() for model in models], out.numel(),
-                          list(weights), lambdas, [0 if keep is None else keep.data_ptr() for keep in keeps],
-                          keep_scales, agreement, mergekit_rules, normalize,
-                          not consensus and normalize and abs(total) >= NORM_EPS, scale != 1.0, total, scale,
-                          NORM_EPS)
+    _kernels.task_vectors(
+        out.data_ptr(),
+        base.data_ptr(),
+        [model.data_ptr() for model in models],
+        out.numel(),
+        list(weights),
+        lambdas,
+        [0 if keep is None else keep.data_ptr() for keep in keeps],
+        keep_scales,
+        agreement,
+        mergekit_rules,
+        normalize,
+        not consensus and normalize and abs(total) >= NORM_EPS,
+        scale != 1.0,
+        total,
+        scale,
+        NORM_EPS,
+    )
     return out
 
 
@@ -637,10 +706,8 @@ def combine_rows(tensors: Sequence[torch.Tensor], coefficients: torch.Tensor, ax
     moved = tensors[0].movedim(axis, -1).shape if tensors[0].dim() >= 2 else shape
     merged = torch.zeros(as_rows(tensors[0], axis).shape, dtype=torch.float32, device=tensors[0].device)
     for index, tensor in enumerate(tensors):
-        column = coefficients[:, index:index + 1].to(torch.float32).to(merged.device)
+        column = coefficients[:, index : index + 1].to(torch.float32).to(merged.device)
         merged.add_(as_rows(tensor, axis).to(torch.float32) * column)
     if tensors[0].dim() < 2:
         return merged.reshape(shape)
     return merged.reshape(moved).movedim(-1, axis)
-
-
