@@ -5,9 +5,18 @@ bad one before any work."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.validation import (
+    TagsIgnoredLoader,
+    is_regular_inside,
+    parse_yaml,
+    read_text,
+    require_regular_inside,
+)
 
 # lm-eval's --model_args an in-memory model takes: HFLM's own (how prompts are cut and scored) and those that shape
 # how transformers builds the model; the rest (pretrained, dtype, device, peft, ...) the sweep sets itself
@@ -145,3 +154,24 @@ def parse_limit(limit) -> int | float | None:
     ):
         raise InputError(f"limit must be a whole number of docs >= 1 or a share of them in (0, 1), got {limit!r}")
     return int(value) if value >= 1 else float(value)
+
+
+def check_task_folder(folder: str | os.PathLike) -> None:
+    """Every file lm-eval reads under --include-path is a regular file inside it (a FIFO would block lm-eval for
+    ever, a link out would be read), and so is every file a task YAML's `include:` names (lm-eval reads it relative
+    to the YAML, or at an absolute path): checked before lm-eval indexes the folder."""
+    root = Path(folder)
+    for where, _, names in os.walk(root):
+        for name in sorted(names):
+            path = require_regular_inside(Path(where) / name, root)
+            if not name.endswith((".yaml", ".yml")):
+                continue
+            data = parse_yaml(read_text(path), path, TagsIgnoredLoader)
+            includes = data.get("include") if isinstance(data, dict) else None
+            for include in includes if isinstance(includes, list) else [includes] if includes is not None else []:
+                target = Path(where) / str(include)
+                if not is_regular_inside(target, root):
+                    raise InputError(
+                        f"{path}: include: {str(include)[:200]!r} is not a regular file inside the --include-path "
+                        f"{folder}; refused, nothing outside the folders named is read"
+                    )

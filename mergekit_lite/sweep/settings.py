@@ -5,7 +5,6 @@ merge config each alpha stands for."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
@@ -14,11 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS
-from mergekit_lite.evaluate.lm_eval_settings import LM_EVAL_KEYS, LmEvalSettings, parse_limit
+from mergekit_lite.evaluate.lm_eval_settings import LM_EVAL_KEYS, LmEvalSettings, check_task_folder, parse_limit
 from mergekit_lite.evaluate.outcomes import Scoring
 from mergekit_lite.io.hub import resolve_model
 from mergekit_lite.io.layout import content_identity
-from mergekit_lite.io.validation import read_yaml, require_regular, validate
+from mergekit_lite.io.validation import check_folder_files, read_yaml, validate
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import DTYPES, MergeConfig, did_you_mean
 from mergekit_lite.merge.schema import config_from_dict
@@ -339,6 +338,7 @@ class SweepSettings:
         becomes its cached snapshot folder here, as `merge` reads it; a path on disk wins), and every file of the
         task folder lm-eval will read is a regular file (a FIFO there would block lm-eval for ever)."""
         self.pre, self.post = resolve_model(self.pre), resolve_model(self.post)
+        check_folder_files(self.pre), check_folder_files(self.post)  # transformers reads their side files by name
         if not (Path(self.pre) / "config.json").is_file():
             raise InputError(f"{self.pre}: --pre must be a model folder with a config.json")
         if not any((Path(self.post) / name).is_file() for name in ("config.json", "adapter_config.json")):
@@ -346,9 +346,8 @@ class SweepSettings:
                 f"{self.post}: --post must be a model folder with a config.json, or a LoRA adapter "
                 "folder (adapter_config.json) trained on pre"
             )
-        for root, _, files in os.walk(self.include_path) if self.include_path else ():
-            for name in files:
-                require_regular(Path(root) / name, "task file")
+        if self.include_path:
+            check_task_folder(self.include_path)
 
     def to_dict(self) -> dict:
         """Every setting; those of 2-D grids and budgets only when given (a 1-D sweep's results.json is unchanged)."""
