@@ -518,10 +518,37 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def has_chat_template(folder: Path) -> bool:
-    """A chat template as its own file (transformers 5) or inside tokenizer_config.json (earlier versions)."""
+    """A chat template as its own file (transformers 5) or inside tokenizer_config.json (earlier versions); one there
+    that is not a template (`chat_template: 5`) is refused, not carried into the output."""
     if any(_side_file(folder, name) for name in CHAT_TEMPLATE_FILES):
         return True
-    return "chat_template" in _json_or_empty(folder, TOKENIZER_CONFIG)
+    config = _json_or_empty(folder, TOKENIZER_CONFIG)
+    if "chat_template" in config:
+        check_chat_template_text(config["chat_template"], f"{Path(folder) / TOKENIZER_CONFIG}: chat_template")
+    return "chat_template" in config
+
+
+def check_chat_template_text(template, where: str) -> None:
+    """A chat template as transformers renders it: text that compiles as its Jinja (named templates: each of them),
+    else one line naming where it came from; transformers itself fails only when the first prompt is built."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    if isinstance(template, list):  # transformers' list form: [{"name": ..., "template": ...}]
+        template = {str(item.get("name")) if isinstance(item, dict) else "?": _template_of(item) for item in template}
+    for name, text in template.items() if isinstance(template, dict) else [(None, template)]:
+        label = where if name is None else f"{where} (template {name[:80]!r})"
+        if not isinstance(text, str):
+            raise InputError(f"{label}: expected a Jinja template (text), got {type(text).__name__} {str(text)[:40]}")
+        try:
+            _compile_jinja_template(text)
+        except TemplateError as error:
+            reason = " ".join(str(error).split())[:200]
+            raise InputError(f"{label}: not a valid Jinja template ({reason})") from None
+
+
+def _template_of(item):
+    return item.get("template") if isinstance(item, dict) else item
 
 
 def _json_or_empty(folder: Path, name: str) -> dict:

@@ -242,10 +242,15 @@ def post_drift(settings: SweepSettings):
 def check_evaluation(settings: SweepSettings) -> None:
     """Before any model is read: lm-eval knows every task (built in or under --include-path), and the tokenizer has
     the chat template --apply-chat-template asks for; a typo costs a second, not a model load."""
-    from mergekit_lite.evaluate.lm_harness import check_chat_template, task_index
+    from mergekit_lite.evaluate.lm_harness import check_chat_template, check_fewshot_pools, task_index
     from mergekit_lite.merge.recall import find_tokenizer_dir
 
     task_index(settings.old_tasks + settings.new_tasks, settings.include_path)
+    check_fewshot_pools(
+        settings.old_tasks + settings.new_tasks,
+        settings.include_path,
+        {"--num-fewshot": settings.lm_eval.num_fewshot, "--realign-shots": settings.realign_shots},
+    )
     if settings.lm_eval.apply_chat_template:
         folder = find_tokenizer_dir([settings.pre, settings.post], 0)
         where = f"{settings.pre} or {settings.post}"
