@@ -8,6 +8,7 @@ import os
 import click
 import numpy as np
 
+from mergekit_lite.cli.types import SEED
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.matrix import (
     METHODS,
@@ -67,7 +68,7 @@ OPTIONS = [
     ),
     click.option(
         "--matrix-seed",
-        type=int,
+        type=SEED,
         default=0,
         show_default=True,
         help="Seed of the observed docs (--matrix) and of the replay draw (--history).",

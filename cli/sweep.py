@@ -5,7 +5,7 @@ import os
 
 import click
 
-from mergekit_lite.cli.types import Number
+from mergekit_lite.cli.types import SEED, Number
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.trajectory import REPLAY_FORMATS
 from mergekit_lite.merge.methods import SWEEPABLE
@@ -142,7 +142,7 @@ def _flag_values(data: dict, **flags) -> dict:
     "count 1 each, a probe its share of the docs): successive halving on probe docs, then the survivors "
     "on every doc (see the README).",
 )
-@click.option("--seed", type=int, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
+@click.option("--seed", type=SEED, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical texts, one per line.")
 @click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
 @click.option("--save-best", type=click.Path(file_okay=False), help="Write the picked merge to this new model folder.")

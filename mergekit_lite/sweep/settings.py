@@ -218,6 +218,8 @@ class SweepSettings:
             self.lm_eval = LmEvalSettings(**self.lm_eval)
         if self.lm_eval.model_args and self.backend != "hf":
             raise InputError("--model-args applies to --backend hf; give vLLM's through --vllm-args")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise InputError(f"seed must be a whole number in [0, 2**63), got {self.seed!r}")
         for name in ("batch_size", "recall_samples"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
