@@ -323,7 +323,7 @@ def render_two_models(series: Trajectory, groups, as_json: bool, split=None) -> 
             "seeds": sorted(result.rows_by_seed),
             "models": {"pre": pre.model, "post": post.model},
         }
-        click.echo(json.dumps(payload, indent=2))
+        click.echo(json.dumps(payload, indent=2, allow_nan=False))
         return
     click.echo(format_table(list(result.rows.values())))
     if groups:
@@ -357,7 +357,7 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
             ],
             "alerts": crossed,
         }
-        click.echo(json.dumps(payload, indent=2))
+        click.echo(json.dumps(payload, indent=2, allow_nan=False))
         return
     click.echo(f"reference (checkpoint 0): {series.labels[0]}")
     labels = [f"{position}" for position in range(1, len(series.labels))]

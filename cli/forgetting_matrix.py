@@ -160,7 +160,7 @@ def write_history(inputs, options, scoring, matrix_dir, other_output, as_json) -
     with atomic_output_dir(matrix_dir, inputs=inputs) as folder:
         write_matrix(folder, matrix, payload)
     if as_json:
-        click.echo(json.dumps(payload, indent=2))
+        click.echo(json.dumps(payload, indent=2, allow_nan=False))
         return
     click.echo(
         f"matrix: {len(matrix.rows)} fine-tunes x {len(matrix.docs)} docs ({matrix.value}; "
@@ -209,7 +209,7 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
         write_atomic(outputs["--samples"], jsonl(rows))
         click.echo(f"samples: {len(rows)} rows written to {outputs['--samples']}", err=True)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report, indent=2, allow_nan=False))
         return
     click.echo(f"predicted by {method}: {report['observed']} docs observed, {report['predicted']} predicted")
     if matrix.binary:

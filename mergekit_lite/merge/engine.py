@@ -36,6 +36,7 @@ from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWrit
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource, adapter_of
 from mergekit_lite.merge import slabs
 from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.finite import nonfinite_message
 from mergekit_lite.merge.methods import tensor_math
 from mergekit_lite.merge.methods.registry import Method
 from mergekit_lite.merge.plan import (
@@ -323,9 +324,7 @@ class _FiniteChecks:
         for (source, name), tensor in zip(self.inputs, tensors):
             if not all_finite(tensor):
                 where = source.entry(name).file if isinstance(source, ModelSource) else source.path
-                raise InputError(
-                    f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)"
-                )
+                raise InputError(nonfinite_message(name, where, "pass --allow-nonfinite to merge anyway"))
 
     def of_result(self, merged: torch.Tensor) -> None:
         if all_finite(merged):

@@ -540,7 +540,7 @@ def write_report(result: SweepResult) -> None:
         write_atomic(folder / name, lambda temp, draw=draw: draw(result, temp))
     write_samples(result)
     results = results_json(result)
-    write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    write_atomic(folder / RESULTS_FILE, json.dumps(results, indent=2, allow_nan=False) + "\n")
     drift = ""
     if result.drift is not None:
         method = methods.method(result.settings.method)

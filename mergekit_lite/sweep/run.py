@@ -104,6 +104,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     usable_device(settings.device)  # torch loads here: what needs no torch was checked first
     check_pair(settings)
     audit_adapter_post(settings)
+    drift = post_drift(settings)  # reads every weight of pre and post: NaN or Inf refused before any point is scored
     identity = settings.identity()
     rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
     n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
@@ -194,7 +195,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
             )
         plan = [(label, alpha) for label, alpha in plan if label in runs]
         result = build_result(settings, folder, plan, runs, evaluated, grid.seconds(found))
-        result.realigned, result.drift = realigned, post_drift(settings)
+        result.realigned, result.drift = realigned, drift
         if settings.second is None:
             result.search, result.probe = search, probed
         else:
@@ -233,10 +234,12 @@ def realign_post(
 
 
 def post_drift(settings: SweepSettings):
-    """Post's relative Frobenius drift from pre per tensor, grouped per layer (evaluate.drift), for the report."""
+    """Post's relative Frobenius drift from pre per tensor, grouped per layer (evaluate.drift), for the report; a
+    tensor of pre or post with NaN or Inf values is refused (merge/finite.py: a merge of it scores as noise)."""
     from mergekit_lite.evaluate.drift import summarise, weight_drift
 
-    return summarise(settings.pre, settings.post, weight_drift(settings.pre, settings.post))
+    remedy = "a sweep needs finite weights in pre and post"
+    return summarise(settings.pre, settings.post, weight_drift(settings.pre, settings.post, remedy=remedy))
 
 
 def check_evaluation(settings: SweepSettings) -> None:
@@ -309,6 +312,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     usable_device(first.device)
     check_pair(first)
     audit_adapter_post(first)
+    post_drift(first)  # NaN or Inf in pre or post refused before the endpoints are scored
     shared = replace(first, out=str(top), stream=True, save_best=None)  # endpoints only: no resident pair
     pair = {key: value for key, value in shared.identity().items() if key not in METHOD_FIELDS}
 
