@@ -388,6 +388,8 @@ def sweep(
         with _resume_hint(data.get("out")), each_verdict_once():  # a sweep audits its adapter at each point: one line
             comparison = run_comparison(every, baseline or "linear", progress=not quiet)
         click.echo(comparison_summary(comparison))
+        for result in comparison.sweeps.values():
+            _warn_nonfinite(result)
         return
     settings = settings_from_dict(data)
     if replay_out:
@@ -396,6 +398,7 @@ def sweep(
     with _resume_hint(settings.out), each_verdict_once():  # a sweep audits its adapter at each point: one line
         result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
+    _warn_nonfinite(result)
     if settings.save_best:
         click.echo(f"saved the pick ({result.best.label}) as a model folder: {settings.save_best}")
     if replay_out:
@@ -404,6 +407,19 @@ def sweep(
         click.echo(
             f"replay: {written} docs {which} written to {replay_out}; {left_out} left out (no prompt or gold "
             "answer in the point files)",
+            err=True,
+        )
+
+
+def _warn_nonfinite(result) -> None:
+    """A model that gave NaN or infinite logits is marked in results.json and report.md; say so here too, where the
+    command ends with exit 0 and a pick."""
+    broken = [point.label for point in (result.pre, result.post, *result.points) if point.nonfinite]
+    if broken:
+        shown = ", ".join(broken[:5]) + (", ..." if len(broken) > 5 else "")
+        click.echo(
+            f"warning: {len(broken)} model(s) gave NaN or infinite logits ({shown}): their scores are noise, never the "
+            f"pick (see {result.out / 'report.md'}); sweep smaller coefficients",
             err=True,
         )
 

@@ -237,16 +237,30 @@ class SweepSettings:
                 self.merge_config(alpha, cell=value)  # every point's merge is valid before any model is read
 
     def _check_representable(self) -> None:
-        """Coefficients beyond the largest number of the evaluation dtype make every weight they scale infinite:
-        such a model can only produce non-finite logits, so it is refused before any work."""
+        """Every value of every grid axis (and a fixed beta), for every method, before any work: beyond the largest
+        number of the evaluation dtype every weight it scales is infinite; beyond its square root, a product of two
+        such weights (a query by a key, the MLP's gate by its up projection) overflows wherever the task vector's
+        entries reach 1, and the model's logits are NaN or infinite (task arithmetic at 1e38, LiNeS beta 1e38). A
+        LiNeS cell scales its last layer by alpha + beta: that sum is checked too."""
         largest = DTYPE_MAX[self.eval_dtype]
         values = [("alphas", value) for value in self.alphas] + [("beta", self.beta)]
         values += [(self.second + "s", value) for value in self.second_values() or []]
+        betas = self.betas or ([] if self.beta is None else [self.beta])  # unset: 1 - alpha, the last layer at 1
+        if self.method == "lines":
+            values += [("alphas + betas", alpha + beta) for alpha in self.alphas for beta in betas]
         for name, value in values:
             if isinstance(value, (int, float)) and not abs(value) <= largest:
                 raise InputError(
                     f"{name}: {value!r} overflows {self.eval_dtype} (largest {largest:.4g}); every weight "
                     "it scales would be infinite"
+                )
+        for name, value in values:
+            if isinstance(value, (int, float)) and not abs(value) <= math.sqrt(largest):
+                raise InputError(
+                    f"{name}: {value!r} overflows {self.eval_dtype} in the forward pass (beyond "
+                    f"{math.sqrt(largest):.4g}, the square root of its largest number, a product of two weights it "
+                    "scales overflows wherever the task vector's entries reach 1): its logits would be NaN or "
+                    "infinite; sweep smaller coefficients"
                 )
 
     def _check_grid(self) -> None:
