@@ -170,7 +170,6 @@ def test_task_files_linking_out_or_including_a_file_outside_are_refused(room):
     refused(room, *sweep(), patterns=[r"tasks/extra\.yaml: not a regular file inside tasks \(a link out"])
 
 
-@pytest.mark.slow
 def test_a_link_to_a_fifo_outside_is_refused_without_opening_it(room):
     """Had anything opened the link's target, it would block on the FIFO: the command ends, refused, at once."""
     os.mkfifo(room.parent / "outside" / "pipe")

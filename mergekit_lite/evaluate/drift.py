@@ -34,7 +34,7 @@ from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.safetensors import ModelSource
 from mergekit_lite.io.sources import RenamedSource, TensorSource, open_inputs
 from mergekit_lite.merge.config import is_embedding
-from mergekit_lite.merge.finite import is_finite, nonfinite_message, tensor_file
+from mergekit_lite.merge.finite import all_finite, nonfinite_message, tensor_file
 from mergekit_lite.merge.plan import layer_index
 from mergekit_lite.merge.recall import find_tokenizer_dir
 from mergekit_lite.merge.slabs import SLAB_BYTES
@@ -296,7 +296,7 @@ def tensor_drift(
     finite = True
     for before, after in _slabs(pre, post, name):
         for source, piece in ((pre, before), (post, after)):
-            if not is_finite(piece):
+            if not all_finite(piece):
                 if not allow_nonfinite:
                     raise InputError(nonfinite_message(name, tensor_file(source, name), remedy))
                 finite = False

@@ -246,7 +246,7 @@ class SweepSettings:
         values = [("alphas", value) for value in self.alphas] + [("beta", self.beta)]
         values += [(self.second + "s", value) for value in self.second_values() or []]
         betas = self.betas or ([] if self.beta is None else [self.beta])  # unset: 1 - alpha, the last layer at 1
-        if self.method == "lines":
+        if "beta" in methods.parameters_of(self.method):  # LiNeS: the last layer's scale is alpha + beta
             values += [("alphas + betas", alpha + beta) for alpha in self.alphas for beta in betas]
         for name, value in values:
             if isinstance(value, (int, float)) and not abs(value) <= largest:
