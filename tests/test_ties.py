@@ -54,3 +54,20 @@ def test_forgetting_names_tied_answers_of_a_constant_model(toy_pair, tmp_path):
     assert {row["task"]: (row["tied"], row["docs"]) for row in payload["ties"]["post"]["tasks"]} == {
         task: (12, 12) for task in tasks
     }
+    # the sweep scores lm-eval's records as these files hold them: the constant model's are refused in one line
+    from mergekit_lite.errors import InputError
+    from mergekit_lite.evaluate.lm_harness import TaskScore
+    from mergekit_lite.evaluate.outcomes import Scoring
+    from mergekit_lite.sweep.scoring import check_not_mostly_tied, score_task
+
+    def scored(folder: Path) -> list:
+        runs = []
+        for task in tasks:
+            file = next(folder.glob(f"samples_{task}_*.jsonl"))
+            samples = [json.loads(line) for line in file.read_text().splitlines()]
+            runs.append(score_task(task, "old", TaskScore(task, samples, {}), Scoring()))
+        return runs
+
+    check_not_mostly_tied("pre", scored(pre))
+    with pytest.raises(InputError, match="post's answers are mostly ties .* 12 of 12"):
+        check_not_mostly_tied("post", scored(post))
