@@ -12,6 +12,7 @@ from mergekit_lite.sweep.scoring import (
     PointResult,
     Scores,
     TaskRun,
+    check_not_mostly_tied,
     doc_splits,
     paired_bootstrap,
     summarise,
@@ -198,6 +199,8 @@ def build_result(
         ]
         for label, _ in plan
     }  # a task skipped for one model is for all
+    for label in ("pre", "post"):
+        check_not_mostly_tied(label, runs[label])
     baseline = runs["pre"]
     splits = doc_splits(settings, baseline)
     results = {
