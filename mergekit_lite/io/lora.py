@@ -485,15 +485,22 @@ class LoraAdapter:
         return b * scale, a
 
     def lora_factors(self, base_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scaling * B, A) as PEFT stores them, float32: B @ A is the update in the factor layout ([out, in] of the
-        layer; an embedding's or a Conv1D's is its weight transposed, see `in_factor_layout`)."""
+        """(B, A) as PEFT stores them, float32: `scaling * B @ A` is the update in the factor layout ([out, in] of
+        the layer; an embedding's or a Conv1D's is its weight transposed, see `in_factor_layout`)."""
         factor = self._factors[base_name]
-        a = self._file.load(factor.a_key).to(torch.float32)
-        return self._file.load(factor.b_key).to(torch.float32) * self.scaling[base_name], a
+        return self._file.load(factor.b_key).to(torch.float32), self._file.load(factor.a_key).to(torch.float32)
 
     def in_factor_layout(self, base_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A base-layout weight in the factor layout (or back: the map is its own inverse)."""
         return tensor.T if self._transposed(self._factors[base_name]) else tensor
+
+    def is_embedding(self, base_name: str) -> bool:
+        """Whether a weight target's factors are embedding-style (lora_embedding_A/B)."""
+        return self._factors[base_name].embedding
+
+    def factor_dtype(self, base_name: str) -> torch.dtype:
+        """The dtype a weight target's factors are stored in."""
+        return self._file.load(self._factors[base_name].a_key).dtype
 
     def is_dora(self, base_name: str) -> bool:
         """Whether a weight target carries a DoRA magnitude vector."""
