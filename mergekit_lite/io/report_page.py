@@ -63,13 +63,14 @@ class Table:
     markdown_text: str | None = None
     caption: str = ""
     key: str = ""  # what names the table in the page (data-table), for tools and tests
+    markdown_header: str | None = None  # the Markdown header line where it is not the columns joined
 
     def markdown(self) -> list[str]:
         if self.markdown_text is not None:
             return self.markdown_text.split("\n")
         align = self.align or "l" * len(self.columns)
         return [
-            "| " + " | ".join(self.columns) + " |",
+            self.markdown_header or "| " + " | ".join(self.columns) + " |",
             "|" + "".join("---:|" if side == "r" else "---|" for side in align),
             *("| " + " | ".join(cell.markdown() for cell in row) + " |" for row in self.rows),
         ]
@@ -81,6 +82,7 @@ class Prose:
     the marks as elements."""
 
     lines: list[str]
+    fold: str | None = None  # the page folds these lines under this summary (a glossary, say)
 
     def markdown(self) -> list[str]:
         return list(self.lines)
@@ -193,6 +195,11 @@ def prose_items(prose: Prose) -> list[tuple[str, int, Markup]]:
     return items
 
 
+def page_link(link: str) -> str:
+    """A link of the Markdown report as the page gives it: another report's page rather than its Markdown."""
+    return link[: -len(".md")] + ".html" if link.endswith("report.md") else link
+
+
 def data_uri(path: Path) -> str | None:
     """A PNG as a data URI, None when the file is not there."""
     if not path.is_file():
@@ -220,6 +227,7 @@ def _environment():
         lstrip_blocks=True,
     )
     environment.filters["text"] = text
+    environment.filters["page_link"] = page_link
     environment.globals.update(prose_items=prose_items, isinstance=isinstance, Prose=Prose, Table=Table, Plot=Plot)
     return environment
 

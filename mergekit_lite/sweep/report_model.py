@@ -390,7 +390,7 @@ def summary_section(context: ReportContext) -> Section:
     ]
     blocks = [
         Prose(facts),
-        Prose([f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]),
+        Prose([f"- **{name}**: {text}" for name, text in DEFINITIONS.items()], fold="Definitions"),
         score_table(results),
     ]
     if broken := nonfinite_lines(results):

@@ -25,6 +25,7 @@ from mergekit_lite.sweep import grid
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
 from mergekit_lite.sweep.budget import run_budget
 from mergekit_lite.sweep.compare import (
+    COMPARISON_HTML,
     COMPARISON_JSON,
     COMPARISON_MD,
     METHOD_FIELDS,
@@ -82,7 +83,7 @@ def comparison_file(name: str, methods: tuple[str, ...]) -> bool:
     top, _, rest = name.partition("/")
     if top in methods:
         return not rest or rest == OUTPUT_MARKER or run_file(rest)
-    own = (LOCK_FILE, COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT)
+    own = (LOCK_FILE, COMPARISON_JSON, COMPARISON_MD, COMPARISON_HTML, PARETO_PLOT)
     return (
         top in own
         or any(top.startswith(f".{file}.tmp-") for file in own)
