@@ -126,6 +126,7 @@ class Headline:
     verdict: str
     warnings: list[str] = field(default_factory=list)
     facts: list[tuple[str, str]] = field(default_factory=list)  # (label, text) lines under it: models, tasks
+    pick_label: str = "pick"  # what the first line names: a sweep's pick, the models a map compares
 
 
 @dataclass

@@ -16,8 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mergekit_lite.evaluate.forgetting import GROUP_COLUMNS, TASK_COLUMNS, format_table
-from mergekit_lite.evaluate.forgetting import _cell as map_cell
+from mergekit_lite.evaluate.pages import forgetting_table
 from mergekit_lite.io.hub import hub_id_of
 from mergekit_lite.io.report_page import Cell, Headline, Plot, Prose, SampleList, Section, Table, markdown, number
 from mergekit_lite.merge import methods
@@ -508,20 +507,6 @@ def budget_section(context: ReportContext) -> Section | None:
 
 def plots_section(context: ReportContext) -> Section:
     return Section("plots", None, [Plot(PLOT_FILE, "sweep"), Plot(MAP_FILE, "forgetting map")])
-
-
-def forgetting_table(rows, key: str) -> Table:
-    """A forgetting map (evaluate.forgetting rows) as a table: report.md keeps format_table's padded text."""
-    columns = GROUP_COLUMNS if rows and not hasattr(rows[0], "task") else TASK_COLUMNS
-    cells = [
-        [
-            Cell(map_cell(column, value), value if isinstance(value, int | float) and not math.isinf(value) else None)
-            for column in columns
-            for value in [getattr(row, column)]
-        ]
-        for row in rows
-    ]
-    return Table(list(columns), cells, "l" + "r" * (len(columns) - 1), format_table(rows), key=key)
 
 
 def forgetting_section(key: str, title: str, point: PointResult) -> Section:
