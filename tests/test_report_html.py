@@ -162,3 +162,43 @@ def test_the_page_in_chromium(sweep):
         height = driver.execute_script("return document.body.scrollHeight")
         driver.set_window_size(1400, min(height, 6000))
         assert driver.save_screenshot(str(folder / "report.png"))
+
+
+class Tables(HTMLParser):
+    """The cell texts of each table of a page with a data-table key, as the file holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.current, self.cell = {}, None, None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table" and "data-table" in attrs:
+            self.current = self.tables.setdefault(attrs["data-table"], [])
+        elif tag == "tr" and self.current is not None:
+            self.current.append([])
+        elif tag in ("td", "th") and self.current is not None:
+            self.cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self.cell is not None:
+            self.current[-1].append("".join(self.cell).strip())
+            self.cell = None
+        elif tag == "table":
+            self.current = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell.append(data)
+
+
+def test_the_page_and_report_md_show_the_same_table(sweep):
+    """The score table of report.md, cell by cell, is the page's (bold marks aside)."""
+    parser = Tables()
+    parser.feed((sweep.out / "report.html").read_text())
+    lines = (sweep.out / "report.md").read_text().splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith("| alpha | HM (selection)"))
+    markdown = [line for line in lines[start:] if line.startswith("|")]
+    markdown = [markdown[0]] + markdown[2 : 2 + len(parser.tables["scores"]) - 1]
+    cells = [[cell.strip().replace("**", "") for cell in line.strip("|").split(" | ")] for line in markdown]
+    assert cells == parser.tables["scores"]
