@@ -35,6 +35,14 @@ Examples:
     metavar="FILE.png",
     help="Plot the drift, decoder layers by module type (and 1 - CKA per layer with --texts).",
 )
+# the report page (mergekit_lite/evaluate/pages.py)
+@click.option(
+    "--html",
+    "html_out",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.html",
+    help="Write the table and the heat map as one self-contained HTML page.",
+)
 @click.option(
     "--json",
     "as_json",
@@ -48,7 +56,7 @@ Examples:
     help="Report the drift of tensors holding NaN/Inf (and of their layers and modules) as null instead of stopping.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
-def drift(pre, post, texts, max_length, heatmap_out, as_json, allow_nonfinite, quiet):
+def drift(pre, post, texts, max_length, heatmap_out, html_out, as_json, allow_nonfinite, quiet):
     """Relative Frobenius drift ||post - pre|| / ||pre|| of every tensor, per decoder layer and module type
     (attention q/k/v/o, MLP gate/up/down, MoE experts, norms, embeddings, head), streamed one tensor pair at a
     time. POST may be a LoRA adapter trained on PRE (measured without writing the merged model)."""
@@ -62,6 +70,10 @@ def drift(pre, post, texts, max_length, heatmap_out, as_json, allow_nonfinite, q
         check_output_file(heatmap_out, inputs)
         if not Path(heatmap_out).absolute().parent.is_dir():
             raise InputError(f"--heatmap {heatmap_out}: its folder does not exist")
+    if html_out:
+        check_output_file(html_out, inputs, suffixes={"html", "htm"})
+        if heatmap_out and Path(heatmap_out).absolute() == Path(html_out).absolute():
+            raise InputError("--heatmap and --html must name different files")
     text_list = read_texts(texts) if texts else None
     report = model_drift(pre, post, text_list, max_length, allow_nonfinite)
     if report.nonfinite:
@@ -79,3 +91,9 @@ def drift(pre, post, texts, max_length, heatmap_out, as_json, allow_nonfinite, q
         write_atomic(heatmap_out, lambda temp: plot_drift_heatmap(report, temp))
         if not quiet:
             click.echo(f"heatmap: written to {heatmap_out}", err=True)
+    if html_out:
+        from mergekit_lite.evaluate.pages import drift_page
+
+        write_atomic(html_out, drift_page(report, lambda path: plot_drift_heatmap(report, path)))
+        if not quiet:
+            click.echo(f"html: written to {html_out}", err=True)

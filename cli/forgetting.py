@@ -139,6 +139,14 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
     metavar="FILE.png",
     help="Plot F_true and BT_true per group (or task) and checkpoint.",
 )
+# the report page (mergekit_lite/evaluate/pages.py)
+@click.option(
+    "--html",
+    "html_out",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.html",
+    help="Write the tables, the heat map and every compared sample as one self-contained HTML page.",
+)
 @click.option(
     "--alert",
     "alerts",
@@ -181,6 +189,7 @@ def forgetting(
     replay_out,
     replay_format,
     heatmap_out,
+    html_out,
     alerts,
     overwrite,
     as_json,
@@ -234,6 +243,7 @@ def forgetting(
         replay_format or REPLAY_FORMATS[0],
         as_json,
         trajectory_options,
+        html_out,
     ):
         return
     if len(inputs) < 2:
@@ -253,7 +263,7 @@ def forgetting(
     if replay_format is not None and not replay_out:
         raise InputError("--replay-format shapes --replay's file: give --replay FILE.jsonl")
     outputs = check_outputs(
-        {"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out},
+        {"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out, "--html": html_out},
         [*inputs, *([realigned] if realigned else [])],
         overwrite,
     )
@@ -293,7 +303,9 @@ def forgetting(
         render_two_models(series, group_rows[0], as_json, split, tied)
     else:
         render_trajectory(series, group_rows, crossed, as_json)
-    write_outputs(outputs, series, group_rows, replay_format or REPLAY_FORMATS[0], split, replay_spurious, overwrite)
+    write_outputs(
+        outputs, series, group_rows, replay_format or REPLAY_FORMATS[0], split, replay_spurious, overwrite, crossed
+    )
     for alert in crossed:
         click.echo(
             f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
@@ -309,7 +321,7 @@ def check_outputs(outputs: dict, inputs: Sequence[str], overwrite: bool = False)
     apart from the inputs and from each other, the heat map in a format matplotlib writes."""
     given = {option: path for option, path in outputs.items() if path}
     for option, path in given.items():
-        formats = heatmap_formats() if option == "--heatmap" else None
+        formats = heatmap_formats() if option == "--heatmap" else {"html", "htm"} if option == "--html" else None
         check_output_file(path, inputs, overwrite=overwrite, suffixes=formats)
     if len({os.path.realpath(path) for path in given.values()}) != len(given):
         raise InputError(f"{', '.join(given)} must name different files")
@@ -389,8 +401,9 @@ def write_outputs(
     split=None,
     replay_spurious: bool = False,
     overwrite: bool = False,
+    crossed: list[dict] | None = None,
 ) -> None:
-    """--samples, --replay and --heatmap, written together or not at all; the counts on stderr. With
+    """--samples, --replay, --heatmap and --html, written together or not at all; the counts on stderr. With
     --realigned, forgotten rows carry forgetting_kind and --replay leaves the spurious ones out unless asked."""
     rows = sample_rows(series) if {"--samples", "--replay"} & set(outputs) else []
     if split is not None:
@@ -413,6 +426,11 @@ def write_outputs(
         notes.append(f"replay: {len(records)} forgotten samples written to {outputs['--replay']}{note}")
     if "--heatmap" in outputs:
         files[outputs["--heatmap"]] = lambda temp: plot_heatmap(series, group_rows, temp)
+    if "--html" in outputs:
+        from mergekit_lite.evaluate.pages import forgetting_page
+
+        files[outputs["--html"]] = forgetting_page(series, group_rows, crossed or [], split)
+        notes.append(f"html: written to {outputs['--html']}")
     write_files(files, overwrite)
     for note in notes:
         click.echo(note, err=True)

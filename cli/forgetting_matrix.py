@@ -4,6 +4,7 @@ forgetting command by `matrix_options`; the math is mergekit_lite.evaluate.matri
 
 import json
 import os
+from pathlib import Path
 
 import click
 import numpy as np
@@ -123,6 +124,7 @@ def run_matrix_form(
     replay_format,
     as_json,
     trajectory_options: list[str],
+    html_out=None,
 ) -> bool:
     """Run the --matrix or --history form if asked (True), else refuse their options given alone (False)."""
     matrix_dir, history_dir = options["matrix_dir"], options["history_dir"]
@@ -136,14 +138,16 @@ def run_matrix_form(
         raise InputError("--matrix builds a history, --history reads one: give one of them")
     if trajectory_options:
         raise InputError(f"{', '.join(trajectory_options)}: not with --matrix or --history")
+    if html_out:
+        check_output_file(html_out, inputs, suffixes={"html", "htm"})
     if matrix_dir:
-        write_history(inputs, options, scoring, matrix_dir, samples_out or replay_out, as_json)
+        write_history(inputs, options, scoring, matrix_dir, samples_out or replay_out, as_json, html_out)
     else:
-        predict_new(inputs, options, scoring, samples_out, replay_out, replay_format, as_json)
+        predict_new(inputs, options, scoring, samples_out, replay_out, replay_format, as_json, html_out)
     return True
 
 
-def write_history(inputs, options, scoring, matrix_dir, other_output, as_json) -> None:
+def write_history(inputs, options, scoring, matrix_dir, other_output, as_json, html_out=None) -> None:
     """PRE POST_1 ... POST_M --matrix DIR."""
     if other_output:
         raise InputError("--samples and --replay go with --history (a prediction), not --matrix")
@@ -159,6 +163,13 @@ def write_history(inputs, options, scoring, matrix_dir, other_output, as_json) -
     payload = summary(matrix, r2_by_rank(matrix.z), tables)
     with atomic_output_dir(matrix_dir, inputs=inputs) as folder:
         write_matrix(folder, matrix, payload)
+        if html_out:
+            from mergekit_lite.evaluate.pages import matrix_page
+
+            page = matrix_page(payload, Path(folder))
+    if html_out:
+        write_atomic(html_out, page)
+        click.echo(f"html: written to {html_out}", err=True)
     if as_json:
         click.echo(json.dumps(payload, indent=2, allow_nan=False))
         return
@@ -173,7 +184,7 @@ def write_history(inputs, options, scoring, matrix_dir, other_output, as_json) -
     click.echo(f"written: {matrix_dir}", err=True)
 
 
-def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format, as_json) -> None:
+def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format, as_json, html_out=None) -> None:
     """PRE NEW --history DIR: NEW's observed docs as logged, the others predicted."""
     if len(inputs) != 2:
         raise InputError(f"--history takes PRE and one new fine-tune, got {len(inputs)} inputs")
@@ -181,7 +192,8 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
         raise InputError("--replay with --history chooses --replay-budget N docs: give the budget")
     if options["replay_budget"] is not None and not replay_out:
         raise InputError("--replay-budget needs --replay FILE to write the chosen docs to")
-    outputs = {option: path for option, path in (("--samples", samples_out), ("--replay", replay_out)) if path}
+    given = (("--samples", samples_out), ("--replay", replay_out), ("--html", html_out))
+    outputs = {option: path for option, path in given if path}
     for path in outputs.values():
         check_output_file(path, inputs)
     if len({os.path.realpath(path) for path in outputs.values()}) != len(outputs):
@@ -208,6 +220,11 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
     if "--samples" in outputs:
         write_atomic(outputs["--samples"], jsonl(rows))
         click.echo(f"samples: {len(rows)} rows written to {outputs['--samples']}", err=True)
+    if "--html" in outputs:
+        from mergekit_lite.evaluate.pages import history_page
+
+        write_atomic(outputs["--html"], history_page(report, [dict(row) for row in rows], method))
+        click.echo(f"html: written to {outputs['--html']}", err=True)
     if as_json:
         click.echo(json.dumps(report, indent=2, allow_nan=False))
         return

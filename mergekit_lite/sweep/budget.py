@@ -139,37 +139,3 @@ def run_budget(
         "rounds": trace,
         "full": alive,
     }
-
-
-def budget_lines(results: dict) -> list[str]:
-    """The report's account of a budgeted search: each round's points, docs and estimates, the survivors."""
-    budget = results.get("budget")
-    if budget is None:
-        return []
-    lines = [
-        f"## Budgeted search (--budget {budget['budget']})",
-        "",
-        f"Cost {budget['cost']:.2f} full evaluations (pre and post 1 each, a merge on every doc 1, a probe its "
-        f"share of the docs); {budget['evaluations']} models evaluated in all.",
-        "",
-    ]
-    if not budget["rounds"]:
-        return [*lines, budget["note"] + ".", ""]
-    lines += [
-        f"Successive halving keeping 1/{budget['keep']} each round, on the selection split:",
-        "",
-        "| round | probe share | docs per point | points | kept (best estimated harmonic mean) |",
-        "|---:|---:|---:|---:|---|",
-    ]
-    for index, entry in enumerate(budget["rounds"]):
-        lines.append(
-            f"| {index} | {entry['probe']:g} | {entry['docs_per_point']} | {len(entry['estimates'])} | "
-            f"{', '.join(entry['kept'])} |"
-        )
-    return [
-        *lines,
-        "",
-        f"Scored on every doc ({budget['docs_per_full_point']} docs each): "
-        f"{', '.join(budget['full'])}; the pick is the best of them on the selection split.",
-        "",
-    ]

@@ -22,12 +22,15 @@ from pathlib import Path
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.io.report_page import Cell, Headline, Plot, Prose, Section, Table, markdown, render_html
 from mergekit_lite.merge import methods as merge_methods
 from mergekit_lite.sweep.result import SweepResult, pick_fields
 from mergekit_lite.sweep.scoring import PointResult, paired_bootstrap
 from mergekit_lite.sweep.settings import SECOND_AXES, SweepSettings, settings_from_dict
 
 COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT = "comparison.json", "comparison.md", "pareto.png"
+COMPARISON_HTML = "comparison.html"
+SCORES = ("old", "new", "harmonic_mean")
 # what pre and post do not depend on ("grid": a 2-D method's second coefficient)
 METHOD_FIELDS = ("method", "density", "drop", "recall_texts", "recall_samples", "beta", "grid")
 # what each entry of `methods:` may set for its own sweep (a 2-D grid and its budget included)
@@ -160,55 +163,88 @@ def _chosen(pick: PointResult, coefficient: str) -> str:
     return f"{coefficient} {pick.alpha!r}" + (f", {pick.second[0]} {pick.second[1]!r}" if pick.second else "")
 
 
-def _cell(value: float, interval: list[float] | None) -> str:
-    return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+def _cell(value: float, interval: list[float] | None) -> Cell:
+    return Cell(f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""), value)
+
+
+def verdict_of(row: MethodRow, baseline: str) -> str:
+    """A method's pick against the baseline's: baseline, indistinguishable, better or worse ('' without intervals)."""
+    if row.method == baseline:
+        return "baseline"
+    if row.indistinguishable is None:
+        return ""
+    if row.indistinguishable:
+        return "indistinguishable"
+    return "better" if row.diff_to_baseline[0] > 0 else "worse"
+
+
+def comparison_sections(comparison: Comparison, data: dict) -> list[Section]:
+    """The comparison as report sections (io.report_page): comparison.md and comparison.html render them."""
+    settings = comparison.sweeps[comparison.baseline].settings
+    rows = []
+    for row, entry in zip(comparison.rows, data["methods"]):
+        pick, low_high = row.pick, row.diff_to_baseline
+        rows.append(
+            [
+                Cell(row.method, link=entry["report"]),
+                Cell(_chosen(pick, entry["coefficient"]), pick.alpha),
+                *(_cell(getattr(pick, name), pick.intervals.get(name)) for name in ("old", "new", "harmonic_mean")),
+                Cell("", None) if low_high is None else Cell(f"[{low_high[0]:+.3f}, {low_high[1]:+.3f}]", low_high[0]),
+                Cell(verdict_of(row, comparison.baseline)),
+            ]
+        )
+    columns = ["method", "pick", "old", "new", "harmonic mean", f"vs {comparison.baseline}", ""]
+    blocks = [
+        Prose(
+            [
+                f"pre: old {comparison.pre.old:.3f}, new {comparison.pre.new:.3f}; "
+                f"post: old {comparison.post.old:.3f}, new {comparison.post.new:.3f} (report split; evaluated once, "
+                "shared)."
+            ]
+        ),
+        Prose(
+            [
+                "Each method's coefficient is picked by the harmonic mean on the selection split; scores are on the "
+                f"report split with {settings.confidence:.0%} paired-bootstrap intervals. "
+                f'"vs {comparison.baseline}" is the interval of the pick\'s harmonic mean minus '
+                f"{comparison.baseline}'s pick's, resampled on the same docs; "
+                '"indistinguishable" when it holds 0.'
+            ]
+        ),
+        Table(columns, rows, key="methods", markdown_header="| " + " | ".join(columns[:-1]) + " | |"),
+        Prose(pick_lines(comparison, "- {method}: {text}.", "- **{method}: {text}**")),
+        Prose([f"{comparison.evaluations} models evaluated by this run (pre and post once for every method)."]),
+        Plot(PARETO_PLOT, "old against new"),
+    ]
+    return [Section("comparison", "Method comparison", blocks, level=1)]
 
 
 def comparison_markdown(comparison: Comparison, data: dict) -> str:
-    settings = comparison.sweeps[comparison.baseline].settings
-    lines = [
-        "# Method comparison",
-        "",
-        f"pre: old {comparison.pre.old:.3f}, new {comparison.pre.new:.3f}; "
-        f"post: old {comparison.post.old:.3f}, new {comparison.post.new:.3f} (report split; evaluated once, shared).",
-        "",
-        "Each method's coefficient is picked by the harmonic mean on the selection split; scores are on the report "
-        f'split with {settings.confidence:.0%} paired-bootstrap intervals. "vs {comparison.baseline}" is the '
-        f"interval of the pick's harmonic mean minus {comparison.baseline}'s pick's, resampled on the same docs; "
-        '"indistinguishable" when it holds 0.',
-        "",
-        f"| method | pick | old | new | harmonic mean | vs {comparison.baseline} | |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row, entry in zip(comparison.rows, data["methods"]):
-        pick = row.pick
+    return markdown(comparison_sections(comparison, data))
+
+
+def comparison_headline(comparison: Comparison) -> Headline:
+    """The top of the page: the method to use (the best that beats the baseline by an interval above 0, else the
+    baseline), its pick's scores, and the verdict in a sentence."""
+    better = [row for row in comparison.rows if verdict_of(row, comparison.baseline) == "better"]
+    chosen = max(better, key=lambda row: row.pick.harmonic_mean) if better else None
+    row = chosen or next(row for row in comparison.rows if row.method == comparison.baseline)
+    coefficient = comparison.sweeps[row.method].settings.coefficient
+    if chosen:
         verdict = (
-            "baseline"
-            if row.method == comparison.baseline
-            else ""
-            if row.indistinguishable is None
-            else "indistinguishable"
-            if row.indistinguishable
-            else "better"
-            if row.diff_to_baseline[0] > 0
-            else "worse"
+            f"{chosen.method} beats {comparison.baseline}'s pick with an interval above 0 "
+            f"[{chosen.diff_to_baseline[0]:+.3f}, {chosen.diff_to_baseline[1]:+.3f}] on the report docs."
         )
-        low_high = row.diff_to_baseline
-        diff = "" if low_high is None else f"[{low_high[0]:+.3f}, {low_high[1]:+.3f}]"
-        lines.append(
-            f"| [{row.method}]({entry['report']}) | {_chosen(pick, entry['coefficient'])} | "
-            f"{_cell(pick.old, pick.intervals.get('old'))} | {_cell(pick.new, pick.intervals.get('new'))} | "
-            f"{_cell(pick.harmonic_mean, pick.intervals.get('harmonic_mean'))} | {diff} | {verdict} |"
+    else:
+        verdict = (
+            f"No method beats {comparison.baseline}'s pick by an interval that excludes 0 on the report docs: "
+            f"{comparison.baseline} it is."
         )
-    lines += ["", *pick_lines(comparison, "- {method}: {text}.", "- **{method}: {text}**")]
-    lines += [
-        "",
-        f"{comparison.evaluations} models evaluated by this run (pre and post once for every method).",
-        "",
-        f"![old against new]({PARETO_PLOT})",
-        "",
-    ]
-    return "\n".join(lines)
+    scores = [(name.replace("_", " "), getattr(row.pick, name), row.pick.intervals.get(name)) for name in SCORES]
+    facts = [("methods", ", ".join(row.method for row in comparison.rows)), ("baseline", comparison.baseline)]
+    settings = comparison.sweeps[comparison.baseline].settings
+    facts += [("pre", settings.pre), ("post", settings.post)]
+    return Headline("Method comparison", f"{row.method} ({_chosen(row.pick, coefficient)})", scores, verdict, [], facts)
 
 
 def pick_lines(comparison: Comparison, outcome: str, warning: str) -> list[str]:
@@ -249,6 +285,8 @@ def write_comparison(comparison: Comparison) -> None:
     data = comparison_json(comparison)
     write_atomic(folder / COMPARISON_JSON, json.dumps(data, indent=2, allow_nan=False) + "\n")
     write_atomic(folder / COMPARISON_MD, comparison_markdown(comparison, data))
+    page = render_html(comparison_headline(comparison), comparison_sections(comparison, data), folder)
+    write_atomic(folder / COMPARISON_HTML, page)
 
 
 def comparison_summary(comparison: Comparison) -> str:

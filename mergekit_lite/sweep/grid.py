@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mergekit_lite.io.report_page import Cell as TableCell
+from mergekit_lite.io.report_page import Prose, Section, Table
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.sweep.models import MergeConfigs
 from mergekit_lite.sweep.result import ProbeTrace, SweepResult
@@ -128,31 +130,32 @@ def grid_json(result: SweepResult) -> dict | None:
     }
 
 
-def grid_lines(results: dict) -> list[str]:
+def grid_section(results: dict) -> Section | None:
     """The report's grid table: the report-split harmonic mean of every evaluated cell (selection-split in
-    brackets), rows the second coefficient, columns alpha, the pick in bold; empty for a 1-D sweep."""
+    brackets), rows the second coefficient, columns alpha, the pick in bold; None for a 1-D sweep."""
     grid = results.get("grid")
     if grid is None:
-        return []
+        return None
     alpha_name, second = grid["coefficients"]
     scores = {(cell[alpha_name], cell[second]): cell for cell in grid["cells"]}
     pick = (grid["pick"][alpha_name], grid["pick"][second])
-    lines = [
-        f"## Grid: harmonic mean over {alpha_name} (alpha) x {second}",
-        "",
-        f"Report split (selection split in brackets); `-`: not evaluated on every doc. {grid['rule']}",
-        "",
-        f"| {second} \\ alpha | " + " | ".join(map(repr, grid["alphas"])) + " |",
-        "|---|" + "---:|" * len(grid["alphas"]),
-    ]
+    rows = []
     for value in grid["values"]:
-        row = []
+        row = [TableCell(repr(value), value)]
         for alpha in grid["alphas"]:
             cell = scores.get((alpha, value))
             text = "-" if cell is None else f"{cell['harmonic_mean']:.3f} ({cell['selection_harmonic_mean']:.3f})"
-            row.append(f"**{text}**" if (alpha, value) == pick else text)
-        lines.append(f"| {value!r} | " + " | ".join(row) + " |")
-    return [*lines, ""]
+            row.append(TableCell(text, None if cell is None else cell["harmonic_mean"], strong=(alpha, value) == pick))
+        rows.append(row)
+    columns = [f"{second} \\ alpha", *map(repr, grid["alphas"])]
+    return Section(
+        "grid",
+        f"Grid: harmonic mean over {alpha_name} (alpha) x {second}",
+        [
+            Prose([f"Report split (selection split in brackets); `-`: not evaluated on every doc. {grid['rule']}"]),
+            Table(columns, rows, "l" + "r" * len(grid["alphas"]), key="grid"),
+        ],
+    )
 
 
 def plot_heatmap(result: SweepResult, path: Path, new_figure) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from mergekit_lite.evaluate.spurious import (
+    SPLIT_COLUMNS,
     SPURIOUS,
     SpuriousMap,
     SpuriousSplit,
@@ -17,6 +18,7 @@ from mergekit_lite.evaluate.spurious import (
     format_split_table,
     split,
 )
+from mergekit_lite.io.report_page import Cell, Prose, Section, Table
 from mergekit_lite.sweep.scoring import GROUPS, TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
 
@@ -115,25 +117,49 @@ def realign_json(
     return out
 
 
-def realign_lines(realign: dict) -> list[str]:
-    """report.md: the forgetting and the pick's still-lost docs split into spurious and genuine."""
+def realign_section(realign: dict) -> Section:
+    """The forgetting and the pick's still-lost docs split into spurious and genuine."""
 
-    def rows(part: dict) -> list[SpuriousSplit]:
-        return [SpuriousSplit(**row) for row in (*part["tasks"].values(), *part["groups"].values())]
+    def table(part: dict, key: str) -> Table:
+        rows = [SpuriousSplit(**row) for row in (*part["tasks"].values(), *part["groups"].values())]
+        cells = [
+            [Cell(row.name)]
+            + [
+                Cell(
+                    "-" if value is None else str(value) if isinstance(value, int) else format_count(column, value),
+                    value,
+                )
+                for column in SPLIT_COLUMNS[1:]
+                for value in [getattr(row, column)]
+            ]
+            for row in rows
+        ]
+        return Table(
+            list(SPLIT_COLUMNS), cells, "l" + "r" * (len(SPLIT_COLUMNS) - 1), format_split_table(rows), key=key
+        )
 
-    return [
-        f"## Spurious or genuine forgetting (report split, post again with {realign['shots']} demonstrations)",
-        "",
-        f"Post was scored again on the docs it forgot with {realign['lm_eval']}. A forgotten doc is **spurious** "
-        "when the demonstrations bring it back (the task's format was lost, not the knowledge) and **genuine** "
-        "when they do not; the `_true` shares remove lucky guesses on K-choice docs (docs/forgetting.md).",
-        "",
-        "Post's forgetting (pre right, post wrong):",
-        "",
-        format_split_table(rows(realign["forgetting"])),
-        "",
-        "The docs the pick still loses (pre right, post and the pick wrong):",
-        "",
-        format_split_table(rows(realign["still_lost"]), header="task"),
-        "",
-    ]
+    return Section(
+        "realign",
+        f"Spurious or genuine forgetting (report split, post again with {realign['shots']} demonstrations)",
+        [
+            Prose(
+                [
+                    f"Post was scored again on the docs it forgot with {realign['lm_eval']}. A forgotten doc is "
+                    "**spurious** when the demonstrations bring it back (the task's format was lost, not the "
+                    "knowledge) and **genuine** when they do not; the `_true` shares remove lucky guesses on K-choice "
+                    "docs (docs/forgetting.md)."
+                ]
+            ),
+            Prose(["Post's forgetting (pre right, post wrong):"]),
+            table(realign["forgetting"], "realign-forgetting"),
+            Prose(["The docs the pick still loses (pre right, post and the pick wrong):"]),
+            table(realign["still_lost"], "realign-still-lost"),
+        ],
+    )
+
+
+def format_count(column: str, value: float) -> str:
+    """A split's cell as format_split_table prints it: counts as integers (one decimal for seed means), shares to 3."""
+    if column in ("forgotten", "spurious", "genuine"):
+        return str(int(value)) if value == int(value) else f"{value:.1f}"
+    return f"{value:.3f}"

@@ -25,6 +25,7 @@ from mergekit_lite.sweep import grid
 from mergekit_lite.sweep.adaptive import golden_search, run_probes
 from mergekit_lite.sweep.budget import run_budget
 from mergekit_lite.sweep.compare import (
+    COMPARISON_HTML,
     COMPARISON_JSON,
     COMPARISON_MD,
     METHOD_FIELDS,
@@ -61,13 +62,14 @@ def run_file(name: str) -> bool:
     """What a sweep writes in its run folder (relative paths): points, probes, RECALL's similarities, the report
     files (samples.jsonl among them), the lock, and the temporary files and merge folders of a run in progress or
     killed."""
-    from mergekit_lite.sweep.report import LAYERS_PLOT_FILE, MAP_FILE, PLOT_FILE, REPORT_FILE, RESULTS_FILE
+    from mergekit_lite.sweep.report import HTML_FILE, LAYERS_PLOT_FILE, MAP_FILE, PLOT_FILE, REPORT_FILE, RESULTS_FILE
     from mergekit_lite.sweep.samples import SAMPLES_FILE
 
     top, _, rest = name.partition("/")
     if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR):
         return not rest or rest.endswith(".json") and "/" not in rest
-    own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE, SAMPLES_FILE, OUTPUTS_FILE)
+    own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, HTML_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE, SAMPLES_FILE)
+    own += (OUTPUTS_FILE,)
     return (
         top in own
         or top.startswith((f"{MERGE_TEMP}-", f".{MERGE_TEMP}-"))
@@ -81,7 +83,7 @@ def comparison_file(name: str, methods: tuple[str, ...]) -> bool:
     top, _, rest = name.partition("/")
     if top in methods:
         return not rest or rest == OUTPUT_MARKER or run_file(rest)
-    own = (LOCK_FILE, COMPARISON_JSON, COMPARISON_MD, PARETO_PLOT)
+    own = (LOCK_FILE, COMPARISON_JSON, COMPARISON_MD, COMPARISON_HTML, PARETO_PLOT)
     return (
         top in own
         or any(top.startswith(f".{file}.tmp-") for file in own)

@@ -16,6 +16,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.outcomes import NO_SEED
 from mergekit_lite.evaluate.trajectory import OUTCOMES, doc_order, jsonl, replay_records, sample_row
 from mergekit_lite.io.outputs import check_output_file, write_atomic
+from mergekit_lite.io.report_page import Cell, Prose, Section, Table
 from mergekit_lite.sweep.result import SweepResult
 from mergekit_lite.sweep.scoring import GROUPS
 from mergekit_lite.sweep.settings import SweepSettings
@@ -43,13 +44,13 @@ def doc_hash(key: str, doc_id: int | None) -> str | None:
     return None if doc_id is not None and key == str(doc_id) else key.partition("#")[0]
 
 
-def sample_rows(result: SweepResult) -> list[dict]:
+def sample_rows(result: SweepResult, kinds: dict[str, dict[str, str]] | None = None) -> list[dict]:
     """One row per (task, doc) of every scored task, in task and lm-eval doc order: its split and class, the
     outcomes of post and of the pick against pre, and `sample_row`'s scores, texts and answers for
-    [pre, post, pick]."""
+    [pre, post, pick]. `kinds`: result_kinds, when the caller has them."""
     models = (result.pre, result.post, result.best)
     outcomes = [{run.task: run.outcomes for run in point.tasks if run.outcomes is not None} for point in models]
-    kinds = result_kinds(result)
+    kinds = result_kinds(result) if kinds is None and result.realigned is not None else kinds
     rows = []
     for task in sorted(outcomes[0]):
         report = set(result.splits[task][1])
@@ -82,13 +83,13 @@ def sample_rows(result: SweepResult) -> list[dict]:
     return rows
 
 
-def realign_json_of(result: SweepResult) -> dict:
+def realign_json_of(result: SweepResult, rows: list[dict], kinds: dict[str, dict[str, str]]) -> dict:
     """results.json's `realign` (sweep.realign.realign_json) from the sample rows' classes and the report split."""
     from mergekit_lite.sweep.realign import realign_json
 
-    classes = {(row["task"], row["key"]): row["class"] for row in sample_rows(result)}
+    classes = {(row["task"], row["key"]): row["class"] for row in rows}
     report = {task: set(keys[1]) for task, keys in result.splits.items()}
-    return realign_json(result.settings, result.pre.tasks, result_kinds(result), report, classes)
+    return realign_json(result.settings, result.pre.tasks, kinds, report, classes)
 
 
 def result_kinds(result: SweepResult) -> dict[str, dict[str, str]] | None:
@@ -117,11 +118,11 @@ def _tail(text: str | None, width: int = PROMPT_WIDTH) -> str | None:
     return flat if len(flat) <= width else "..." + flat[-(width - 3) :]
 
 
-def samples_json(result: SweepResult, shown: int = 3) -> dict:
+def samples_json(result: SweepResult, rows: list[dict], shown: int = 3) -> dict:
     """results.json's `samples`: the file, the pick it describes, the report split's counts per task and per
     group, and the first few report docs of each class a merge is for, as text (prompt's end, gold answer,
-    post's and the pick's answers)."""
-    rows = [row for row in sample_rows(result) if row["split"] == "report"]
+    post's and the pick's answers); `rows`: sample_rows."""
+    rows = [row for row in rows if row["split"] == "report"]
     group = {run.task: run.group for run in result.pre.tasks}
     by_group = class_counts([(group[row["task"]], row) for row in rows])
     examples = {
@@ -156,23 +157,17 @@ def _code(text: str | None) -> str:
     return "?" if text is None else "`" + " ".join(text.split()).replace("`", "'") + "`"
 
 
-def samples_lines(samples: dict) -> list[str]:
-    """report.md: the counts per task and group of the classes a merge is for, and a few report docs of each."""
-    lines = [
-        f"## What the pick did to the docs post forgot (report split, `{SAMPLES_FILE}`)",
-        "",
-        "| task | " + " | ".join(SHOWN) + " |",
-        "|---|" + "---:|" * len(SHOWN),
-    ]
-    lines += [
-        f"| {task} | " + " | ".join(str(counts[name]) for name in SHOWN) + " |"
+def samples_section(samples: dict) -> Section:
+    """The counts per task and group of the classes a merge is for, and a few report docs of each."""
+    rows = [
+        [Cell(task), *(Cell(str(counts[name]), counts[name]) for name in SHOWN)]
         for task, counts in samples["counts"].items()
     ]
-    lines += [
-        f"| **{name}** | " + " | ".join(str(counts[name]) for name in SHOWN) + " |"
+    rows += [
+        [Cell(name, strong=True), *(Cell(str(counts[name]), counts[name]) for name in SHOWN)]
         for name, counts in samples["groups"].items()
     ]
-    lines.append("")
+    lines = []
     for name in SHOWN:
         total = sum(counts[name] for counts in samples["counts"].values())
         lines.append(f"- {name.replace('_', ' ')}: {total}")
@@ -181,18 +176,24 @@ def samples_lines(samples: dict) -> list[str]:
             f"{_code(example['gold'])}, post {_code(example['post'])}, pick {_code(example['pick'])}"
             for example in samples["examples"][name]
         ]
+    blocks = [Table(["task", *SHOWN], rows, "l" + "r" * len(SHOWN), key="samples"), Prose(lines)]
     if samples["without_text"]:
-        lines += [
-            "",
-            f"{samples['without_text']} report docs have no prompt or gold answer in the point files (`?`: "
-            "points saved before they were kept, or a log that does not give them).",
-        ]
-    return lines + [""]
+        blocks.append(
+            Prose(
+                [
+                    f"{samples['without_text']} report docs have no prompt or gold answer in the point files (`?`: "
+                    "points saved before they were kept, or a log that does not give them)."
+                ]
+            )
+        )
+    return Section(
+        "sample-counts", f"What the pick did to the docs post forgot (report split, `{SAMPLES_FILE}`)", blocks
+    )
 
 
-def write_samples(result: SweepResult) -> None:
+def write_samples(result: SweepResult, rows: list[dict]) -> None:
     """samples.jsonl in the run folder (`sample_rows`), whole or not at all."""
-    write_atomic(Path(result.out) / SAMPLES_FILE, jsonl(sample_rows(result)))
+    write_atomic(Path(result.out) / SAMPLES_FILE, jsonl(rows))
 
 
 def check_replay(path: str | os.PathLike, settings: SweepSettings) -> None:
