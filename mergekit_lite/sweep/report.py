@@ -25,6 +25,7 @@ from mergekit_lite.sweep.result import SweepResult, pick_fields
 from mergekit_lite.sweep.samples import realign_json_of, samples_json, samples_lines, write_samples
 from mergekit_lite.sweep.scoring import PointResult, task_accuracy
 from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
+from mergekit_lite.sweep.vector import vector_lines
 
 RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE = "results.json", "report.md", "sweep.png", "forgetting_map.png"
 LAYERS_PLOT_FILE = "layers.png"
@@ -133,6 +134,7 @@ def results_json(result: SweepResult) -> dict:
         **({"realign": realign_json_of(result)} if result.realigned is not None else {}),
         **({"drift": drift_json(result.drift)} if result.drift is not None else {}),
         **{name: value for name, value in (("grid", grid_json(result)), ("budget", result.budget)) if value},
+        **({"vector": result.vector} if result.vector else {}),
     }
 
 
@@ -327,6 +329,7 @@ def report_markdown(result: SweepResult, results: dict) -> str:
         *probe_lines(results),
         *grid_lines(results),
         *budget_lines(results),
+        *vector_lines(results),
         f"![sweep]({PLOT_FILE})",
         "",
         f"![forgetting map]({MAP_FILE})",

@@ -50,6 +50,8 @@ from mergekit_lite.sweep.store import (
     wrote_before,
 )
 from mergekit_lite.sweep.strategies import SweepRun, strategy_for
+from mergekit_lite.sweep.vector import MERGEKIT_FILE, STUDY_FILE, VECTORS_DIR
+from mergekit_lite.sweep.vector_search import chosen_merge, judge, with_vector
 
 ENDPOINTS = ("pre", "post")
 
@@ -62,9 +64,10 @@ def run_file(name: str) -> bool:
     from mergekit_lite.sweep.samples import SAMPLES_FILE
 
     top, _, rest = name.partition("/")
-    if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR):
+    if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR, VECTORS_DIR):
         return not rest or rest.endswith(".json") and "/" not in rest
     own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE, SAMPLES_FILE, OUTPUTS_FILE)
+    own += (STUDY_FILE, f"{STUDY_FILE}-journal", MERGEKIT_FILE)
     return (
         top in own
         or top.startswith((f"{MERGE_TEMP}-", f".{MERGE_TEMP}-"))
@@ -102,7 +105,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
         sweep = SweepRun(settings, rows, grid.cells(rows, folder), folder, load_points(folder, settings.identity()))
         saved = sum(label in sweep.runs for label, _ in sweep.plan)
-        strategy = strategy_for(settings, resuming_everything=saved == len(sweep.plan))
+        strategy = with_vector(strategy_for(settings, resuming_everything=saved == len(sweep.plan)), settings)
         total = strategy.bar_points(sweep) * sweep.n_tasks
         with (
             tqdm(total=total, initial=saved * sweep.n_tasks, unit="task", desc="sweep", disable=not progress) as bar,
@@ -115,9 +118,13 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         result = build_result(settings, folder, plan, sweep.runs, sweep.evaluated, grid.seconds(sweep.found))
         result.realigned, result.drift = realigned, post_drift(settings)
         searched.annotate(result)
+        best, sections = sweep.found[result.best.label].config(), []
+        if searched.vector is not None:
+            result.vector = judge(searched.vector, result)
+            best, sections = chosen_merge(searched.vector, settings, folder)
         write_report(result)
         if settings.save_best:
-            save_best(settings, inputs, folder, result, sweep.found[result.best.label].config(), progress)
+            save_best(settings, inputs, folder, result, best, progress, sections)
     return result
 
 
@@ -134,8 +141,10 @@ def check_sweep(settings: SweepSettings) -> list:
     return inputs
 
 
-def save_best(settings: SweepSettings, inputs: list, folder: Path, result: SweepResult, best, progress: bool) -> None:
-    """--save-best: the pick's merge `best` written as a model folder with the sweep's section in its card."""
+def save_best(
+    settings: SweepSettings, inputs: list, folder: Path, result: SweepResult, best, progress: bool, sections=()
+) -> None:
+    """--save-best: the pick's merge `best` written as a model folder with the sweep's sections in its card."""
     from mergekit_lite.audited import run_merge
     from mergekit_lite.sweep.report import card_section
 
@@ -143,7 +152,9 @@ def save_best(settings: SweepSettings, inputs: list, folder: Path, result: Sweep
     check_output_folder(settings.save_best, inputs, overwrite=again)
     if settings.copy_files_from:
         best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
-    run_merge(best, settings.save_best, overwrite=again, progress=progress, card_sections=[card_section(result)])
+    run_merge(
+        best, settings.save_best, overwrite=again, progress=progress, card_sections=[card_section(result), *sections]
+    )
     record_written(folder, "save_best", settings.save_best)
 
 
