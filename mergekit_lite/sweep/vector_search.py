@@ -3,9 +3,10 @@ judged against), then Optuna over the vector space (sweep.vector) on the selecti
 pick set against the scalar pick on the report split with the paired bootstrap.
 
 - Samplers (`--vector-search`): TPE (`tpe`, the default), CMA-ES (`cmaes`, started at the first start point) and
-  selective revert (`revert`: each slot either pre's, coefficient 0, or the scalar pick's: Layer Swapping, arXiv
-  2410.01335, and SafeMERGE, arXiv 2503.17239, put chosen layers back to a reference; Optuna's brute-force sampler
-  visits the combinations in a seeded order).
+  selective revert (`revert`: each slot pre's (coefficient 0), the scalar pick's, or coefficient 1 (post itself for
+  linear, slerp and task arithmetic): Layer Swapping, arXiv 2410.01335, puts chosen layers of post back to a
+  reference, SafeMERGE, arXiv 2503.17239, chooses per layer between the fine-tuned and the merged model; TPE
+  searches the combinations, and a combination met again is its saved point, scored once).
 - Starts (`--vector-start`): the scalar pick's own vector is always the first trial, so the vector's selection
   score is never below the scalar pick's; `drift` adds one from post's drift profile (sweep.vector.drift_start).
 - Storage: Optuna's SQLite file in the run folder (`search.db`), one study per scalar pick and space, and each
@@ -36,7 +37,7 @@ from mergekit_lite.sweep.vector import (
     vector_space,
 )
 
-PRE, MERGE = "pre", "merge"
+REVERT_CHOICES = {"pre": 0.0, "pick": None, "post": 1.0}  # None: the scalar pick's coefficient
 
 
 @dataclass
@@ -112,15 +113,17 @@ def search(sweep: SweepRun, scalar: PointResult, splits) -> VectorOutcome:
     if settings.vector_start == "drift":
         starts.append(drift_start(space, settings, scalar.alpha, low, high))
     if sampler_name == "revert":
-        distributions = {slot: optuna.distributions.CategoricalDistribution((MERGE, PRE)) for slot in slots}
-        first = [{slot: MERGE for slot in slots}]
+        distributions = {slot: optuna.distributions.CategoricalDistribution(tuple(REVERT_CHOICES)) for slot in slots}
+        first = [{slot: "pick" for slot in slots}]
     else:
         distributions = {slot: optuna.distributions.FloatDistribution(low, high) for slot in slots}
         first = [dict(zip(slots, start, strict=True)) for start in starts]
 
     def vector_of(params: dict) -> list[float]:
         if sampler_name == "revert":
-            return [0.0 if params[slot] == PRE else scalar.alpha for slot in slots]
+            return [
+                scalar.alpha if REVERT_CHOICES[params[slot]] is None else REVERT_CHOICES[params[slot]] for slot in slots
+            ]
         return [float(params[slot]) for slot in slots]
 
     identity = settings.identity()
@@ -154,7 +157,7 @@ def search(sweep: SweepRun, scalar: PointResult, splits) -> VectorOutcome:
 
     wanted = trial_count(settings)
     if sampler_name == "revert":
-        wanted = min(wanted, 2 ** len(slots))
+        wanted = min(wanted, len(REVERT_CHOICES) ** len(slots))
     sweep.bar.total = sweep.bar.n + wanted * sweep.n_tasks  # the scalar search may have resized it
     sweep.bar.refresh()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -211,14 +214,12 @@ def search(sweep: SweepRun, scalar: PointResult, splits) -> VectorOutcome:
 
 
 def sampler(name: str, seed: int, done: int, start: dict):
-    """A fresh sampler for the next trial: TPE and brute force seeded by the trials done (their history is in the
-    storage), CMA-ES by the sweep's seed (its state is in the storage's trials)."""
+    """A fresh sampler for the next trial: TPE (over the slots' values, or revert's choices) seeded by the trials done
+    (their history is in the storage), CMA-ES by the sweep's seed (its state is in the storage's trials)."""
     import optuna
 
     if name == "cmaes":
         return optuna.samplers.CmaEsSampler(x0=start, seed=seed, n_startup_trials=0, warn_independent_sampling=False)
-    if name == "revert":
-        return optuna.samplers.BruteForceSampler(seed=seed * 100003 + done)
     return optuna.samplers.TPESampler(seed=seed * 100003 + done, n_startup_trials=8, multivariate=True)
 
 
@@ -279,9 +280,13 @@ def judge(outcome: VectorOutcome, result) -> dict:
         verdict = (
             "the vector did not beat one coefficient: on the report split its harmonic mean differs from the scalar "
             f"pick's by {difference['harmonic_mean']:+.4f}"
-            + (f" (interval [{shown[0]:+.4f}, {shown[1]:+.4f}] holds 0 or lies below)" if shown else "")
-            + "; the extra capacity fit the selection docs, not the others"
         )
+        if shown and shown[1] < 0:
+            verdict += (
+                f" (interval [{shown[0]:+.4f}, {shown[1]:+.4f}] below 0): the extra capacity fit the selection docs"
+            )
+        elif shown:
+            verdict += f" (interval [{shown[0]:+.4f}, {shown[1]:+.4f}] holds 0: the report docs cannot tell them apart)"
     outcome.judged = {
         "chosen": chosen,
         "beat_scalar": beat,
