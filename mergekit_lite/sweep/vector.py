@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.config import MergeConfig
@@ -193,33 +194,41 @@ def slot_of(space: VectorSpace, name: str, layer: int | None) -> int:
 
 
 def mergekit_config(config: MergeConfig, settings: SweepSettings) -> dict:
-    """The merge `config` in mergekit's schema: pre and post with the coefficient's per-tensor spec as mergekit reads
-    it (linear: the weights of pre and post, 1 - spec and spec; slerp: t; the task-vector methods: lambda, with
-    post's weight 1 and DARE's drop as mergekit's density, the share kept)."""
+    """The merge `config` in mergekit's schema, by what its coefficient is: `alpha` (linear's weight of post) as the
+    weights of pre and post, 1 - spec and spec; `t` (slerp) as t; `lambda` (the task-vector methods) as lambda, with
+    post's weight 1 and DARE's drop as mergekit's density (the share kept). Stored in pre's dtype."""
     method = config.merge_method
-    spec = config.parameters[method.main_coefficient]
+    coefficient = method.main_coefficient
+    spec = config.parameters[coefficient]
     models: list[dict] = [{"model": settings.post, "parameters": {"weight": 1.0}}]
-    parameters = {}
-    if method.name == "linear":
+    data = {"merge_method": method.name, "base_model": settings.pre}
+    if coefficient == "alpha":
+        del data["base_model"]
         models = [
             {"model": settings.pre, "parameters": {"weight": complement(spec)}},
             {"model": settings.post, "parameters": {"weight": spec}},
         ]
-    elif method.name == "slerp":
-        models, parameters = [{"model": settings.pre}, {"model": settings.post}], {"t": spec}
+    elif coefficient == "t":
+        models, data["parameters"] = [{"model": settings.pre}, {"model": settings.post}], {"t": spec}
     else:
-        parameters = {"lambda": spec}
+        data["parameters"] = {coefficient: spec}
         for name in ("density", "epsilon", "gamma"):
             if name in config.parameters:
                 models[0]["parameters"][name] = config.parameters[name]
         if "drop" in config.parameters:
             models[0]["parameters"]["density"] = complement(config.parameters["drop"])
-    data = {"merge_method": method.name, "models": models, "dtype": "float32"}
-    if method.name != "linear":
-        data["base_model"] = settings.pre
-    if parameters:
-        data["parameters"] = parameters
-    return data
+    data.update(models=models, dtype="float32")
+    stored = stored_dtype(settings.pre)
+    return {**data, **({"out_dtype": stored} if stored else {})}
+
+
+def stored_dtype(model: str) -> str | None:
+    """pre's dtype from its config.json (what our merge stores a floating tensor in), when it names one."""
+    from mergekit_lite.io.validation import read_json
+
+    data = read_json(Path(model) / "config.json")
+    text = data.get("dtype") or data.get("torch_dtype") or (data.get("text_config") or {}).get("dtype")
+    return text if text in ("float32", "bfloat16", "float16") else None
 
 
 def complement(spec):
@@ -245,7 +254,7 @@ def vector_lines(results: dict) -> list[str]:
         f"Searched with {search['sampler']} from the {search['start']} start on the selection split only: "
         f"{search['trials']} trials, each scored on every doc ({search['docs_per_trial']} docs a trial; "
         f"{search['evaluated']} evaluated by this run, the others resumed). Layers per group: "
-        f"{'; '.join(f'g{index + 1}: {layers[0]}-{layers[-1]}' for index, layers in enumerate(space['layers']))}; "
+        f"{'; '.join(f'g{index + 1}: {layer_range(layers)}' for index, layers in enumerate(space['layers']))}; "
         f"{space['outside_layers']}.",
         "",
         "| slot | " + " | ".join(pick["coefficients"]) + " |",
@@ -264,6 +273,10 @@ def vector_lines(results: dict) -> list[str]:
     ]
     lines.append(f"| vector - scalar | {' | '.join(shown)} |")
     return [*lines, "", f"**{vector['verdict'][0].upper()}{vector['verdict'][1:]}.**", ""]
+
+
+def layer_range(layers: list[int]) -> str:
+    return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
 
 
 def vector_card(results: dict) -> tuple[str, str]:
