@@ -142,6 +142,30 @@ def _flag_values(data: dict, **flags) -> dict:
     "count 1 each, a probe its share of the docs): successive halving on probe docs, then the survivors "
     "on every doc (see the README).",
 )
+# a vector of coefficients (sweep.vector): per layer group and/or module type, searched with Optuna
+@click.option(
+    "--groups",
+    type=click.IntRange(min=1),
+    help="Also search one coefficient per group of N contiguous decoder layers (embeddings with the first group, "
+    "the final norm and head with the last) against the scalar pick, on the selection split (docs/sweep.md).",
+)
+@click.option(
+    "--modules",
+    help="Also search one coefficient per module type (comma list: attn, mlp, norm, q, k, v, o, gate, up, down, "
+    "...; the rest of the tensors share one more), alone or with --groups.",
+)
+@click.option(
+    "--vector-search",
+    type=click.Choice(["tpe", "cmaes", "revert"]),
+    help="How --groups/--modules search: Optuna's TPE (default) or CMA-ES, or revert (each slot pre's or the "
+    "scalar pick's).",
+)
+@click.option("--trials", type=click.IntRange(min=1), help="Vectors the search scores on every doc (default 24).")
+@click.option(
+    "--vector-start",
+    type=click.Choice(["scalar", "drift"]),
+    help="The search's first trials: the scalar pick's vector (default), and with drift one from post's drift.",
+)
 @click.option("--seed", type=SEED, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical texts, one per line.")
 @click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
@@ -305,6 +329,11 @@ def sweep(
     model_args,
     require_verified,
     realign_shots,
+    groups,
+    modules,
+    vector_search,
+    trials,
+    vector_start,
 ):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
@@ -367,6 +396,11 @@ def sweep(
         gen_kwargs=gen_kwargs,
         model_args=model_args,
         realign_shots=realign_shots,
+        groups=groups,
+        modules=modules,
+        vector_search=vector_search,
+        trials=trials,
+        vector_start=vector_start,
     )
     listed = data.pop("methods", None)
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
@@ -488,6 +522,7 @@ def summary(result) -> str:
                 if result.budget
                 else []
             ),
+            *([f"vector: {result.vector['verdict']}"] if result.vector else []),
             f"evaluated {len(result.evaluated)} models, resumed {resumed}; report: {result.out / 'report.md'}",
         ]
     )

@@ -71,6 +71,7 @@ class SweepResult:
     budget: dict | None = None  # --budget: the successive-halving rounds (sweep.budget)
     realigned: list[TaskRun] | None = None  # --realign-shots: post again with K demonstrations on the docs it forgot
     drift: object | None = None  # evaluate.drift.DriftReport of post against pre
+    vector: dict | None = None  # --groups/--modules: the vector search against the scalar pick (sweep.vector_search)
 
     @property
     def recovered(self) -> float | None:

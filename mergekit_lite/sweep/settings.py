@@ -46,7 +46,14 @@ PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 # a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
-OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots")  # settings written out only when given
+# a vector of coefficients (sweep.vector): layer groups, module types, the search, its trials and its start
+VECTOR_KEYS = ("groups", "modules", "vector_search", "trials", "vector_start")
+VECTOR_SEARCHES = ("tpe", "cmaes", "revert")  # Optuna's TPE or CMA-ES; revert: each slot pre's or the merge's
+VECTOR_STARTS = ("scalar", "drift")
+# --modules: the module types of evaluate.drift.module_type inside decoder layers, and attn / mlp for their groups
+MODULE_KINDS = ("attn", "mlp", "norm", "q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")
+MODULE_KINDS += ("experts", "shared_expert", "router")
+OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots", *VECTOR_KEYS)  # settings written out only when given
 
 
 def parse_alphas(spec, name: str = "alphas") -> list[float]:
@@ -152,6 +159,12 @@ class SweepSettings:
     drops: list[float] | None = None
     budget: int | None = None  # sweep.budget: at most this many full evaluations' worth of scored docs
     realign_shots: int | None = None  # sweep.realign: post scored again with K demonstrations on the docs it forgot
+    # sweep.vector: one coefficient per group of decoder layers and/or module type, searched beside the scalar pick
+    groups: int | None = None
+    modules: list[str] | None = None
+    vector_search: str | None = None  # tpe (default), cmaes or revert
+    trials: int | None = None  # how many vectors the search scores (default 24)
+    vector_start: str | None = None  # scalar (default): the scalar pick's vector first; drift: also one from drift
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -167,6 +180,7 @@ class SweepSettings:
     def __post_init__(self):
         self.alphas = parse_alphas(self.alphas)
         self._check_grid()
+        self._check_vector()
         self.old_tasks, self.new_tasks = parse_tasks(self.old_tasks), parse_tasks(self.new_tasks)
         self.metric, self.filter, self.choices = (
             _spec_list(getattr(self, name)) for name in ("metric", "filter", "choices")
@@ -284,6 +298,45 @@ class SweepSettings:
                 raise InputError(
                     "--budget chooses which points to evaluate itself: run it without --search golden and --ray"
                 )
+
+    def _check_vector(self) -> None:
+        """--groups/--modules: a whole number of groups >= 1, known module types, a method whose coefficient applies
+        per tensor, at least two coefficients; the search settings only with them."""
+        if isinstance(self.modules, str):
+            self.modules = parse_tasks(self.modules)
+        if self.groups is None and not self.modules:
+            given = [name for name in VECTOR_KEYS[2:] if getattr(self, name) is not None]
+            if given:
+                raise InputError(f"{given[0]} shapes the search of --groups/--modules: give one of them")
+            self.modules = None
+            return
+        if self.groups is not None and (isinstance(self.groups, bool) or not isinstance(self.groups, int)):
+            raise InputError(f"groups must be a whole number of layer groups >= 1, got {self.groups!r}")
+        if self.groups is not None and self.groups < 1:
+            raise InputError(f"groups must be a whole number of layer groups >= 1, got {self.groups!r}")
+        unknown = [name for name in self.modules or [] if name not in MODULE_KINDS]
+        if unknown:
+            raise InputError(
+                f"modules: unknown module type {unknown[0]!r}{did_you_mean(unknown[0], MODULE_KINDS)} "
+                f"(choose from {', '.join(MODULE_KINDS)})"
+            )
+        if (self.groups or 1) == 1 and not self.modules:
+            raise InputError("groups 1 is the scalar sweep itself: give --groups 2 or more, or --modules")
+        method = methods.SWEEPABLE.get(self.method)
+        if method is not None and (method.reads_recall_weights or method.parameter("beta") is not None):
+            raise InputError(
+                f"--groups/--modules: {self.method}'s coefficient is already a per-layer schedule; use a method "
+                "whose coefficient applies per tensor (linear, slerp, task_arithmetic, ties, dare_*, ...)"
+            )
+        for name, allowed in (("vector_search", VECTOR_SEARCHES), ("vector_start", VECTOR_STARTS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                raise InputError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.trials is not None and (isinstance(self.trials, bool) or not isinstance(self.trials, int)):
+            raise InputError(f"trials must be a whole number >= 1, got {self.trials!r}")
+        if self.trials is not None and self.trials < 1:
+            raise InputError(f"trials must be a whole number >= 1, got {self.trials!r}")
+        if self.ray is not None:
+            raise InputError("--groups/--modules search their vectors in this process: run them without --ray")
 
     @property
     def second(self) -> str | None:
@@ -428,6 +481,11 @@ class SweepFile(BaseModel):
     drops: str | float | list[float] | None = None
     budget: int | None = Field(None, ge=3)
     realign_shots: int | None = None  # checked by SweepSettings (one message for a flag and a file)
+    groups: int | None = None  # sweep.vector's settings, checked by SweepSettings
+    modules: str | list[str] | None = None
+    vector_search: str | None = None
+    trials: int | None = None
+    vector_start: str | None = None
     # lm-eval's evaluation settings (LmEvalSettings), as its CLI flags of the same names
     num_fewshot: int | None = Field(None, ge=0)
     apply_chat_template: bool | str | None = None
