@@ -201,7 +201,10 @@ def timed_run(command: list[str], log_file: Path) -> dict:
         )
         wall = time.perf_counter() - started
     text = stats.read_text()
-    field = lambda label: re.search(rf"{re.escape(label)}: (.+)", text).group(1).strip()
+
+    def field(label):
+        return re.search(rf"{re.escape(label)}: (.+)", text).group(1).strip()
+
     run = {
         "rc": rc,
         "wall_s": round(wall, 2),
@@ -223,7 +226,10 @@ def best_of(seconds, repeat: int = 3) -> float:
 def read_seconds(models: list[Path]) -> float:
     """Reading the inputs once from the page cache (`cat > /dev/null`; the first, warming pass not counted)."""
     files = [str(f) for m in models for f in sorted(m.glob("*.safetensors"))]
-    cat = lambda: subprocess.check_call(["cat", *files], stdout=subprocess.DEVNULL)
+
+    def cat():
+        subprocess.check_call(["cat", *files], stdout=subprocess.DEVNULL)
+
     cat()
     return best_of(lambda: timed(cat))
 

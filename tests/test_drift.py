@@ -111,11 +111,11 @@ def direct_cka(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.to(torch.float64), y.to(torch.float64)
     centring = torch.eye(n, dtype=torch.float64) - torch.full((n, n), 1 / n, dtype=torch.float64)
 
-    def hsic(k, l):
-        return torch.trace(k @ centring @ l @ centring) / (n - 1) ** 2
+    def hsic(a, b):
+        return torch.trace(a @ centring @ b @ centring) / (n - 1) ** 2
 
-    k, l = x @ x.T, y @ y.T
-    return float(hsic(k, l) / torch.sqrt(hsic(k, k) * hsic(l, l)))
+    kx, ky = x @ x.T, y @ y.T
+    return float(hsic(kx, ky) / torch.sqrt(hsic(kx, kx) * hsic(ky, ky)))
 
 
 def test_linear_cka_against_its_definition():

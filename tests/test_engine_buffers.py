@@ -140,7 +140,10 @@ def test_streamed_outputs_equal_the_math_on_whole_tensors(trio, trio_bf16, metho
             expected = merge_tensor(config, step, tensors)
             merged_steps += 1
         assert streamed[step.name].dtype == getattr(torch, out_dtype)
-        as_bytes = lambda tensor: tensor.reshape(-1).view(torch.uint8)
+
+        def as_bytes(tensor):
+            return tensor.reshape(-1).view(torch.uint8)
+
         assert as_bytes(streamed[step.name]).equal(as_bytes(expected)), step.name
     assert merged_steps > 5
 
@@ -493,7 +496,10 @@ def test_cuda_merges_what_the_cpu_merges(trio, method, parameters):
         assert cuda.device.type == "cpu" and cuda.dtype == cpu.dtype, name
         torch.testing.assert_close(cuda, cpu, rtol=2e-7, atol=1e-7, msg=name)
         if method != "linear":
-            kept_base = lambda tensor: tensor == base[name].to(torch.float32)
+
+            def kept_base(tensor, name=name):
+                return tensor == base[name].to(torch.float32)
+
             assert torch.equal(kept_base(cuda), kept_base(cpu)), name
 
 

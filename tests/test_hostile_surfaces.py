@@ -194,7 +194,7 @@ def test_negative_or_huge_seeds_are_refused_as_flags(room):
 @pytest.mark.parametrize("infinity", ["-inf", "inf"])
 def test_an_infinite_log_likelihood_is_refused_by_the_logprob_matrix(tmp_path, infinity):
     """NaN was refused already (read as not logged); an infinite gold log-likelihood would reach the SVD."""
-    pre = write_run(tmp_path / "pre", pre_correct())
+    write_run(tmp_path / "pre", pre_correct())
     posts = [write_run(tmp_path / f"ft{i}", post_forgetting(range(i, i + 5))) for i in range(3)]
     samples = next(posts[1].glob("samples_*.jsonl"))
     lines = samples.read_text().splitlines()

@@ -399,7 +399,10 @@ def test_behaviour_in_a_batch_loads_the_base_once_and_gives_it_back_unchanged(hu
 
     loads = Counter(behaviour_module.load_causal_lm)
     monkeypatch.setattr(behaviour_module, "load_causal_lm", loads)
-    kl = lambda report: next(c for c in report.checks if c.name == "behaviour").measurements["mean_kl"]
+
+    def kl(report):
+        return next(c for c in report.checks if c.name == "behaviour").measurements["mean_kl"]
+
     with closing(audit_base_module.AuditBase.open(hub["base"])) as base:
         batch = [kl(audit_adapter(hub[name], base, behaviour=True)) for name in ("good", "wrong", "good")]
     assert len(loads.calls) == 1

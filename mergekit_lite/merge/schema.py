@@ -13,7 +13,7 @@ from __future__ import annotations
 import typing
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -44,7 +44,7 @@ class _Schema(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-ParameterMap = Optional[dict[StrictStr, Any]]  # values: checked by config._check_value (numbers, gradients, filters)
+ParameterMap = dict[StrictStr, Any] | None  # values: checked by config._check_value (numbers, gradients, filters)
 
 
 class _Tokenizer(_Schema):
