@@ -3,20 +3,7 @@
 import click
 
 from mergekit_lite.cli.types import Number, SafeSuggestions
-
-COMBINATIONS = (
-    "svd",
-    "linear",
-    "cat",
-    "ties",
-    "ties_svd",
-    "dare_linear",
-    "dare_ties",
-    "dare_linear_svd",
-    "dare_ties_svd",
-    "magnitude_prune",
-    "magnitude_prune_svd",
-)
+from mergekit_lite.merge.adapter_combinations import COMBINATIONS
 
 EXAMPLES = """
 \b

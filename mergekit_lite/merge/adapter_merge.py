@@ -30,21 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.merge.adapter_combinations import COMBINATIONS
 from mergekit_lite.merge.extract import low_rank_factors
 
-COMBINATIONS = (
-    "svd",
-    "linear",
-    "cat",
-    "ties",
-    "ties_svd",
-    "dare_linear",
-    "dare_ties",
-    "dare_linear_svd",
-    "dare_ties_svd",
-    "magnitude_prune",
-    "magnitude_prune_svd",
-)
 EXACT = ("cat",)
 
 
