@@ -137,13 +137,14 @@ def kl_to_reference(logprobs: torch.Tensor, reference: dict) -> list[float]:
 
 
 def apply_adapter_(model, adapter) -> list[str]:
-    """Add scaling*B@A to the model's own weights and put in replaced tensors; names it has no parameter for come back."""
+    """Merge the adapter into the model's own weights (LoraAdapter.apply) and put in replaced tensors; names it has
+    no parameter for come back."""
     parameters = dict(model.named_parameters(remove_duplicate=False))
     skipped = []
     with torch.no_grad():
         for name in adapter.targets():
             if name in parameters:
-                parameters[name].add_(adapter.delta(name).to(parameters[name].device))
+                parameters[name].copy_(adapter.apply(name, parameters[name].detach().cpu()))
             else:
                 skipped.append(name)
         head = model.get_output_embeddings()

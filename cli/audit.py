@@ -327,7 +327,9 @@ def audit_adapters(
     if as_json:
         click.echo(
             json.dumps(
-                {"thresholds": asdict(thresholds), "reports": [report.to_dict() for report in reports]}, indent=2
+                {"thresholds": asdict(thresholds), "reports": [report.to_dict() for report in reports]},
+                indent=2,
+                allow_nan=False,
             )
         )
     elif as_csv:

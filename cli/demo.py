@@ -2,6 +2,8 @@
 
 import click
 
+from mergekit_lite.cli.types import SEED
+
 
 @click.command()
 @click.option(
@@ -12,7 +14,7 @@ import click
     type=click.Path(file_okay=False),
     help="Folder for models, adapters, sweeps and the summary (finished stages are reused).",
 )
-@click.option("--seed", default=0, show_default=True, help="Seed for data, training and DARE.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for data, training and DARE.")
 @click.option(
     "--methods",
     default="linear,ties,recall,recall_lerp",

@@ -49,8 +49,14 @@ Examples:
     is_flag=True,
     help="Print JSON ({tensors, layers, outside_layers, modules}) instead of the table.",
 )
+# non-finite weights: refused unless asked for (as merge's flag of the same name)
+@click.option(
+    "--allow-nonfinite",
+    is_flag=True,
+    help="Report the drift of tensors holding NaN/Inf (and of their layers and modules) as null instead of stopping.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
-def drift(pre, post, texts, max_length, heatmap_out, html_out, as_json, quiet):
+def drift(pre, post, texts, max_length, heatmap_out, html_out, as_json, allow_nonfinite, quiet):
     """Relative Frobenius drift ||post - pre|| / ||pre|| of every tensor, per decoder layer and module type
     (attention q/k/v/o, MLP gate/up/down, MoE experts, norms, embeddings, head), streamed one tensor pair at a
     time. POST may be a LoRA adapter trained on PRE (measured without writing the merged model)."""
@@ -69,9 +75,16 @@ def drift(pre, post, texts, max_length, heatmap_out, html_out, as_json, quiet):
         if heatmap_out and Path(heatmap_out).absolute() == Path(html_out).absolute():
             raise InputError("--heatmap and --html must name different files")
     text_list = read_texts(texts) if texts else None
-    report = model_drift(pre, post, text_list, max_length)
+    report = model_drift(pre, post, text_list, max_length, allow_nonfinite)
+    if report.nonfinite:
+        shown = ", ".join(report.nonfinite[:3]) + (", ..." if len(report.nonfinite) > 3 else "")
+        click.echo(
+            f"warning: {len(report.nonfinite)} tensor(s) hold NaN or Inf values ({shown}): their drift, and that of "
+            "every layer and module holding them, is null",
+            err=True,
+        )
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json.dumps(report.to_json(), indent=2, allow_nan=False))
     else:
         click.echo(format_drift_table(report))
     if heatmap_out:

@@ -15,6 +15,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, format_table
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 from mergekit_lite.evaluate.spurious import SPURIOUS, SpuriousMap, SpuriousSplit, format_split_table, spurious_map
+from mergekit_lite.evaluate.ties import run_ties
 from mergekit_lite.evaluate.trajectory import (
     REPLAY_FORMATS,
     Trajectory,
@@ -268,6 +269,7 @@ def forgetting(
     )
     scoring = Scoring.from_specs(metrics, filters, choices)
     runs = [load_lm_eval_run(path, scoring) for path in inputs]
+    tied = [run_ties(path) for path in inputs]  # docs whose answer is lm-eval's order, not the model's choice
     series = trajectory(runs, inputs)
     two_models = len(inputs) == 2
     group_rows = []
@@ -293,9 +295,12 @@ def forgetting(
         for task, reason in result.skipped.items():
             what = "has seeds skipped" if task in result.rows else "skipped"  # its other seeds still make its row
             click.echo(f"warning: {where}task {task!r} {what}: {reason}", err=True)
+    for label, ties in zip(inputs, tied, strict=True):
+        if ties.tasks:
+            click.echo(f"warning: tied answers (argmax takes the first option): {ties.text(label)}", err=True)
     crossed = crossings(parsed_alerts, group_rows, inputs)
     if two_models:
-        render_two_models(series, group_rows[0], as_json, split)
+        render_two_models(series, group_rows[0], as_json, split, tied)
     else:
         render_trajectory(series, group_rows, crossed, as_json)
     write_outputs(
@@ -323,7 +328,7 @@ def check_outputs(outputs: dict, inputs: Sequence[str], overwrite: bool = False)
     return given
 
 
-def render_two_models(series: Trajectory, groups, as_json: bool, split=None) -> None:
+def render_two_models(series: Trajectory, groups, as_json: bool, split=None, tied=None) -> None:
     """The two-model form's output: tables, or JSON {tasks, groups, skipped, seeds, models}; with --realigned each
     task and group also carries its spurious/genuine split."""
     result, (pre, post) = series.maps[0], series.runs
@@ -334,8 +339,9 @@ def render_two_models(series: Trajectory, groups, as_json: bool, split=None) -> 
             "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()],
             "seeds": sorted(result.rows_by_seed),
             "models": {"pre": pre.model, "post": post.model},
+            "ties": {label: ties.to_dict() for label, ties in zip(("pre", "post"), tied or (), strict=False)},
         }
-        click.echo(json.dumps(payload, indent=2))
+        click.echo(json.dumps(payload, indent=2, allow_nan=False))
         return
     click.echo(format_table(list(result.rows.values())))
     if groups:
@@ -344,6 +350,10 @@ def render_two_models(series: Trajectory, groups, as_json: bool, split=None) -> 
     if split is not None:
         click.echo()
         click.echo(format_split_table([*split.rows.values(), *split.groups.values()]))
+    for label, ties in zip(("pre", "post"), tied or (), strict=False):
+        if ties.tasks:
+            click.echo()
+            click.echo(f"ties: {ties.text(label)}")
     if result.skipped:
         click.echo()
         click.echo("skipped: " + "; ".join(f"{task} ({reason})" for task, reason in result.skipped.items()))
@@ -369,7 +379,7 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
             ],
             "alerts": crossed,
         }
-        click.echo(json.dumps(payload, indent=2))
+        click.echo(json.dumps(payload, indent=2, allow_nan=False))
         return
     click.echo(f"reference (checkpoint 0): {series.labels[0]}")
     labels = [f"{position}" for position in range(1, len(series.labels))]

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from mergekit_lite.cli.types import SEED
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.matrix import (
     METHODS,
@@ -68,7 +69,7 @@ OPTIONS = [
     ),
     click.option(
         "--matrix-seed",
-        type=int,
+        type=SEED,
         default=0,
         show_default=True,
         help="Seed of the observed docs (--matrix) and of the replay draw (--history).",
@@ -170,7 +171,7 @@ def write_history(inputs, options, scoring, matrix_dir, other_output, as_json, h
         write_atomic(html_out, page)
         click.echo(f"html: written to {html_out}", err=True)
     if as_json:
-        click.echo(json.dumps(payload, indent=2))
+        click.echo(json.dumps(payload, indent=2, allow_nan=False))
         return
     click.echo(
         f"matrix: {len(matrix.rows)} fine-tunes x {len(matrix.docs)} docs ({matrix.value}; "
@@ -225,7 +226,7 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
         write_atomic(outputs["--html"], history_page(report, [dict(row) for row in rows], method))
         click.echo(f"html: written to {outputs['--html']}", err=True)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report, indent=2, allow_nan=False))
         return
     click.echo(f"predicted by {method}: {report['observed']} docs observed, {report['predicted']} predicted")
     if matrix.binary:

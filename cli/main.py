@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "merge": (".merge", "merge", "Merge checkpoints (streamed, tensor by tensor)."),
     "audit": (".audit", "audit", "Audit LoRA adapters before merging: VERIFIED / REJECTED / WARN."),
     "sweep": (".sweep", "sweep", "Sweep the merge coefficient, evaluate old/new skills, pick by harmonic mean."),
+    "merge-adapters": (".merge_adapters", "merge_adapters", "Merge LoRA adapters into one adapter (PEFT's types)."),
     "extract": (".extract", "extract", "Extract a LoRA adapter (PEFT) from a base and its fine-tune by truncated SVD."),
     "forgetting": (".forgetting", "forgetting", "Sample-level forgetting map from two lm-eval --log_samples outputs."),
     "drift": (".drift", "drift", "Where post-training moved a model: relative drift per layer and module, CKA."),

@@ -5,7 +5,7 @@ import os
 
 import click
 
-from mergekit_lite.cli.types import Number
+from mergekit_lite.cli.types import SEED, Number
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.trajectory import REPLAY_FORMATS
 from mergekit_lite.merge.methods import SWEEPABLE
@@ -142,7 +142,31 @@ def _flag_values(data: dict, **flags) -> dict:
     "count 1 each, a probe its share of the docs): successive halving on probe docs, then the survivors "
     "on every doc (see the README).",
 )
-@click.option("--seed", type=int, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
+# a vector of coefficients (sweep.vector): per layer group and/or module type, searched with Optuna
+@click.option(
+    "--groups",
+    type=click.IntRange(min=1),
+    help="Also search one coefficient per group of N contiguous decoder layers (embeddings with the first group, "
+    "the final norm and head with the last) against the scalar pick, on the selection split (docs/sweep.md).",
+)
+@click.option(
+    "--modules",
+    help="Also search one coefficient per module type (comma list: attn, mlp, norm, q, k, v, o, gate, up, down, "
+    "...; the rest of the tensors share one more), alone or with --groups.",
+)
+@click.option(
+    "--vector-search",
+    type=click.Choice(["tpe", "cmaes", "revert"]),
+    help="How --groups/--modules search: Optuna's TPE (default) or CMA-ES, or revert (each slot pre's or the "
+    "scalar pick's).",
+)
+@click.option("--trials", type=click.IntRange(min=1), help="Vectors the search scores on every doc (default 24).")
+@click.option(
+    "--vector-start",
+    type=click.Choice(["scalar", "drift"]),
+    help="The search's first trials: the scalar pick's vector (default), and with drift one from post's drift.",
+)
+@click.option("--seed", type=SEED, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical texts, one per line.")
 @click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
 @click.option("--save-best", type=click.Path(file_okay=False), help="Write the picked merge to this new model folder.")
@@ -305,6 +329,11 @@ def sweep(
     model_args,
     require_verified,
     realign_shots,
+    groups,
+    modules,
+    vector_search,
+    trials,
+    vector_start,
 ):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
@@ -367,6 +396,11 @@ def sweep(
         gen_kwargs=gen_kwargs,
         model_args=model_args,
         realign_shots=realign_shots,
+        groups=groups,
+        modules=modules,
+        vector_search=vector_search,
+        trials=trials,
+        vector_start=vector_start,
     )
     listed = data.pop("methods", None)
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
@@ -388,6 +422,8 @@ def sweep(
         with _resume_hint(data.get("out")), each_verdict_once():  # a sweep audits its adapter at each point: one line
             comparison = run_comparison(every, baseline or "linear", progress=not quiet)
         click.echo(comparison_summary(comparison))
+        for result in comparison.sweeps.values():
+            _warn_nonfinite(result)
         return
     settings = settings_from_dict(data)
     if replay_out:
@@ -396,6 +432,7 @@ def sweep(
     with _resume_hint(settings.out), each_verdict_once():  # a sweep audits its adapter at each point: one line
         result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
+    _warn_nonfinite(result)
     if settings.save_best:
         click.echo(f"saved the pick ({result.best.label}) as a model folder: {settings.save_best}")
     if replay_out:
@@ -404,6 +441,19 @@ def sweep(
         click.echo(
             f"replay: {written} docs {which} written to {replay_out}; {left_out} left out (no prompt or gold "
             "answer in the point files)",
+            err=True,
+        )
+
+
+def _warn_nonfinite(result) -> None:
+    """A model that gave NaN or infinite logits is marked in results.json and report.md; say so here too, where the
+    command ends with exit 0 and a pick."""
+    broken = [point.label for point in (result.pre, result.post, *result.points) if point.nonfinite]
+    if broken:
+        shown = ", ".join(broken[:5]) + (", ..." if len(broken) > 5 else "")
+        click.echo(
+            f"warning: {len(broken)} model(s) gave NaN or infinite logits ({shown}): their scores are noise, never the "
+            f"pick (see {result.out / 'report.md'}); sweep smaller coefficients",
             err=True,
         )
 
@@ -472,6 +522,7 @@ def summary(result) -> str:
                 if result.budget
                 else []
             ),
+            *([f"vector: {result.vector['verdict']}"] if result.vector else []),
             f"evaluated {len(result.evaluated)} models, resumed {resumed}; report: {result.out / 'report.md'}",
         ]
     )

@@ -26,6 +26,10 @@ class Number(click.FloatRange):
         return number
 
 
+# A seed option: numpy's generators take only seeds >= 0 and torch's only those below 2**64, so a negative or huge
+# one is refused as the flag's value rather than deep inside a draw (after models were scored)
+SEED = click.IntRange(0, 2**63 - 1)
+
 # Flags that lower a safety check: never offered as the correction of a mistyped flag (click suggests the closest
 # names, and `--lazy-unpickle` once came out as "Did you mean '--allow-pickle'?").
 UNSAFE_FLAGS = frozenset(

@@ -120,3 +120,85 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, **options) -> Extr
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:
     """The same merge kept in memory (engine.merge_state_dict), adapters audited first."""
     return engine.merge_state_dict(config, sources, gate=audit_gate)
+
+
+def declared_bases(adapters: list[str]) -> dict[str, str | None]:
+    """The base each adapter declares: adapter_config.json's base_model_name_or_path, else its card's base_model."""
+    from mergekit_lite.audits.adapter import card_base_model
+    from mergekit_lite.io.validation import read_json
+
+    declared = {}
+    for adapter in adapters:
+        config = read_json(Path(adapter) / "adapter_config.json")
+        named = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+        declared[adapter] = named or card_base_model(Path(adapter))
+    return declared
+
+
+def common_base(adapters: list[str], base: str | None) -> tuple[str, str]:
+    """(the base to audit against and read, the base the merged adapter declares): `base` when given, else the one
+    base every adapter declares; adapters declaring different bases (aliases normalised) are refused."""
+    from mergekit_lite.audits.declared_base import compare
+
+    declared = declared_bases(adapters)
+    named = {adapter: value for adapter, value in declared.items() if value}
+    first = next(iter(named.items()), None)
+    for adapter, value in named.items():
+        if first and value != first[1] and compare(first[1], value):
+            raise InputError(
+                f"the adapters are on different bases: {first[0]} declares {first[1]}, {adapter} declares {value}; "
+                "an adapter merge needs one base"
+            )
+    if base is None and first is None:
+        raise InputError(f"{adapters[0]}: declares no base (base_model_name_or_path); pass --base")
+    if base is None and len(named) < len(adapters):
+        missing = next(adapter for adapter in adapters if adapter not in named)
+        raise InputError(f"{missing}: declares no base (base_model_name_or_path); pass --base")
+    return (base or first[1]), (first[1] if first else base)
+
+
+def merge_adapters(
+    adapters: list[str],
+    out: str | Path,
+    settings,
+    *,
+    base: str | None = None,
+    force: bool = False,
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+    require_verified: bool = False,
+):
+    """merge.adapters.merge_adapters from adapter folders: each audited first against the base (`base`, else the one
+    the adapters declare), which is then read for DoRA updates and module names."""
+    from mergekit_lite.io.hub import resolve_model
+    from mergekit_lite.io.lora import LoraAdapter
+    from mergekit_lite.io.safetensors import open_model
+    from mergekit_lite.merge.adapters import merge_adapters as write_merged
+
+    if len(set(map(str, adapters))) != len(adapters):
+        raise InputError("an adapter is named twice; give each once, with its weight")
+    adapters = [str(adapter) for adapter in adapters]
+    for adapter in adapters:
+        if not LoraAdapter.is_adapter_dir(adapter):
+            raise InputError(f"{adapter}: no adapter_config.json (not a PEFT adapter folder)")
+    settings.check(len(adapters))
+    host, declared = common_base(adapters, base)
+    reports = [
+        gate_adapter(adapter, host, force=force, allow_pickle=allow_pickle, require_verified=require_verified)
+        for adapter in adapters
+    ]
+    opened = [LoraAdapter.open(adapter, allow_pickle=allow_pickle) for adapter in adapters]
+    source = open_model(resolve_model(host), allow_pickle=allow_pickle)
+    try:
+        return write_merged(
+            opened,
+            source,
+            out,
+            settings,
+            declared_base=declared,
+            overwrite=overwrite,
+            inputs=adapters,
+            audits=[{"adapter": r.adapter, "verdict": r.verdict, "reasons": r.reasons} for r in reports],
+        )
+    finally:
+        source.close()

@@ -98,7 +98,7 @@ def run_demo(
     echo("[4/4] writing the summary")
     summary_file = out / "SUMMARY.md"
     summary_file.write_text(summary_markdown(sweeps, audits))
-    (out / "summary.json").write_text(json.dumps(summary_data(sweeps, audits), indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary_data(sweeps, audits), indent=2, allow_nan=False) + "\n")
     return DemoResult(out, pair, audits, sweeps, summary_file)
 
 

@@ -68,6 +68,11 @@ class ToyConfig:
     max_shard_size: str | None = None
     post_layers: list[int] | None = None  # post-train only these decoder layers (None: the whole model)
     post_checkpoints: list[int] | None = None  # also save post-training at these steps (a training run's checkpoints)
+    # forgetting that sits in these decoder layers by construction (what a per-layer-group sweep should find):
+    # post_layers learn the new skill beside the old one (no forgetting there), then these layers alone learn wrong
+    # old answers while keeping the new ones
+    forget_layers: list[int] | None = None
+    forget_steps: int = 100
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,38 @@ def make_skills(entities: list[str], rng: random.Random) -> tuple[Skill, Skill]:
     old_answers = {e: rng.choice(COLORS) for e in entities}
     new_answers = {e: rng.choice([c for c in COLORS if c != old_answers[e]]) for e in entities}
     return Skill(OLD_TASK, "coat", old_answers), Skill(NEW_TASK, "car", new_answers)
+
+
+def wrong_answers(old: Skill, new: Skill) -> dict[str, str]:
+    """Per entity a color that is neither its old nor its new answer (the first such after the old one)."""
+    wrong = {}
+    for entity, answer in old.answers.items():
+        start = COLORS.index(answer)
+        candidates = [COLORS[(start + step) % len(COLORS)] for step in range(1, len(COLORS))]
+        wrong[entity] = next(color for color in candidates if color != new.answers[entity])
+    return wrong
+
+
+def forget_in_layers(model, tokenizer, old: Skill, new: Skill, config: ToyConfig) -> None:
+    """Post-training whose forgetting sits in `forget_layers`: `post_layers` (default: the other layers) learn the new
+    skill while keeping the old one, then `forget_layers` alone learn wrong old answers while keeping the new ones."""
+    entities = sorted(old.answers)
+    learners = config.post_layers or [i for i in range(config.n_layers) if i not in config.forget_layers]
+    wrong = Skill(old.task, old.relation, wrong_answers(old, new))
+    for first, layers, steps in (
+        (old, learners, config.post_steps),
+        (wrong, config.forget_layers, config.forget_steps),
+    ):
+        batches = [answer_batch(tokenizer, skill, entities) for skill in (first, new)]
+        parameters = [p for i in layers for p in model.model.layers[i].parameters()]
+        fit(
+            model,
+            torch.cat([ids for ids, _ in batches]),
+            torch.cat([labels for _, labels in batches]),
+            steps,
+            config.learning_rate,
+            parameters,
+        )
 
 
 def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
@@ -285,7 +322,18 @@ def build_toy_pair(out_dir: str | Path, seed: int = 0, **options) -> ToyPair:
             if step in steps:
                 save_model(model, tokenizer, steps[step], config)
 
-        train(model, tokenizer, new_skill, config.post_steps, config.learning_rate, config.post_layers, save_checkpoint)
+        if config.forget_layers:
+            forget_in_layers(model, tokenizer, old_skill, new_skill, config)
+        else:
+            train(
+                model,
+                tokenizer,
+                new_skill,
+                config.post_steps,
+                config.learning_rate,
+                config.post_layers,
+                save_checkpoint,
+            )
         save_model(model, tokenizer, paths.post_dir, config)
 
     write_task(paths.task_dir, old_skill.task, multiple_choice_docs(old_skill, new_skill, rng))

@@ -110,6 +110,40 @@ def test_fan_in_fan_out_conv1d(tmp_path):
     assert_matches_peft(adapter, base_state, merged)
 
 
+def assert_apply_matches_peft(adapter: LoraAdapter, base_state: dict, merged: dict) -> None:
+    """Every target's merged weight from `apply` is PEFT's merge_and_unload's; the rest are untouched."""
+    for name in adapter.targets():
+        torch.testing.assert_close(adapter.apply(name, base_state[name]), merged[name], rtol=1e-5, atol=1e-6)
+    for name in set(base_state) - set(adapter.targets()) - set(adapter.replaced()):
+        torch.testing.assert_close(base_state[name], merged[name])
+
+
+@pytest.mark.parametrize(
+    "model, config",
+    [
+        (tiny_llama, dict(target_modules=["q_proj", "down_proj", "embed_tokens"])),
+        (tiny_llama, dict(target_modules=["q_proj", "v_proj"], use_rslora=True)),
+        (tiny_gpt2, dict(target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)),
+    ],
+    ids=["linear+embedding", "rslora", "conv1d"],
+)
+def test_dora_folds_as_merge_and_unload(tmp_path, model, config):
+    """DoRA's row-normalised merge, against PEFT's own merge_and_unload after real training steps (so m moved)."""
+    base_state, merged = train_and_merge(model(), LoraConfig(r=4, lora_alpha=8, use_dora=True, **config), tmp_path)
+    adapter = LoraAdapter.open(tmp_path)
+    assert any(adapter.is_dora(name) for name in adapter.weight_targets())
+    plain = next(name for name in adapter.weight_targets() if adapter.is_dora(name))
+    assert not torch.allclose(base_state[plain] + adapter.delta(plain), merged[plain], atol=1e-4), "DoRA is not +dW"
+    assert_apply_matches_peft(adapter, base_state, merged)
+
+
+def test_dora_magnitude_without_use_dora_is_refused(tmp_path):
+    train_and_merge(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), tmp_path / "dora", 1)
+    folder = copy_adapter(tmp_path / "dora", tmp_path / "edited", lambda c: {**c, "use_dora": False})
+    with pytest.raises(InputError, match="DoRA magnitude vector but the config does not set use_dora"):
+        LoraAdapter.open(folder)
+
+
 @pytest.fixture(scope="module")
 def saved_adapter(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora") / "adapter"
@@ -149,7 +183,7 @@ def drop_lora_b(tensors):
 @pytest.mark.parametrize(
     "edit_config, edit_weights, message",
     [
-        (lambda c: {**c, "use_dora": True}, None, "DoRA"),
+        (lambda c: {**c, "use_dora": True}, None, "no lora_magnitude_vector, which use_dora \\(DoRA\\) needs"),
         (lambda c: {k: v for k, v in c.items() if k != "r"}, None, "no r \\(required\\)"),
         (lambda c: {**c, "r": 8}, None, "config says r=8"),
         (None, drop_lora_b, "layers.1.self_attn.q_proj has no lora_B"),
@@ -223,7 +257,6 @@ def test_wrong_types_are_one_line_naming_key_and_type(saved_adapter, tmp_path, e
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"use_dora": True}, "DoRA"),
         ({"target_parameters": ["experts.gate_up_proj"]}, "target_parameters adapts raw parameters"),
         ({"trainable_token_indices": [1, 2]}, "sparse token rows"),
         ({"layer_replication": [[0, 2], [1, 2]]}, "duplicates base layers"),

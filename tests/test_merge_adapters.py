@@ -73,6 +73,29 @@ def test_adapter_merged_alone_equals_peft_merge_and_unload(setup, tmp_path):
         np.testing.assert_allclose(merged[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_dora_adapter_merges_as_peft_merge_and_unload(setup, tmp_path):
+    """DoRA is folded (each row of W + scaling*B@A rescaled to its trained magnitude), not refused: the merge at
+    alpha 1 is PEFT's merge_and_unload, and at alpha 0.5 halfway between the base and it."""
+    root, _, _ = setup
+    with torch_threads(1):
+        model = get_peft_model(
+            LlamaForCausalLM.from_pretrained(root / "base"),
+            LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "down_proj"], use_dora=True),
+        )
+        train_lora(model, steps=4, seed=5).save_pretrained(tmp_path / "dora")
+    base, expected = read(root / "base"), peft_merged(root / "base", tmp_path / "dora")
+    for alpha in ("1", "0.5"):
+        result = cli(
+            "merge", "--method", "linear", "--base", root / "base", "--model", tmp_path / "dora",
+            "--alpha", alpha, "--out", tmp_path / alpha, "--quiet",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        merged = read(tmp_path / alpha)
+        for name in expected:
+            want = base[name] + float(alpha) * (expected[name] - base[name])
+            np.testing.assert_allclose(merged[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_two_adapters_as_task_vectors(setup, tmp_path):
     root, first, second = setup
     base = read(root / "base")

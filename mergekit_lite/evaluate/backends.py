@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.lm_eval_settings import setting_items
 
 BACKENDS = ("hf", "vllm")
 VLLM_DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -51,13 +52,10 @@ def parse_vllm_options(text: str | None) -> VllmOptions:
         return VllmOptions()
     types = {field.name: field.type for field in fields(VllmOptions)}
     values: dict[str, object] = {}
-    for part in text.split(","):
-        name, equals, raw = part.partition("=")
-        name = name.strip()
-        if not equals or name not in types:
-            known = ", ".join(types)
-            raise InputError(f"--vllm-args: {part.strip()!r} is not NAME=VALUE with NAME one of {known}")
-        values[name] = _convert(name, raw.strip(), types[name])
+    for name, raw in setting_items("--vllm-args", text):
+        if name not in types:
+            raise InputError(f"--vllm-args: {name!r} is not one of {', '.join(types)}")
+        values[name] = _convert(name, raw, types[name])
     return VllmOptions(**values)
 
 

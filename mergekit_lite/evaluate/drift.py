@@ -3,7 +3,7 @@ on texts, how much each layer's representations moved (linear CKA).
 
 Drift of a tensor W: ||W_post - W_pre||_F / ||W_pre||_F. A group of tensors (a layer, a module type) is measured
 as one vector: sqrt(sum of squared differences) / sqrt(sum of squared pre weights), so a large tensor weighs by
-its size, not by its count. Differences are taken in float32 (the precision merges compute in), their squares
+its size, not by its count. Differences are taken in float32 (the precision merges compute in), squared and
 summed in float64, so a model of billions of entries loses nothing to the sum's rounding.
 
 Tensors stream one pair at a time, a plain safetensors tensor in row slabs of the merge engine's size
@@ -34,6 +34,7 @@ from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.safetensors import ModelSource
 from mergekit_lite.io.sources import RenamedSource, TensorSource, open_inputs
 from mergekit_lite.merge.config import is_embedding
+from mergekit_lite.merge.finite import all_finite, nonfinite_message, tensor_file
 from mergekit_lite.merge.plan import layer_index
 from mergekit_lite.merge.recall import find_tokenizer_dir
 from mergekit_lite.merge.slabs import SLAB_BYTES
@@ -128,10 +129,11 @@ class TensorDrift:
     module: str
     diff_sq: float
     pre_sq: float
+    finite: bool = True  # False: pre or post holds NaN or Inf here (read with allow_nonfinite): no drift to give
 
     @property
     def relative_drift(self) -> float | None:
-        return relative(self.diff_sq, self.pre_sq)
+        return relative(self.diff_sq, self.pre_sq) if self.finite else None
 
 
 def relative(diff_sq: float, pre_sq: float) -> float | None:
@@ -143,6 +145,9 @@ def relative(diff_sq: float, pre_sq: float) -> float | None:
 
 
 def group_drift(tensors: list[TensorDrift]) -> float | None:
+    """A group's drift; None when a tensor of it holds NaN or Inf (its drift is no number)."""
+    if not all(t.finite for t in tensors):
+        return None
     return relative(math.fsum(t.diff_sq for t in tensors), math.fsum(t.pre_sq for t in tensors))
 
 
@@ -186,6 +191,11 @@ class DriftReport:
             "outside_layers": self.outside,
             "modules": self.modules,
         }
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """The tensors whose drift is null because pre or post holds NaN or Inf there."""
+        return [t.name for t in self.tensors if not t.finite]
 
     def module_columns(self) -> list[str]:
         present = {module for row in self.layers for module in row.modules} | set(self.outside)
@@ -269,16 +279,37 @@ def _slabs(pre: TensorSource, post: TensorSource, name: str):
         )
 
 
-def tensor_drift(pre: TensorSource, post: TensorSource, name: str, model_layout: Layout) -> TensorDrift:
-    """Squared difference (float32, summed in float64) and squared pre norm of one tensor, slab by slab."""
+DRIFT_REMEDY = "pass --allow-nonfinite to report its drift as null"
+
+
+def tensor_drift(
+    pre: TensorSource,
+    post: TensorSource,
+    name: str,
+    model_layout: Layout,
+    allow_nonfinite: bool = False,
+    remedy: str | None = DRIFT_REMEDY,
+) -> TensorDrift:
+    """Squared difference (float32, summed in float64) and squared pre norm of one tensor, slab by slab. NaN or Inf
+    in either is refused (merge/finite.py), or with `allow_nonfinite` gives a tensor without a drift."""
     diff_sq = pre_sq = 0.0
+    finite = True
     for before, after in _slabs(pre, post, name):
-        diff_sq += torch.sum(torch.square(after - before), dtype=torch.float64).item()
-        pre_sq += torch.sum(torch.square(before.to(torch.float64))).item()
-    return TensorDrift(name, layer_index(name, model_layout), module_type(name, model_layout), diff_sq, pre_sq)
+        for source, piece in ((pre, before), (post, after)):
+            if not all_finite(piece):
+                if not allow_nonfinite:
+                    raise InputError(nonfinite_message(name, tensor_file(source, name), remedy))
+                finite = False
+        if finite:
+            diff_sq += torch.sum(torch.square((after - before).to(torch.float64))).item()
+            pre_sq += torch.sum(torch.square(before.to(torch.float64))).item()
+    layer, module = layer_index(name, model_layout), module_type(name, model_layout)
+    return TensorDrift(name, layer, module, diff_sq if finite else 0.0, pre_sq if finite else 0.0, finite)
 
 
-def weight_drift(pre: str, post: str) -> list[TensorDrift]:
+def weight_drift(
+    pre: str, post: str, allow_nonfinite: bool = False, remedy: str | None = DRIFT_REMEDY
+) -> list[TensorDrift]:
     """Every tensor's drift, PRE's tensors in on-disk order (a pass reads each shard front to back)."""
     reference, other = open_pair(pre, post)
     try:
@@ -286,17 +317,21 @@ def weight_drift(pre: str, post: str) -> list[TensorDrift]:
         drifts = []
         for name in reference.names:
             interrupts.check()
-            drifts.append(tensor_drift(reference, other, name, model_layout))
+            drifts.append(tensor_drift(reference, other, name, model_layout, allow_nonfinite, remedy))
         return drifts
     finally:
         reference.close()
         other.close()
 
 
-def model_drift(pre: str, post: str, texts: list[str] | None = None, max_length: int = 256) -> DriftReport:
-    """The whole report: weight drift, and with `texts` each decoder layer's linear CKA."""
-    tensors = weight_drift(pre, post)
+def model_drift(
+    pre: str, post: str, texts: list[str] | None = None, max_length: int = 256, allow_nonfinite: bool = False
+) -> DriftReport:
+    """The whole report: weight drift, and with `texts` each decoder layer's linear CKA (None where the
+    representations are not finite)."""
+    tensors = weight_drift(pre, post, allow_nonfinite)
     cka = layer_cka(pre, post, texts, max_length) if texts else None
+    cka = None if cka is None else [value if value is None or math.isfinite(value) else None for value in cka]
     return summarise(pre, post, tensors, cka)
 
 

@@ -5,9 +5,18 @@ bad one before any work."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from mergekit_lite.errors import InputError
+from mergekit_lite.io.validation import (
+    TagsIgnoredLoader,
+    is_regular_inside,
+    parse_yaml,
+    read_text,
+    require_regular_inside,
+)
 
 # lm-eval's --model_args an in-memory model takes: HFLM's own (how prompts are cut and scored) and those that shape
 # how transformers builds the model; the rest (pretrained, dtype, device, peft, ...) the sweep sets itself
@@ -23,6 +32,36 @@ HFLM_ARGS = (
     "enable_thinking",
 )
 LOADING_ARGS = ("attn_implementation", "trust_remote_code")
+# the type each of them takes, as HFLM's __init__ and from_pretrained annotate it (tests compare with HFLM's
+# signature): lm-eval passes the value through untyped, so `max_length=abc` would fail only once a prompt is cut
+MODEL_ARG_TYPES = {
+    "max_length": int,
+    "truncation": bool,
+    "add_bos_token": bool,
+    "prefix_token_id": int,
+    "logits_cache": bool,
+    "max_batch_size": int,
+    "softmax_dtype": str,
+    "think_end_token": (str, int),
+    "enable_thinking": bool,
+    "attn_implementation": str,
+    "trust_remote_code": bool,
+}
+POSITIVE_MODEL_ARGS = ("max_length", "max_batch_size")
+# generation arguments lm-eval and transformers' generate() read as numbers or switches; a string there fails
+# only at the first generation
+GEN_KWARG_TYPES = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "max_gen_toks": int,
+    "max_new_tokens": int,
+    "min_new_tokens": int,
+    "num_beams": int,
+    "repetition_penalty": float,
+    "do_sample": bool,
+}
+TYPE_NAMES = {int: "a whole number", float: "a number", bool: "True or False", str: "text"}
 
 
 @dataclass(frozen=True)
@@ -54,13 +93,14 @@ class LmEvalSettings:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InputError(f"{name} must be a string, got {value!r}")
-        self.generation_args()
+        _check_types("gen_kwargs", self.generation_args(), GEN_KWARG_TYPES)
         unknown = [name for name in self.model_arguments() if name not in HFLM_ARGS + LOADING_ARGS]
         if unknown:
             raise InputError(
                 f"model_args: {unknown[0]!r} is not one a sweep passes on (it sets the model, dtype and "
                 f"device itself); it takes {', '.join(HFLM_ARGS + LOADING_ARGS)}"
             )
+        _check_types("model_args", self.model_arguments(), MODEL_ARG_TYPES)
 
     @property
     def multiturn(self) -> bool:
@@ -113,10 +153,61 @@ class LmEvalSettings:
 LM_EVAL_KEYS = tuple(item.name for item in fields(LmEvalSettings))
 
 
+def setting_items(name: str, text: str | None) -> list[tuple[str, str]]:
+    """The NAME=VALUE items of a "k=v,k=v" setting (lm-eval's --model_args and --gen_kwargs syntax, --vllm-args),
+    each checked: an item without '=', with no name or no value, or a name given twice is refused in one line
+    naming it (lm-eval itself would pass `temperature` on as an empty string, and `=1` under an empty name)."""
+    items, seen = [], set()
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue  # "a=1,,b=2": lm-eval skips empty items too
+        key, equals, value = item.partition("=")
+        key, shown = key.strip(), item.strip()[:200]
+        if not equals:
+            raise InputError(f"{name}: {shown!r} is not NAME=VALUE (no '='); write {shown}=VALUE")
+        if not key:
+            raise InputError(f"{name}: {shown!r} has no NAME before its '='")
+        if not value.strip():
+            raise InputError(f"{name}: {shown!r} gives {key} no value")
+        if key in seen:
+            raise InputError(f"{name}: {key!r} is given twice")
+        seen.add(key)
+        items.append((key, value.strip()))
+    return items
+
+
+def _check_types(name: str, values: dict, types: dict) -> None:
+    """Values of the known arguments of the type their reader takes (lm-eval types a value by its look: 2048 is a
+    number, True a boolean, anything else text), before any model is read."""
+    for key, value in values.items():
+        wanted = types.get(key)
+        if wanted is None:
+            continue
+        kinds = wanted if isinstance(wanted, tuple) else (wanted,)
+        fits = any(
+            isinstance(value, kind)
+            and (kind is bool or not isinstance(value, bool))
+            or kind is float
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            for kind in kinds
+        )
+        if fits and isinstance(value, float) and not math.isfinite(value):
+            fits = False
+        if fits and key in POSITIVE_MODEL_ARGS and value < 1:
+            fits = False
+        if not fits:
+            expected = " or ".join(TYPE_NAMES[kind] for kind in kinds)
+            if key in POSITIVE_MODEL_ARGS:
+                expected = "a whole number >= 1"
+            raise InputError(f"{name}: {key}={value!r} is not {expected}")
+
+
 def _parsed(name: str, text: str | None) -> dict:
     """A "k=v,k=v" string as lm-eval reads it (values typed: numbers, booleans), a bad one as a one-line error."""
     if not text:
         return {}
+    setting_items(name, text)
     from lm_eval.utils import simple_parse_args_string
 
     try:
@@ -145,3 +236,24 @@ def parse_limit(limit) -> int | float | None:
     ):
         raise InputError(f"limit must be a whole number of docs >= 1 or a share of them in (0, 1), got {limit!r}")
     return int(value) if value >= 1 else float(value)
+
+
+def check_task_folder(folder: str | os.PathLike) -> None:
+    """Every file lm-eval reads under --include-path is a regular file inside it (a FIFO would block lm-eval for
+    ever, a link out would be read), and so is every file a task YAML's `include:` names (lm-eval reads it relative
+    to the YAML, or at an absolute path): checked before lm-eval indexes the folder."""
+    root = Path(folder)
+    for where, _, names in os.walk(root):
+        for name in sorted(names):
+            path = require_regular_inside(Path(where) / name, root)
+            if not name.endswith((".yaml", ".yml")):
+                continue
+            data = parse_yaml(read_text(path), path, TagsIgnoredLoader)
+            includes = data.get("include") if isinstance(data, dict) else None
+            for include in includes if isinstance(includes, list) else [includes] if includes is not None else []:
+                target = Path(where) / str(include)
+                if not is_regular_inside(target, root):
+                    raise InputError(
+                        f"{path}: include: {str(include)[:200]!r} is not a regular file inside the --include-path "
+                        f"{folder}; refused, nothing outside the folders named is read"
+                    )

@@ -18,6 +18,7 @@ from pathlib import Path
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.lm_eval_settings import LmEvalSettings
 from mergekit_lite.evaluate.outcomes import SampleOutcomes, ScoringRule, outcomes_from_lm_eval
+from mergekit_lite.io.outputs import check_chat_template_text
 
 # Everything is local; without these, lm-eval/datasets may wait on a network that isn't there.
 # Set at import because huggingface_hub reads them once, when it is first imported.
@@ -102,6 +103,43 @@ def _unknown_tasks(manager, tasks: list[str]) -> list[str]:
     return [task for task in tasks if task not in known]
 
 
+def check_fewshot_pools(tasks: list[str], include_path: str | None, shots: dict[str, int]) -> None:
+    """Each flag asking for K demonstrations (`shots`: flag -> K, e.g. --num-fewshot, --realign-shots) against every
+    task's pool of them, before any model is scored: lm-eval draws K docs at random from the task's few-shot split
+    (K + 1 when that is the split being scored, the doc itself then left out), and a pool smaller than that fails
+    only at the first prompt ("Sample larger than population"), after pre and post were scored."""
+    shots = {flag: k for flag, k in shots.items() if k}
+    if not shots:
+        return
+    from lm_eval.tasks import get_task_dict
+
+    with _silenced_stderr():
+        leaves = _leaf_tasks(get_task_dict(tasks, task_index(tasks, include_path)))
+    for name, task in sorted(leaves.items()):
+        pool = task.fewshot_docs()
+        if pool is None:
+            continue
+        same = getattr(getattr(task, "fewshot_cfg", None), "split", None) == task.config.test_split
+        for flag, k in shots.items():
+            most = len(pool) - same
+            if k > most:
+                split = " (its test split, less the doc scored)" if same else ""
+                raise InputError(
+                    f"{flag} {k}: task {name!r} has {most} docs to draw demonstrations from{split}; give at most {most}"
+                )
+
+
+def _leaf_tasks(task_dict: dict) -> dict:
+    """lm-eval's nested {group: {task: Task}} as {task name: Task}."""
+    leaves = {}
+    for key, value in task_dict.items():
+        if isinstance(value, dict):
+            leaves.update(_leaf_tasks(value))
+        else:
+            leaves[getattr(value, "task_name", None) or getattr(key, "group_name", key)] = value
+    return leaves
+
+
 def check_chat_template(tokenizer, settings: LmEvalSettings, where: str) -> None:
     """--apply-chat-template needs a tokenizer with a chat template (a named one: a template of that name), checked
     before any model is read; lm-eval itself would fail only once the first prompt is built."""
@@ -113,6 +151,7 @@ def check_chat_template(tokenizer, settings: LmEvalSettings, where: str) -> None
             f"--apply-chat-template: the tokenizer in {where} has no chat template (chat_template in "
             "tokenizer_config.json or chat_template.jinja); give a model whose tokenizer has one"
         )
+    check_chat_template_text(template, f"--apply-chat-template: the chat template of the tokenizer in {where}")
     name = settings.apply_chat_template
     if isinstance(template, dict):
         wanted = "default" if name is True else name

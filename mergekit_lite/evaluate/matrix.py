@@ -13,6 +13,7 @@ the other rows; replay (§5) draws docs with weights softmax(score / T).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -106,6 +107,11 @@ def _gold_ll(outcomes: SampleOutcomes, key: str, where: str) -> float:
         raise InputError(
             f"{where}: task {outcomes.task!r} doc {key!r}: lm-eval logged no log-likelihood of the gold "
             "answer (a generative task?); use --value outcome"
+        )
+    if not math.isfinite(text.gold_loglikelihood):  # NaN never gets here (records.py reads it as not logged)
+        raise InputError(
+            f"{where}: task {outcomes.task!r} doc {key!r}: the gold answer's log-likelihood is "
+            f"{text.gold_loglikelihood} (a drop from or to it is no number the matrix can hold); use --value outcome"
         )
     return text.gold_loglikelihood
 

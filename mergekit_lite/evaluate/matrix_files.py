@@ -38,7 +38,7 @@ def summary(matrix: ForgettingMatrix, r2: list[float], tables: list[CompletionTa
 def write_matrix(folder: Path, matrix: ForgettingMatrix, payload: dict) -> None:
     """matrix.json, matrix.npz (Z in float32 with its docs), matrix.png and rank.png into `folder` (a folder
     being written whole or not at all)."""
-    (folder / "matrix.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (folder / "matrix.json").write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
     docs = matrix.docs
     with open(folder / "matrix.npz", "wb") as handle:
         np.savez_compressed(

@@ -125,7 +125,7 @@ def replay_records(
 
 
 def jsonl(records: Sequence[dict]) -> str:
-    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    return "".join(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n" for record in records)
 
 
 # --- alerts ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 A merge needs, per base tensor, what the adapter does to it: an update added to it (`targets()` / `delta()`:
 `scaling * B @ A` on a weight, and with `lora_bias` `scaling * lora_B.bias` on that layer's bias), or a full
 tensor that takes its place (`modules_to_save`, trained biases: `replaced()` / `replacement()`). The two sets
-never overlap.
+never overlap. A DoRA adapter (`use_dora`) also rescales each output row of `W + scaling * B @ A` to a trained
+magnitude, so its merged weight depends on the base weight: `apply()` gives it as PEFT's merge_and_unload does.
 
 When PEFT targets an embedding it also saves an untouched copy of the base embedding
 (`<module>.base_layer.weight`). That copy is not an update: it is kept apart (`copied_base()` /
@@ -36,6 +37,7 @@ LINEAR_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.w
 LORA_BIAS = re.compile(
     r"^(?P<module>.+)\.lora_B(?:\.[^.]+)?\.bias$"
 )  # lora_bias: B's own bias, merged into the layer's
+MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.[^.]+)?$")  # DoRA's m, one per output feature
 EMBEDDING_FACTOR = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<side>[AB])(?:\.[^.]+)?$")
 SAVED_MODULE_INFIX = re.compile(r"\.modules_to_save(?:\.[^.]+)?\.")
 BASE_LAYER_INFIX = ".base_layer."
@@ -48,7 +50,6 @@ RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 # Options with a default under which the weights are `scaling * B @ A`; any other value is refused, with why.
 REFUSED_OPTIONS = {
-    "use_dora": "DoRA (use_dora) rescales each column by a trained magnitude vector, so the update is not scaling*B@A",
     "enable_lora": "enable_lora (PEFT 0.1-0.2's MergedLinear) stores grouped factors for parts of a fused layer",
     "target_parameters": "target_parameters adapts raw parameters (e.g. fused MoE experts), not module weights",
     "trainable_token_indices": "trainable_token_indices stores sparse token rows, not LoRA factors",
@@ -173,6 +174,7 @@ class _Factors:
     b_key: str
     embedding: bool
     bias_key: str | None = None  # lora_B's bias (lora_bias), added to the layer's bias
+    magnitude_key: str | None = None  # DoRA's magnitude vector (use_dora)
 
 
 class _TensorFile:
@@ -295,8 +297,9 @@ def _classify_keys(weights: _TensorFile) -> tuple[dict[str, dict[str, str]], set
     for key in weights.keys():
         name = _strip_prefix(key)
         match = LINEAR_FACTOR.match(name) or EMBEDDING_FACTOR.match(name) or LORA_BIAS.match(name)
+        match = match or MAGNITUDE.match(name)
         if match:
-            side = "bias" if match.re is LORA_BIAS else match["side"]
+            side = {LORA_BIAS: "bias", MAGNITUDE: "magnitude"}.get(match.re) or match["side"]
             module_sides = sides.setdefault(match["module"], {})
             if side in module_sides:
                 raise InputError(
@@ -327,7 +330,19 @@ def _module_factors(
                 f"{weights.path}: {module} has a lora_B bias but the config does not set lora_bias "
                 "(PEFT would leave it out of the model)"
             )
-        factor = _Factors(module_sides["A"], module_sides["B"], module in embeddings, module_sides.get("bias"))
+        if ("magnitude" in module_sides) != bool(config.get("use_dora")):
+            raise InputError(
+                f"{weights.path}: {module} has a DoRA magnitude vector but the config does not set use_dora"
+                if "magnitude" in module_sides
+                else f"{weights.path}: {module} has no lora_magnitude_vector, which use_dora (DoRA) needs"
+            )
+        factor = _Factors(
+            module_sides["A"],
+            module_sides["B"],
+            module in embeddings,
+            module_sides.get("bias"),
+            module_sides.get("magnitude"),
+        )
         rank, scaling[f"{module}.weight"] = _scaling(config, module)
         _check_factor_shapes(weights, module, factor, rank)
         factors[f"{module}.weight"] = factor
@@ -469,6 +484,45 @@ class LoraAdapter:
             return a.T, b.T * scale
         return b * scale, a
 
+    def lora_factors(self, base_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, A) as PEFT stores them, float32: `scaling * B @ A` is the update in the factor layout ([out, in] of
+        the layer; an embedding's or a Conv1D's is its weight transposed, see `in_factor_layout`)."""
+        factor = self._factors[base_name]
+        return self._file.load(factor.b_key).to(torch.float32), self._file.load(factor.a_key).to(torch.float32)
+
+    def in_factor_layout(self, base_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A base-layout weight in the factor layout (or back: the map is its own inverse)."""
+        return tensor.T if self._transposed(self._factors[base_name]) else tensor
+
+    def is_embedding(self, base_name: str) -> bool:
+        """Whether a weight target's factors are embedding-style (lora_embedding_A/B)."""
+        return self._factors[base_name].embedding
+
+    def factor_dtype(self, base_name: str) -> torch.dtype:
+        """The dtype a weight target's factors are stored in."""
+        return self._file.load(self._factors[base_name].a_key).dtype
+
+    def is_dora(self, base_name: str) -> bool:
+        """Whether a weight target carries a DoRA magnitude vector."""
+        factor = self._factors.get(base_name)
+        return factor is not None and factor.magnitude_key is not None
+
+    def magnitude(self, base_name: str) -> torch.Tensor:
+        """DoRA's trained magnitude m, one value per row of the factor layout, float32."""
+        return self._file.load(self._factors[base_name].magnitude_key).to(torch.float32)
+
+    def apply(self, base_name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The merged tensor for a target, float32, from the base tensor: `weight + delta`, and under DoRA
+        `m * (W + scaling*B@A) / ||W + scaling*B@A||` with the norm of each row of the factor layout (over the
+        input features; DoRA paper, Liu et al. 2024, eq. 5), as PEFT's DoraLinearVariant.merge_unsafe computes it
+        for linear, Conv1D (fan_in_fan_out) and embedding layers."""
+        merged = weight.to(torch.float32) + self.delta(base_name)
+        if not self.is_dora(base_name):
+            return merged
+        rows = self.in_factor_layout(base_name, merged)
+        scale = self.magnitude(base_name) / torch.linalg.vector_norm(rows, dim=1)
+        return self.in_factor_layout(base_name, rows * scale[:, None])
+
     def _transposed(self, factor: _Factors) -> bool:
         """Embeddings store (num_embeddings, dim) and Conv1D (fan_in_fan_out) stores (in, out): B@A is flipped."""
         return factor.embedding or bool(self.config.get("fan_in_fan_out"))
@@ -479,7 +533,8 @@ class LoraAdapter:
         return self._file.load(self._factors[weight].bias_key).to(torch.float32) * self.scaling[weight]
 
     def delta(self, base_name: str) -> torch.Tensor:
-        """The dense update for one base tensor, float32, in its shape."""
+        """The dense update `scaling * B @ A` for one base tensor, float32, in its shape. Under DoRA this is only
+        the update's direction part: the merged weight is `apply()`."""
         left, right = self.factors(base_name)
         return left @ right
 
@@ -507,6 +562,11 @@ def _check_factor_shapes(weights: _TensorFile, module: str, factor: _Factors, ra
     if factor.bias_key and weights.shape(factor.bias_key) != (b_shape[0],):
         raise InputError(
             f"{weights.path}: {module} has a lora_B bias of shape {list(weights.shape(factor.bias_key))} "
+            f"for B{list(b_shape)}"
+        )
+    if factor.magnitude_key and weights.shape(factor.magnitude_key) != (b_shape[0],):
+        raise InputError(
+            f"{weights.path}: {module} has a DoRA magnitude of shape {list(weights.shape(factor.magnitude_key))} "
             f"for B{list(b_shape)}"
         )
     if a_shape[0] != rank:

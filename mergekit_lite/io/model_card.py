@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.validation import is_regular_inside
+from mergekit_lite.io.validation import require_regular_inside
 
 CARD_FILE = "README.md"
 MAX_CARD_BYTES = 1 << 20
@@ -31,15 +31,16 @@ TAGS = ["merge", "mergekit-lite"]
 
 
 def read_card_metadata(folder) -> dict:
-    """The front matter of a folder's README.md, or {} when there is none, it links out of the folder, or it is not
-    a readable card: a card only adds information, so a bad one is simply not used."""
+    """The front matter of a folder's README.md, or {} when there is none or it is not a readable card: a card only
+    adds information, so a bad one is simply not used; one that links out of the folder is refused, never read."""
     from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
     from mergekit_lite.io.validation import parse_yaml, read_text
 
     path = Path(folder) / CARD_FILE
-    if not Path(folder).is_dir() or not is_regular_inside(path, Path(folder)):
+    if not Path(folder).is_dir() or not os.path.lexists(path):
         return {}
+    require_regular_inside(path, Path(folder))
     try:
         match = REGEX_YAML_BLOCK.search(read_text(path, limit=MAX_CARD_BYTES).removeprefix("\ufeff"))
         data = parse_yaml(match.group(2), path) if match else None

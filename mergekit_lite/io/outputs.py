@@ -28,7 +28,7 @@ from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.layout import INDEX_FILE, WEIGHT_SUFFIXES
 from mergekit_lite.io.model_card import CARD_FILE
-from mergekit_lite.io.validation import is_regular_inside, read_json
+from mergekit_lite.io.validation import check_folder_files, is_regular_inside, read_json, require_regular_inside
 
 OUTPUT_MARKER = ".mergekit-lite-output"
 FILE_RECORD_SUFFIX = ".mergekit-lite-output"  # `.NAME` + this: the record of an output file (`write_files`)
@@ -456,10 +456,11 @@ def check_free_space(out: str | os.PathLike, needed: int, refuse: bool = True) -
 
 
 def _side_file(folder: Path, name: str) -> Path | None:
-    """`folder/name` if it is a regular file inside `folder`, else None: the one rule every side file read
-    or copied from an input passes, so a link out of the model folder (to a secret, say) is never followed."""
+    """`folder/name` if it is there, None if not; the one rule every side file read or copied from an input
+    passes: one that is there but is a link out of the model folder (to a secret, say), a FIFO or a device is
+    refused in one line naming it, never followed nor silently left out of the output."""
     path = Path(folder) / name
-    return path if is_regular_inside(path, folder) else None
+    return require_regular_inside(path, folder) if os.path.lexists(path) else None
 
 
 def _copy_file(path: Path, out_folder: Path) -> None:
@@ -477,8 +478,9 @@ def copy_side_files(source_folder: Path, out_folder: Path, tokenizer: bool = Tru
     """Copy config, tokenizer and generation files (everything that is not weights) from a model folder; no
     tokenizer files unless `tokenizer` (mergekit's --no-copy-tokenizer).
 
-    Only regular files inside the folder are copied: a symlink that leaves it (to a secret, say) is not. Nor is the
-    input's model card (README.md): the output gets its own (io/model_card.py).
+    Every entry of the folder must be a regular file inside it (`check_folder_files`): a symlink that leaves it
+    (to a secret, say) is refused, not copied. The input's model card (README.md) is not copied: the output gets its
+    own (io/model_card.py).
     """
     copied = []
     source_folder = Path(source_folder)
@@ -486,6 +488,7 @@ def copy_side_files(source_folder: Path, out_folder: Path, tokenizer: bool = Tru
         raise InputError(f"{source_folder}: no such folder to copy config and tokenizer files from")
     if not source_folder.is_dir():
         return copied  # a bare .safetensors file has no side files
+    check_folder_files(source_folder)
     for item in sorted(source_folder.iterdir()):
         if (
             item.name.endswith(WEIGHT_SUFFIXES)
@@ -515,14 +518,41 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def has_chat_template(folder: Path) -> bool:
-    """A chat template as its own file (transformers 5) or inside tokenizer_config.json (earlier versions)."""
+    """A chat template as its own file (transformers 5) or inside tokenizer_config.json (earlier versions); one there
+    that is not a template (`chat_template: 5`) is refused, not carried into the output."""
     if any(_side_file(folder, name) for name in CHAT_TEMPLATE_FILES):
         return True
-    return "chat_template" in _json_or_empty(folder, TOKENIZER_CONFIG)
+    config = _json_or_empty(folder, TOKENIZER_CONFIG)
+    if "chat_template" in config:
+        check_chat_template_text(config["chat_template"], f"{Path(folder) / TOKENIZER_CONFIG}: chat_template")
+    return "chat_template" in config
+
+
+def check_chat_template_text(template, where: str) -> None:
+    """A chat template as transformers renders it: text that compiles as its Jinja (named templates: each of them),
+    else one line naming where it came from; transformers itself fails only when the first prompt is built."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    if isinstance(template, list):  # transformers' list form: [{"name": ..., "template": ...}]
+        template = {str(item.get("name")) if isinstance(item, dict) else "?": _template_of(item) for item in template}
+    for name, text in template.items() if isinstance(template, dict) else [(None, template)]:
+        label = where if name is None else f"{where} (template {name[:80]!r})"
+        if not isinstance(text, str):
+            raise InputError(f"{label}: expected a Jinja template (text), got {type(text).__name__} {str(text)[:40]}")
+        try:
+            _compile_jinja_template(text)
+        except TemplateError as error:
+            reason = " ".join(str(error).split())[:200]
+            raise InputError(f"{label}: not a valid Jinja template ({reason})") from None
+
+
+def _template_of(item):
+    return item.get("template") if isinstance(item, dict) else item
 
 
 def _json_or_empty(folder: Path, name: str) -> dict:
-    """A side file's JSON object, or {} when it is missing, outside the folder or not a JSON object: these
+    """A side file's JSON object, or {} when it is missing or not a JSON object (one linking out is refused): these
     files only decide what to carry over, so a bad one is simply not used."""
     path = _side_file(folder, name)
     try:
@@ -536,7 +566,7 @@ def keep_post_trained_files(donor: Path, candidates: list[Path], out_folder: Pat
     """The chat template and generation config of a post-trained input, when the donor (usually the
     pre-trained base) has none: a base merged with its instruct model should still chat and stop at the
     instruct model's eos. The first candidate that has one gives it; a note says which. Only files that
-    pass `_side_file` count, as for the donor's own side files: a link out of a folder is as good as absent."""
+    pass `_side_file` count, as for the donor's own side files: a link out of a folder is refused."""
     notes = []
     if not has_chat_template(donor):
         for candidate in candidates:

@@ -26,7 +26,14 @@ from pydantic import BaseModel, ConfigDict
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.direct import DirectFile
 from mergekit_lite.io.layout import INDEX_FILE, MAX_READ_BYTES, SINGLE_FILE, inner_models_hint
-from mergekit_lite.io.validation import open_regular, parse_json, read_json, require_regular_inside, validate
+from mergekit_lite.io.validation import (
+    check_folder_files,
+    open_regular,
+    parse_json,
+    read_json,
+    require_regular_inside,
+    validate,
+)
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -351,6 +358,7 @@ def open_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelSour
         return _nonempty(ModelSource(path, read_header(path), None))
     if not path.is_dir():
         raise InputError(f"{path}: no such file or folder")
+    check_folder_files(path)  # every side file too: transformers and PEFT open them by name later
     config = read_model_config(path)
     if os.path.lexists(path / INDEX_FILE):
         return _nonempty(ModelSource(path, _indexed_entries(path), config))

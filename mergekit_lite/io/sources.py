@@ -98,7 +98,8 @@ def untie_heads(sources: list[TensorSource]) -> list[TensorSource]:
 
 
 class AdapterSource:
-    """A LoRA adapter seen as the full model it makes: base tensor + scaling*B@A, in float32 where it applies.
+    """A LoRA adapter seen as the full model it makes: base tensor + scaling*B@A (DoRA: rescaled per row, see
+    LoraAdapter.apply), in float32 where it applies.
 
     PEFT names the modules it adapts as they are in memory; where transformers converts names on load
     (e.g. a multimodal wrapper), they are mapped to the base's on-disk names through that conversion."""
@@ -145,7 +146,7 @@ class AdapterSource:
         adapter_name = self._adapter_name[name]
         if adapter_name in self.adapter.replaced():
             return self.adapter.replacement(adapter_name).to(torch.float32)
-        return self.base.load(name).to(torch.float32).add_(self.adapter.delta(adapter_name))
+        return self.adapter.apply(adapter_name, self.base.load(name))
 
     def close(self) -> None:
         """The adapter's own file is opened per read; the base is the one to close."""

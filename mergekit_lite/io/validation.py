@@ -60,8 +60,47 @@ def is_regular_inside(path: Path, folder: Path) -> bool:
 def require_regular_inside(path: Path, folder: Path) -> Path:
     """`path` if `is_regular_inside(path, folder)`; otherwise a user error, before anything opens it."""
     if not is_regular_inside(path, folder):
-        raise InputError(f"{path}: not a regular file inside {folder} (a link out of the folder, a FIFO or a device)")
+        raise InputError(f"{path}: not a regular file inside {folder} ({_why_not_inside(path)})")
     return path
+
+
+def _why_not_inside(path: Path) -> str:
+    if os.path.islink(path) and not os.path.exists(path):
+        return "a broken link"
+    if os.path.islink(path):
+        return "a link out of the folder; refused, nothing outside the folders named is read"
+    return "a FIFO, socket or device" if os.path.exists(path) else "missing"
+
+
+def check_folder_files(folder: str | os.PathLike) -> Path:
+    """A model or adapter folder whose every entry is a regular file or folder inside it (Hugging Face cache
+    snapshots: links into the repository's blobs/), else one line naming the first that is not.
+
+    transformers, PEFT and lm-eval open a folder's side files by name (tokenizer files, chat templates,
+    generation_config.json, adapter_config.json, README.md, additional_chat_templates/), so checking the few
+    files our own code reads is not enough: this runs before anything hands the folder to them, and a link to a
+    file elsewhere (a secret rendered into every prompt, say) is refused rather than followed or skipped."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return folder
+    stack = [folder]
+    while stack:
+        current = stack.pop()
+        for entry in sorted(os.scandir(current), key=lambda item: item.name):
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                if current == folder:  # one level down: additional_chat_templates/, a hub repository's subfolder
+                    stack.append(path)
+                continue
+            if entry.is_symlink() and os.path.isdir(path):
+                real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+                if root not in real.parents:
+                    raise InputError(
+                        f"{path}: a link out of {folder}; refused, nothing outside the folders named is read"
+                    )
+                continue
+            require_regular_inside(path, folder)
+    return folder
 
 
 def require_regular(path: str | Path, what: str = "file") -> Path:
@@ -195,8 +234,16 @@ class _LimitedLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def parse_yaml(text: str, where: str | Path) -> Any:
-    loader = _LimitedLoader(text)
+class TagsIgnoredLoader(_LimitedLoader):
+    """_LimitedLoader that reads a value with a custom tag (lm-eval's `!function utils.f`) as null instead of
+    refusing it: for reading the plain keys of a file that another program interprets."""
+
+
+TagsIgnoredLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def parse_yaml(text: str, where: str | Path, loader_class: type[yaml.SafeLoader] = _LimitedLoader) -> Any:
+    loader = loader_class(text)
     try:
         node = loader.get_single_node()
         if node is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -14,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy
 import torch
 import yaml
 
@@ -36,6 +34,7 @@ from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWrit
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource, adapter_of
 from mergekit_lite.merge import slabs
 from mergekit_lite.merge.config import MergeConfig
+from mergekit_lite.merge.finite import all_finite, nonfinite_message
 from mergekit_lite.merge.methods import tensor_math
 from mergekit_lite.merge.methods.registry import Method
 from mergekit_lite.merge.plan import (
@@ -323,9 +322,7 @@ class _FiniteChecks:
         for (source, name), tensor in zip(self.inputs, tensors):
             if not all_finite(tensor):
                 where = source.entry(name).file if isinstance(source, ModelSource) else source.path
-                raise InputError(
-                    f"tensor {name} in {where} has NaN or Inf values (pass --allow-nonfinite to merge anyway)"
-                )
+                raise InputError(nonfinite_message(name, where, "pass --allow-nonfinite to merge anyway"))
 
     def of_result(self, merged: torch.Tensor) -> None:
         if all_finite(merged):
@@ -336,30 +333,6 @@ class _FiniteChecks:
             f"output dtype {str(merged.dtype).removeprefix('torch.')}; pass --allow-nonfinite to "
             f"write it anyway)"
         )
-
-
-# The integer views of IEEE floats: signed, and its unsigned twin in numpy (torch has few unsigned kernels)
-INTEGER_VIEWS = {2: (torch.int16, numpy.uint16), 4: (torch.int32, numpy.uint32), 8: (torch.int64, numpy.uint64)}
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether a tensor has no NaN or Inf, from two integer maxima of its bits (IEEE 754 §3.4's encoding).
-
-    Every non-finite float has all exponent bits set, so without its sign its bits reach +Inf's. Read as signed
-    integers, the positive ones are then the largest, at least +Inf's bits; read as unsigned, the negative ones,
-    at least -Inf's: integer maxima, which numpy vectorizes, instead of torch's aminmax over the floats (the checks
-    read every input and result of a merge). Tensors off the CPU, and float8 (whose
-    encodings have no Inf), go through aminmax, which propagates NaN and reaches Inf (upcast for float8: exact).
-    """
-    if not (tensor.is_floating_point() and tensor.numel()):
-        return True
-    if tensor.device.type != "cpu" or tensor.element_size() not in INTEGER_VIEWS:
-        low_high = torch.aminmax(tensor.float() if tensor.element_size() == 1 else tensor)
-        return all(math.isfinite(value) for value in low_high)
-    signed, unsigned = INTEGER_VIEWS[tensor.element_size()]
-    infinities = torch.tensor([math.inf, -math.inf], dtype=tensor.dtype).view(signed).numpy()
-    bits = tensor.reshape(-1).view(signed).numpy()
-    return bits.max() < infinities[0] and bits.view(unsigned).max() < infinities[1:].view(unsigned)[0]
 
 
 @dataclass

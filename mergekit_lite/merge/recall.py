@@ -42,7 +42,7 @@ import torch
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
-from mergekit_lite.io.validation import read_text, require_regular
+from mergekit_lite.io.validation import check_folder_files, read_text, require_regular
 from mergekit_lite.merge.methods.recall import EMBED_RULES, MEDIAN_BANDWIDTH, check_bandwidth
 
 KMEANS_ITERATIONS = 30
@@ -375,7 +375,7 @@ def find_tokenizer_dir(model_dirs: list[str], reference: int) -> str:
     candidates = [model_dirs[reference]] + [d for i, d in enumerate(model_dirs) if i != reference]
     for directory in candidates:
         if any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
-            return directory
+            return str(check_folder_files(directory))
     raise InputError(f"none of the model directories holds a tokenizer ({', '.join(TOKENIZER_FILES)})")
 
 

@@ -21,6 +21,7 @@ import torch
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.sources import TensorSource
+from mergekit_lite.io.validation import check_folder_files
 
 VOCABULARY_PARTS = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings")
 CHATML = (
@@ -42,6 +43,7 @@ def _vocab_size(source: TensorSource) -> int | None:
 def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
+    check_folder_files(folder)  # a tokenizer file or chat template linking out is refused, not followed
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError, TypeError):

@@ -283,7 +283,7 @@ def write_comparison(comparison: Comparison) -> None:
     folder = comparison.out
     write_atomic(folder / PARETO_PLOT, lambda temp: plot_pareto(comparison, temp))
     data = comparison_json(comparison)
-    write_atomic(folder / COMPARISON_JSON, json.dumps(data, indent=2) + "\n")
+    write_atomic(folder / COMPARISON_JSON, json.dumps(data, indent=2, allow_nan=False) + "\n")
     write_atomic(folder / COMPARISON_MD, comparison_markdown(comparison, data))
     page = render_html(comparison_headline(comparison), comparison_sections(comparison, data), folder)
     write_atomic(folder / COMPARISON_HTML, page)

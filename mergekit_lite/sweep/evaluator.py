@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mergekit_lite.evaluate.lm_eval_settings import LmEvalSettings
 from mergekit_lite.evaluate.records import logged_names
+from mergekit_lite.io.validation import check_folder_files
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.sweep.models import ModelLoader, ResidentPair, fits_in_memory, post_model
 from mergekit_lite.sweep.scoring import TaskRun, check_groups_disjoint, doc_splits, score_task, summarise
@@ -167,6 +168,7 @@ def evaluation_tokenizer(settings: SweepSettings, folder: str):
     from mergekit_lite.merge.recall import TOKENIZER_FILES
 
     trust = settings.lm_eval.trusts_remote_code
+    check_folder_files(folder), check_folder_files(settings.post)  # transformers reads their side files by name
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     has_tokenizer = any((Path(settings.post) / name).is_file() for name in TOKENIZER_FILES)
     if (

@@ -33,6 +33,7 @@ from mergekit_lite.sweep.samples import (
 )
 from mergekit_lite.sweep.scoring import PointResult, task_accuracy
 from mergekit_lite.sweep.store import RECALL_DIR, SIMILARITY_FILE
+from mergekit_lite.sweep.vector import vector_section
 
 RESULTS_FILE, REPORT_FILE, HTML_FILE = "results.json", "report.md", "report.html"
 PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE = "sweep.png", "forgetting_map.png", "layers.png"
@@ -148,6 +149,7 @@ def results_json(result: SweepResult, rows: list[dict] | None = None, kinds=None
         **({"realign": realign_json_of(result, rows, kinds)} if result.realigned is not None else {}),
         **({"drift": drift_json(result.drift)} if result.drift is not None else {}),
         **{name: value for name, value in (("grid", grid_json(result)), ("budget", result.budget)) if value},
+        **({"vector": result.vector} if result.vector else {}),
     }
 
 
@@ -214,7 +216,7 @@ class SweepReport:
         return markdown(self.sections)
 
     def json(self) -> str:
-        return json.dumps(self.results, indent=2) + "\n"
+        return json.dumps(self.results, indent=2, allow_nan=False) + "\n"
 
     def html(self, folder: Path | None = None) -> str:
         from mergekit_lite.io.report_page import render_html
@@ -598,6 +600,7 @@ SECTIONS: list[Callable[[ReportContext], Section | None]] = [
     probe_section,
     lambda context: grid_section(context.results),
     budget_section,
+    lambda context: vector_section(context.results),
     plots_section,
     post_map_section,
     pick_map_section,

@@ -12,6 +12,7 @@ from mergekit_lite.sweep.scoring import (
     PointResult,
     Scores,
     TaskRun,
+    check_not_mostly_tied,
     doc_splits,
     paired_bootstrap,
     summarise,
@@ -70,6 +71,7 @@ class SweepResult:
     budget: dict | None = None  # --budget: the successive-halving rounds (sweep.budget)
     realigned: list[TaskRun] | None = None  # --realign-shots: post again with K demonstrations on the docs it forgot
     drift: object | None = None  # evaluate.drift.DriftReport of post against pre
+    vector: dict | None = None  # --groups/--modules: the vector search against the scalar pick (sweep.vector_search)
 
     @property
     def recovered(self) -> float | None:
@@ -198,6 +200,8 @@ def build_result(
         ]
         for label, _ in plan
     }  # a task skipped for one model is for all
+    for label in ("pre", "post"):
+        check_not_mostly_tied(label, runs[label])
     baseline = runs["pre"]
     splits = doc_splits(settings, baseline)
     results = {

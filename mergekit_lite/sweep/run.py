@@ -10,7 +10,6 @@ from contextlib import ExitStack, closing
 from dataclasses import replace
 from pathlib import Path
 
-from mergekit_lite import interrupts
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import (
@@ -22,8 +21,6 @@ from mergekit_lite.io.outputs import (
 )
 from mergekit_lite.merge.schema import config_from_dict
 from mergekit_lite.sweep import grid
-from mergekit_lite.sweep.adaptive import golden_search, run_probes
-from mergekit_lite.sweep.budget import run_budget
 from mergekit_lite.sweep.compare import (
     COMPARISON_HTML,
     COMPARISON_JSON,
@@ -47,13 +44,15 @@ from mergekit_lite.sweep.store import (
     RECALL_DIR,
     load_points,
     point_file,
-    point_label,
     record_written,
     run_lock,
     save_point,
     taken_back_if_unused,
     wrote_before,
 )
+from mergekit_lite.sweep.strategies import SweepRun, strategy_for
+from mergekit_lite.sweep.vector import MERGEKIT_FILE, STUDY_FILE, VECTORS_DIR
+from mergekit_lite.sweep.vector_search import chosen_merge, judge, with_vector
 
 ENDPOINTS = ("pre", "post")
 
@@ -66,10 +65,10 @@ def run_file(name: str) -> bool:
     from mergekit_lite.sweep.samples import SAMPLES_FILE
 
     top, _, rest = name.partition("/")
-    if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR):
+    if top in (POINTS_DIR, PROBES_DIR, RECALL_DIR, VECTORS_DIR):
         return not rest or rest.endswith(".json") and "/" not in rest
     own = (LOCK_FILE, RESULTS_FILE, REPORT_FILE, HTML_FILE, PLOT_FILE, MAP_FILE, LAYERS_PLOT_FILE, SAMPLES_FILE)
-    own += (OUTPUTS_FILE,)
+    own += (OUTPUTS_FILE, STUDY_FILE, f"{STUDY_FILE}-journal", MERGEKIT_FILE)
     return (
         top in own
         or top.startswith((f"{MERGE_TEMP}-", f".{MERGE_TEMP}-"))
@@ -93,11 +92,46 @@ def comparison_file(name: str, methods: tuple[str, ...]) -> bool:
 
 
 def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
-    """Evaluate pre, post and every alpha (resuming saved points), pick the best, write the report."""
+    """Evaluate pre, post and the points the search chooses (resuming saved points), pick the best, write the
+    report, save the pick."""
     from tqdm import tqdm
 
-    from mergekit_lite.sweep.report import card_section, write_report
+    from mergekit_lite.sweep.report import write_report
 
+    inputs = check_sweep(settings)
+    drift = post_drift(settings)  # reads every weight of pre and post: NaN or Inf refused before any point is scored
+    with (
+        taken_back_if_unused(settings.out, lambda: prepared(settings.out, inputs, run_file)) as folder,
+        run_lock(folder),
+    ):
+        rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
+        sweep = SweepRun(settings, rows, grid.cells(rows, folder), folder, load_points(folder, settings.identity()))
+        saved = sum(label in sweep.runs for label, _ in sweep.plan)
+        strategy = with_vector(strategy_for(settings, resuming_everything=saved == len(sweep.plan)), settings)
+        total = strategy.bar_points(sweep) * sweep.n_tasks
+        with (
+            tqdm(total=total, initial=saved * sweep.n_tasks, unit="task", desc="sweep", disable=not progress) as bar,
+            ExitStack() as opened,  # the evaluator, closed once the points are scored
+        ):
+            sweep.bar, sweep.opened = bar, opened
+            searched = strategy.run(sweep)
+            realigned = None if settings.realign_shots is None else realign_post(settings, folder, sweep)
+        plan = [(label, alpha) for label, alpha in searched.plan if label in sweep.runs]
+        result = build_result(settings, folder, plan, sweep.runs, sweep.evaluated, grid.seconds(sweep.found))
+        result.realigned, result.drift = realigned, drift
+        searched.annotate(result)
+        best, sections = sweep.found[result.best.label].config(), []
+        if searched.vector is not None:
+            result.vector = judge(searched.vector, result)
+            best, sections = chosen_merge(searched.vector, settings, folder)
+        write_report(result)
+        if settings.save_best:
+            save_best(settings, inputs, folder, result, best, progress, sections)
+    return result
+
+
+def check_sweep(settings: SweepSettings) -> list:
+    """Everything checked before the run folder is made, cheapest first; returns the inputs no output may touch."""
     settings.check_inputs()
     inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
     check_save_best(settings, inputs)
@@ -106,148 +140,61 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     usable_device(settings.device)  # torch loads here: what needs no torch was checked first
     check_pair(settings)
     audit_adapter_post(settings)
-    identity = settings.identity()
-    rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
-    n_tasks = len(settings.old_tasks) + len(settings.new_tasks)
-    search = probed = budget = None
-    traces = []  # each row's golden search or probe mode
-    with (
-        taken_back_if_unused(settings.out, lambda: prepared(settings.out, inputs, run_file)) as folder,
-        run_lock(folder),
-    ):
-        found = grid.cells(rows, folder)  # label -> cell (a 1-D sweep's labels: alpha=A)
-        plan = [("pre", None), ("post", None)] + [(label, cell.alpha) for label, cell in found.items()]
-        runs = load_points(folder, identity)
-        todo = [(label, alpha) for label, alpha in plan if label not in runs]
-        evaluated = []
-        probe_mode = settings.probe is not None and settings.budget is None
-        total = len(plan) + (len(rows) if probe_mode else 0)  # probe mode: every alpha, then each row's pick
-        with (
-            tqdm(
-                total=total * n_tasks,
-                initial=(len(plan) - len(todo)) * n_tasks,
-                unit="task",
-                desc="sweep",
-                disable=not progress,
-            ) as bar,
-            ExitStack() as opened,
-        ):
-            evaluator = None
-
-            def point_evaluator() -> PointEvaluator:
-                nonlocal evaluator
-                interrupts.check()
-                evaluator = evaluator or opened.enter_context(closing(PointEvaluator(rows[0], folder, bar)))
-                return evaluator
-
-            if settings.ray is not None and todo:
-                from mergekit_lite.sweep.distributed import run_points_on_ray
-
-                for index, row in enumerate(rows):  # each row saves its points under its own cell identity
-                    points = [
-                        (label, alpha, None if alpha is None else found[label].config().to_dict())
-                        for label, alpha in todo
-                        if (index == 0 if alpha is None else found[label].row is row)
-                    ]
-                    for _ in run_points_on_ray(row, points, settings.ray) if points else ():
-                        bar.update(n_tasks)
-                runs.update(load_points(folder, identity))
-                evaluated = [label for label, _ in todo]
-            else:
-
-                def evaluate(label: str, alpha: float | None) -> None:
-                    if label in runs:
-                        return
-                    point = point_evaluator()
-                    bar.set_postfix_str(label)
-                    cell = found.get(label)
-                    runs[label] = evaluate_point(
-                        point, cell.row if cell else settings, label, alpha, cell and cell.config()
-                    )
-                    evaluated.append(label)
-
-                def probe(label: str, alpha: float, samples: dict) -> list[TaskRun]:
-                    point = point_evaluator()
-                    bar.set_postfix_str(f"{label} (probe)")
-                    return point.merged(found[label].config(), samples)
-
-                full_grid = settings.search == "grid" and settings.probe is None and settings.budget is None
-                for label, alpha in plan if full_grid else plan[:2]:
-                    evaluate(label, alpha)
-                if settings.budget is not None:
-                    budget = run_budget(settings, found, folder, runs, probe, evaluate)
-                    plan = plan[:2] + [(label, found[label].alpha) for label in budget["full"]]
-                elif probe_mode:
-                    plan = plan[:2]
-                    for row in rows:
-                        probed, search = run_probes(row, folder, runs, probe)
-                        label = point_label(row, probed.pick)
-                        evaluate(label, probed.pick)  # the row's pick, scored on every doc
-                        plan.append((label, probed.pick))
-                        traces.append(grid.row_trace(row, search, probed))
-                elif settings.search == "golden":
-                    for row in rows:
-                        search = golden_search(row, runs, evaluate)
-                        traces.append(grid.row_trace(row, search, None))
-                    bar.total = (sum(len(trace["evaluated"]) for trace in traces) + 2) * n_tasks
-                    bar.refresh()
-            realigned = (
-                None if settings.realign_shots is None else realign_post(settings, folder, runs, point_evaluator)
-            )
-        plan = [(label, alpha) for label, alpha in plan if label in runs]
-        result = build_result(settings, folder, plan, runs, evaluated, grid.seconds(found))
-        result.realigned, result.drift = realigned, post_drift(settings)
-        if settings.second is None:
-            result.search, result.probe = search, probed
-        else:
-            result.rows = traces or None
-        result.budget = budget
-        write_report(result)
-        if settings.save_best:
-            from mergekit_lite.audited import run_merge
-
-            again = wrote_before(folder, "save_best", settings.save_best)
-            check_output_folder(settings.save_best, inputs, overwrite=again)
-            best = found[result.best.label].config()
-            if settings.copy_files_from:
-                best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
-            run_merge(
-                best, settings.save_best, overwrite=again, progress=progress, card_sections=[card_section(result)]
-            )
-            record_written(folder, "save_best", settings.save_best)
-    return result
+    return inputs
 
 
-def realign_post(
-    settings: SweepSettings, folder: Path, runs: dict[str, list[TaskRun]], point_evaluator
-) -> list[TaskRun]:
+def save_best(
+    settings: SweepSettings, inputs: list, folder: Path, result: SweepResult, best, progress: bool, sections=()
+) -> None:
+    """--save-best: the pick's merge `best` written as a model folder with the sweep's sections in its card."""
+    from mergekit_lite.audited import run_merge
+    from mergekit_lite.sweep.report import card_section
+
+    again = wrote_before(folder, "save_best", settings.save_best)
+    check_output_folder(settings.save_best, inputs, overwrite=again)
+    if settings.copy_files_from:
+        best = config_from_dict({**best.to_dict(), "copy_files_from": settings.copy_files_from})
+    run_merge(
+        best, settings.save_best, overwrite=again, progress=progress, card_sections=[card_section(result), *sections]
+    )
+    record_written(folder, "save_best", settings.save_best)
+
+
+def realign_post(settings: SweepSettings, folder: Path, sweep: SweepRun) -> list[TaskRun]:
     """--realign-shots: post again with K demonstrations on the docs it forgot, saved as a point of its own (resumed
     when there)."""
     from mergekit_lite.sweep.realign import evaluate_realigned, realigned_identity, realigned_label
 
     def score(shots: int, docs: dict) -> list[TaskRun]:
-        realigned = point_evaluator().realigned_post(shots, docs)
+        realigned = sweep.point_evaluator().realigned_post(shots, docs)
         label = realigned_label(shots)
         save_point(point_file(folder, label), realigned_identity(settings), label, None, realigned)
         return realigned
 
-    return evaluate_realigned(settings, runs, score)
+    return evaluate_realigned(settings, sweep.runs, score)
 
 
 def post_drift(settings: SweepSettings):
-    """Post's relative Frobenius drift from pre per tensor, grouped per layer (evaluate.drift), for the report."""
+    """Post's relative Frobenius drift from pre per tensor, grouped per layer (evaluate.drift), for the report; a
+    tensor of pre or post with NaN or Inf values is refused (merge/finite.py: a merge of it scores as noise)."""
     from mergekit_lite.evaluate.drift import summarise, weight_drift
 
-    return summarise(settings.pre, settings.post, weight_drift(settings.pre, settings.post))
+    remedy = "a sweep needs finite weights in pre and post"
+    return summarise(settings.pre, settings.post, weight_drift(settings.pre, settings.post, remedy=remedy))
 
 
 def check_evaluation(settings: SweepSettings) -> None:
     """Before any model is read: lm-eval knows every task (built in or under --include-path), and the tokenizer has
     the chat template --apply-chat-template asks for; a typo costs a second, not a model load."""
-    from mergekit_lite.evaluate.lm_harness import check_chat_template, task_index
+    from mergekit_lite.evaluate.lm_harness import check_chat_template, check_fewshot_pools, task_index
     from mergekit_lite.merge.recall import find_tokenizer_dir
 
     task_index(settings.old_tasks + settings.new_tasks, settings.include_path)
+    check_fewshot_pools(
+        settings.old_tasks + settings.new_tasks,
+        settings.include_path,
+        {"--num-fewshot": settings.lm_eval.num_fewshot, "--realign-shots": settings.realign_shots},
+    )
     if settings.lm_eval.apply_chat_template:
         folder = find_tokenizer_dir([settings.pre, settings.post], 0)
         where = f"{settings.pre} or {settings.post}"
@@ -306,6 +253,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     usable_device(first.device)
     check_pair(first)
     audit_adapter_post(first)
+    post_drift(first)  # NaN or Inf in pre or post refused before the endpoints are scored
     shared = replace(first, out=str(top), stream=True, save_best=None)  # endpoints only: no resident pair
     pair = {key: value for key, value in shared.identity().items() if key not in METHOD_FIELDS}
 

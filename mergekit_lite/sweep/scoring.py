@@ -15,6 +15,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import GroupForgetting, TaskForgetting, aggregate, compare
 from mergekit_lite.evaluate.outcomes import SampleOutcomes, Scoring, TaskSkipped
 from mergekit_lite.evaluate.records import SampleText
+from mergekit_lite.evaluate.ties import MOSTLY, task_ties
 from mergekit_lite.sweep.search import harmonic_mean
 from mergekit_lite.sweep.settings import SweepSettings
 
@@ -31,6 +32,7 @@ class TaskRun:
     outcomes: SampleOutcomes | None
     skipped: str | None = None
     nonfinite: bool = False  # the model gave NaN or infinite logits while scoring it: its outcomes mean nothing
+    tied: int = 0  # docs whose choices all had one log-likelihood (or an empty generation): lm-eval's order answered
 
     @property
     def acc(self) -> float:
@@ -42,6 +44,7 @@ class TaskRun:
         if self.outcomes is None:
             return {"task": self.task, "group": self.group, "skipped": self.skipped}
         flagged = {"nonfinite_logits": True} if self.nonfinite else {}
+        flagged |= {"tied": self.tied} if self.tied else {}
         k = self.outcomes.n_choices
         kept = TEXT_FIELDS if prompts else ("answer",)
         return {
@@ -77,14 +80,22 @@ class TaskRun:
             texts,
             data.get("answer_rule") or "",
         )
-        return cls(data["task"], data["group"], outcomes, nonfinite=bool(data.get("nonfinite_logits")))
+        return cls(
+            data["task"],
+            data["group"],
+            outcomes,
+            nonfinite=bool(data.get("nonfinite_logits")),
+            tied=int(data.get("tied") or 0),
+        )
 
 
 def score_task(task: str, group: str, score, scoring: Scoring) -> TaskRun:
     """A TaskRun from lm_harness.TaskScore, scored as `mergekit-lite forgetting` scores files; a task
     whose metric is not 0/1 is kept as skipped, with a warning, never thresholded."""
     try:
-        return TaskRun(task, group, score.outcomes(scoring.rule(task)), nonfinite=nonfinite_responses(score.samples))
+        outcomes = score.outcomes(scoring.rule(task))
+        tied = task_ties(task, score.samples, score.config).tied
+        return TaskRun(task, group, outcomes, nonfinite=nonfinite_responses(score.samples), tied=tied)
     except TaskSkipped as reason:
         warnings.warn(f"task {task!r} skipped: {reason}", stacklevel=2)
         return TaskRun(task, group, None, str(reason))
@@ -102,6 +113,18 @@ def nonfinite_responses(samples: list[dict]) -> bool:
                 yield from numbers(item)
 
     return any(not math.isfinite(number) for sample in samples for number in numbers(sample.get("resps")))
+
+
+def check_not_mostly_tied(label: str, runs: list[TaskRun]) -> None:
+    """A model whose answers are mostly ties (evaluate.ties) is refused: its scores say where gold sits among the
+    options, not what it knows, so no pick made against it means anything."""
+    tied = [run for run in runs if run.outcomes is not None and run.tied > MOSTLY * len(run.outcomes.correct)]
+    if tied:
+        counts = ", ".join(f"{run.task} {run.tied} of {len(run.outcomes.correct)}" for run in tied)
+        raise InputError(
+            f"{label}'s answers are mostly ties (every choice equally likely, or empty generations: {counts} docs); "
+            "check its tokenizer and weights, no pick can be made against it"
+        )
 
 
 def check_groups_disjoint(runs: list[TaskRun]) -> None:

@@ -5,7 +5,6 @@ merge config each alpha stands for."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
@@ -14,11 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
 from mergekit_lite.evaluate.forgetting import AGGREGATIONS
-from mergekit_lite.evaluate.lm_eval_settings import LM_EVAL_KEYS, LmEvalSettings, parse_limit
+from mergekit_lite.evaluate.lm_eval_settings import LM_EVAL_KEYS, LmEvalSettings, check_task_folder, parse_limit
 from mergekit_lite.evaluate.outcomes import Scoring
 from mergekit_lite.io.hub import resolve_model
 from mergekit_lite.io.layout import content_identity
-from mergekit_lite.io.validation import read_yaml, require_regular, validate
+from mergekit_lite.io.validation import check_folder_files, read_yaml, validate
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import DTYPES, MergeConfig, did_you_mean
 from mergekit_lite.merge.schema import config_from_dict
@@ -47,7 +46,14 @@ PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 # a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
-OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots")  # settings written out only when given
+# a vector of coefficients (sweep.vector): layer groups, module types, the search, its trials and its start
+VECTOR_KEYS = ("groups", "modules", "vector_search", "trials", "vector_start")
+VECTOR_SEARCHES = ("tpe", "cmaes", "revert")  # Optuna's TPE or CMA-ES; revert: each slot pre's or the merge's
+VECTOR_STARTS = ("scalar", "drift")
+# --modules: the module types of evaluate.drift.module_type inside decoder layers, and attn / mlp for their groups
+MODULE_KINDS = ("attn", "mlp", "norm", "q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")
+MODULE_KINDS += ("experts", "shared_expert", "router")
+OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots", *VECTOR_KEYS)  # settings written out only when given
 
 
 def parse_alphas(spec, name: str = "alphas") -> list[float]:
@@ -153,6 +159,12 @@ class SweepSettings:
     drops: list[float] | None = None
     budget: int | None = None  # sweep.budget: at most this many full evaluations' worth of scored docs
     realign_shots: int | None = None  # sweep.realign: post scored again with K demonstrations on the docs it forgot
+    # sweep.vector: one coefficient per group of decoder layers and/or module type, searched beside the scalar pick
+    groups: int | None = None
+    modules: list[str] | None = None
+    vector_search: str | None = None  # tpe (default), cmaes or revert
+    trials: int | None = None  # how many vectors the search scores (default 24)
+    vector_start: str | None = None  # scalar (default): the scalar pick's vector first; drift: also one from drift
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -168,6 +180,7 @@ class SweepSettings:
     def __post_init__(self):
         self.alphas = parse_alphas(self.alphas)
         self._check_grid()
+        self._check_vector()
         self.old_tasks, self.new_tasks = parse_tasks(self.old_tasks), parse_tasks(self.new_tasks)
         self.metric, self.filter, self.choices = (
             _spec_list(getattr(self, name)) for name in ("metric", "filter", "choices")
@@ -219,6 +232,8 @@ class SweepSettings:
             self.lm_eval = LmEvalSettings(**self.lm_eval)
         if self.lm_eval.model_args and self.backend != "hf":
             raise InputError("--model-args applies to --backend hf; give vLLM's through --vllm-args")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise InputError(f"seed must be a whole number in [0, 2**63), got {self.seed!r}")
         for name in ("batch_size", "recall_samples"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -236,16 +251,30 @@ class SweepSettings:
                 self.merge_config(alpha, cell=value)  # every point's merge is valid before any model is read
 
     def _check_representable(self) -> None:
-        """Coefficients beyond the largest number of the evaluation dtype make every weight they scale infinite:
-        such a model can only produce non-finite logits, so it is refused before any work."""
+        """Every value of every grid axis (and a fixed beta), for every method, before any work: beyond the largest
+        number of the evaluation dtype every weight it scales is infinite; beyond its square root, a product of two
+        such weights (a query by a key, the MLP's gate by its up projection) overflows wherever the task vector's
+        entries reach 1, and the model's logits are NaN or infinite (task arithmetic at 1e38, LiNeS beta 1e38). A
+        LiNeS cell scales its last layer by alpha + beta: that sum is checked too."""
         largest = DTYPE_MAX[self.eval_dtype]
         values = [("alphas", value) for value in self.alphas] + [("beta", self.beta)]
         values += [(self.second + "s", value) for value in self.second_values() or []]
+        betas = self.betas or ([] if self.beta is None else [self.beta])  # unset: 1 - alpha, the last layer at 1
+        if "beta" in methods.parameters_of(self.method):  # LiNeS: the last layer's scale is alpha + beta
+            values += [("alphas + betas", alpha + beta) for alpha in self.alphas for beta in betas]
         for name, value in values:
             if isinstance(value, (int, float)) and not abs(value) <= largest:
                 raise InputError(
                     f"{name}: {value!r} overflows {self.eval_dtype} (largest {largest:.4g}); every weight "
                     "it scales would be infinite"
+                )
+        for name, value in values:
+            if isinstance(value, (int, float)) and not abs(value) <= math.sqrt(largest):
+                raise InputError(
+                    f"{name}: {value!r} overflows {self.eval_dtype} in the forward pass (beyond "
+                    f"{math.sqrt(largest):.4g}, the square root of its largest number, a product of two weights it "
+                    "scales overflows wherever the task vector's entries reach 1): its logits would be NaN or "
+                    "infinite; sweep smaller coefficients"
                 )
 
     def _check_grid(self) -> None:
@@ -269,6 +298,45 @@ class SweepSettings:
                 raise InputError(
                     "--budget chooses which points to evaluate itself: run it without --search golden and --ray"
                 )
+
+    def _check_vector(self) -> None:
+        """--groups/--modules: a whole number of groups >= 1, known module types, a method whose coefficient applies
+        per tensor, at least two coefficients; the search settings only with them."""
+        if isinstance(self.modules, str):
+            self.modules = parse_tasks(self.modules)
+        if self.groups is None and not self.modules:
+            given = [name for name in VECTOR_KEYS[2:] if getattr(self, name) is not None]
+            if given:
+                raise InputError(f"{given[0]} shapes the search of --groups/--modules: give one of them")
+            self.modules = None
+            return
+        if self.groups is not None and (isinstance(self.groups, bool) or not isinstance(self.groups, int)):
+            raise InputError(f"groups must be a whole number of layer groups >= 1, got {self.groups!r}")
+        if self.groups is not None and self.groups < 1:
+            raise InputError(f"groups must be a whole number of layer groups >= 1, got {self.groups!r}")
+        unknown = [name for name in self.modules or [] if name not in MODULE_KINDS]
+        if unknown:
+            raise InputError(
+                f"modules: unknown module type {unknown[0]!r}{did_you_mean(unknown[0], MODULE_KINDS)} "
+                f"(choose from {', '.join(MODULE_KINDS)})"
+            )
+        if (self.groups or 1) == 1 and not self.modules:
+            raise InputError("groups 1 is the scalar sweep itself: give --groups 2 or more, or --modules")
+        method = methods.SWEEPABLE.get(self.method)
+        if method is not None and (method.reads_recall_weights or method.parameter("beta") is not None):
+            raise InputError(
+                f"--groups/--modules: {self.method}'s coefficient is already a per-layer schedule; use a method "
+                "whose coefficient applies per tensor (linear, slerp, task_arithmetic, ties, dare_*, ...)"
+            )
+        for name, allowed in (("vector_search", VECTOR_SEARCHES), ("vector_start", VECTOR_STARTS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                raise InputError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.trials is not None and (isinstance(self.trials, bool) or not isinstance(self.trials, int)):
+            raise InputError(f"trials must be a whole number >= 1, got {self.trials!r}")
+        if self.trials is not None and self.trials < 1:
+            raise InputError(f"trials must be a whole number >= 1, got {self.trials!r}")
+        if self.ray is not None:
+            raise InputError("--groups/--modules search their vectors in this process: run them without --ray")
 
     @property
     def second(self) -> str | None:
@@ -339,6 +407,7 @@ class SweepSettings:
         becomes its cached snapshot folder here, as `merge` reads it; a path on disk wins), and every file of the
         task folder lm-eval will read is a regular file (a FIFO there would block lm-eval for ever)."""
         self.pre, self.post = resolve_model(self.pre), resolve_model(self.post)
+        check_folder_files(self.pre), check_folder_files(self.post)  # transformers reads their side files by name
         if not (Path(self.pre) / "config.json").is_file():
             raise InputError(f"{self.pre}: --pre must be a model folder with a config.json")
         if not any((Path(self.post) / name).is_file() for name in ("config.json", "adapter_config.json")):
@@ -346,9 +415,8 @@ class SweepSettings:
                 f"{self.post}: --post must be a model folder with a config.json, or a LoRA adapter "
                 "folder (adapter_config.json) trained on pre"
             )
-        for root, _, files in os.walk(self.include_path) if self.include_path else ():
-            for name in files:
-                require_regular(Path(root) / name, "task file")
+        if self.include_path:
+            check_task_folder(self.include_path)
 
     def to_dict(self) -> dict:
         """Every setting; those of 2-D grids and budgets only when given (a 1-D sweep's results.json is unchanged)."""
@@ -413,6 +481,11 @@ class SweepFile(BaseModel):
     drops: str | float | list[float] | None = None
     budget: int | None = Field(None, ge=3)
     realign_shots: int | None = None  # checked by SweepSettings (one message for a flag and a file)
+    groups: int | None = None  # sweep.vector's settings, checked by SweepSettings
+    modules: str | list[str] | None = None
+    vector_search: str | None = None
+    trials: int | None = None
+    vector_start: str | None = None
     # lm-eval's evaluation settings (LmEvalSettings), as its CLI flags of the same names
     num_fewshot: int | None = Field(None, ge=0)
     apply_chat_template: bool | str | None = None

@@ -117,7 +117,7 @@ def save_point(path: Path, identity: dict, label: str, alpha: float | None, runs
         "alpha": alpha,
         "tasks": [run.to_json(prompts=label == "pre") for run in runs],
     }
-    write_atomic(path, json.dumps(data) + "\n")
+    write_atomic(path, json.dumps(data, allow_nan=False) + "\n")
 
 
 def _folder_state(out: Path) -> str:
