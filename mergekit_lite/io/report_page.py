@@ -229,6 +229,7 @@ def _environment():
     )
     environment.filters["text"] = text
     environment.filters["page_link"] = page_link
+    environment.filters["inline"] = inline
     environment.globals.update(prose_items=prose_items, isinstance=isinstance, Prose=Prose, Table=Table, Plot=Plot)
     return environment
 

@@ -189,7 +189,7 @@ def plot_heatmap(result: SweepResult, path: Path, new_figure) -> None:
     axes.set_xlabel(f"alpha ({settings.coefficient} of {settings.method})")
     axes.set_ylabel(settings.second)
     axes.set_title(
-        f"harmonic mean (report split); box: pick ({settings.coefficient} {best.alpha:g}, "
+        f"harmonic mean (report split)\nbox: pick ({settings.coefficient} {best.alpha:g}, "
         f"{settings.second} {best.second[1]:g})",
         fontsize=8,
     )
