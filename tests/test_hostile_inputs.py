@@ -724,7 +724,7 @@ def test_a_fifo_in_the_sweep_task_folder_is_refused_before_lm_eval_reads_it(fres
         fresh,
         *sweep("--include-path", "tasks"),
         timeout=60,
-        patterns=[r"tasks/b\.yaml: not a regular file \(a FIFO, socket or device\); give a task file"],
+        patterns=[r"tasks/b\.yaml: not a regular file inside tasks \(a FIFO, socket or device\)"],
     )
 
 

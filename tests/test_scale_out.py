@@ -71,7 +71,7 @@ def test_vllm_model_args_match_lm_evals_vllm_signature():
         ("tensor_parallel_size=0", "tensor_parallel_size must be a whole number >= 1"),
         ("gpu_memory_utilization=1.5", "gpu_memory_utilization must be in (0, 1]"),
         ("dtype=int8", "dtype must be one of"),
-        ("tp=2", "is not NAME=VALUE"),
+        ("tp=2", "'tp' is not one of"),
         ("tensor_parallel_size=two", "is not a number"),
     ],
 )
