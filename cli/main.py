@@ -103,16 +103,21 @@ class LazyGroup(click.Group):
             sys.exit(130)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
-        except tuple(BAD_INPUT_ERRORS) as error:
-            click.echo(
-                one_line(
-                    f"error: {BAD_INPUT_ERRORS[type(error)] if type(error) in BAD_INPUT_ERRORS else error} "
-                    f"({type(error).__name__}{_saved_traceback()})"
-                ),
-                err=True,
-            )
-            sys.exit(2)
-        except Exception as error:  # a bug: one line for the user, the traceback in a file for the report
+        except Exception as error:
+            signum = interrupts.received()
+            if signum is not None:  # a library failed because the signal reached it (a C++ frame, a worker)
+                click.echo(f"interrupted ({signal.Signals(signum).name})", err=True)
+                sys.exit(128 + signum)
+            if isinstance(error, tuple(BAD_INPUT_ERRORS)):
+                click.echo(
+                    one_line(
+                        f"error: {BAD_INPUT_ERRORS.get(type(error), error)} "
+                        f"({type(error).__name__}{_saved_traceback()})"
+                    ),
+                    err=True,
+                )
+                sys.exit(2)
+            # a bug: one line for the user, the traceback in a file for the report
             message = " ".join(str(error).split())[:300]
             click.echo(
                 one_line(f"error: internal error: {type(error).__name__}: {message}{_saved_traceback()}"), err=True

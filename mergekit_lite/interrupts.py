@@ -7,11 +7,12 @@ record the signal, and the code calls `check()` between tensors, where nothing i
 (lm-eval, forward passes) they raise at once, as Ctrl-C normally does. Either way the exception is
 `Interrupted`, which the CLI turns into one line and exit 128 + signal number (130 / 143).
 
-Some Python runs inside C++: torch's import and transformers building a model (torch's device modes call
-back into Python from pybind11). An exception raised there cannot always unwind through the C++ frames, and
-the process aborts ("terminate called after throwing an instance of 'pybind11::error_already_set'") instead
-of ending in one line. Those sections are deferred too: torch's import by `install()` (wherever it is first
-imported), model building by `deferred()` around it.
+Some Python runs inside C++: the import of pybind11 extensions (torch, matplotlib's `_image`) and
+transformers building a model (torch's device modes call back into Python from pybind11). An exception raised
+there cannot always unwind through the C++ frames: the process aborts ("terminate called after throwing an
+instance of 'pybind11::error_already_set'") or the import fails as "ImportError: initialization failed"
+instead of ending in one line. Those sections are deferred too: the imports of `DEFERRED_IMPORTS` by
+`install()` (wherever they are first imported), model building by `deferred()` around it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
+DEFERRED_IMPORTS = frozenset({"torch", "matplotlib"})
 _received: int | None = None
 _deferring = 0
 _starting = False
@@ -46,13 +48,19 @@ def _handler(signum, frame) -> None:
         raise Interrupted(signum)
 
 
-class _DeferredTorchImport(importlib.abc.MetaPathFinder):
-    """Finds torch as Python would and runs its import inside `deferred()`; used once, then it steps aside."""
+class _DeferredImports(importlib.abc.MetaPathFinder):
+    """Finds the given top-level packages as Python would and runs each one's import inside `deferred()`;
+    each is deferred once, and the finder steps aside when none is left."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "torch":
+        if fullname not in self.names:
             return None
-        sys.meta_path.remove(self)
+        self.names.discard(fullname)
+        if not self.names:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
             run_module = spec.loader.exec_module
@@ -69,7 +77,7 @@ def install() -> None:
     """Route SIGINT and SIGTERM through the flag (main thread only, as `signal` requires).
 
     Signals stay deferred until `started()`: while the CLI imports its modules, nothing could catch them;
-    later, torch's import is deferred wherever it happens. A signal the parent set to be ignored (`nohup`,
+    later, the imports of `DEFERRED_IMPORTS` are deferred wherever they happen. A signal the parent set to be ignored (`nohup`,
     a background job of a script) stays ignored."""
     global _starting
     if threading.current_thread() is threading.main_thread():
@@ -77,8 +85,9 @@ def install() -> None:
         for signum in HANDLED:
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, _handler)
-        if "torch" not in sys.modules:
-            sys.meta_path.insert(0, _DeferredTorchImport())
+        pending = set(DEFERRED_IMPORTS - sys.modules.keys())
+        if pending:
+            sys.meta_path.insert(0, _DeferredImports(pending))
 
 
 def started() -> None:
@@ -106,6 +115,11 @@ def finished() -> None:
     ignored") or turn a complete run into a failed one."""
     global _deferring
     _deferring += 1
+
+
+def received() -> int | None:
+    """The handled signal that arrived, if any: a failure after it is the interrupt's doing, whatever its type."""
+    return _received
 
 
 def check() -> None:

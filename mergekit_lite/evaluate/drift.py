@@ -300,9 +300,10 @@ def tensor_drift(
                 if not allow_nonfinite:
                     raise InputError(nonfinite_message(name, tensor_file(source, name), remedy))
                 finite = False
-        if finite:
-            diff_sq += torch.sum(torch.square((after - before).to(torch.float64))).item()
-            pre_sq += torch.sum(torch.square(before.to(torch.float64))).item()
+        if not finite:  # no drift to report: the rest of the tensor need not be read
+            break
+        diff_sq += torch.sum(torch.square((after - before).to(torch.float64))).item()
+        pre_sq += torch.sum(torch.square(before.to(torch.float64))).item()
     layer, module = layer_index(name, model_layout), module_type(name, model_layout)
     return TensorDrift(name, layer, module, diff_sq if finite else 0.0, pre_sq if finite else 0.0, finite)
 

@@ -30,11 +30,11 @@ from mergekit_lite.io.outputs import (
     copy_side_files,
     keep_post_trained_files,
 )
-from mergekit_lite.io.safetensors import ModelSource, PlannedTensor, ShardedWriter
+from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource, adapter_of
 from mergekit_lite.merge import slabs
 from mergekit_lite.merge.config import MergeConfig
-from mergekit_lite.merge.finite import all_finite, nonfinite_message
+from mergekit_lite.merge.finite import all_finite, nonfinite_message, tensor_file
 from mergekit_lite.merge.methods import tensor_math
 from mergekit_lite.merge.methods.registry import Method
 from mergekit_lite.merge.plan import (
@@ -321,7 +321,7 @@ class _FiniteChecks:
     def of_inputs(self, tensors: list[torch.Tensor]) -> None:
         for (source, name), tensor in zip(self.inputs, tensors):
             if not all_finite(tensor):
-                where = source.entry(name).file if isinstance(source, ModelSource) else source.path
+                where = tensor_file(source, name)
                 raise InputError(nonfinite_message(name, where, "pass --allow-nonfinite to merge anyway"))
 
     def of_result(self, merged: torch.Tensor) -> None:

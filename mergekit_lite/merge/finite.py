@@ -10,8 +10,6 @@ import math
 import numpy
 import torch
 
-from mergekit_lite.errors import InputError
-
 
 def nonfinite_message(name: str, where, remedy: str | None) -> str:
     """The one line for a tensor with NaN or Inf values; `remedy`, the opt-in that accepts them, if there is one."""
@@ -50,8 +48,3 @@ def all_finite(tensor: torch.Tensor) -> bool:
     infinities = torch.tensor([math.inf, -math.inf], dtype=tensor.dtype).view(signed).numpy()
     bits = tensor.reshape(-1).view(signed).numpy()
     return bits.max() < infinities[0] and bits.view(unsigned).max() < infinities[1:].view(unsigned)[0]
-
-
-def require_finite(tensor, name: str, where, remedy: str | None = None) -> None:
-    if not all_finite(tensor):
-        raise InputError(nonfinite_message(name, where, remedy))
