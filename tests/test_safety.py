@@ -1139,3 +1139,57 @@ def test_merge_config_anchor_bomb_is_refused_at_once(fresh):
         r"merge\.yaml: YAML expands to more than 100000 values through its aliases",
     )
     assert time.monotonic() - started < 30 and not (fresh / "merged").exists()
+
+
+FAILS_AFTER_SIGNAL = """
+import os, signal, sys, time
+import click
+from mergekit_lite.cli import main as cli
+
+@click.command()
+def fails_after_signal():
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+    except KeyboardInterrupt:  # what pybind11 makes of an exception raised inside an extension's import
+        raise ImportError("initialization failed") from None
+
+cli.LazyGroup.get_command = lambda self, ctx, name: fails_after_signal
+cli.main(["fails-after-signal"])
+"""
+
+
+def test_a_library_failing_on_the_signal_ends_as_the_interrupt(tmp_path):
+    """A library that turns Ctrl-C into its own error (a pybind11 extension's import: ImportError) still ends as
+    an interrupt, 130 and one line, not as an internal error with a saved traceback."""
+    run = subprocess.run(
+        [sys.executable, "-c", FAILS_AFTER_SIGNAL],
+        env={**ENV, "XDG_CACHE_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 130, run.stderr
+    assert run.stderr == "interrupted (SIGINT)\n"
+    assert not any(tmp_path.rglob("crash-*")), "an interrupt is not a crash"
+
+
+def test_matplotlib_and_torch_imports_are_deferred():
+    """Both load pybind11 extensions, where a raised KeyboardInterrupt cannot unwind: their imports defer it."""
+    script = (
+        "import os, signal, sys\n"
+        "from mergekit_lite import interrupts\n"
+        "interrupts.install(); interrupts.started()\n"
+        "seen = []\n"
+        "signal.signal(signal.SIGUSR1, lambda *_: seen.append(interrupts._deferring))\n"
+        "class Probe:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name in ('matplotlib.colors', 'torch.version'):\n"
+        "            os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "sys.meta_path.insert(0, Probe())\n"
+        "import matplotlib, torch\n"
+        "print(seen)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[1, 1]"
