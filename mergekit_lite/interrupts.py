@@ -98,15 +98,20 @@ def started() -> None:
 
 
 @contextmanager
-def deferred() -> Iterator[None]:
-    """Within this block a signal only sets the flag; it is raised at the next `check()` or at the end."""
+def deferred(raise_at_end: bool = True) -> Iterator[None]:
+    """Within this block a signal only sets the flag; it is raised at the next `check()` or at the end.
+
+    A block that ends by putting an output in place (a rename) passes `raise_at_end=False` and calls `check()`
+    just before it: a signal that arrives during the rename then waits for the next safe point, so a complete
+    output is never reported as an interrupted run (and is not left behind one)."""
     global _deferring
     _deferring += 1
     try:
         yield
     finally:
         _deferring -= 1
-    check()
+    if raise_at_end:
+        check()
 
 
 def finished() -> None:

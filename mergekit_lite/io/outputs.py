@@ -218,10 +218,11 @@ def atomic_output_dir(
     A failed or interrupted run removes its temporary folder; a killed one (SIGKILL) leaves a
     `.NAME.partial-PID` folder that no tool mistakes for a model, and the next run removes it.
     Signals are deferred throughout (the block calls `interrupts.check()` at its safe points), so the
-    cleanup itself is never cut short.
+    cleanup itself is never cut short; one that arrives during the final rename waits for the command's next
+    safe point, since the output is then in place.
     """
     out = check_output_folder(out, inputs, overwrite)
-    with interrupts.deferred():
+    with interrupts.deferred(raise_at_end=False):
         out.parent.mkdir(parents=True, exist_ok=True)
         for stale in stale_partials(out):
             shutil.rmtree(stale, ignore_errors=True)
@@ -364,7 +365,8 @@ def write_files(files: dict[Path, str | Callable[[Path], None]], overwrite: bool
             path = Path(path)
             temps[path] = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")  # the suffix: savefig's format
             _write_new(temps[path], content, path)
-        with interrupts.deferred():
+        with interrupts.deferred(raise_at_end=False):
+            interrupts.check()
             for path, temp in temps.items():
                 if overwrite and written_file(path):
                     os.replace(temp, path)
