@@ -21,6 +21,7 @@ from mergekit_lite.io.sources import TensorSource
 from mergekit_lite.merge import engine, extract
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.extract import Extraction
+from mergekit_lite.merge.extract_settings import ExtractSettings
 
 
 class UnverifiedAdapter(InputError):
@@ -105,7 +106,9 @@ def run_merge(
     )
 
 
-def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, **options) -> Extraction:
+def extract_lora(
+    base_dir: str, tuned_dir: str, out_dir: str, settings: ExtractSettings | None = None, **options
+) -> Extraction:
     """merge.extract.extract_lora, with the base's fingerprint shipped in the adapter folder (base_fingerprint.json,
     written before the folder appears): whoever audits the adapter later can check their base is the one it was
     factored against, wherever the adapter has moved. The weights are fingerprinted without running the model."""
@@ -114,7 +117,7 @@ def extract_lora(base_dir: str, tuned_dir: str, out_dir: str, **options) -> Extr
     def ship_fingerprint(folder: Path, base: str) -> None:
         write_fingerprint(compute_fingerprint(base, behaviour=False), folder / FINGERPRINT_FILE, base_dir=base)
 
-    return extract.extract_lora(base_dir, tuned_dir, out_dir, side_files=ship_fingerprint, **options)
+    return extract.extract_lora(base_dir, tuned_dir, out_dir, settings, side_files=ship_fingerprint, **options)
 
 
 def merge_state_dict(config: MergeConfig, sources: list[TensorSource] | None = None) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, writ
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, open_inputs
-from mergekit_lite.io.validation import check_pattern
+from mergekit_lite.merge.extract_settings import ExtractSettings
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -244,22 +244,17 @@ def extract_lora(
     base_dir: str,
     tuned_dir: str,
     out_dir: str,
-    rank: int = 8,
-    include: tuple[str, ...] = (),
-    exclude: tuple[str, ...] = (),
-    linear_only: bool = False,
-    overwrite: bool = False,
-    save_modules: tuple[str, ...] = (),
-    skip_undecomposable: bool = False,
-    embed_lora: bool = False,
-    sv_epsilon: float = 0.0,
-    distribute_scale: bool = True,
+    settings: ExtractSettings | None = None,
+    *,
     device: str = "cpu",
+    overwrite: bool = False,
     model_card: bool = True,
     side_files: Callable[[Path, str], None] | None = None,
+    **options,
 ) -> Extraction:
     """Write a PEFT LoRA adapter (scaling 1) approximating tuned - base.
 
+    `settings` (or `options`, its fields by name: `rank=16`) say what is factored and how (ExtractSettings).
     Factors are stored in the fine-tune's dtype (math in float32). Ranks are min(rank, out, in) per
     layer, smaller ones listed in `rank_pattern`, so a `rank` at least every layer's size reproduces the
     fine-tune up to float rounding. Changed biases of factored layers ride as lora_B.bias (PEFT's
@@ -274,13 +269,9 @@ def extract_lora(
     `side_files(folder, base_dir)` writes more files into the adapter folder before it appears (the audited API
     ships the base's fingerprint this way: mergekit_lite.audited.extract_lora).
     """
-    if rank < 1:
-        raise InputError(f"rank must be at least 1, got {rank}")
-    if not sv_epsilon >= 0 or sv_epsilon == float("inf"):
-        raise InputError(f"sv_epsilon must be a finite number at least 0, got {sv_epsilon}")
-    for pattern in (*include, *exclude):
-        check_pattern(pattern)
-    settings = FactorSettings(rank, sv_epsilon, distribute_scale, device)
+    chosen = ExtractSettings.of(settings, **options)
+    rank, include, exclude, save_modules = chosen.rank, chosen.include, chosen.exclude, chosen.save_modules
+    settings = FactorSettings(rank, chosen.sv_epsilon, chosen.distribute_scale, device)
     base_dir, tuned_dir = resolve_model(str(base_dir)), resolve_model(str(tuned_dir))
     inputs = [base_dir, tuned_dir]
     check_output_folder(out_dir, inputs, overwrite)
@@ -293,7 +284,9 @@ def extract_lora(
         unknown = [name for name in save_modules if not any(_named(module, (name,)) for module in forced)]
         if unknown:
             raise InputError(f"--save-module {unknown[0]}: no module of {tuned_dir} has that name")
-        embedding_lora = [module for module in kinds.embeddings + kinds.heads if embed_lora and module not in forced]
+        embedding_lora = [
+            module for module in kinds.embeddings + kinds.heads if chosen.embed_lora and module not in forced
+        ]
         linear = [
             module
             for module in kinds.linear + kinds.heads
@@ -315,12 +308,12 @@ def extract_lora(
         ] + whole
         undecomposable = (
             []
-            if not skip_undecomposable
+            if not chosen.skip_undecomposable
             else [module for module in candidates if module not in kinds.embeddings + kinds.heads + whole]
         )
         saved, dropped = (
             ([], candidates)
-            if linear_only
+            if chosen.linear_only
             else ([module for module in candidates if module not in undecomposable], undecomposable)
         )
         saved = forced + saved
@@ -328,7 +321,9 @@ def extract_lora(
         ranks = _ranks(base, tuned, factored, set(kinds.embeddings), settings)
         dropped += [module for module in factored if module not in ranks]
         if not ranks:
-            raise InputError(f"{tuned_dir}: no singular value above --sv-epsilon {sv_epsilon}: nothing to extract")
+            raise InputError(
+                f"{tuned_dir}: no singular value above --sv-epsilon {chosen.sv_epsilon}: nothing to extract"
+            )
         tensors = _adapter_tensors(base, tuned, ranks, lora_bias, saved, set(kinds.embeddings), settings)
 
         top_rank = max(ranks.values())
@@ -362,7 +357,7 @@ def extract_lora(
                 "rank": rank,
                 "include": list(include),
                 "exclude": list(exclude),
-                "linear_only": linear_only,
+                "linear_only": chosen.linear_only,
             }
             if model_card:
                 write_card(
