@@ -1,0 +1,86 @@
+"""A setting is declared once: a command built on a settings model has exactly one option per field, with the
+field's help and default, and takes only a short, named list of options of its own (inputs, outputs, I/O
+switches); a field added to a model appears on the command line with nothing else written."""
+
+from typing import Literal
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from mergekit_lite.cli.extract import extract
+from mergekit_lite.cli.mergekit_flags import OPTIONS as MERGEKIT_OPTIONS
+from mergekit_lite.cli.options import flag_names, settings_options
+from mergekit_lite.errors import InputError
+from mergekit_lite.merge.extract_settings import ExtractSettings
+from mergekit_lite.settings import Settings, setting
+
+# per command: its settings model and the options it declares itself (not settings of the work it does)
+COMMANDS = {
+    "extract": (extract, ExtractSettings, {"base", "model", "out", "device", "overwrite", "quiet"}),
+}
+
+
+def _mergekit_names() -> set[str]:
+    holder = click.command()(lambda **_: None)
+    for option in MERGEKIT_OPTIONS:
+        holder = option(holder)
+    return {param.name for param in holder.params}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_is_a_field_or_named_as_the_commands_own(name):
+    command, model, own = COMMANDS[name]
+    options = [param.name for param in command.params]
+    assert len(options) == len(set(options)), "an option declared twice"
+    assert set(options) - _mergekit_names() == set(model.model_fields) | own
+    assert not set(model.model_fields) & own
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_options_carry_the_fields_help_default_and_names(name):
+    command, model, _ = COMMANDS[name]
+    by_name = {param.name: param for param in command.params}
+    for field_name, field in model.model_fields.items():
+        option = by_name[field_name]
+        assert option.help == field.description
+        assert option.opts[0] == flag_names(field_name, field)[0]
+        default = option.default if not option.multiple else tuple(option.default or ())
+        assert default == field.default, field_name
+
+
+def test_a_new_field_reaches_the_command_line_and_the_api_alone():
+    class Knobs(Settings):
+        width: int = setting(4, "How wide.", ge=1, le=16)
+        mode: Literal["fast", "exact"] = setting("exact", "How careful.")
+        tags: tuple[str, ...] = setting((), "A tag (repeatable).", flags=("--tag", "-t"))
+        loud: bool = setting(True, "Say it.", negatable=True)
+
+    @click.command()
+    @settings_options(Knobs)
+    def run(settings):
+        click.echo(repr(settings))
+
+    runner = CliRunner()
+    shown = runner.invoke(run, ["--help"], terminal_width=200).output
+    for text in ("--width", "1<=x<=16", "default: 4", "--mode [fast|exact]", "-t, --tag", "--loud / --no-loud"):
+        assert text in shown, text
+    given = runner.invoke(run, ["--width", "8", "--mode", "fast", "-t", "a", "--tag", "b", "--no-loud"])
+    assert given.output.strip() == repr(Knobs(width=8, mode="fast", tags=("a", "b"), loud=False))
+    assert runner.invoke(run, ["--width", "17"]).exit_code == 2  # the declared bound, from click's range
+    assert Knobs.of(width=2).width == 2
+    with pytest.raises(InputError, match="width: input should be less than or equal to 16, got 17"):
+        Knobs.of(width=17)
+    with pytest.raises(InputError, match="widht: not a setting"):
+        Knobs.of(widht=2)
+
+
+def test_a_value_click_lets_through_is_refused_by_the_model_naming_the_flag():
+    result = CliRunner().invoke(extract, ["--base", "a", "--model", "b", "--out", "c", "--sv-epsilon", "inf"])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, InputError)
+    assert str(result.exception) == "--sv-epsilon: input should be a finite number, got inf"
+
+
+def test_the_api_and_the_command_line_share_defaults():
+    assert ExtractSettings().rank == next(param.default for param in extract.params if param.name == "rank")
