@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import click
 
-from mergekit_lite.cli.forgetting_matrix import NAMES as MATRIX_OPTIONS
-from mergekit_lite.cli.forgetting_matrix import matrix_options, run_matrix_form
+from mergekit_lite.cli.forgetting_matrix import run_matrix_form
+from mergekit_lite.cli.options import settings_options
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting import AGGREGATIONS, OVERALL, format_table
+from mergekit_lite.evaluate.forgetting import OVERALL, format_table
+from mergekit_lite.evaluate.forgetting_settings import ForgettingSettings, MatrixSettings
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 from mergekit_lite.evaluate.spurious import SPURIOUS, SpuriousMap, SpuriousSplit, format_split_table, spurious_map
 from mergekit_lite.evaluate.ties import run_ties
@@ -72,46 +73,7 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
 
 @click.command("forgetting")
 @click.argument("inputs", nargs=-1, required=True, metavar="PRE POST [CKPT...]", type=click.Path(exists=True))
-@click.option(
-    "--group",
-    "groups",
-    multiple=True,
-    metavar="NAME=TASK,...",
-    help="A group of tasks, e.g. old=arc_easy,hellaswag, new=mmlu_* or an lm-eval group (old=mmlu). Repeatable.",
-)
-@click.option(
-    "--metric",
-    "metrics",
-    multiple=True,
-    metavar="[TASK=]METRIC",
-    help="0/1 metric to score by, global (used where logged) or per task (default: the task's first).",
-)
-@click.option(
-    "--filter",
-    "filters",
-    multiple=True,
-    metavar="[TASK=]FILTER",
-    help="lm-eval filter to score, e.g. flexible-extract or gsm8k=strict-match (default: the first logged).",
-)
-@click.option(
-    "--choices",
-    "choices",
-    multiple=True,
-    metavar="TASK=K",
-    help="Number of options of a generative multiple-choice task (default: from the docs; inf if none).",
-)
-@click.option(
-    "--aggregation",
-    type=click.Choice(AGGREGATIONS),
-    default="paper",
-    show_default=True,
-    help="Group values: paper = unweighted mean of the tasks' values; pooled = all samples pooled.",
-)
-@click.option(
-    "--overall",
-    is_flag=True,
-    help="Add the paper's OVERALL row: the mean of the --group rows, each group weighing the same.",
-)
+@settings_options(ForgettingSettings)
 @click.option(
     "--samples",
     "samples_out",
@@ -125,12 +87,6 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
     type=click.Path(dir_okay=False),
     metavar="FILE.jsonl",
     help="Write the forgotten samples as training data (TRL's prompt/completion JSONL).",
-)
-@click.option(
-    "--replay-format",
-    type=click.Choice(REPLAY_FORMATS),
-    show_default=REPLAY_FORMATS[0],
-    help="--replay records: prompt/completion, or chat messages (user, assistant).",
 )
 @click.option(
     "--heatmap",
@@ -148,13 +104,6 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
     help="Write the tables, the heat map and every compared sample as one self-contained HTML page.",
 )
 @click.option(
-    "--alert",
-    "alerts",
-    multiple=True,
-    metavar="GROUP:METRIC>VALUE",
-    help="Exit 3 when a checkpoint's group value crosses VALUE (> or <), e.g. old:F_true>0.1. Repeatable.",
-)
-@click.option(
     "--overwrite",
     is_flag=True,
     help="Replace --samples, --replay and --heatmap files an earlier run "
@@ -162,42 +111,8 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
-# re-alignment: spurious against genuine forgetting (mergekit_lite/evaluate/spurious.py)
-@click.option(
-    "--realigned",
-    "realigned",
-    type=click.Path(exists=True),
-    metavar="LOG",
-    help="POST's lm-eval samples under a re-alignment (few-shot, chat template): forgotten docs it gets "
-    "right are spurious, the rest genuine.",
-)
-@click.option(
-    "--replay-spurious",
-    is_flag=True,
-    help="With --realigned: keep spurious docs in --replay (left out by default: they need format, not knowledge).",
-)
-@matrix_options
-def forgetting(
-    inputs,
-    groups,
-    metrics,
-    filters,
-    choices,
-    aggregation,
-    overall,
-    samples_out,
-    replay_out,
-    replay_format,
-    heatmap_out,
-    html_out,
-    alerts,
-    overwrite,
-    as_json,
-    quiet,
-    realigned,
-    replay_spurious,
-    **matrix,
-):
+@settings_options(MatrixSettings, into="matrix")
+def forgetting(inputs, settings, matrix, samples_out, replay_out, heatmap_out, html_out, overwrite, as_json, quiet):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected
     as in "Mapping Post-Training Forgetting in Language Models at Scale" (§2), or along a training run.
 
@@ -224,23 +139,23 @@ def forgetting(
     trajectory_options = [
         name
         for name, given in (
-            ("--group", groups),
-            ("--overall", overall),
+            ("--group", settings.groups),
+            ("--overall", settings.overall),
             ("--heatmap", heatmap_out),
-            ("--alert", alerts),
-            ("--realigned", realigned),
-            ("--replay-spurious", replay_spurious),
+            ("--alert", settings.alerts),
+            ("--realigned", settings.realigned),
+            ("--replay-spurious", settings.replay_spurious),
             ("--overwrite", overwrite),
         )
         if given
     ]
     if run_matrix_form(
         inputs,
-        {name: matrix[name] for name in MATRIX_OPTIONS},
-        Scoring.from_specs(metrics, filters, choices),
+        matrix,
+        Scoring.from_specs(settings.metrics, settings.filters, settings.choices),
         samples_out,
         replay_out,
-        replay_format or REPLAY_FORMATS[0],
+        settings.replay_format or REPLAY_FORMATS[0],
         as_json,
         trajectory_options,
         html_out,
@@ -250,24 +165,24 @@ def forgetting(
         raise InputError(
             "forgetting needs at least two lm-eval outputs: PRE POST, or the checkpoints of a run in order"
         )
-    parsed_groups = [parse_group(spec) for spec in groups]
+    parsed_groups = [parse_group(spec) for spec in settings.groups]
     names = [name for name, _ in parsed_groups]
     if len(set(names)) != len(names):
         raise InputError(f"--group names must be unique, got {', '.join(names)}")
-    if overall and not parsed_groups:
+    if settings.overall and not parsed_groups:
         raise InputError("--overall averages the --group rows: give at least one --group")
-    if overall and OVERALL in names:
+    if settings.overall and OVERALL in names:
         raise InputError(f"--group {OVERALL} is the name of --overall's row; choose another name")
-    parsed_alerts = [parse_alert(spec, names + [OVERALL] * overall) for spec in alerts]
-    check_realigned_options(realigned, replay_spurious, inputs)
-    if replay_format is not None and not replay_out:
+    parsed_alerts = [parse_alert(spec, names + [OVERALL] * settings.overall) for spec in settings.alerts]
+    check_realigned_options(settings.realigned, settings.replay_spurious, inputs)
+    if settings.replay_format is not None and not replay_out:
         raise InputError("--replay-format shapes --replay's file: give --replay FILE.jsonl")
     outputs = check_outputs(
         {"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out, "--html": html_out},
-        [*inputs, *([realigned] if realigned else [])],
+        [*inputs, *([settings.realigned] if settings.realigned else [])],
         overwrite,
     )
-    scoring = Scoring.from_specs(metrics, filters, choices)
+    scoring = Scoring.from_specs(settings.metrics, settings.filters, settings.choices)
     runs = [load_lm_eval_run(path, scoring) for path in inputs]
     tied = [run_ties(path) for path in inputs]  # docs whose answer is lm-eval's order, not the model's choice
     series = trajectory(runs, inputs)
@@ -286,10 +201,12 @@ def forgetting(
             for name, patterns in parsed_groups
         ]
         group_rows.append(
-            [result.group(name, tasks, aggregation) for name, tasks in members]
-            + ([result.overall(members, aggregation)] if overall else [])
+            [result.group(name, tasks, settings.aggregation) for name, tasks in members]
+            + ([result.overall(members, settings.aggregation)] if settings.overall else [])
         )
-    split = realigned_split(series, realigned, scoring, group_rows[0]) if realigned else None  # errors first
+    split = (
+        realigned_split(series, settings.realigned, scoring, group_rows[0]) if settings.realigned else None
+    )  # errors first
     for position, result in enumerate(series.maps, start=1):
         where = "" if two_models else f"checkpoint {position} ({inputs[position]}): "
         for task, reason in result.skipped.items():
@@ -304,7 +221,14 @@ def forgetting(
     else:
         render_trajectory(series, group_rows, crossed, as_json)
     write_outputs(
-        outputs, series, group_rows, replay_format or REPLAY_FORMATS[0], split, replay_spurious, overwrite, crossed
+        outputs,
+        series,
+        group_rows,
+        settings.replay_format or REPLAY_FORMATS[0],
+        split,
+        settings.replay_spurious,
+        overwrite,
+        crossed,
     )
     for alert in crossed:
         click.echo(

@@ -1,6 +1,6 @@
 """`forgetting --matrix` and `forgetting --history`: the example-forgetting matrix across fine-tunes of one model,
-and the prediction (and replay set) for a new fine-tune from it. The options are declared here and added to the
-forgetting command by `matrix_options`; the math is mergekit_lite.evaluate.matrix."""
+and the prediction (and replay set) for a new fine-tune from it. Their options are MatrixSettings
+(mergekit_lite/evaluate/forgetting_settings.py); the math is mergekit_lite.evaluate.matrix."""
 
 import json
 import os
@@ -9,12 +9,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from mergekit_lite.cli.types import SEED
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.forgetting_settings import MatrixSettings
 from mergekit_lite.evaluate.matrix import (
-    METHODS,
-    STRATEGIES,
-    VALUES,
     build_matrix,
     completion_table,
     forgetting_row,
@@ -30,94 +27,10 @@ from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
 from mergekit_lite.evaluate.trajectory import jsonl, replay_records
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_file, check_output_folder, write_atomic
 
-OPTIONS = [
-    click.option(
-        "--matrix",
-        "matrix_dir",
-        type=click.Path(file_okay=False),
-        metavar="DIR",
-        help="PRE POST_1 ... POST_M are independent fine-tunes of PRE: write their forgetting matrix, "
-        "R^2 by rank and the completion table to DIR (matrix.json, matrix.npz, matrix.png, rank.png).",
-    ),
-    click.option(
-        "--history",
-        "history_dir",
-        type=click.Path(exists=True, file_okay=False),
-        metavar="DIR",
-        help="PRE NEW, NEW's log covering some docs: predict the others from a --matrix DIR.",
-    ),
-    click.option(
-        "--value",
-        type=click.Choice(VALUES),
-        default="outcome",
-        show_default=True,
-        help="Matrix entries: outcome = 1 where pre was right and the fine-tune wrong; logprob = the drop "
-        "of the gold answer's log-likelihood.",
-    ),
-    click.option(
-        "--known",
-        "known",
-        type=int,
-        multiple=True,
-        metavar="K",
-        help="Docs observed of each held-out fine-tune in the completion table (default 30). Repeatable.",
-    ),
-    click.option(
-        "--predictor",
-        type=click.Choice(METHODS),
-        help="Completion method for --history (default: the best of the history's table).",
-    ),
-    click.option(
-        "--matrix-seed",
-        type=SEED,
-        default=0,
-        show_default=True,
-        help="Seed of the observed docs (--matrix) and of the replay draw (--history).",
-    ),
-    click.option(
-        "--replay-budget",
-        type=int,
-        metavar="N",
-        help="With --history: write N distinct docs to --replay, chosen by --replay-strategy.",
-    ),
-    click.option(
-        "--replay-temperature",
-        type=float,
-        default=0.1,
-        show_default=True,
-        help="T of the replay weights softmax(score / T).",
-    ),
-    click.option(
-        "--replay-strategy",
-        type=click.Choice(STRATEGIES),
-        default="sample",
-        show_default=True,
-        help="sample: drawn by weight; top: highest scores; random: uniform (the baseline).",
-    ),
-]
-NAMES = (
-    "matrix_dir",
-    "history_dir",
-    "value",
-    "known",
-    "predictor",
-    "matrix_seed",
-    "replay_budget",
-    "replay_temperature",
-    "replay_strategy",
-)
-
-
-def matrix_options(command):
-    """The forgetting command's --matrix/--history options, in their own block."""
-    for option in reversed(OPTIONS):
-        command = option(command)
-    return command
-
 
 def run_matrix_form(
     inputs,
-    options: dict,
+    options: MatrixSettings,
     scoring: Scoring,
     samples_out,
     replay_out,
@@ -127,11 +40,11 @@ def run_matrix_form(
     html_out=None,
 ) -> bool:
     """Run the --matrix or --history form if asked (True), else refuse their options given alone (False)."""
-    matrix_dir, history_dir = options["matrix_dir"], options["history_dir"]
+    matrix_dir, history_dir = options.matrix_dir, options.history_dir
     if not matrix_dir and not history_dir:
-        if options["replay_budget"] is not None or options["known"] or options["predictor"]:
+        if options.replay_budget is not None or options.known or options.predictor:
             raise InputError("--replay-budget, --known and --predictor go with --matrix DIR or --history DIR")
-        if options["value"] != "outcome":
+        if options.value != "outcome":
             raise InputError("--value goes with --matrix DIR")
         return False
     if matrix_dir and history_dir:
@@ -153,13 +66,13 @@ def write_history(inputs, options, scoring, matrix_dir, other_output, as_json, h
         raise InputError("--samples and --replay go with --history (a prediction), not --matrix")
     if len(inputs) < 4:
         raise InputError(f"--matrix needs PRE and at least 3 fine-tunes of it, got {len(inputs) - 1}")
-    known = options["known"] or (30,)
+    known = options.known or (30,)
     if min(known) < 1:
         raise InputError(f"--known must be at least 1, got {min(known)}")
     check_output_folder(matrix_dir, inputs)
     pre = load_lm_eval_run(inputs[0], scoring)
-    matrix = build_matrix(pre, lambda path: load_lm_eval_run(path, scoring), inputs[1:], options["value"])
-    tables = [completion_table(matrix, k, options["matrix_seed"]) for k in known]
+    matrix = build_matrix(pre, lambda path: load_lm_eval_run(path, scoring), inputs[1:], options.value)
+    tables = [completion_table(matrix, k, options.matrix_seed) for k in known]
     payload = summary(matrix, r2_by_rank(matrix.z), tables)
     with atomic_output_dir(matrix_dir, inputs=inputs) as folder:
         write_matrix(folder, matrix, payload)
@@ -188,9 +101,9 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
     """PRE NEW --history DIR: NEW's observed docs as logged, the others predicted."""
     if len(inputs) != 2:
         raise InputError(f"--history takes PRE and one new fine-tune, got {len(inputs)} inputs")
-    if replay_out and options["replay_budget"] is None:
+    if replay_out and options.replay_budget is None:
         raise InputError("--replay with --history chooses --replay-budget N docs: give the budget")
-    if options["replay_budget"] is not None and not replay_out:
+    if options.replay_budget is not None and not replay_out:
         raise InputError("--replay-budget needs --replay FILE to write the chosen docs to")
     given = (("--samples", samples_out), ("--replay", replay_out), ("--html", html_out))
     outputs = {option: path for option, path in given if path}
@@ -198,12 +111,12 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
         check_output_file(path, inputs)
     if len({os.path.realpath(path) for path in outputs.values()}) != len(outputs):
         raise InputError(f"{', '.join(outputs)} must name different files")
-    matrix, payload = read_history(options["history_dir"])
+    matrix, payload = read_history(options.history_dir)
     pre = load_lm_eval_run(inputs[0], scoring)
     docs, chosen = pre_docs(pre)
     if not docs.same_as(matrix.docs) or not np.array_equal(docs.pre_correct, matrix.docs.pre_correct):
         raise InputError(
-            f"--history {options['history_dir']}: built on other docs (or another pre) than "
+            f"--history {options.history_dir}: built on other docs (or another pre) than "
             f"{inputs[0]} ({len(matrix.docs)} docs there, {len(docs)} here)"
         )
     seeds = pre_seeds(pre)
@@ -211,7 +124,7 @@ def predict_new(inputs, options, scoring, samples_out, replay_out, replay_format
         chosen, load_lm_eval_run(inputs[1], scoring), inputs[1], matrix.value, partial=True, pre_seeds=seeds
     )
     tables = payload.get("completion") or [{}]
-    method = options["predictor"] or tables[0].get("best") or "mf"
+    method = options.predictor or tables[0].get("best") or "mf"
     prediction = predict_row(matrix, values, observed, method)
     rows = prediction_rows(matrix, prediction, chosen, seeds)
     report = prediction_report(matrix, prediction, values)
@@ -270,25 +183,25 @@ def write_replay(path, rows, matrix, prediction, options, replay_format) -> dict
     scores = prediction.scores[candidates]
     selection = select_replay(
         scores,
-        options["replay_budget"],
-        options["replay_strategy"],
-        options["replay_temperature"],
-        options["matrix_seed"],
+        options.replay_budget,
+        options.replay_strategy,
+        options.replay_temperature,
+        options.matrix_seed,
     )
     chosen = [rows[candidates[index]] for index in selection.chosen]
     records, _ = replay_records(chosen, replay_format, chosen=lambda row: True)
     write_atomic(path, jsonl(records))
     observed = sum(not row["predicted"] for row in chosen)
     click.echo(
-        f"replay: {len(records)} docs of {len(candidates)} candidates chosen by {options['replay_strategy']} "
-        f"(T={options['replay_temperature']:g}; {observed} observed) written to {path}",
+        f"replay: {len(records)} docs of {len(candidates)} candidates chosen by {options.replay_strategy} "
+        f"(T={options.replay_temperature:g}; {observed} observed) written to {path}",
         err=True,
     )
     return {
         "written": len(records),
         "candidates": len(candidates),
-        "strategy": options["replay_strategy"],
-        "temperature": options["replay_temperature"],
+        "strategy": options.replay_strategy,
+        "temperature": options.replay_temperature,
         "observed": observed,
         "mean_score": float(scores[selection.chosen].mean()),
     }

@@ -9,6 +9,7 @@ choice. The decorated command receives the model, built and checked, as one argu
 from __future__ import annotations
 
 import functools
+import types
 import typing
 
 import annotated_types
@@ -46,13 +47,24 @@ def flag_names(name: str, field) -> list[str]:
     return list(extra.get("flags") or [f"--{name.replace('_', '-')}"])
 
 
+PATHS = {
+    "file": {"dir_okay": False},
+    "folder": {"file_okay": False},
+    "existing": {"exists": True},
+    "existing-file": {"exists": True, "dir_okay": False},
+    "existing-folder": {"exists": True, "file_okay": False},
+}
+
+
 def _option(name: str, field):
     extra = field.json_schema_extra or {}
     names = flag_names(name, field)
-    kind = field.annotation
+    kind = _unless_none(field.annotation)
     keywords = {"help": field.description, "default": field.default}
     if extra.get("metavar"):
         keywords["metavar"] = extra["metavar"]
+    if extra.get("path"):
+        return click.option(*names, name, type=click.Path(**PATHS[extra["path"]]), **keywords)
     if kind is bool:
         if extra.get("negatable"):
             names = [f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:]]
@@ -60,12 +72,22 @@ def _option(name: str, field):
             keywords["is_flag"] = True
         return click.option(*names, name, **keywords)
     if typing.get_origin(kind) is tuple:
-        return click.option(*names, name, multiple=True, **keywords)
+        item = typing.get_args(kind)[0]
+        return click.option(*names, name, multiple=True, type=None if item is str else item, **keywords)
     if typing.get_origin(kind) is typing.Literal:
-        return click.option(*names, name, type=click.Choice(typing.get_args(kind)), show_default=True, **keywords)
+        choice = click.Choice(typing.get_args(kind))
+        return click.option(*names, name, type=choice, show_default=field.default is not None, **keywords)
     keywords["type"] = _number_type(kind, field.metadata)
     keywords["show_default"] = field.default is not None
     return click.option(*names, name, **keywords)
+
+
+def _unless_none(kind):
+    """X for `X | None` (an option left out is None), else the type as it is."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        given = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return given[0] if len(given) == 1 else kind
+    return kind
 
 
 def _number_type(kind, metadata):

@@ -24,12 +24,15 @@ def setting(
     flags: tuple[str, ...] = (),
     metavar: str | None = None,
     negatable: bool = False,
+    path: str | None = None,
     **bounds: Any,
 ) -> Any:
     """A field of a `Settings` model: `help` is its one-line description; `flags` the command line's names when
     they are not `--field-name` (aliases that users of mergekit or PEFT type); `negatable` gives a boolean a
-    --no- form; `bounds` are pydantic's (ge, gt, le, lt, allow_inf_nan)."""
-    extra = {"flags": list(flags), "metavar": metavar, "negatable": negatable}
+    --no- form; `path` marks a path the command line checks as it parses ("file", "folder", "existing" for a
+    file or folder that must exist, "existing-file", "existing-folder"); `bounds` are pydantic's (ge, gt, le, lt,
+    allow_inf_nan)."""
+    extra = {"flags": list(flags), "metavar": metavar, "negatable": negatable, "path": path}
     return Field(default, description=help, json_schema_extra=extra, **bounds)
 
 

@@ -9,15 +9,22 @@ import pytest
 from click.testing import CliRunner
 
 from mergekit_lite.cli.extract import extract
+from mergekit_lite.cli.forgetting import forgetting
 from mergekit_lite.cli.mergekit_flags import OPTIONS as MERGEKIT_OPTIONS
 from mergekit_lite.cli.options import flag_names, settings_options
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.forgetting_settings import ForgettingSettings, MatrixSettings
 from mergekit_lite.merge.extract_settings import ExtractSettings
 from mergekit_lite.settings import Settings, setting
 
-# per command: its settings model and the options it declares itself (not settings of the work it does)
+# per command: its settings models and the options it declares itself (inputs, outputs, how it prints)
 COMMANDS = {
-    "extract": (extract, ExtractSettings, {"base", "model", "out", "device", "overwrite", "quiet"}),
+    "extract": (extract, [ExtractSettings], {"base", "model", "out", "device", "overwrite", "quiet"}),
+    "forgetting": (
+        forgetting,
+        [ForgettingSettings, MatrixSettings],
+        {"inputs", "samples_out", "replay_out", "heatmap_out", "html_out", "overwrite", "as_json", "quiet"},
+    ),
 }
 
 
@@ -30,18 +37,20 @@ def _mergekit_names() -> set[str]:
 
 @pytest.mark.parametrize("name", COMMANDS)
 def test_every_option_is_a_field_or_named_as_the_commands_own(name):
-    command, model, own = COMMANDS[name]
+    command, models, own = COMMANDS[name]
     options = [param.name for param in command.params]
+    fields = [field for model in models for field in model.model_fields]
     assert len(options) == len(set(options)), "an option declared twice"
-    assert set(options) - _mergekit_names() == set(model.model_fields) | own
-    assert not set(model.model_fields) & own
+    assert len(fields) == len(set(fields)), "a setting declared in two models"
+    assert set(options) - _mergekit_names() == set(fields) | own
+    assert not set(fields) & own
 
 
 @pytest.mark.parametrize("name", COMMANDS)
 def test_options_carry_the_fields_help_default_and_names(name):
-    command, model, _ = COMMANDS[name]
+    command, models, _ = COMMANDS[name]
     by_name = {param.name: param for param in command.params}
-    for field_name, field in model.model_fields.items():
+    for field_name, field in [item for model in models for item in model.model_fields.items()]:
         option = by_name[field_name]
         assert option.help == field.description
         assert option.opts[0] == flag_names(field_name, field)[0]
