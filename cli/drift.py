@@ -5,7 +5,9 @@ from pathlib import Path
 
 import click
 
+from mergekit_lite.cli.options import settings_options
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.settings import DriftSettings
 from mergekit_lite.io.outputs import check_output_file, write_atomic
 
 EXAMPLES = """
@@ -25,9 +27,7 @@ Examples:
     metavar="FILE",
     help='Texts (one per line, or .jsonl with a "text" field): adds each layer\'s linear CKA, pre vs post.',
 )
-@click.option(
-    "--max-length", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens kept per text for --texts."
-)
+@settings_options(DriftSettings)
 @click.option(
     "--heatmap",
     "heatmap_out",
@@ -49,14 +49,8 @@ Examples:
     is_flag=True,
     help="Print JSON ({tensors, layers, outside_layers, modules}) instead of the table.",
 )
-# non-finite weights: refused unless asked for (as merge's flag of the same name)
-@click.option(
-    "--allow-nonfinite",
-    is_flag=True,
-    help="Report the drift of tensors holding NaN/Inf (and of their layers and modules) as null instead of stopping.",
-)
 @click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
-def drift(pre, post, texts, max_length, heatmap_out, html_out, as_json, allow_nonfinite, quiet):
+def drift(pre, post, texts, settings, heatmap_out, html_out, as_json, quiet):
     """Relative Frobenius drift ||post - pre|| / ||pre|| of every tensor, per decoder layer and module type
     (attention q/k/v/o, MLP gate/up/down, MoE experts, norms, embeddings, head), streamed one tensor pair at a
     time. POST may be a LoRA adapter trained on PRE (measured without writing the merged model)."""
@@ -75,7 +69,7 @@ def drift(pre, post, texts, max_length, heatmap_out, html_out, as_json, allow_no
         if heatmap_out and Path(heatmap_out).absolute() == Path(html_out).absolute():
             raise InputError("--heatmap and --html must name different files")
     text_list = read_texts(texts) if texts else None
-    report = model_drift(pre, post, text_list, max_length, allow_nonfinite)
+    report = model_drift(pre, post, text_list, settings)
     if report.nonfinite:
         shown = ", ".join(report.nonfinite[:3]) + (", ..." if len(report.nonfinite) > 3 else "")
         click.echo(

@@ -13,8 +13,8 @@ from mergekit_lite.cli.forgetting_matrix import run_matrix_form
 from mergekit_lite.cli.options import settings_options
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import OVERALL, format_table
-from mergekit_lite.evaluate.forgetting_settings import ForgettingSettings, MatrixSettings
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
+from mergekit_lite.evaluate.settings import ForgettingSettings, MatrixSettings
 from mergekit_lite.evaluate.spurious import SPURIOUS, SpuriousMap, SpuriousSplit, format_split_table, spurious_map
 from mergekit_lite.evaluate.ties import run_ties
 from mergekit_lite.evaluate.trajectory import (

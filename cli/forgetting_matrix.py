@@ -1,6 +1,6 @@
 """`forgetting --matrix` and `forgetting --history`: the example-forgetting matrix across fine-tunes of one model,
 and the prediction (and replay set) for a new fine-tune from it. Their options are MatrixSettings
-(mergekit_lite/evaluate/forgetting_settings.py); the math is mergekit_lite.evaluate.matrix."""
+(mergekit_lite/evaluate/settings.py); the math is mergekit_lite.evaluate.matrix."""
 
 import json
 import os
@@ -10,7 +10,6 @@ import click
 import numpy as np
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting_settings import MatrixSettings
 from mergekit_lite.evaluate.matrix import (
     build_matrix,
     completion_table,
@@ -24,6 +23,7 @@ from mergekit_lite.evaluate.matrix import (
 )
 from mergekit_lite.evaluate.matrix_files import prediction_rows, read_history, summary, write_matrix
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
+from mergekit_lite.evaluate.settings import MatrixSettings
 from mergekit_lite.evaluate.trajectory import jsonl, replay_records
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_file, check_output_folder, write_atomic
 

@@ -8,18 +8,20 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from mergekit_lite.cli.drift import drift
 from mergekit_lite.cli.extract import extract
 from mergekit_lite.cli.forgetting import forgetting
 from mergekit_lite.cli.mergekit_flags import OPTIONS as MERGEKIT_OPTIONS
 from mergekit_lite.cli.options import flag_names, settings_options
 from mergekit_lite.errors import InputError
-from mergekit_lite.evaluate.forgetting_settings import ForgettingSettings, MatrixSettings
+from mergekit_lite.evaluate.settings import DriftSettings, ForgettingSettings, MatrixSettings
 from mergekit_lite.merge.extract_settings import ExtractSettings
 from mergekit_lite.settings import Settings, setting
 
 # per command: its settings models and the options it declares itself (inputs, outputs, how it prints)
 COMMANDS = {
     "extract": (extract, [ExtractSettings], {"base", "model", "out", "device", "overwrite", "quiet"}),
+    "drift": (drift, [DriftSettings], {"pre", "post", "texts", "heatmap_out", "html_out", "as_json", "quiet"}),
     "forgetting": (
         forgetting,
         [ForgettingSettings, MatrixSettings],

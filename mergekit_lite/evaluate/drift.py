@@ -29,6 +29,7 @@ import torch
 
 from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
+from mergekit_lite.evaluate.settings import DriftSettings
 from mergekit_lite.io.architecture import Layout, disk_names, layout
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.safetensors import ModelSource
@@ -326,12 +327,13 @@ def weight_drift(
 
 
 def model_drift(
-    pre: str, post: str, texts: list[str] | None = None, max_length: int = 256, allow_nonfinite: bool = False
+    pre: str, post: str, texts: list[str] | None = None, settings: DriftSettings | None = None, **options
 ) -> DriftReport:
     """The whole report: weight drift, and with `texts` each decoder layer's linear CKA (None where the
-    representations are not finite)."""
-    tensors = weight_drift(pre, post, allow_nonfinite)
-    cka = layer_cka(pre, post, texts, max_length) if texts else None
+    representations are not finite). `settings` or `options` (its fields by name): DriftSettings."""
+    chosen = DriftSettings.of(settings, **options)
+    tensors = weight_drift(pre, post, chosen.allow_nonfinite)
+    cka = layer_cka(pre, post, texts, chosen.max_length) if texts else None
     cka = None if cka is None else [value if value is None or math.isfinite(value) else None for value in cka]
     return summarise(pre, post, tensors, cka)
 

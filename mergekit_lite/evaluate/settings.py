@@ -1,6 +1,7 @@
-"""What `mergekit-lite forgetting` takes besides its inputs and output files, declared once (the command line's
-options are made from these models: cli/options.py): how samples are scored and grouped, and the settings of the
-example-forgetting matrix and its predictions (--matrix, --history)."""
+"""What the evaluation commands take besides their inputs and output files, declared once (the command line's
+options are made from these models: cli/options.py): for `forgetting`, how samples are scored and grouped and the
+settings of the example-forgetting matrix and its predictions (--matrix, --history); for `drift`, how far texts
+are read and what non-finite weights do."""
 
 from __future__ import annotations
 
@@ -104,4 +105,13 @@ class MatrixSettings(Settings):
     replay_temperature: float = setting(0.1, "T of the replay weights softmax(score / T).")
     replay_strategy: Literal[STRATEGIES] = setting(
         "sample", "sample: drawn by weight; top: highest scores; random: uniform (the baseline)."
+    )
+
+
+class DriftSettings(Settings):
+    max_length: int = setting(256, "Tokens kept per text for --texts.", ge=1)
+    # non-finite weights: refused unless asked for (as merge's flag of the same name)
+    allow_nonfinite: bool = setting(
+        False,
+        "Report the drift of tensors holding NaN/Inf (and of their layers and modules) as null instead of stopping.",
     )
