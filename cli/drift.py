@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from mergekit_lite.cli.options import settings_options
+from mergekit_lite.cli.options import QUIET, json_flag, output_file, settings_options
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.settings import DriftSettings
 from mergekit_lite.io.outputs import check_output_file, write_atomic
@@ -28,28 +28,14 @@ Examples:
     help='Texts (one per line, or .jsonl with a "text" field): adds each layer\'s linear CKA, pre vs post.',
 )
 @settings_options(DriftSettings)
-@click.option(
+@output_file(
     "--heatmap",
-    "heatmap_out",
-    type=click.Path(dir_okay=False),
-    metavar="FILE.png",
-    help="Plot the drift, decoder layers by module type (and 1 - CKA per layer with --texts).",
+    "FILE.png",
+    "Plot the drift, decoder layers by module type (and 1 - CKA per layer with --texts).",
 )
-# the report page (mergekit_lite/evaluate/pages.py)
-@click.option(
-    "--html",
-    "html_out",
-    type=click.Path(dir_okay=False),
-    metavar="FILE.html",
-    help="Write the table and the heat map as one self-contained HTML page.",
-)
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print JSON ({tensors, layers, outside_layers, modules}) instead of the table.",
-)
-@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+@output_file("--html", "FILE.html", "Write the table and the heat map as one self-contained HTML page.")
+@json_flag("{tensors, layers, outside_layers, modules}")
+@QUIET
 def drift(pre, post, texts, settings, heatmap_out, html_out, as_json, quiet):
     """Relative Frobenius drift ||post - pre|| / ||pre|| of every tensor, per decoder layer and module type
     (attention q/k/v/o, MLP gate/up/down, MoE experts, norms, embeddings, head), streamed one tensor pair at a

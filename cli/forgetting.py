@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import click
 
 from mergekit_lite.cli.forgetting_matrix import run_matrix_form
-from mergekit_lite.cli.options import settings_options
+from mergekit_lite.cli.options import QUIET, json_flag, output_file, settings_options
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.forgetting import OVERALL, format_table
 from mergekit_lite.evaluate.outcomes import Scoring, load_lm_eval_run
@@ -74,34 +74,17 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
 @click.command("forgetting")
 @click.argument("inputs", nargs=-1, required=True, metavar="PRE POST [CKPT...]", type=click.Path(exists=True))
 @settings_options(ForgettingSettings)
-@click.option(
+@output_file(
     "--samples",
-    "samples_out",
-    type=click.Path(dir_okay=False),
-    metavar="FILE.jsonl",
-    help="Write one line per compared (task, doc, seed): outcome, scores, prompt, gold and answers.",
+    "FILE.jsonl",
+    "Write one line per compared (task, doc, seed): outcome, scores, prompt, gold and answers.",
 )
-@click.option(
-    "--replay",
-    "replay_out",
-    type=click.Path(dir_okay=False),
-    metavar="FILE.jsonl",
-    help="Write the forgotten samples as training data (TRL's prompt/completion JSONL).",
-)
-@click.option(
-    "--heatmap",
-    "heatmap_out",
-    type=click.Path(dir_okay=False),
-    metavar="FILE.png",
-    help="Plot F_true and BT_true per group (or task) and checkpoint.",
-)
-# the report page (mergekit_lite/evaluate/pages.py)
-@click.option(
+@output_file("--replay", "FILE.jsonl", "Write the forgotten samples as training data (TRL's prompt/completion JSONL).")
+@output_file("--heatmap", "FILE.png", "Plot F_true and BT_true per group (or task) and checkpoint.")
+@output_file(
     "--html",
-    "html_out",
-    type=click.Path(dir_okay=False),
-    metavar="FILE.html",
-    help="Write the tables, the heat map and every compared sample as one self-contained HTML page.",
+    "FILE.html",
+    "Write the tables, the heat map and every compared sample as one self-contained HTML page.",
 )
 @click.option(
     "--overwrite",
@@ -109,8 +92,8 @@ def leaf_tasks(group: str, lm_eval_groups: dict[str, list[str]], seen: frozenset
     help="Replace --samples, --replay and --heatmap files an earlier run "
     "wrote (only while unchanged; never another file).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON ({tasks, groups, skipped}) instead of tables.")
-@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+@json_flag("{tasks, groups, skipped}")
+@QUIET
 @settings_options(MatrixSettings, into="matrix")
 def forgetting(inputs, settings, matrix, samples_out, replay_out, heatmap_out, html_out, overwrite, as_json, quiet):
     """Sample-level forgetting (F) and backward transfer (BT) between two models, chance-corrected

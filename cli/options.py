@@ -100,3 +100,17 @@ def _number_type(kind, metadata):
     if kind is float:
         return Number(min=low if above is None else above, max=high, min_open=above is not None)
     return None
+
+
+def output_file(flag: str, metavar: str, help: str):
+    """A file the command writes (`--heatmap` gives the argument `heatmap_out`): never a folder, checked for
+    safety where it is written (io/outputs.py)."""
+    return click.option(flag, f"{flag[2:]}_out", type=click.Path(dir_okay=False), metavar=metavar, help=help)
+
+
+def json_flag(what: str):
+    """--json: print `what` as JSON instead of the table."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print JSON ({what}) instead of the table.")
+
+
+QUIET = click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
