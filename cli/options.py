@@ -2,8 +2,10 @@
 choices and help are those of the model and nowhere else (the pattern of mergekit's options.py).
 
 Types map as a user of click expects: a bool is a flag (`--x/--no-x` where the field is negatable), an int or a
-float with bounds a range (the bounds shown in --help), a `tuple[str, ...]` a repeatable option, a `Literal` a
-choice. The decorated command receives the model, built and checked, as one argument instead of one per setting.
+float with bounds a range (the bounds shown in --help), a `tuple[str, ...]` (or a field marked repeatable) a
+repeatable option, a `Literal` a choice. The decorated command receives the model, built and checked, as one
+argument instead of one per setting; or, for a command whose settings may also come from a file (`sweep`), only
+the values given on the command line, which win over the file's.
 """
 
 from __future__ import annotations
@@ -14,38 +16,11 @@ import typing
 
 import annotated_types
 import click
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from mergekit_lite.cli.types import Number
 from mergekit_lite.errors import InputError
 from mergekit_lite.settings import Settings, one_line
-
-
-def settings_options(model: type[Settings], into: str = "settings"):
-    """Add one click option per field of `model`; the command gets `into=model(...)` in their place."""
-
-    def decorate(command):
-        @functools.wraps(command)
-        def with_settings(*args, **kwargs):
-            values = {name: kwargs.pop(name) for name in model.model_fields}
-            try:
-                settings = model(**values)
-            except ValidationError as error:
-                raise InputError(one_line(error, lambda name: flag_names(name, model.model_fields[name])[0])) from None
-            return command(*args, **kwargs, **{into: settings})
-
-        for name in reversed(list(model.model_fields)):
-            with_settings = _option(name, model.model_fields[name])(with_settings)
-        return with_settings
-
-    return decorate
-
-
-def flag_names(name: str, field) -> list[str]:
-    """The command line's names of a field: its declared flags, else --field-name."""
-    extra = field.json_schema_extra or {}
-    return list(extra.get("flags") or [f"--{name.replace('_', '-')}"])
-
 
 PATHS = {
     "file": {"dir_okay": False},
@@ -56,15 +31,66 @@ PATHS = {
 }
 
 
-def _option(name: str, field):
-    extra = field.json_schema_extra or {}
+def settings_options(model: type[Settings], into: str = "settings"):
+    """Add one click option per field of `model`; the command gets `into=model(...)` in their place."""
+
+    def build(values: dict):
+        try:
+            return model(**values)
+        except ValidationError as error:
+            raise InputError(one_line(error, lambda name: flag_names(name, model.model_fields[name])[0])) from None
+
+    return _options(model, into, build, model_defaults=True)
+
+
+def given_options(model: type[BaseModel], into: str = "given"):
+    """Add one click option per command-line field of `model`, each None unless given; the command gets
+    `into={field: value}` of those given (checked by the model's types where the settings are resolved)."""
+    return _options(model, into, lambda values: {k: v for k, v in values.items() if v not in (None, ())}, False)
+
+
+def command_line_fields(model: type[BaseModel]) -> list[str]:
+    return [name for name, field in model.model_fields.items() if _extra(field).get("command_line", True)]
+
+
+def flag_names(name: str, field) -> list[str]:
+    """The command line's names of a field: its declared flags, else --field-name."""
+    return list(_extra(field).get("flags") or [f"--{name.replace('_', '-')}"])
+
+
+def _options(model, into: str, build, model_defaults: bool):
+    names = command_line_fields(model)
+
+    def decorate(command):
+        @functools.wraps(command)
+        def with_settings(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in names}
+            return command(*args, **kwargs, **{into: build(values)})
+
+        for name in reversed(names):
+            with_settings = _option(name, model.model_fields[name], model_defaults)(with_settings)
+        return with_settings
+
+    return decorate
+
+
+def _extra(field) -> dict:
+    return field.json_schema_extra or {}
+
+
+def _option(name: str, field, model_defaults: bool):
+    extra = _extra(field)
     names = flag_names(name, field)
     kind = _unless_none(field.annotation)
-    keywords = {"help": field.description, "default": field.default}
+    keywords = {"help": field.description, "default": field.default if model_defaults else None}
     if extra.get("metavar"):
         keywords["metavar"] = extra["metavar"]
+    if extra.get("flag_value") is not None:
+        return click.option(*names, name, is_flag=False, flag_value=extra["flag_value"], **keywords)
     if extra.get("path"):
         return click.option(*names, name, type=click.Path(**PATHS[extra["path"]]), **keywords)
+    if extra.get("repeatable"):
+        return click.option(*names, name, multiple=True, **{**keywords, "default": ()})
     if kind is bool:
         if extra.get("negatable"):
             names = [f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:]]
@@ -74,12 +100,10 @@ def _option(name: str, field):
     if typing.get_origin(kind) is tuple:
         item = typing.get_args(kind)[0]
         return click.option(*names, name, multiple=True, type=None if item is str else item, **keywords)
+    shown = model_defaults and field.default is not None
     if typing.get_origin(kind) is typing.Literal:
-        choice = click.Choice(typing.get_args(kind))
-        return click.option(*names, name, type=choice, show_default=field.default is not None, **keywords)
-    keywords["type"] = _number_type(kind, field.metadata)
-    keywords["show_default"] = field.default is not None
-    return click.option(*names, name, **keywords)
+        return click.option(*names, name, type=click.Choice(typing.get_args(kind)), show_default=shown, **keywords)
+    return click.option(*names, name, type=_number_type(kind, field.metadata), show_default=shown, **keywords)
 
 
 def _unless_none(kind):
@@ -90,15 +114,19 @@ def _unless_none(kind):
     return kind
 
 
+def _bound(metadata, kind):
+    return next((getattr(bound, kind.__name__.lower()) for bound in metadata if isinstance(bound, kind)), None)
+
+
 def _number_type(kind, metadata):
     """A range for a bounded int or float (click prints its bounds in --help); the plain type otherwise."""
-    low = next((bound.ge for bound in metadata if isinstance(bound, annotated_types.Ge)), None)
-    above = next((bound.gt for bound in metadata if isinstance(bound, annotated_types.Gt)), None)
-    high = next((bound.le for bound in metadata if isinstance(bound, annotated_types.Le)), None)
+    ge, gt = _bound(metadata, annotated_types.Ge), _bound(metadata, annotated_types.Gt)
+    le, lt = _bound(metadata, annotated_types.Le), _bound(metadata, annotated_types.Lt)
     if kind is int:
-        return click.IntRange(min=low, max=high) if low is not None or high is not None else int
+        return click.IntRange(min=ge, max=le) if ge is not None or le is not None else int
     if kind is float:
-        return Number(min=low if above is None else above, max=high, min_open=above is not None)
+        low, high = (ge if gt is None else gt), (le if lt is None else lt)
+        return Number(min=low, max=high, min_open=gt is not None, max_open=lt is not None)
     return None
 
 

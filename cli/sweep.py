@@ -5,10 +5,11 @@ import os
 
 import click
 
-from mergekit_lite.cli.types import SEED, Number
+from mergekit_lite.cli.options import given_options
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.trajectory import REPLAY_FORMATS
 from mergekit_lite.merge.methods import SWEEPABLE
+from mergekit_lite.sweep.settings import CHAT_TEMPLATE_DEFAULT, SweepFile
 
 EXAMPLES = (
     """
@@ -56,202 +57,10 @@ Examples:
 )
 
 
-def _flag_values(data: dict, **flags) -> dict:
-    """Flags the user gave (None / empty means not given) override the config file's values."""
-    return {**data, **{name: value for name, value in flags.items() if value not in (None, ())}}
-
-
 @click.command(epilog=EXAMPLES)
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
-@click.option("--pre", help="Base (pre-trained) model folder: the reference for every forgetting comparison.")
-@click.option(
-    "--post",
-    help="Post-trained model folder (same architecture as --pre), or a LoRA adapter trained on pre (audited first).",
-)
-@click.option(
-    "--method",
-    "-m",
-    help=f"Merge method (default linear; one of {', '.join(SWEEPABLE)}), see alpha "
-    "below; several, comma-separated, compare them in one run (pre and post evaluated once).",
-)
+@given_options(SweepFile)
 @click.option("--baseline", help="With several methods: the one each is compared with (default linear).")
-@click.option("--alphas", help="Grid: START:STOP:STEP (STOP included) or a comma list, e.g. 0:1:0.1 or 0,0.3,0.5.")
-@click.option("--old-tasks", multiple=True, help="lm-eval tasks of what pre could do; comma list or repeated.")
-@click.option("--new-tasks", multiple=True, help="lm-eval tasks of what post-training taught; comma list or repeated.")
-@click.option("--include-path", type=click.Path(exists=True, file_okay=False), help="Folder of local task YAMLs.")
-@click.option(
-    "--limit",
-    type=Number(0, min_open=True),
-    help="Docs per task, or a share of each task's docs below 1 (e.g. 0.1), as lm-eval's --limit (default: all).",
-)
-@click.option(
-    "--num-fewshot",
-    type=click.IntRange(min=0),
-    help="Few-shot demonstrations per prompt, as lm-eval's --num_fewshot (default: the task's own).",
-)
-@click.option(
-    "--apply-chat-template",
-    is_flag=False,
-    flag_value="default",
-    default=None,
-    metavar="[TEMPLATE]",
-    help="Build prompts with the tokenizer's chat template (TEMPLATE: one of its named templates), as "
-    "lm-eval's --apply_chat_template; pre's tokenizer, with post's template when pre has none.",
-)
-@click.option(
-    "--fewshot-as-multiturn/--no-fewshot-as-multiturn",
-    default=None,
-    help="Few-shot demonstrations as chat turns (default: on with --apply-chat-template, as lm-eval).",
-)
-@click.option(
-    "--system-instruction",
-    metavar="TEXT",
-    help="System instruction before every prompt, as lm-eval's --system_instruction.",
-)
-@click.option(
-    "--gen-kwargs",
-    metavar="NAME=VALUE,...",
-    help="Generation arguments of generative tasks, as lm-eval's --gen_kwargs (e.g. temperature=0,max_gen_toks=256).",
-)
-@click.option(
-    "--model-args",
-    metavar="NAME=VALUE,...",
-    help="Model arguments as lm-eval's --model_args takes them: "
-    "max_length, truncation, add_bos_token, attn_implementation, trust_remote_code (runs the model "
-    "folder's code), ... (hf backend).",
-)
-@click.option("--batch-size", type=click.IntRange(min=1), help="Evaluation batch size (default 16).")
-@click.option("--device", help="Where models run: cpu (default), cuda, cuda:N.")
-@click.option("--out", "-o", type=click.Path(file_okay=False), help="Run folder (created; reused to resume).")
-@click.option("--density", type=Number(), help="ties: share of the task vector kept by magnitude, in (0, 1].")
-@click.option("--drop", type=Number(), help="dare_*: drop probability of task-vector entries, in [0, 1).")
-@click.option(
-    "--beta",
-    type=Number(),
-    help="lines: the task vector's scale rises by beta from the first layer to the last (default 1 - alpha).",
-)
-@click.option("--betas", help="lines: a 2-D grid, alpha x beta (values as --alphas).")
-@click.option(
-    "--densities", help="ties, della, breadcrumbs, dare_*: a 2-D grid, lambda x density (values as --alphas)."
-)
-@click.option("--drops", help="dare_*: a 2-D grid, lambda x drop (values as --alphas).")
-@click.option(
-    "--budget",
-    type=click.IntRange(min=3),
-    help="At most N full evaluations' worth of docs (pre and post "
-    "count 1 each, a probe its share of the docs): successive halving on probe docs, then the survivors "
-    "on every doc (see the README).",
-)
-# a vector of coefficients (sweep.vector): per layer group and/or module type, searched with Optuna
-@click.option(
-    "--groups",
-    type=click.IntRange(min=1),
-    help="Also search one coefficient per group of N contiguous decoder layers (embeddings with the first group, "
-    "the final norm and head with the last) against the scalar pick, on the selection split (docs/sweep.md).",
-)
-@click.option(
-    "--modules",
-    help="Also search one coefficient per module type (comma list: attn, mlp, norm, q, k, v, o, gate, up, down, "
-    "...; the rest of the tensors share one more), alone or with --groups.",
-)
-@click.option(
-    "--vector-search",
-    type=click.Choice(["tpe", "cmaes", "revert"]),
-    help="How --groups/--modules search: Optuna's TPE (default) or CMA-ES, or revert (each slot pre's or the "
-    "scalar pick's).",
-)
-@click.option("--trials", type=click.IntRange(min=1), help="Vectors the search scores on every doc (default 24).")
-@click.option(
-    "--vector-start",
-    type=click.Choice(["scalar", "drift"]),
-    help="The search's first trials: the scalar pick's vector (default), and with drift one from post's drift.",
-)
-@click.option("--seed", type=SEED, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
-@click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical texts, one per line.")
-@click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
-@click.option("--save-best", type=click.Path(file_okay=False), help="Write the picked merge to this new model folder.")
-@click.option(
-    "--stream",
-    is_flag=True,
-    default=None,
-    help="Always merge through a folder on disk (default: in memory when 3x the model fits in free RAM).",
-)
-@click.option(
-    "--copy-files-from",
-    help="--save-best: model folder whose config/tokenizer files are copied "
-    "(default: pre's, with post's chat template and generation config when pre has none).",
-)
-@click.option("--eval-dtype", help="dtype models are evaluated in: fp32 (default on CPU), bf16 (default on GPU), fp16.")
-@click.option(
-    "--metric", multiple=True, metavar="[TASK=]METRIC", help="0/1 metric to score by (default: the task's first)."
-)
-@click.option(
-    "--filter",
-    "filter_",
-    multiple=True,
-    metavar="[TASK=]FILTER",
-    help="lm-eval filter to score (default: the first the task logs), e.g. gsm8k=flexible-extract.",
-)
-@click.option("--choices", multiple=True, metavar="TASK=K", help="Options of a generative multiple-choice task.")
-@click.option("--aggregation", type=click.Choice(("paper", "pooled")), help="Group scores (default paper).")
-@click.option(
-    "--selection",
-    type=click.Choice(("docs", "none")),
-    help="docs (default): pick alpha on a seeded doc_hash split, report on the rest; none: same docs.",
-)
-@click.option(
-    "--selection-fraction",
-    type=Number(0, 1, min_open=True, max_open=True),
-    help="Share of each task's docs that picks alpha (default 0.5).",
-)
-@click.option(
-    "--bootstrap", type=click.IntRange(min=0), help="Bootstrap resamples for intervals (default 1000; 0: none)."
-)
-@click.option(
-    "--confidence", type=Number(0, 1, min_open=True, max_open=True), help="Interval confidence (default 0.95)."
-)
-@click.option(
-    "--ray",
-    "ray_address",
-    is_flag=False,
-    flag_value="local",
-    default=None,
-    metavar="[ADDRESS]",
-    help="Evaluate points in parallel as Ray actors (one per GPU on cuda, else per CPU): alone, a local "
-    "Ray cluster; with ADDRESS (e.g. auto, ray://head:10001), that cluster. Needs mergekit-lite[ray].",
-)
-@click.option(
-    "--search",
-    type=click.Choice(("grid", "golden")),
-    help="grid (default): every alpha; golden: golden-section search for the best harmonic mean over the "
-    "grid, stopping once the points left are indistinguishable (fewer evaluations).",
-)
-@click.option(
-    "--backend",
-    type=click.Choice(("hf", "vllm")),
-    help="hf (default): the model in memory; vllm: lm-eval's vLLM backend on each merge written to a "
-    "scratch folder (GPU; needs vllm installed).",
-)
-@click.option(
-    "--vllm-args",
-    metavar="NAME=VALUE,...",
-    help="vLLM model args: tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
-    "max_model_len, dtype, batch_size, seed.",
-)
-@click.option(
-    "--probe",
-    type=Number(0, 1, min_open=True),
-    help="Probe mode: score each alpha only on the selection docs where pre and post disagree plus this "
-    "share of the others (seeded), estimate its scores with standard errors, then score the pick on "
-    "every doc (e.g. 0.1; default: every doc at every alpha).",
-)
-@click.option(
-    "--realign-shots",
-    type=int,
-    metavar="K",
-    help="After pre and post, score post again with K demonstrations (lm-eval's few-shot docs) on the docs "
-    "it forgot, and split the forgetting into spurious (K shots bring it back) and genuine.",
-)
 @click.option(
     "--replay",
     "replay_out",
@@ -276,65 +85,7 @@ def _flag_values(data: dict, **flags) -> dict:
     "either way.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
-def sweep(
-    config_file,
-    pre,
-    post,
-    method,
-    baseline,
-    alphas,
-    old_tasks,
-    new_tasks,
-    include_path,
-    limit,
-    batch_size,
-    device,
-    out,
-    density,
-    drop,
-    seed,
-    recall_texts,
-    recall_samples,
-    save_best,
-    stream,
-    metric,
-    filter_,
-    choices,
-    aggregation,
-    selection,
-    selection_fraction,
-    bootstrap,
-    confidence,
-    ray_address,
-    search,
-    copy_files_from,
-    eval_dtype,
-    backend,
-    vllm_args,
-    probe,
-    quiet,
-    beta,
-    betas,
-    densities,
-    drops,
-    budget,
-    replay_out,
-    replay_format,
-    replay_all,
-    num_fewshot,
-    apply_chat_template,
-    fewshot_as_multiturn,
-    system_instruction,
-    gen_kwargs,
-    model_args,
-    require_verified,
-    realign_shots,
-    groups,
-    modules,
-    vector_search,
-    trials,
-    vector_start,
-):
+def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, require_verified, quiet):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -349,61 +100,15 @@ def sweep(
 
         quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
     data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
-    data = _flag_values(
-        data,
-        pre=pre,
-        post=post,
-        method=method,
-        alphas=alphas,
-        old_tasks=old_tasks,
-        new_tasks=new_tasks,
-        include_path=include_path,
-        limit=limit,
-        batch_size=batch_size,
-        device=device,
-        out=out,
-        density=density,
-        drop=drop,
-        seed=seed,
-        recall_texts=recall_texts,
-        recall_samples=recall_samples,
-        save_best=save_best,
-        stream=stream,
-        metric=metric,
-        filter=filter_,
-        choices=choices,
-        aggregation=aggregation,
-        selection=selection,
-        selection_fraction=selection_fraction,
-        bootstrap=bootstrap,
-        confidence=confidence,
-        ray=ray_address,
-        search=search,
-        copy_files_from=copy_files_from,
-        eval_dtype=eval_dtype,
-        backend=backend,
-        vllm_args=vllm_args,
-        probe=probe,
-        beta=beta,
-        betas=betas,
-        densities=densities,
-        drops=drops,
-        budget=budget,
-        num_fewshot=num_fewshot,
-        apply_chat_template=True if apply_chat_template == "default" else apply_chat_template,
-        fewshot_as_multiturn=fewshot_as_multiturn,
-        system_instruction=system_instruction,
-        gen_kwargs=gen_kwargs,
-        model_args=model_args,
-        realign_shots=realign_shots,
-        groups=groups,
-        modules=modules,
-        vector_search=vector_search,
-        trials=trials,
-        vector_start=vector_start,
-    )
+    if given.get("apply_chat_template") == CHAT_TEMPLATE_DEFAULT:
+        given["apply_chat_template"] = True
+    data = {**data, **given}  # the command line wins over the file
     listed = data.pop("methods", None)
-    methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]
+    methods = (
+        listed
+        if listed and "method" not in given
+        else [name.strip() for name in data["method"].split(",") if name.strip()]
+    )
     if (replay_format != "prompt-completion" or replay_all) and not replay_out:
         raise InputError("--replay-format and --replay-all shape --replay's file: give --replay FILE.jsonl")
     if require_verified:

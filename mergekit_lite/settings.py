@@ -25,14 +25,27 @@ def setting(
     metavar: str | None = None,
     negatable: bool = False,
     path: str | None = None,
+    repeatable: bool = False,
+    flag_value: str | None = None,
+    command_line: bool = True,
     **bounds: Any,
 ) -> Any:
     """A field of a `Settings` model: `help` is its one-line description; `flags` the command line's names when
     they are not `--field-name` (aliases that users of mergekit or PEFT type); `negatable` gives a boolean a
     --no- form; `path` marks a path the command line checks as it parses ("file", "folder", "existing" for a
-    file or folder that must exist, "existing-file", "existing-folder"); `bounds` are pydantic's (ge, gt, le, lt,
+    file or folder that must exist, "existing-file", "existing-folder"); `repeatable` lets a field that also takes
+    a list (in a YAML file) be given several times; `flag_value` is the value of the flag given bare (`--ray` alone:
+    "local"); `command_line` False keeps a field to the file form; `bounds` are pydantic's (ge, gt, le, lt,
     allow_inf_nan)."""
-    extra = {"flags": list(flags), "metavar": metavar, "negatable": negatable, "path": path}
+    extra = {
+        "flags": list(flags),
+        "metavar": metavar,
+        "negatable": negatable,
+        "path": path,
+        "repeatable": repeatable,
+        "flag_value": flag_value,
+        "command_line": command_line,
+    }
     return Field(default, description=help, json_schema_extra=extra, **bounds)
 
 

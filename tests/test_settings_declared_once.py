@@ -12,11 +12,13 @@ from mergekit_lite.cli.drift import drift
 from mergekit_lite.cli.extract import extract
 from mergekit_lite.cli.forgetting import forgetting
 from mergekit_lite.cli.mergekit_flags import OPTIONS as MERGEKIT_OPTIONS
-from mergekit_lite.cli.options import flag_names, settings_options
+from mergekit_lite.cli.options import command_line_fields, flag_names, settings_options
+from mergekit_lite.cli.sweep import sweep
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.settings import DriftSettings, ForgettingSettings, MatrixSettings
 from mergekit_lite.merge.extract_settings import ExtractSettings
 from mergekit_lite.settings import Settings, setting
+from mergekit_lite.sweep.settings import SweepFile
 
 # per command: its settings models and the options it declares itself (inputs, outputs, how it prints)
 COMMANDS = {
@@ -58,6 +60,18 @@ def test_options_carry_the_fields_help_default_and_names(name):
         assert option.opts[0] == flag_names(field_name, field)[0]
         default = option.default if not option.multiple else tuple(option.default or ())
         assert default == field.default, field_name
+
+
+def test_every_sweep_option_is_a_field_of_the_file_model_or_the_commands_own():
+    own = {"config_file", "baseline", "replay_out", "replay_format", "replay_all", "require_verified", "quiet"}
+    options = [param.name for param in sweep.params]
+    assert len(options) == len(set(options))
+    assert set(options) == set(command_line_fields(SweepFile)) | own
+    assert set(SweepFile.model_fields) - set(command_line_fields(SweepFile)) == {"methods"}  # a file's list
+    by_name = {param.name: param for param in sweep.params}
+    for name in command_line_fields(SweepFile):
+        assert by_name[name].help == SweepFile.model_fields[name].description
+        assert by_name[name].default in (None, ())  # not given: the file's value, else SweepSettings' default
 
 
 def test_a_new_field_reaches_the_command_line_and_the_api_alone():

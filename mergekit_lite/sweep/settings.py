@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.backends import BACKENDS, VllmOptions, parse_vllm_options
@@ -21,6 +22,7 @@ from mergekit_lite.io.validation import check_folder_files, read_yaml, validate
 from mergekit_lite.merge import methods
 from mergekit_lite.merge.config import DTYPES, MergeConfig, did_you_mean
 from mergekit_lite.merge.schema import config_from_dict
+from mergekit_lite.settings import setting
 
 IDENTITY_FIELDS = (
     "pre",
@@ -41,6 +43,7 @@ IDENTITY_FIELDS = (
     "eval_dtype",
 )
 SEARCHES = ("grid", "golden")
+CHAT_TEMPLATE_DEFAULT = "default"  # --apply-chat-template given bare: the tokenizer's default template
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 # a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
@@ -439,62 +442,189 @@ Spec = str | int | float  # a scoring spec value as YAML may write it
 
 
 class SweepFile(BaseModel):
-    """The types a sweep YAML may give each setting (strict: a quoted "false" is not a boolean; no NaN)."""
+    """Every setting a sweep takes from its command line or its YAML file, declared once: the types a file may
+    give (strict: a quoted "false" is not a boolean; no NaN), the bounds, and the command line's flags and help
+    (cli/options.py makes the options from it). SweepSettings resolves what is given into the sweep run."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    pre: str | None = None
-    post: str | None = None
-    method: str | None = None
-    alphas: str | float | list[float] | None = None
-    old_tasks: str | list[str] | None = None
-    new_tasks: str | list[str] | None = None
-    include_path: str | None = None
-    out: str | None = None
-    limit: float | None = Field(None, gt=0)  # docs per task (a whole number) or a share in (0, 1): parse_limit
-    batch_size: int | None = Field(None, ge=1)
-    device: str | None = None
-    density: float | None = None
-    drop: float | None = None
-    seed: int | None = None
-    recall_texts: str | None = None
-    recall_samples: int | None = Field(None, ge=1)
-    save_best: str | None = None
-    stream: bool | None = None
-    ray: str | None = None
-    search: str | None = None
-    metric: Spec | list[Spec] | dict[str, Spec] | None = None
-    filter: Spec | list[Spec] | dict[str, Spec] | None = None
-    choices: Spec | list[Spec] | dict[str, Spec] | None = None
-    aggregation: str | None = None
-    selection: str | None = None
-    selection_fraction: float | None = None
-    bootstrap: int | None = Field(None, ge=0)
-    confidence: float | None = None
-    copy_files_from: str | None = None
-    eval_dtype: str | None = None
-    backend: str | None = None
-    vllm_args: str | None = None
-    probe: float | None = Field(None, gt=0, le=1)
-    beta: float | None = None
-    betas: str | float | list[float] | None = None
-    densities: str | float | list[float] | None = None
-    drops: str | float | list[float] | None = None
-    budget: int | None = Field(None, ge=3)
-    realign_shots: int | None = None  # checked by SweepSettings (one message for a flag and a file)
-    groups: int | None = None  # sweep.vector's settings, checked by SweepSettings
-    modules: str | list[str] | None = None
-    vector_search: str | None = None
-    trials: int | None = None
-    vector_start: str | None = None
+    pre: str | None = setting(None, "Base (pre-trained) model folder: the reference for every forgetting comparison.")
+    post: str | None = setting(
+        None,
+        "Post-trained model folder (same architecture as --pre), or a LoRA adapter trained on pre (audited first).",
+    )
+    method: str | None = setting(
+        None,
+        f"Merge method (default linear; one of {', '.join(methods.SWEEPABLE)}), see alpha below; several, "
+        "comma-separated, compare them in one run (pre and post evaluated once).",
+        flags=("--method", "-m"),
+    )
+    alphas: str | float | list[float] | None = setting(
+        None, "Grid: START:STOP:STEP (STOP included) or a comma list, e.g. 0:1:0.1 or 0,0.3,0.5."
+    )
+    old_tasks: str | list[str] | None = setting(
+        None, "lm-eval tasks of what pre could do; comma list or repeated.", repeatable=True
+    )
+    new_tasks: str | list[str] | None = setting(
+        None, "lm-eval tasks of what post-training taught; comma list or repeated.", repeatable=True
+    )
+    include_path: str | None = setting(None, "Folder of local task YAMLs.", path="existing-folder")
+    # docs per task (a whole number) or a share in (0, 1): parse_limit
+    limit: float | None = setting(
+        None,
+        "Docs per task, or a share of each task's docs below 1 (e.g. 0.1), as lm-eval's --limit (default: all).",
+        gt=0,
+    )
     # lm-eval's evaluation settings (LmEvalSettings), as its CLI flags of the same names
-    num_fewshot: int | None = Field(None, ge=0)
-    apply_chat_template: bool | str | None = None
-    fewshot_as_multiturn: bool | None = None
-    system_instruction: str | None = None
-    gen_kwargs: str | None = None
-    model_args: str | None = None
+    num_fewshot: int | None = setting(
+        None, "Few-shot demonstrations per prompt, as lm-eval's --num_fewshot (default: the task's own).", ge=0
+    )
+    apply_chat_template: bool | str | None = setting(
+        None,
+        "Build prompts with the tokenizer's chat template (TEMPLATE: one of its named templates), as "
+        "lm-eval's --apply_chat_template; pre's tokenizer, with post's template when pre has none.",
+        metavar="[TEMPLATE]",
+        flag_value=CHAT_TEMPLATE_DEFAULT,
+    )
+    fewshot_as_multiturn: bool | None = setting(
+        None,
+        "Few-shot demonstrations as chat turns (default: on with --apply-chat-template, as lm-eval).",
+        negatable=True,
+    )
+    system_instruction: str | None = setting(
+        None, "System instruction before every prompt, as lm-eval's --system_instruction.", metavar="TEXT"
+    )
+    gen_kwargs: str | None = setting(
+        None,
+        "Generation arguments of generative tasks, as lm-eval's --gen_kwargs (e.g. temperature=0,max_gen_toks=256).",
+        metavar="NAME=VALUE,...",
+    )
+    model_args: str | None = setting(
+        None,
+        "Model arguments as lm-eval's --model_args takes them: max_length, truncation, add_bos_token, "
+        "attn_implementation, trust_remote_code (runs the model folder's code), ... (hf backend).",
+        metavar="NAME=VALUE,...",
+    )
+    batch_size: int | None = setting(None, "Evaluation batch size (default 16).", ge=1)
+    device: str | None = setting(None, "Where models run: cpu (default), cuda, cuda:N.")
+    out: str | None = setting(None, "Run folder (created; reused to resume).", flags=("--out", "-o"), path="folder")
+    density: float | None = setting(None, "ties: share of the task vector kept by magnitude, in (0, 1].")
+    drop: float | None = setting(None, "dare_*: drop probability of task-vector entries, in [0, 1).")
+    beta: float | None = setting(
+        None, "lines: the task vector's scale rises by beta from the first layer to the last (default 1 - alpha)."
+    )
+    # a 2-D grid (sweep.grid): the second coefficient's values beside alpha
+    betas: str | float | list[float] | None = setting(None, "lines: a 2-D grid, alpha x beta (values as --alphas).")
+    densities: str | float | list[float] | None = setting(
+        None, "ties, della, breadcrumbs, dare_*: a 2-D grid, lambda x density (values as --alphas)."
+    )
+    drops: str | float | list[float] | None = setting(None, "dare_*: a 2-D grid, lambda x drop (values as --alphas).")
+    budget: int | None = setting(
+        None,
+        "At most N full evaluations' worth of docs (pre and post count 1 each, a probe its share of the docs): "
+        "successive halving on probe docs, then the survivors on every doc (see the README).",
+        ge=3,
+    )
+    # a vector of coefficients (sweep.vector): per layer group and/or module type, searched with Optuna
+    groups: int | None = setting(
+        None,
+        "Also search one coefficient per group of N contiguous decoder layers (embeddings with the first group, "
+        "the final norm and head with the last) against the scalar pick, on the selection split (docs/sweep.md).",
+        ge=1,
+    )
+    modules: str | list[str] | None = setting(
+        None,
+        "Also search one coefficient per module type (comma list: attn, mlp, norm, q, k, v, o, gate, up, down, "
+        "...; the rest of the tensors share one more), alone or with --groups.",
+    )
+    vector_search: Literal[VECTOR_SEARCHES] | None = setting(
+        None,
+        "How --groups/--modules search: Optuna's TPE (default) or CMA-ES, or revert (each slot pre's or the "
+        "scalar pick's).",
+    )
+    trials: int | None = setting(None, "Vectors the search scores on every doc (default 24).", ge=1)
+    vector_start: Literal[VECTOR_STARTS] | None = setting(
+        None, "The search's first trials: the scalar pick's vector (default), and with drift one from post's drift."
+    )
+    # numpy's and torch's generators take seeds in [0, 2**63)
+    seed: int | None = setting(None, "Seed of DARE's drop and RECALL's sample choice (default 0).", ge=0, le=2**63 - 1)
+    recall_texts: str | None = setting(None, "recall: typical texts, one per line.", path="file")
+    recall_samples: int | None = setting(None, "recall: how many typical samples (default 8).", ge=1)
+    save_best: str | None = setting(None, "Write the picked merge to this new model folder.", path="folder")
+    stream: bool | None = setting(
+        None, "Always merge through a folder on disk (default: in memory when 3x the model fits in free RAM)."
+    )
+    copy_files_from: str | None = setting(
+        None,
+        "--save-best: model folder whose config/tokenizer files are copied "
+        "(default: pre's, with post's chat template and generation config when pre has none).",
+    )
+    eval_dtype: str | None = setting(
+        None, "dtype models are evaluated in: fp32 (default on CPU), bf16 (default on GPU), fp16."
+    )
+    # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
+    metric: Spec | list[Spec] | dict[str, Spec] | None = setting(
+        None, "0/1 metric to score by (default: the task's first).", metavar="[TASK=]METRIC", repeatable=True
+    )
+    filter: Spec | list[Spec] | dict[str, Spec] | None = setting(
+        None,
+        "lm-eval filter to score (default: the first the task logs), e.g. gsm8k=flexible-extract.",
+        metavar="[TASK=]FILTER",
+        repeatable=True,
+    )
+    choices: Spec | list[Spec] | dict[str, Spec] | None = setting(
+        None, "Options of a generative multiple-choice task.", metavar="TASK=K", repeatable=True
+    )
+    aggregation: Literal[AGGREGATIONS] | None = setting(None, "Group scores (default paper).")
+    selection: Literal[SELECTIONS] | None = setting(
+        None, "docs (default): pick alpha on a seeded doc_hash split, report on the rest; none: same docs."
+    )
+    selection_fraction: float | None = setting(
+        None, "Share of each task's docs that picks alpha (default 0.5).", gt=0, lt=1
+    )
+    bootstrap: int | None = setting(None, "Bootstrap resamples for intervals (default 1000; 0: none).", ge=0)
+    confidence: float | None = setting(None, "Interval confidence (default 0.95).", gt=0, lt=1)
+    ray: str | None = setting(
+        None,
+        "Evaluate points in parallel as Ray actors (one per GPU on cuda, else per CPU): alone, a local "
+        "Ray cluster; with ADDRESS (e.g. auto, ray://head:10001), that cluster. Needs mergekit-lite[ray].",
+        metavar="[ADDRESS]",
+        flag_value="local",
+    )
+    search: Literal[SEARCHES] | None = setting(
+        None,
+        "grid (default): every alpha; golden: golden-section search for the best harmonic mean over the "
+        "grid, stopping once the points left are indistinguishable (fewer evaluations).",
+    )
+    backend: Literal[BACKENDS] | None = setting(
+        None,
+        "hf (default): the model in memory; vllm: lm-eval's vLLM backend on each merge written to a "
+        "scratch folder (GPU; needs vllm installed).",
+    )
+    vllm_args: str | None = setting(
+        None,
+        "vLLM model args: tensor_parallel_size, data_parallel_size, gpu_memory_utilization, "
+        "max_model_len, dtype, batch_size, seed.",
+        metavar="NAME=VALUE,...",
+    )
+    probe: float | None = setting(
+        None,
+        "Probe mode: score each alpha only on the selection docs where pre and post disagree plus this "
+        "share of the others (seeded), estimate its scores with standard errors, then score the pick on "
+        "every doc (e.g. 0.1; default: every doc at every alpha).",
+        gt=0,
+        le=1,
+    )
+    # checked by SweepSettings (one message for a flag and a file)
+    realign_shots: int | None = setting(
+        None,
+        "After pre and post, score post again with K demonstrations (lm-eval's few-shot docs) on the docs "
+        "it forgot, and split the forgetting into spurious (K shots bring it back) and genuine.",
+        metavar="K",
+    )
     # several methods compared in one run (sweep.compare): names, or {method: NAME, alphas/density/drop: ...}
-    methods: list[str | dict[str, str | int | float | list[float]]] | None = Field(None, min_length=1)
+    methods: list[str | dict[str, str | int | float | list[float]]] | None = setting(
+        None, "Several methods compared in one run.", command_line=False, min_length=1
+    )
 
 
 def load_sweep_file(path: str | Path) -> dict:
