@@ -171,6 +171,13 @@ def _flag_values(data: dict, **flags) -> dict:
 @click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
 @click.option("--save-best", type=click.Path(file_okay=False), help="Write the picked merge to this new model folder.")
 @click.option(
+    "--save-best-adapter",
+    type=click.Path(file_okay=False),
+    help=f"--post a LoRA adapter, --method {' or '.join(n for n, m in SWEEPABLE.items() if m.scales_task_vector)}: "
+    "write the pick as this new PEFT adapter folder (the adapter with its update scaled by the picked alpha; "
+    "DoRA too).",
+)
+@click.option(
     "--stream",
     is_flag=True,
     default=None,
@@ -296,6 +303,7 @@ def sweep(
     recall_texts,
     recall_samples,
     save_best,
+    save_best_adapter,
     stream,
     metric,
     filter_,
@@ -368,6 +376,7 @@ def sweep(
         recall_texts=recall_texts,
         recall_samples=recall_samples,
         save_best=save_best,
+        save_best_adapter=save_best_adapter,
         stream=stream,
         metric=metric,
         filter=filter_,
@@ -435,6 +444,8 @@ def sweep(
     _warn_nonfinite(result)
     if settings.save_best:
         click.echo(f"saved the pick ({result.best.label}) as a model folder: {settings.save_best}")
+    if settings.save_best_adapter:
+        click.echo(f"saved the pick ({result.best.label}) as a LoRA adapter folder: {settings.save_best_adapter}")
     if replay_out:
         written, left_out = write_replay(result, replay_out, replay_format, replay_all)
         which = "forgotten by post" if replay_all else "still lost by the pick"
