@@ -10,6 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from test_peft_adapters_wild import peft_model_of, save_adapter, tiny_model_class
+from test_safety import cli, one_error_line
 
 from mergekit_lite.io.lora import LoraAdapter
 from mergekit_lite.io.model_card import ModelCard, read_card_metadata
@@ -83,3 +84,104 @@ def test_a_peft_model_loads_the_folder_as_it_is(tmp_path):
     assert read_card_metadata(tmp_path / "scaled")["base_model"] == ["base"]
     fresh = get_peft_model(tiny_model_class(base).from_pretrained(base), LoraConfig(r=4, target_modules=["q_proj"]))
     assert set(model.state_dict()) == set(fresh.state_dict())
+
+
+def toy_adapter(toy_pair, folder: Path, **options) -> Path:
+    """A PEFT adapter on the toy pre whose factors all moved (seeded), so the sweep's post differs from pre."""
+    model = tiny_model_class(toy_pair.pre_dir).from_pretrained(toy_pair.pre_dir)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], **options)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in peft_model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def sweep_args(toy_pair, post, out, *extra) -> list:
+    return [
+        "sweep",
+        "--pre",
+        toy_pair.pre_dir,
+        "--post",
+        post,
+        "--include-path",
+        toy_pair.task_dir,
+        "--old-tasks",
+        ",".join(toy_pair.old_tasks),
+        "--new-tasks",
+        ",".join(toy_pair.new_tasks),
+        "--limit",
+        "16",
+        "--bootstrap",
+        "0",
+        "--out",
+        out,
+        "--quiet",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_the_saved_adapter_is_the_sweeps_saved_pick(toy_pair, tmp_path, method, dora):
+    """The sweep's picked merge written twice, as a model (--save-best) and as an adapter (--save-best-adapter): PEFT's
+    merge_and_unload of the adapter on pre is the model, tensor for tensor; the card names the base, the recipe and
+    the pick with its scores; the same command run again writes the adapter again."""
+    adapter = toy_adapter(toy_pair, tmp_path / "adapter", use_dora=dora)
+    best, best_adapter = tmp_path / "best", tmp_path / "best-adapter"
+    args = sweep_args(toy_pair, adapter, tmp_path / "run", "--method", method, "--alphas", "0.25,0.5,0.75")
+    args += ["--save-best", best, "--save-best-adapter", best_adapter]
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    alpha = results["pick"]["alpha"]
+    assert f"as a LoRA adapter folder: {best_adapter}" in done.stdout
+    expected = tiny_model_class(toy_pair.pre_dir).from_pretrained(best).state_dict()
+    got = merged_state(toy_pair.pre_dir, best_adapter)
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    card = (best_adapter / "README.md").read_text()
+    assert read_card_metadata(best_adapter)["base_model_relation"] == "adapter"
+    assert f"alpha = {alpha:g}" in card and "| pre |" in card and f"method: {method}" in card
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.parametrize(
+    "post, extra, message",
+    [
+        ("model", [], r"--post \S+ is a model, not a PEFT adapter folder: use --save-best"),
+        ("adapter", ["--method", "ties"], r"ties's merge is not pre \+ lambda \* \(post - pre\).*linear, task_arith"),
+        ("adapter", ["--method", "slerp"], r"slerp's merge is not pre \+ t \* \(post - pre\)"),
+        ("adapter", ["--method", "lines"], r"lines's merge is not pre \+ alpha"),
+        ("adapter", ["--groups", "2"], r"one coefficient's pick; --groups/--modules pick one per slot"),
+        ("adapter", ["--save-best", "{out}"], r"--save-best and --save-best-adapter name the same folder"),
+        ("adapter", ["--method", "linear,task_arithmetic"], r"writes one sweep's pick: run that method's sweep alone"),
+    ],
+    ids=["model-post", "ties", "slerp", "lines", "vector", "same-folder", "comparison"],
+)
+def test_refusals_are_one_line_and_write_nothing(toy_pair, tmp_path, post, extra, message):
+    """Only a LoRA post with a method whose registry declaration says its merge scales the task vector: the pick is
+    then the scaled adapter; anything else is refused before the run folder is made."""
+    adapter = toy_adapter(toy_pair, tmp_path / "adapter") if post == "adapter" else toy_pair.post_dir
+    out = tmp_path / "best-adapter"
+    extra = [str(out) if value == "{out}" else value for value in extra]
+    args = sweep_args(toy_pair, adapter, tmp_path / "run", "--alphas", "0.5", *extra, "--save-best-adapter", out)
+    one_error_line(cli(*args), 2, message)
+    assert not out.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["run/best", "taken"])
+def test_the_adapter_folder_is_new_and_outside_the_run_folder(toy_pair, tmp_path, where):
+    """--save-best's rules: never inside the run folder, never over a folder the sweep did not write."""
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    args = sweep_args(toy_pair, toy_adapter(toy_pair, tmp_path / "adapter"), tmp_path / "run", "--alphas", "0.5")
+    message = "must lie outside the run folder" if where == "run/best" else "already exists and is not the folder"
+    one_error_line(cli(*args, "--save-best-adapter", tmp_path / where), 2, message)
+    assert not (tmp_path / "run").exists() and (tmp_path / "taken" / "keep.txt").read_text() == "mine"
