@@ -50,6 +50,7 @@ from mergekit_lite.audits.report import FAIL, PASS, REJECTED, WARN, AuditReport,
 from mergekit_lite.audits.structure import base_names, check_structure, module_of
 from mergekit_lite.audits.thresholds import AuditThresholds
 from mergekit_lite.audits.update import bias_changes, check_delta, check_spectral, measure_module, replacement_changes
+from mergekit_lite.audits.variant import variant_of
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import ADAPTER_PATTERNS, is_hub_id, repo_files, resolve_model
@@ -571,7 +572,7 @@ def audit_adapter(
                     checks.append(check_behaviour(adapter, audit_base, fingerprint_data, thresholds, device))
         if train_data is not None:
             checks.append(check_leakage(train_data, holdout, thresholds.ngram, thresholds.max_contaminated_share))
-        return make_report(ref.name, audit_base.reference, checks)
+        return make_report(ref.name, audit_base.reference, checks, variant_of(ref.path, adapter))
 
 
 def _pickle_only(ref: AdapterRef) -> tuple[CheckResult, None] | None:
