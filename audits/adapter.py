@@ -24,6 +24,8 @@ failed is left out of the report:
               and the base's divergence from the fingerprint's recorded outputs (audits/behaviour.py).
 9. leakage    [ours] only with training data and a holdout: holdout items found in the training data.
 
+Beside the checks, each report names the adapter's LoRA variant and what combining it gives (audits/variant.py).
+
 Verdict: REJECTED if any check fails, WARN if any warns, else VERIFIED. The thresholds are in
 audits/thresholds.py; a batch opens its base once (audits/base.py).
 """
