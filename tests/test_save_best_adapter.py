@@ -162,15 +162,16 @@ def test_the_saved_adapter_is_the_sweeps_saved_pick(toy_pair, tmp_path, method, 
         ("adapter", ["--groups", "2"], r"one coefficient's pick; --groups/--modules pick one per slot"),
         ("adapter", ["--save-best", "{out}"], r"--save-best and --save-best-adapter name the same folder"),
         ("adapter", ["--method", "linear,task_arithmetic"], r"writes one sweep's pick: run that method's sweep alone"),
+        ("adapter", ["--replay", "{out}/replay.jsonl"], r"is inside --save-best-adapter \S+; write the replay set"),
     ],
-    ids=["model-post", "ties", "slerp", "lines", "vector", "same-folder", "comparison"],
+    ids=["model-post", "ties", "slerp", "lines", "vector", "same-folder", "comparison", "replay-inside"],
 )
 def test_refusals_are_one_line_and_write_nothing(toy_pair, tmp_path, post, extra, message):
     """Only a LoRA post with a method whose registry declaration says its merge scales the task vector: the pick is
     then the scaled adapter; anything else is refused before the run folder is made."""
     adapter = toy_adapter(toy_pair, tmp_path / "adapter") if post == "adapter" else toy_pair.post_dir
     out = tmp_path / "best-adapter"
-    extra = [str(out) if value == "{out}" else value for value in extra]
+    extra = [value.replace("{out}", str(out)) for value in extra]
     args = sweep_args(toy_pair, adapter, tmp_path / "run", "--alphas", "0.5", *extra, "--save-best-adapter", out)
     one_error_line(cli(*args), 2, message)
     assert not out.exists() and not (tmp_path / "run").exists()
