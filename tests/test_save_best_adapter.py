@@ -186,3 +186,30 @@ def test_the_adapter_folder_is_new_and_outside_the_run_folder(toy_pair, tmp_path
     message = "must lie outside the run folder" if where == "run/best" else "already exists and is not the folder"
     one_error_line(cli(*args, "--save-best-adapter", tmp_path / where), 2, message)
     assert not (tmp_path / "run").exists() and (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_a_bf16_base_matches_within_bf16_rounding(tmp_path, dora):
+    """On a bf16 base (PEFT keeps the factors in float32) the written adapter's merge is the interpolation up to
+    bf16's rounding of the merged weights: one unit in the last place of the larger of pre and post."""
+    from tiny_models import tiny_model
+
+    tiny_model("llama").to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    model = tiny_model_class(base).from_pretrained(base)
+    options = dict(target_modules=["q_proj", "down_proj"], use_dora=dora)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **options))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in peft_model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    peft_model.save_pretrained(adapter)
+    write_scaled(base, adapter, 0.4, tmp_path / "scaled")
+    pre = tiny_model_class(base).from_pretrained(base).state_dict()
+    post, got = merged_state(base, adapter), merged_state(base, tmp_path / "scaled")
+    for name, tensor in post.items():
+        assert got[name].dtype == torch.bfloat16
+        expected = pre[name].float() + 0.4 * (tensor.float() - pre[name].float())
+        ulp = torch.maximum(pre[name].float().abs(), tensor.float().abs()) * 2**-7
+        assert bool(((got[name].float() - expected).abs() <= ulp + 1e-30).all()), name
