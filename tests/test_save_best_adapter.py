@@ -183,7 +183,7 @@ def test_the_adapter_folder_is_new_and_outside_the_run_folder(toy_pair, tmp_path
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     args = sweep_args(toy_pair, toy_adapter(toy_pair, tmp_path / "adapter"), tmp_path / "run", "--alphas", "0.5")
-    message = "must lie outside the run folder" if where == "run/best" else "already exists and is not the folder"
+    message = "must lie outside the run folder" if where == "run/best" else "already exists and is not the adapter"
     one_error_line(cli(*args, "--save-best-adapter", tmp_path / where), 2, message)
     assert not (tmp_path / "run").exists() and (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 

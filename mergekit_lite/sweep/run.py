@@ -258,22 +258,9 @@ def prepared(out, inputs: list, own) -> Path:
 
 def check_save_best(settings: SweepSettings, inputs: list) -> None:
     """--save-best names a new model folder outside the run folder, or the one this run folder's sweep wrote there
-    before (the same command run again writes it again); it replaces no other folder, and a model inside the run
-    folder would stop the run from resuming (it holds only its own files)."""
-    if not settings.save_best:
-        return
-    check_output_path(settings.save_best, inputs)
-    best, run = (Path(os.path.realpath(path)) for path in (settings.save_best, settings.out))
-    if best == run or run in best.parents or best in run.parents:
-        raise InputError(
-            f"{settings.save_best}: --save-best must lie outside the run folder {settings.out} (and not "
-            "hold it); choose a folder beside it"
-        )
-    if os.path.lexists(settings.save_best) and not wrote_before(settings.out, "save_best", settings.save_best):
-        raise InputError(
-            f"{settings.save_best}: already exists and is not the model this run folder's sweep saved "
-            "there; --save-best replaces only its own, choose a new folder"
-        )
+    before (the same command run again writes it again)."""
+    if settings.save_best:
+        _check_pick_folder(settings, settings.save_best, "--save-best", "save_best", "model", inputs)
 
 
 def check_save_best_adapter(settings: SweepSettings, inputs: list) -> None:
@@ -304,12 +291,15 @@ def check_save_best_adapter(settings: SweepSettings, inputs: list) -> None:
         )
     if settings.save_best and os.path.realpath(settings.save_best) == os.path.realpath(out):
         raise InputError(f"{out}: --save-best and --save-best-adapter name the same folder; give each its own")
-    _check_pick_folder(settings, out, "--save-best-adapter", "save_best_adapter", [*inputs, settings.save_best])
+    _check_pick_folder(
+        settings, out, "--save-best-adapter", "save_best_adapter", "adapter", [*inputs, settings.save_best]
+    )
 
 
-def _check_pick_folder(settings: SweepSettings, out: str, flag: str, kind: str, inputs: list) -> None:
-    """A folder the sweep writes its pick to: a new one outside the run folder, or the one this run folder's sweep
-    wrote there before; it replaces no other folder, and one inside the run folder would stop the run resuming."""
+def _check_pick_folder(settings: SweepSettings, out: str, flag: str, kind: str, what: str, inputs: list) -> None:
+    """A folder the sweep writes its pick to (`what`: model or adapter): a new one outside the run folder, or the one
+    this run folder's sweep wrote there before; it replaces no other folder, and one inside the run folder would stop
+    the run from resuming (a run folder holds only its own files)."""
     check_output_path(out, inputs)
     best, run = (Path(os.path.realpath(path)) for path in (out, settings.out))
     if best == run or run in best.parents or best in run.parents:
@@ -318,7 +308,7 @@ def _check_pick_folder(settings: SweepSettings, out: str, flag: str, kind: str, 
         )
     if os.path.lexists(out) and not wrote_before(settings.out, kind, out):
         raise InputError(
-            f"{out}: already exists and is not the folder this run folder's sweep saved there; {flag} replaces only "
+            f"{out}: already exists and is not the {what} this run folder's sweep saved there; {flag} replaces only "
             "its own, choose a new folder"
         )
 
