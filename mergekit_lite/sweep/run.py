@@ -185,7 +185,7 @@ def save_best_adapter(settings: SweepSettings, inputs: list, folder: Path, resul
         parameters={
             **recipe.parameters,
             "adapter": input_name(settings.post),
-            "update": f"{alpha:g} * the adapter's (lora_B scaled by {alpha:g}; DoRA rows: docs/sweep.md)",
+            "update": f"{alpha:g} x the adapter's (lora_B scaled; DoRA: its B rows and magnitudes rewritten)",
         },
     )
     sources = open_inputs([settings.pre, settings.post], settings.pre, allow_pickle=False)

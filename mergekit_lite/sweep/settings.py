@@ -53,14 +53,8 @@ VECTOR_STARTS = ("scalar", "drift")
 # --modules: the module types of evaluate.drift.module_type inside decoder layers, and attn / mlp for their groups
 MODULE_KINDS = ("attn", "mlp", "norm", "q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")
 MODULE_KINDS += ("experts", "shared_expert", "router")
-OPTIONAL_KEYS = (
-    "beta",
-    *SECOND_AXES,
-    "budget",
-    "realign_shots",
-    *VECTOR_KEYS,
-    "save_best_adapter",
-)  # settings written out only when given
+OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots", *VECTOR_KEYS)  # settings written out only when given
+OPTIONAL_KEYS += ("save_best_adapter",)
 
 
 def parse_alphas(spec, name: str = "alphas") -> list[float]:
@@ -218,18 +212,10 @@ class SweepSettings:
             raise InputError(f"confidence must be in (0, 1), got {self.confidence!r}")
         if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
             raise InputError(f"bootstrap must be a whole number >= 0 (0: no intervals), got {self.bootstrap!r}")
-        for name in (
-            "pre",
-            "post",
-            "out",
-            "include_path",
-            "recall_texts",
-            "save_best",
-            "save_best_adapter",
-            "copy_files_from",
-        ):
+        for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best", "copy_files_from"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
+        self.save_best_adapter = None if self.save_best_adapter is None else str(self.save_best_adapter)
         if self.method not in methods.SWEEPABLE:
             kind = (
                 "has no coefficient to sweep between pre and post" if self.method in methods.REGISTRY else "is unknown"
