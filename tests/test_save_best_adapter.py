@@ -147,6 +147,7 @@ def test_the_saved_adapter_is_the_sweeps_saved_pick(toy_pair, tmp_path, method, 
         torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     card = (best_adapter / "README.md").read_text()
     assert read_card_metadata(best_adapter)["base_model_relation"] == "adapter"
+    assert "# LoRA adapter of a sweep's pick made with mergekit-lite" in card
     assert f"alpha = {alpha:g}" in card and "| pre |" in card and f"method: {method}" in card
     again = cli(*args)
     assert again.returncode == 0, again.stderr

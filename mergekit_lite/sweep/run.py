@@ -181,6 +181,7 @@ def save_best_adapter(settings: SweepSettings, inputs: list, folder: Path, resul
         recipe,
         bases=[input_name(settings.pre)],
         relation="adapter",
+        heading="LoRA adapter of a sweep's pick",
         method=f"{settings.method} at {settings.coefficient}={alpha:g}, as a LoRA adapter",
         parameters={
             **recipe.parameters,
