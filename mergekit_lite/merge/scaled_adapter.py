@@ -55,7 +55,9 @@ def scaled_tensors(adapter: LoraAdapter, c: float, base_tensor) -> dict[str, tor
     """Every stored tensor of `adapter` for the merge pre + c * (post - pre), under its own key and dtype;
     `base_tensor(name)`: pre's tensor where the adapter puts its tensor `name` (AdapterSource.base_tensor)."""
     tensors = {}
-    for key, role, name in adapter.stored():
+    stored_keys = adapter.stored()
+    magnitude_keys = {name: key for key, role, name in stored_keys if role == "magnitude"}
+    for key, role, name in stored_keys:
         stored = adapter.load_stored(key)
         if role == "magnitude":  # a DoRA module's B sets it, before or after this key
             tensors.setdefault(key, stored)
@@ -65,9 +67,8 @@ def scaled_tensors(adapter: LoraAdapter, c: float, base_tensor) -> dict[str, tor
             b, a = adapter.lora_factors(name)
             weight = adapter.in_factor_layout(name, base_tensor(name).to(torch.float32))
             scaled_b, magnitude = scaled_dora(weight, b, a, adapter.scaling[name], adapter.magnitude(name), c)
-            magnitude_key = next(k for k, r, n in adapter.stored() if r == "magnitude" and n == name)
             tensors[key] = scaled_b.to(stored.dtype)
-            tensors[magnitude_key] = magnitude.to(adapter.load_stored(magnitude_key).dtype)
+            tensors[magnitude_keys[name]] = magnitude.to(adapter.load_stored(magnitude_keys[name]).dtype)
         elif role in ("B", "bias"):
             tensors[key] = (stored.to(torch.float32) * c).to(stored.dtype)
         else:  # a replacement R: pre + c * (R - pre)
