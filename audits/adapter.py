@@ -24,6 +24,8 @@ failed is left out of the report:
               and the base's divergence from the fingerprint's recorded outputs (audits/behaviour.py).
 9. leakage    [ours] only with training data and a holdout: holdout items found in the training data.
 
+Beside the checks, each report names the adapter's LoRA variant and what combining it gives (audits/variant.py).
+
 Verdict: REJECTED if any check fails, WARN if any warns, else VERIFIED. The thresholds are in
 audits/thresholds.py; a batch opens its base once (audits/base.py).
 """
@@ -50,6 +52,7 @@ from mergekit_lite.audits.report import FAIL, PASS, REJECTED, WARN, AuditReport,
 from mergekit_lite.audits.structure import base_names, check_structure, module_of
 from mergekit_lite.audits.thresholds import AuditThresholds
 from mergekit_lite.audits.update import bias_changes, check_delta, check_spectral, measure_module, replacement_changes
+from mergekit_lite.audits.variant import variant_of
 from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import ADAPTER_PATTERNS, is_hub_id, repo_files, resolve_model
@@ -571,7 +574,7 @@ def audit_adapter(
                     checks.append(check_behaviour(adapter, audit_base, fingerprint_data, thresholds, device))
         if train_data is not None:
             checks.append(check_leakage(train_data, holdout, thresholds.ngram, thresholds.max_contaminated_share))
-        return make_report(ref.name, audit_base.reference, checks)
+        return make_report(ref.name, audit_base.reference, checks, variant_of(ref.path, adapter))
 
 
 def _pickle_only(ref: AdapterRef) -> tuple[CheckResult, None] | None:

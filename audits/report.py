@@ -6,6 +6,7 @@ import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 VERIFIED, WARNED, REJECTED = "VERIFIED", "WARN", "REJECTED"
@@ -38,6 +39,7 @@ class AuditReport:
     verdict: str
     checks: list[CheckResult]
     reasons: list[str]
+    variant: Any = None  # audits/variant.py's AdapterVariant: which LoRA it is and what combining it gives
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,8 +59,8 @@ def reasons_of(checks: list[CheckResult]) -> list[str]:
     return [f"{check.name}: {check.detail}" for check in ordered]
 
 
-def make_report(adapter: str, base: str, checks: list[CheckResult]) -> AuditReport:
-    return AuditReport(adapter, base, verdict_of(checks), checks, reasons_of(checks))
+def make_report(adapter: str, base: str, checks: list[CheckResult], variant=None) -> AuditReport:
+    return AuditReport(adapter, base, verdict_of(checks), checks, reasons_of(checks), variant)
 
 
 _said: ContextVar[set | None] = ContextVar("verdicts_said", default=None)  # lines printed within each_verdict_once

@@ -60,21 +60,40 @@ def paper_measures(report) -> tuple[str, str, str, str]:
     )
 
 
+VARIANT_WIDTH = 15
+
+
 def table_header(width: int) -> str:
-    return f"{'ADAPTER':<{width}}  {'VERDICT':<8}  {'BASE-ID':<7}  {'NORM':>7}  {'PER-MOD':>7}  {'KL':>7}  REASONS"
+    return (
+        f"{'ADAPTER':<{width}}  {'VERDICT':<8}  {'BASE-ID':<7}  {'NORM':>7}  {'PER-MOD':>7}  {'KL':>7}  "
+        f"{'VARIANT':<{VARIANT_WIDTH}}  {'PEFT-WEIGHTED':<13}  {'MERGE-ADAPTERS':<14}  REASONS"
+    )
+
+
+def variant_cells(report, missing: str = "-") -> tuple[str, str, str]:
+    """The adapter's variant, whether PEFT's add_weighted_adapter of it is right, what merge-adapters does."""
+    variant = report.variant
+    if variant is None:
+        return missing, missing, missing
+    return variant.label, variant.peft_weighted, variant.merge_adapters
 
 
 def table_row(report, width: int, verbose: bool) -> str:
-    """One adapter's row (verdict, the paper's measures, reasons); with `verbose`, every check under it."""
+    """One adapter's row (verdict, the paper's measures, the variant, reasons); with `verbose`, every check under it
+    and what its variant means for combining it."""
     base_id, norm, per_module, kl = paper_measures(report)
+    label, peft, ours = variant_cells(report)
     lines = [
         f"{report.adapter:<{width}}  {report.verdict:<8}  {base_id:<7}  {norm:>7}  {per_module:>7}  {kl:>7}  "
-        f"{'; '.join(report.reasons) or '-'}"
+        f"{label:<{VARIANT_WIDTH}}  {peft:<13}  {ours:<14}  {'; '.join(report.reasons) or '-'}"
     ]
     if verbose:
         lines.extend(
             f"    {check.status:<4}  {check.name:<9}  {_measured(check)}  {check.detail}" for check in report.checks
         )
+        if report.variant is not None:
+            lines.append(f"    variant {label}: PEFT add_weighted_adapter {peft} ({report.variant.peft_weighted_why})")
+            lines.append(f"    variant {label}: merge-adapters {ours} ({report.variant.merge_adapters_why})")
     return "\n".join(lines)
 
 
@@ -99,6 +118,9 @@ def render_csv(reports) -> str:
             "base",
             "verdict",
             *(f"{name}_{part}" for name in CHECK_ORDER for part in ("status", "value", "threshold")),
+            "variant",
+            "peft_weighted",
+            "merge_adapters",
             "reasons",
         ]
     )
@@ -108,7 +130,9 @@ def render_csv(reports) -> str:
         for name in CHECK_ORDER:
             check = checks.get(name)
             cells += ["", "", ""] if check is None else [check.status, _number(check.value), _number(check.threshold)]
-        writer.writerow([report.adapter, report.base, report.verdict, *cells, "; ".join(report.reasons)])
+        writer.writerow(
+            [report.adapter, report.base, report.verdict, *cells, *variant_cells(report, ""), "; ".join(report.reasons)]
+        )
     return buffer.getvalue().rstrip("\n")
 
 

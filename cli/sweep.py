@@ -140,6 +140,8 @@ def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, r
     _warn_nonfinite(result)
     if settings.save_best:
         click.echo(f"saved the pick ({result.best.label}) as a model folder: {settings.save_best}")
+    if settings.save_best_adapter:
+        click.echo(f"saved the pick ({result.best.label}) as a LoRA adapter folder: {settings.save_best_adapter}")
     if replay_out:
         written, left_out = write_replay(result, replay_out, replay_format, replay_all)
         which = "forgotten by post" if replay_all else "still lost by the pick"

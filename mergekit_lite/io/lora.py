@@ -547,6 +547,25 @@ class LoraAdapter:
     def base_copy(self, base_name: str) -> torch.Tensor:
         return self._file.load(self._base_copies[base_name])
 
+    def stored(self) -> list[tuple[str, str, str]]:
+        """Every tensor key of the weights file with what it holds and for which base tensor: (key, role, base name),
+        role one of "A", "B" (the factors, embeddings' too), "bias" (lora_B's bias: base name the layer's bias),
+        "magnitude" (DoRA), "replacement" (modules_to_save, trained biases) and "base_copy"."""
+        entries = []
+        for name, factor in self._factors.items():
+            entries += [(factor.a_key, "A", name), (factor.b_key, "B", name)]
+            if factor.bias_key:
+                entries.append((factor.bias_key, "bias", _bias_name(name)))
+            if factor.magnitude_key:
+                entries.append((factor.magnitude_key, "magnitude", name))
+        entries += [(key, "replacement", name) for name, key in self._replacements.items()]
+        entries += [(key, "base_copy", name) for name, key in self._base_copies.items()]
+        return sorted(entries)
+
+    def load_stored(self, key: str) -> torch.Tensor:
+        """One tensor of the weights file by its key, as stored (dtype included)."""
+        return self._file.load(key)
+
 
 def _check_factor_shapes(weights: _TensorFile, module: str, factor: _Factors, rank: int) -> None:
     """A and B must be 2-D, agree on the rank, and that rank must be the config's (else scaling is wrong)."""

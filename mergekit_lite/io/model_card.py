@@ -83,6 +83,7 @@ class ModelCard:
     licenses: list[str] = field(default_factory=list)
     audits: list[dict] = field(default_factory=list)  # {"adapter", "verdict", "reasons"} per adapter merged
     sections: list[tuple[str, str]] = field(default_factory=list)
+    heading: str | None = None  # what the folder is, for the title (default: by relation)
 
     def front_matter(self) -> dict:
         data = {
@@ -98,7 +99,7 @@ class ModelCard:
         return data
 
     def render(self) -> str:
-        what = "merge" if self.relation == "merge" else "LoRA adapter extracted"
+        what = self.heading or ("merge" if self.relation == "merge" else "LoRA adapter extracted")
         front_matter = yaml.safe_dump(self.front_matter(), sort_keys=False, width=math.inf)  # never folded
         lines = [
             "---",

@@ -132,6 +132,12 @@ class AdapterSource:
         embeddings."""
         return self._head[1] if self._head and name == self._head[0] else name
 
+    def base_tensor(self, adapter_name: str) -> torch.Tensor:
+        """The base's tensor where the adapter puts (or adds to) its tensor `adapter_name` (PEFT's in-memory name),
+        as stored: for an own head on a base that ties it, the embeddings the base's head is."""
+        on_disk = next(name for name, adapted in self._adapter_name.items() if adapted == adapter_name)
+        return self.base.load(self._stored(on_disk))
+
     def shape(self, name):
         if self._head and name == self._head[0] and name in self._adapter_name:
             return tuple(self.adapter.shape(name))

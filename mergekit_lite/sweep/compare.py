@@ -67,6 +67,8 @@ def method_settings(data: dict, methods: list) -> list[SweepSettings]:
     {method: NAME, alphas: ..., density: ..., drop: ...}; each sweeps into OUT/NAME."""
     if data.get("save_best"):
         raise InputError("--save-best merges one sweep's pick: run that method's sweep alone")
+    if data.get("save_best_adapter"):
+        raise InputError("--save-best-adapter writes one sweep's pick: run that method's sweep alone")
     entries = [{"method": entry} if isinstance(entry, str) else dict(entry) for entry in methods]
     settings = []
     for entry in entries:

@@ -127,6 +127,8 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
         write_report(result)
         if settings.save_best:
             save_best(settings, inputs, folder, result, best, progress, sections)
+        if settings.save_best_adapter:
+            save_best_adapter(settings, inputs, folder, result, best)
     return result
 
 
@@ -135,6 +137,7 @@ def check_sweep(settings: SweepSettings) -> list:
     settings.check_inputs()
     inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
     check_save_best(settings, inputs)
+    check_save_best_adapter(settings, inputs)
     check_run_folder(settings.out, inputs, own=run_file)
     check_evaluation(settings)
     usable_device(settings.device)  # torch loads here: what needs no torch was checked first
@@ -158,6 +161,43 @@ def save_best(
         best, settings.save_best, overwrite=again, progress=progress, card_sections=[card_section(result), *sections]
     )
     record_written(folder, "save_best", settings.save_best)
+
+
+def save_best_adapter(settings: SweepSettings, inputs: list, folder: Path, result: SweepResult, best) -> None:
+    """--save-best-adapter: the pick pre + alpha * (post - pre) of an adapter post written as that adapter with its
+    update scaled by alpha (merge/scaled_adapter.py), its card naming the base, the recipe and the sweep's scores."""
+    from mergekit_lite.io.lora import LoraAdapter
+    from mergekit_lite.io.model_card import input_name
+    from mergekit_lite.io.sources import open_inputs
+    from mergekit_lite.merge.engine import merge_card
+    from mergekit_lite.merge.scaled_adapter import write_scaled_adapter
+    from mergekit_lite.sweep.report import card_section
+
+    out, alpha = settings.save_best_adapter, result.best.alpha
+    again = wrote_before(folder, "save_best_adapter", out)
+    adapter = LoraAdapter.open(settings.post)
+    recipe = merge_card(best, [], [card_section(result)])  # the merge the adapter is: its recipe and the scores
+    card = replace(
+        recipe,
+        bases=[input_name(settings.pre)],
+        relation="adapter",
+        heading="LoRA adapter of a sweep's pick",
+        method=f"{settings.method} at {settings.coefficient}={alpha:g}, as a LoRA adapter",
+        parameters={
+            **recipe.parameters,
+            "adapter": input_name(settings.post),
+            "update": f"{alpha:g} x the adapter's (lora_B scaled; DoRA: its B rows and magnitudes rewritten)",
+        },
+    )
+    sources = open_inputs([settings.pre, settings.post], settings.pre, allow_pickle=False)
+    try:
+        write_scaled_adapter(
+            adapter, alpha, sources[1].base_tensor, out, card, overwrite=again, inputs=[*inputs, settings.save_best]
+        )
+    finally:
+        for source in sources:
+            source.close()
+    record_written(folder, "save_best_adapter", out)
 
 
 def realign_post(settings: SweepSettings, folder: Path, sweep: SweepRun) -> list[TaskRun]:
@@ -219,21 +259,58 @@ def prepared(out, inputs: list, own) -> Path:
 
 def check_save_best(settings: SweepSettings, inputs: list) -> None:
     """--save-best names a new model folder outside the run folder, or the one this run folder's sweep wrote there
-    before (the same command run again writes it again); it replaces no other folder, and a model inside the run
-    folder would stop the run from resuming (it holds only its own files)."""
-    if not settings.save_best:
+    before (the same command run again writes it again)."""
+    if settings.save_best:
+        _check_pick_folder(settings, settings.save_best, "--save-best", "save_best", "model", inputs)
+
+
+def check_save_best_adapter(settings: SweepSettings, inputs: list) -> None:
+    """--save-best-adapter: post is a LoRA adapter and the method's merge at every coefficient c is pre + c * (post -
+    pre) (its registry declaration `scales_task_vector`), so the pick is the adapter with its update scaled; one
+    coefficient for the whole model (no --groups/--modules); its folder follows --save-best's rules and is another."""
+    from mergekit_lite.io.lora import LoraAdapter
+    from mergekit_lite.merge import methods
+
+    out = settings.save_best_adapter
+    if not out:
         return
-    check_output_path(settings.save_best, inputs)
-    best, run = (Path(os.path.realpath(path)) for path in (settings.save_best, settings.out))
+    if not LoraAdapter.is_adapter_dir(settings.post):
+        raise InputError(
+            f"--save-best-adapter writes the pick as a LoRA adapter, and --post {settings.post} is a model, not a "
+            "PEFT adapter folder: use --save-best for a model folder"
+        )
+    method = methods.method(settings.method)
+    if not method.scales_task_vector:
+        scaled = ", ".join(name for name, each in methods.SWEEPABLE.items() if each.scales_task_vector)
+        raise InputError(
+            f"--save-best-adapter: {settings.method}'s merge is not pre + {settings.coefficient} * (post - pre) "
+            f"({method.alpha_meaning}), so its pick is no scaled adapter; sweep {scaled}, or use --save-best"
+        )
+    if settings.groups is not None or settings.modules:
+        raise InputError(
+            "--save-best-adapter writes one coefficient's pick; --groups/--modules pick one per slot: use --save-best"
+        )
+    if settings.save_best and os.path.realpath(settings.save_best) == os.path.realpath(out):
+        raise InputError(f"{out}: --save-best and --save-best-adapter name the same folder; give each its own")
+    _check_pick_folder(
+        settings, out, "--save-best-adapter", "save_best_adapter", "adapter", [*inputs, settings.save_best]
+    )
+
+
+def _check_pick_folder(settings: SweepSettings, out: str, flag: str, kind: str, what: str, inputs: list) -> None:
+    """A folder the sweep writes its pick to (`what`: model or adapter): a new one outside the run folder, or the one
+    this run folder's sweep wrote there before; it replaces no other folder, and one inside the run folder would stop
+    the run from resuming (a run folder holds only its own files)."""
+    check_output_path(out, inputs)
+    best, run = (Path(os.path.realpath(path)) for path in (out, settings.out))
     if best == run or run in best.parents or best in run.parents:
         raise InputError(
-            f"{settings.save_best}: --save-best must lie outside the run folder {settings.out} (and not "
-            "hold it); choose a folder beside it"
+            f"{out}: {flag} must lie outside the run folder {settings.out} (and not hold it); choose a folder beside it"
         )
-    if os.path.lexists(settings.save_best) and not wrote_before(settings.out, "save_best", settings.save_best):
+    if os.path.lexists(out) and not wrote_before(settings.out, kind, out):
         raise InputError(
-            f"{settings.save_best}: already exists and is not the model this run folder's sweep saved "
-            "there; --save-best replaces only its own, choose a new folder"
+            f"{out}: already exists and is not the {what} this run folder's sweep saved there; {flag} replaces only "
+            "its own, choose a new folder"
         )
 
 

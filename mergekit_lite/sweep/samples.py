@@ -200,7 +200,11 @@ def check_replay(path: str | os.PathLike, settings: SweepSettings) -> None:
     """--replay, checked before any work: a new file, or the one this run folder's sweep wrote there before (the same
     command run again writes it again); outside the inputs and the folders the sweep writes."""
     parents = Path(os.path.realpath(path)).parents  # the sweep's own folders first: they may not exist yet
-    for what, folder in (("the run folder", settings.out), ("--save-best", settings.save_best)):
+    for what, folder in (
+        ("the run folder", settings.out),
+        ("--save-best", settings.save_best),
+        ("--save-best-adapter", settings.save_best_adapter),
+    ):
         if folder is not None and Path(os.path.realpath(folder)) in parents:
             raise InputError(f"{path}: is inside {what} {folder}; write the replay set elsewhere")
     check_output_file(

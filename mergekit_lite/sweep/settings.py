@@ -56,7 +56,8 @@ VECTOR_STARTS = ("scalar", "drift")
 # --modules: the module types of evaluate.drift.module_type inside decoder layers, and attn / mlp for their groups
 MODULE_KINDS = ("attn", "mlp", "norm", "q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")
 MODULE_KINDS += ("experts", "shared_expert", "router")
-OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots", *VECTOR_KEYS)  # settings written out only when given
+# settings written out only when given
+OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots", *VECTOR_KEYS, "save_best_adapter")
 
 
 def parse_alphas(spec, name: str = "alphas") -> list[float]:
@@ -147,6 +148,7 @@ class SweepSettings:
     recall_texts: str | None = None
     recall_samples: int = 8
     save_best: str | None = None
+    save_best_adapter: str | None = None  # the pick as a LoRA adapter (post an adapter, a method that scales it)
     stream: bool | None = None  # None: merge in memory when the model fits, else through a folder on disk
     eval_dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     copy_files_from: str | None = None  # --save-best's side files (default: see engine.write_side_files)
@@ -213,7 +215,7 @@ class SweepSettings:
             raise InputError(f"confidence must be in (0, 1), got {self.confidence!r}")
         if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
             raise InputError(f"bootstrap must be a whole number >= 0 (0: no intervals), got {self.bootstrap!r}")
-        for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best", "copy_files_from"):
+        for name in (*PATH_FIELDS, "out", "save_best", "save_best_adapter", "copy_files_from"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
         if self.method not in methods.SWEEPABLE:
@@ -550,6 +552,13 @@ class SweepFile(BaseModel):
     recall_texts: str | None = setting(None, "recall: typical texts, one per line.", path="file")
     recall_samples: int | None = setting(None, "recall: how many typical samples (default 8).", ge=1)
     save_best: str | None = setting(None, "Write the picked merge to this new model folder.", path="folder")
+    save_best_adapter: str | None = setting(
+        None,
+        f"--post a LoRA adapter, --method {' or '.join(n for n, m in methods.SWEEPABLE.items() if m.scales_task_vector)}"
+        ": write the pick as this new PEFT adapter folder (the adapter with its update scaled by the picked alpha; "
+        "DoRA too).",
+        path="folder",
+    )
     stream: bool | None = setting(
         None, "Always merge through a folder on disk (default: in memory when 3x the model fits in free RAM)."
     )

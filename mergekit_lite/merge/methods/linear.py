@@ -26,6 +26,7 @@ class Linear(Method):
     main_coefficient = "alpha"
     alpha_meaning = "weight of post (0 = pre, 1 = post)"
     pre_at_zero = post_at_one = True
+    scales_task_vector = True  # with alpha: (1 - alpha) pre + alpha post = pre + alpha (post - pre)
     base_ignored = True
     elementwise = True
     calibration = Calibration({}, 2, with_base=False)

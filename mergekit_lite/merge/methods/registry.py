@@ -124,6 +124,9 @@ class Method:
     pre_at_zero: bool = False  # the merge at coefficient 0 is pre itself (post's contribution scaled to nothing)
     post_at_one: bool = False  # at 1 it is post itself (nothing of post's task vector trimmed, dropped or reweighted)
     post_at_one_without_beta: bool = False  # at 1 with beta 0 it is post itself (LiNeS: scale 1 in every layer)
+    # the merge at coefficient c is pre + c * (post - pre) in every tensor, nothing trimmed, dropped, rotated or
+    # scheduled by depth: for a LoRA post, c times its update (sweep --save-best-adapter writes it as an adapter)
+    scales_task_vector: bool = False
     needs_base: bool = False
     base_ignored: bool = False  # mergekit's BasePolicy.IGNORED: in a slice the base is just another source
     takes_slices: bool = True

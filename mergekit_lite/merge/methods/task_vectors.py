@@ -169,6 +169,7 @@ class TaskVectorMethod(Method):
         self.pre_at_zero = True  # lambda 0: no task vector
         self.post_at_one = sparsifier is None  # lambda 1, nothing sparsified: post itself
         self.sparsifies = sparsifier is not None
+        self.scales_task_vector = sparsifier is None and not consensus  # pre + lambda * (post - pre), one model
         self.elementwise = sparsifier in (None, "random")
         self.slab_statistics = sparsifier == "magnitude"  # TIES's trim: elementwise once each threshold is known
         # the sparsifiers that select entries may zero a NaN/Inf input; DARE's 0-or-1 mask multiplies, keeping NaN
