@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from mergekit_lite.audits.thresholds import DEFAULT_TOP_K
 from mergekit_lite.errors import InputError
 
 FORMAT = "mergekit-lite/base-fingerprint"
@@ -51,7 +52,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
 )
 FINGERPRINT_FILE = "base_fingerprint.json"
-DEFAULT_TOP_K = 8
 PROBE_DIM = 16
 PROBE_SEED = 0
 EXACT_SVD_MAX_DIM = 512  # above this, exact SVD costs seconds per matrix; a seeded randomized one does not

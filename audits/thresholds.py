@@ -1,14 +1,14 @@
-"""What each check of the adapter audit holds its measured value to (`mergekit-lite audit --min-...`)."""
+"""What each check of the adapter audit holds its measured value to, declared once for the Python API and
+`mergekit-lite audit --min-...` (whose options are made from the model: cli/options.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from mergekit_lite.settings import Settings, setting
 
-from mergekit_lite.audits.fingerprint import DEFAULT_TOP_K
+DEFAULT_TOP_K = 8  # singular directions per matrix a fingerprint keeps
 
 
-@dataclass(frozen=True)
-class AuditThresholds:
+class AuditThresholds(Settings):
     """What each check's measured value is held to, and why these defaults.
 
     min_fingerprint_similarity 0.95: per module, the smaller of the spectrum and probe cosines against
@@ -39,14 +39,30 @@ class AuditThresholds:
         holdout seen in training makes scores on it untrustworthy (any contamination warns).
     """
 
-    min_fingerprint_similarity: float = 0.95
-    min_alignment: float = 1.5
-    top_k: int = DEFAULT_TOP_K
-    min_delta: float = 1e-4
-    min_total_norm: float = 1.0
-    min_kl: float = 1e-3
-    min_noop_top1: float = 0.95
-    max_kl: float = 20.0
-    max_base_kl: float = 1e-3
-    ngram: int = 13
-    max_contaminated_share: float = 0.01
+    min_fingerprint_similarity: float = setting(
+        0.95,
+        "Reject when any module's similarity to the base fingerprint is below this.",
+        flags=("--min-similarity",),
+        ge=-1,
+        le=1,
+    )
+    min_alignment: float = setting(1.5, "Warn below this alignment with the base's top directions.", command_line=False)
+    top_k: int = setting(DEFAULT_TOP_K, "Singular directions per matrix.", command_line=False)
+    min_delta: float = setting(1e-4, "Reject as a no-op when the largest ||dW||/||W|| is below this.", ge=0)
+    min_total_norm: float = setting(
+        1.0,
+        "Reject as a no-op when sqrt(sum ||scaling*B@A||^2) is below this (the paper's rule, for 7-8B models).",
+        ge=0,
+    )
+    min_kl: float = setting(1e-3, "A no-op below this KL (with the greedy token kept).", command_line=False)
+    min_noop_top1: float = setting(0.95, "A no-op keeps the greedy token on more than this share.", command_line=False)
+    max_kl: float = setting(20.0, "With --behaviour: reject above this KL as likely made on another base.", ge=0)
+    max_base_kl: float = setting(1e-3, "The given base's KL from the fingerprinted one.", command_line=False)
+    ngram: int = setting(13, "Leakage n-gram length (whitespace words).", ge=1)
+    max_contaminated_share: float = setting(
+        0.01,
+        "Fail when a larger share of holdout items is found in the training data.",
+        flags=("--max-contaminated",),
+        ge=0,
+        le=1,
+    )

@@ -8,11 +8,11 @@ written `./fingerprint`.) Heavy modules load inside the commands, so `--help` st
 import json
 import sys
 from contextlib import closing
-from dataclasses import asdict
 
 import click
 
-from mergekit_lite.cli.types import Number
+from mergekit_lite.audits.thresholds import AuditThresholds
+from mergekit_lite.cli.options import settings_options
 
 # audits.fingerprint.FINGERPRINT_FILE, named here to keep torch out of --help
 SHIPPED_FINGERPRINT = "base_fingerprint.json"
@@ -172,38 +172,11 @@ def _measured(check) -> str:
     "--holdout", type=click.Path(dir_okay=False), help="Evaluation holdout, same formats; needs --train-data."
 )
 @click.option(
-    "--ngram",
-    default=13,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Leakage n-gram length (whitespace words).",
-)
-@click.option(
-    "--max-contaminated",
-    default=0.01,
-    show_default=True,
-    type=Number(0, 1),
-    help="Fail when a larger share of holdout items is found in the training data.",
-)
-@click.option(
     "--base-id",
     help="Hub id of the given base (e.g. meta-llama/Llama-3.1-8B-Instruct) to compare the declared "
     "base_model_name_or_path with [default: --base when it is a hub id, else the base config's _name_or_path].",
 )
-@click.option(
-    "--min-delta",
-    default=1e-4,
-    show_default=True,
-    type=Number(min=0),
-    help="Reject as a no-op when the largest ||dW||/||W|| is below this.",
-)
-@click.option(
-    "--min-total-norm",
-    default=1.0,
-    show_default=True,
-    type=Number(min=0),
-    help="Reject as a no-op when sqrt(sum ||scaling*B@A||^2) is below this (the paper's rule, for 7-8B models).",
-)
+@settings_options(AuditThresholds, into="thresholds")
 @click.option(
     "--behaviour", is_flag=True, help="Also run the model: first-token KL(base || base+adapter) on probe texts."
 )
@@ -212,20 +185,6 @@ def _measured(check) -> str:
     default="cpu",
     show_default=True,
     help="Device for --behaviour (cpu for tiny models, cuda for real ones).",
-)
-@click.option(
-    "--max-kl",
-    default=20.0,
-    show_default=True,
-    type=Number(min=0),
-    help="With --behaviour: reject above this KL as likely made on another base.",
-)
-@click.option(
-    "--min-similarity",
-    default=0.95,
-    show_default=True,
-    type=Number(-1, 1),
-    help="Reject when any module's similarity to the base fingerprint is below this.",
 )
 @click.option(
     "--allow-pickle",
@@ -251,15 +210,10 @@ def audit_adapters(
     fingerprint,
     train_data,
     holdout,
-    ngram,
-    max_contaminated,
     base_id,
-    min_delta,
-    min_total_norm,
+    thresholds,
     behaviour,
     device,
-    max_kl,
-    min_similarity,
     allow_pickle,
     require_verified,
     as_json,
@@ -310,19 +264,10 @@ def audit_adapters(
         quiet_third_party()
     from mergekit_lite.audits.adapter import audit_batch, find_adapters, read_adapter_list
     from mergekit_lite.audits.base import AuditBase
-    from mergekit_lite.audits.thresholds import AuditThresholds
 
     names = [*adapters, *(read_adapter_list(from_file) if from_file else [])]
     if not names:
         raise click.UsageError("name at least one ADAPTER (or --from-file FILE)")
-    thresholds = AuditThresholds(
-        min_fingerprint_similarity=min_similarity,
-        min_delta=min_delta,
-        ngram=ngram,
-        max_contaminated_share=max_contaminated,
-        min_total_norm=min_total_norm,
-        max_kl=max_kl,
-    )
     found = find_adapters(names)
     reports = []
     width = max(len("ADAPTER"), *(len(ref.name) for ref in found))
@@ -351,7 +296,7 @@ def audit_adapters(
     if as_json:
         click.echo(
             json.dumps(
-                {"thresholds": asdict(thresholds), "reports": [report.to_dict() for report in reports]},
+                {"thresholds": thresholds.model_dump(), "reports": [report.to_dict() for report in reports]},
                 indent=2,
                 allow_nan=False,
             )

@@ -8,6 +8,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from mergekit_lite.audits.thresholds import AuditThresholds
+from mergekit_lite.cli.audit import audit_adapters
 from mergekit_lite.cli.drift import drift
 from mergekit_lite.cli.extract import extract
 from mergekit_lite.cli.forgetting import forgetting
@@ -23,6 +25,12 @@ from mergekit_lite.sweep.settings import SweepFile
 # per command: its settings models and the options it declares itself (inputs, outputs, how it prints)
 COMMANDS = {
     "extract": (extract, [ExtractSettings], {"base", "model", "out", "device", "overwrite", "quiet"}),
+    "audit": (
+        audit_adapters,
+        [AuditThresholds],
+        {"adapters", "from_file", "base", "fingerprint", "train_data", "holdout", "base_id", "behaviour", "device"}
+        | {"allow_pickle", "require_verified", "as_json", "as_csv", "verbose", "quiet"},
+    ),
     "drift": (drift, [DriftSettings], {"pre", "post", "texts", "heatmap_out", "html_out", "as_json", "quiet"}),
     "forgetting": (
         forgetting,
@@ -43,7 +51,7 @@ def _mergekit_names() -> set[str]:
 def test_every_option_is_a_field_or_named_as_the_commands_own(name):
     command, models, own = COMMANDS[name]
     options = [param.name for param in command.params]
-    fields = [field for model in models for field in model.model_fields]
+    fields = [field for model in models for field in command_line_fields(model)]
     assert len(options) == len(set(options)), "an option declared twice"
     assert len(fields) == len(set(fields)), "a setting declared in two models"
     assert set(options) - _mergekit_names() == set(fields) | own
@@ -54,7 +62,9 @@ def test_every_option_is_a_field_or_named_as_the_commands_own(name):
 def test_options_carry_the_fields_help_default_and_names(name):
     command, models, _ = COMMANDS[name]
     by_name = {param.name: param for param in command.params}
-    for field_name, field in [item for model in models for item in model.model_fields.items()]:
+    for field_name, field in [
+        (name, model.model_fields[name]) for model in models for name in command_line_fields(model)
+    ]:
         option = by_name[field_name]
         assert option.help == field.description
         assert option.opts[0] == flag_names(field_name, field)[0]
