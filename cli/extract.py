@@ -5,7 +5,7 @@ import click
 from mergekit_lite.cli.mergekit_flags import MergekitFlags, mergekit_options
 from mergekit_lite.cli.options import settings_options
 from mergekit_lite.cli.types import SafeSuggestions
-from mergekit_lite.merge.extract_settings import ExtractSettings
+from mergekit_lite.merge.lora_settings import ExtractSettings
 
 # mergekit's shared flags that have no part in an extraction: a note when given (mergekit reads them and does nothing)
 NOT_EXTRACTION = {

@@ -85,6 +85,11 @@ def _option(name: str, field, model_defaults: bool):
     keywords = {"help": field.description, "default": field.default if model_defaults else None}
     if extra.get("metavar"):
         keywords["metavar"] = extra["metavar"]
+    if field.is_required():  # no default at all: click 8.5 takes an explicit None for a given value
+        del keywords["default"]
+        keywords["required"] = True
+    if extra.get("comma_list"):
+        return click.option(*names, name, **keywords)
     if extra.get("flag_value") is not None:
         return click.option(*names, name, is_flag=False, flag_value=extra["flag_value"], **keywords)
     if extra.get("path"):

@@ -21,7 +21,7 @@ from mergekit_lite.io.sources import TensorSource
 from mergekit_lite.merge import engine, extract
 from mergekit_lite.merge.config import MergeConfig
 from mergekit_lite.merge.extract import Extraction
-from mergekit_lite.merge.extract_settings import ExtractSettings
+from mergekit_lite.merge.lora_settings import ExtractSettings
 
 
 class UnverifiedAdapter(InputError):

@@ -18,8 +18,8 @@ from mergekit_lite.errors import InputError
 
 
 def setting(
-    default: Any,
-    help: str,
+    default: Any = ...,
+    help: str = "",
     *,
     flags: tuple[str, ...] = (),
     metavar: str | None = None,
@@ -27,15 +27,17 @@ def setting(
     path: str | None = None,
     repeatable: bool = False,
     flag_value: str | None = None,
+    comma_list: bool = False,
     command_line: bool = True,
     **bounds: Any,
 ) -> Any:
-    """A field of a `Settings` model: `help` is its one-line description; `flags` the command line's names when
+    """A field of a `Settings` model (required when it has no `default`): `help` is its one-line description; `flags` the command line's names when
     they are not `--field-name` (aliases that users of mergekit or PEFT type); `negatable` gives a boolean a
     --no- form; `path` marks a path the command line checks as it parses ("file", "folder", "existing" for a
     file or folder that must exist, "existing-file", "existing-folder"); `repeatable` lets a field that also takes
     a list (in a YAML file) be given several times; `flag_value` is the value of the flag given bare (`--ray` alone:
-    "local"); `command_line` False keeps a field to the file form; `bounds` are pydantic's (ge, gt, le, lt,
+    "local"); `comma_list` takes a list as one comma-separated value (`--weights 0.7,0.3`: the model's validator
+    splits it); `command_line` False keeps a field to the file form; `bounds` are pydantic's (ge, gt, le, lt,
     allow_inf_nan)."""
     extra = {
         "flags": list(flags),
@@ -44,6 +46,7 @@ def setting(
         "path": path,
         "repeatable": repeatable,
         "flag_value": flag_value,
+        "comma_list": comma_list,
         "command_line": command_line,
     }
     return Field(default, description=help, json_schema_extra=extra, **bounds)

@@ -87,7 +87,7 @@ def best_rank_error(truth: torch.Tensor, rank: int) -> float:
 
 def run(root, kind, tmp_path, combination, **options):
     out = tmp_path / f"{kind}-{combination}"
-    settings = AdapterMergeSettings(combination, WEIGHTS, **options)
+    settings = AdapterMergeSettings(combination=combination, weights=WEIGHTS, **options)
     with torch_threads(1):
         result = merge_adapters(adapters(root, kind), out, settings)
     return out, result
@@ -236,6 +236,6 @@ def test_adapters_on_different_bases_are_refused(setup, tmp_path):
     shutil.copytree(adapters(root, "plain")[1], other)
     config = json.loads((other / "adapter_config.json").read_text())
     (other / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "Qwen/Qwen2.5-7B"}))
-    settings = AdapterMergeSettings("cat", WEIGHTS)
+    settings = AdapterMergeSettings(combination="cat", weights=WEIGHTS)
     with pytest.raises(InputError, match="different bases: .* declares .*, .*other declares Qwen/Qwen2.5-7B"):
         merge_adapters([adapters(root, "plain")[0], other], tmp_path / "out", settings)

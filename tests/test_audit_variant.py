@@ -71,7 +71,9 @@ def merge_adapters_does(adapter, tmp_path) -> str:
     for combination in ("cat", "svd"):
         out = tmp_path / f"mixed-{combination}"
         try:
-            merge_adapters([adapter, copy], out, AdapterMergeSettings(combination, (0.5, 0.5)), force=True)
+            merge_adapters(
+                [adapter, copy], out, AdapterMergeSettings(combination=combination, weights=(0.5, 0.5)), force=True
+            )
         except InputError as error:
             assert re.search("is a DoRA adapter|holds full tensors", str(error)), error
             assert not out.exists()

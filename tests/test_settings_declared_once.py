@@ -13,12 +13,13 @@ from mergekit_lite.cli.audit import audit_adapters
 from mergekit_lite.cli.drift import drift
 from mergekit_lite.cli.extract import extract
 from mergekit_lite.cli.forgetting import forgetting
+from mergekit_lite.cli.merge_adapters import merge_adapters
 from mergekit_lite.cli.mergekit_flags import OPTIONS as MERGEKIT_OPTIONS
 from mergekit_lite.cli.options import command_line_fields, flag_names, settings_options
 from mergekit_lite.cli.sweep import sweep
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.settings import DriftSettings, ForgettingSettings, MatrixSettings
-from mergekit_lite.merge.extract_settings import ExtractSettings
+from mergekit_lite.merge.lora_settings import AdapterMergeSettings, ExtractSettings
 from mergekit_lite.settings import Settings, setting
 from mergekit_lite.sweep.settings import SweepFile
 
@@ -32,6 +33,11 @@ COMMANDS = {
         | {"allow_pickle", "require_verified", "as_json", "as_csv", "verbose", "quiet"},
     ),
     "drift": (drift, [DriftSettings], {"pre", "post", "texts", "heatmap_out", "html_out", "as_json", "quiet"}),
+    "merge-adapters": (
+        merge_adapters,
+        [AdapterMergeSettings],
+        {"adapters", "base", "out", "force", "require_verified", "allow_pickle", "overwrite", "quiet"},
+    ),
     "forgetting": (
         forgetting,
         [ForgettingSettings, MatrixSettings],
@@ -68,8 +74,9 @@ def test_options_carry_the_fields_help_default_and_names(name):
         option = by_name[field_name]
         assert option.help == field.description
         assert option.opts[0] == flag_names(field_name, field)[0]
+        assert option.required == field.is_required(), field_name
         default = option.default if not option.multiple else tuple(option.default or ())
-        assert default == field.default, field_name
+        assert field.is_required() or default == field.default, field_name
 
 
 def test_every_sweep_option_is_a_field_of_the_file_model_or_the_commands_own():

@@ -30,31 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_lite.errors import InputError
-from mergekit_lite.merge.adapter_combinations import COMBINATIONS
+from mergekit_lite.merge.adapter_combinations import RULES
 from mergekit_lite.merge.extract import low_rank_factors
 
 EXACT = ("cat",)
-
-
-def is_svd(kind: str) -> bool:
-    """The types that factor a dense combined update at rank K."""
-    return kind.endswith("svd")
-
-
-def dense_rule(kind: str) -> str:
-    """The combination rule of a type without its `_svd` suffix (`svd` itself: linear)."""
-    return "linear" if kind == "svd" else kind.removesuffix("_svd")
-
-
-# each rule (a type without `_svd`): (its sparsifier, whether it elects signs), after PEFT's merge_utils
-RULES = {
-    "linear": (None, False),
-    "ties": ("magnitude", True),
-    "magnitude_prune": ("magnitude", False),
-    "dare_linear": ("random", False),
-    "dare_ties": ("random", True),
-}
-SPARSIFIED = tuple(kind for kind in COMBINATIONS if kind != "cat" and RULES[dense_rule(kind)][0])
 
 
 def generator_for(seed: int, module: str, index: int, part: str) -> torch.Generator:

@@ -20,36 +20,9 @@ from mergekit_lite.io.model_card import ModelCard, input_name, write_card
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder
 from mergekit_lite.io.sources import TensorSource
 from mergekit_lite.merge import adapter_merge as math_
+from mergekit_lite.merge.adapter_combinations import dense_rule, is_svd
 from mergekit_lite.merge.extract import ADAPTER_CONFIG, ADAPTER_FILE, peft_target_names
-
-
-@dataclass(frozen=True)
-class AdapterMergeSettings:
-    """What `merge-adapters` combines and how: PEFT's combination type, the output rank of the SVD types (None:
-    the largest input rank, PEFT's default), the sparsifiers' density, DARE's seed, the SVDs' device."""
-
-    combination: str
-    weights: tuple[float, ...]
-    rank: int | None = None
-    density: float | None = None
-    seed: int = 0
-    device: str = "cpu"
-
-    def check(self, count: int) -> None:
-        """Refuse settings that do not fit the type or the number of adapters, in one line."""
-        if self.combination not in math_.COMBINATIONS:
-            raise InputError(f"--combination {self.combination}: not one of {', '.join(math_.COMBINATIONS)}")
-        if len(self.weights) != count:
-            raise InputError(f"{len(self.weights)} weights for {count} adapters; give one weight per adapter")
-        if self.rank is not None and (not math_.is_svd(self.combination) or self.rank < 1):
-            raise InputError(
-                f"--rank is the output rank of the svd types, at least 1 (got {self.rank} for {self.combination})"
-            )
-        sparsified = self.combination in math_.SPARSIFIED
-        if sparsified and (self.density is None or not 0 < self.density <= 1):
-            raise InputError(f"--combination {self.combination} needs --density in (0, 1] (the share of entries kept)")
-        if not sparsified and self.density is not None:
-            raise InputError(f"--density applies to {', '.join(math_.SPARSIFIED)}, not {self.combination}")
+from mergekit_lite.merge.lora_settings import AdapterMergeSettings
 
 
 @dataclass(frozen=True)
@@ -82,7 +55,7 @@ def _check_inputs(adapters: Sequence[LoraAdapter], settings: AdapterMergeSetting
                 "`mergekit-lite merge` instead"
             )
         dora = [name for name in adapter.weight_targets() if adapter.is_dora(name)]
-        if dora and not math_.is_svd(settings.combination):
+        if dora and not is_svd(settings.combination):
             raise InputError(
                 f"{adapter.path} is a DoRA adapter: its update m*(W+sBA)/||W+sBA|| - W is no sum of LoRA factors, so "
                 f"--combination {settings.combination} cannot hold it; use an svd type (svd, ties_svd, ...), which "
@@ -117,8 +90,8 @@ def _merged_factors(
     kind, density = settings.combination, settings.density or 1.0
     if kind == "cat":
         return math_.concatenated(inputs)
-    if math_.is_svd(kind):
-        return math_.svd_combined(math_.dense_rule(kind), inputs, density, settings.seed, name, rank, settings.device)
+    if is_svd(kind):
+        return math_.svd_combined(dense_rule(kind), inputs, density, settings.seed, name, rank, settings.device)
     return math_.factor_combined(kind, inputs, density, settings.seed, name)
 
 
@@ -158,7 +131,7 @@ def merge_adapters(
         truth = math_.dense_truth(module_inputs)
         error += float((b @ a - truth).square().sum())
         truth_norm += float(truth.square().sum())
-        if math_.is_svd(settings.combination):
+        if is_svd(settings.combination):
             floor += math_.best_rank_error(truth, a.shape[0], settings.device)
         module = name.removesuffix(".weight")
         owner = next(adapter for adapter in adapters if name in adapter.weight_targets())
@@ -201,7 +174,7 @@ def merge_adapters(
         len(ranks),
         top,
         (error / truth_norm) ** 0.5 if truth_norm else 0.0,
-        (floor / truth_norm) ** 0.5 if math_.is_svd(settings.combination) and truth_norm else None,
+        (floor / truth_norm) ** 0.5 if is_svd(settings.combination) and truth_norm else None,
         [str(adapter.path) for adapter in adapters if any(map(adapter.is_dora, adapter.weight_targets()))],
     )
     with atomic_output_dir(out, overwrite=overwrite, inputs=[*inputs, base.path]) as folder:

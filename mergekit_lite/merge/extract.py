@@ -26,7 +26,7 @@ from mergekit_lite.io.model_card import ModelCard, input_name, licenses_of, writ
 from mergekit_lite.io.outputs import atomic_output_dir, check_output_folder
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, open_inputs
-from mergekit_lite.merge.extract_settings import ExtractSettings
+from mergekit_lite.merge.lora_settings import ExtractSettings
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
