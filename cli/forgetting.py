@@ -148,6 +148,39 @@ def forgetting(inputs, settings, matrix, samples_out, replay_out, heatmap_out, h
         raise InputError(
             "forgetting needs at least two lm-eval outputs: PRE POST, or the checkpoints of a run in order"
         )
+    parsed_groups, parsed_alerts = checked_groups_and_alerts(settings, inputs, replay_out)
+    outputs = check_outputs(
+        {"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out, "--html": html_out},
+        [*inputs, *([settings.realigned] if settings.realigned else [])],
+        overwrite,
+    )
+    scoring = Scoring.from_specs(settings.metrics, settings.filters, settings.choices)
+    runs = [load_lm_eval_run(path, scoring) for path in inputs]
+    tied = [run_ties(path) for path in inputs]  # docs whose answer is lm-eval's order, not the model's choice
+    series = trajectory(runs, inputs)
+    group_rows = grouped_rows(series, runs, parsed_groups, settings)  # an error is one line, before any warning
+    split = realigned_split(series, settings.realigned, scoring, group_rows[0]) if settings.realigned else None
+    warn_skipped_and_tied(series, inputs, tied)
+    crossed = crossings(parsed_alerts, group_rows, inputs)
+    if len(inputs) == 2:
+        render_two_models(series, group_rows[0], as_json, split, tied)
+    else:
+        render_trajectory(series, group_rows, crossed, as_json)
+    replay_format = settings.replay_format or REPLAY_FORMATS[0]
+    write_outputs(outputs, series, group_rows, replay_format, split, settings.replay_spurious, overwrite, crossed)
+    for alert in crossed:
+        click.echo(
+            f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
+            f"{alert['value']:.3f} crosses {alert['alert']}",
+            err=True,
+        )
+    if crossed:
+        raise click.exceptions.Exit(3)
+
+
+def checked_groups_and_alerts(settings: ForgettingSettings, inputs: Sequence[str], replay_out) -> tuple[list, list]:
+    """The --group and --alert specs parsed, and the options that only go together checked, before any file is
+    read."""
     parsed_groups = [parse_group(spec) for spec in settings.groups]
     names = [name for name, _ in parsed_groups]
     if len(set(names)) != len(names):
@@ -160,18 +193,14 @@ def forgetting(inputs, settings, matrix, samples_out, replay_out, heatmap_out, h
     check_realigned_options(settings.realigned, settings.replay_spurious, inputs)
     if settings.replay_format is not None and not replay_out:
         raise InputError("--replay-format shapes --replay's file: give --replay FILE.jsonl")
-    outputs = check_outputs(
-        {"--samples": samples_out, "--replay": replay_out, "--heatmap": heatmap_out, "--html": html_out},
-        [*inputs, *([settings.realigned] if settings.realigned else [])],
-        overwrite,
-    )
-    scoring = Scoring.from_specs(settings.metrics, settings.filters, settings.choices)
-    runs = [load_lm_eval_run(path, scoring) for path in inputs]
-    tied = [run_ties(path) for path in inputs]  # docs whose answer is lm-eval's order, not the model's choice
-    series = trajectory(runs, inputs)
-    two_models = len(inputs) == 2
-    group_rows = []
-    for position, result in enumerate(series.maps, start=1):  # an error is one line, before any warning
+    return parsed_groups, parsed_alerts
+
+
+def grouped_rows(series: Trajectory, runs, parsed_groups, settings: ForgettingSettings) -> list[list]:
+    """Per compared checkpoint, the --group rows (and --overall's): a group names tasks, patterns or lm-eval groups
+    of either run; a checkpoint sharing no task with the first is an error."""
+    inputs, group_rows = series.labels, []
+    for position, result in enumerate(series.maps, start=1):
         if not result.rows:
             raise InputError(
                 f"no task could be compared between {inputs[0]} and {inputs[position]}: "
@@ -187,40 +216,19 @@ def forgetting(inputs, settings, matrix, samples_out, replay_out, heatmap_out, h
             [result.group(name, tasks, settings.aggregation) for name, tasks in members]
             + ([result.overall(members, settings.aggregation)] if settings.overall else [])
         )
-    split = (
-        realigned_split(series, settings.realigned, scoring, group_rows[0]) if settings.realigned else None
-    )  # errors first
+    return group_rows
+
+
+def warn_skipped_and_tied(series: Trajectory, inputs: Sequence[str], tied) -> None:
+    """A warning per skipped task (or skipped seeds of a task) and per model whose answers are lm-eval's order."""
     for position, result in enumerate(series.maps, start=1):
-        where = "" if two_models else f"checkpoint {position} ({inputs[position]}): "
+        where = "" if len(inputs) == 2 else f"checkpoint {position} ({inputs[position]}): "
         for task, reason in result.skipped.items():
             what = "has seeds skipped" if task in result.rows else "skipped"  # its other seeds still make its row
             click.echo(f"warning: {where}task {task!r} {what}: {reason}", err=True)
     for label, ties in zip(inputs, tied, strict=True):
         if ties.tasks:
             click.echo(f"warning: tied answers (argmax takes the first option): {ties.text(label)}", err=True)
-    crossed = crossings(parsed_alerts, group_rows, inputs)
-    if two_models:
-        render_two_models(series, group_rows[0], as_json, split, tied)
-    else:
-        render_trajectory(series, group_rows, crossed, as_json)
-    write_outputs(
-        outputs,
-        series,
-        group_rows,
-        settings.replay_format or REPLAY_FORMATS[0],
-        split,
-        settings.replay_spurious,
-        overwrite,
-        crossed,
-    )
-    for alert in crossed:
-        click.echo(
-            f"alert: checkpoint {alert['checkpoint']} ({alert['path']}): {alert['group']} {alert['metric']} = "
-            f"{alert['value']:.3f} crosses {alert['alert']}",
-            err=True,
-        )
-    if crossed:
-        raise click.exceptions.Exit(3)
 
 
 def check_outputs(outputs: dict, inputs: Sequence[str], overwrite: bool = False) -> dict:
