@@ -270,7 +270,7 @@ def extract_lora(
     ships the base's fingerprint this way: mergekit_lite.audited.extract_lora).
     """
     chosen = ExtractSettings.of(settings, **options)
-    rank, include, exclude, save_modules = chosen.rank, chosen.include, chosen.exclude, chosen.save_modules
+    rank, include, exclude = chosen.rank, chosen.include, chosen.exclude
     settings = FactorSettings(rank, chosen.sv_epsilon, chosen.distribute_scale, device)
     base_dir, tuned_dir = resolve_model(str(base_dir)), resolve_model(str(tuned_dir))
     inputs = [base_dir, tuned_dir]
@@ -280,44 +280,7 @@ def extract_lora(
     base, tuned = open_inputs(inputs, base_dir, allow_pickle=False)
     with closing(base), closing(tuned):  # the shards are closed when the adapter is written, or on an error
         kinds = module_kinds(Path(tuned_dir), set(tuned.names), include, exclude)
-        forced = [module for module in kinds.linear + kinds.full_rank if _named(module, save_modules)]
-        unknown = [name for name in save_modules if not any(_named(module, (name,)) for module in forced)]
-        if unknown:
-            raise InputError(f"--save-module {unknown[0]}: no module of {tuned_dir} has that name")
-        embedding_lora = [
-            module for module in kinds.embeddings + kinds.heads if chosen.embed_lora and module not in forced
-        ]
-        linear = [
-            module
-            for module in kinds.linear + kinds.heads
-            if module not in forced and (module not in kinds.heads or module in embedding_lora)
-        ]
-        changed_bias = [module for module in linear if _changed(base, tuned, f"{module}.bias")]
-        lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in linear)
-        whole = [] if lora_bias else changed_bias
-        factored = [module for module in linear if module not in whole] + [
-            module for module in embedding_lora if module in kinds.embeddings
-        ]
-        if not factored:
-            raise InputError(f"{tuned_dir}: no linear layers to extract (check --include/--exclude)")
-        candidates = [
-            module
-            for module in kinds.full_rank
-            if module not in forced + embedding_lora
-            and any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))
-        ] + whole
-        undecomposable = (
-            []
-            if not chosen.skip_undecomposable
-            else [module for module in candidates if module not in kinds.embeddings + kinds.heads + whole]
-        )
-        saved, dropped = (
-            ([], candidates)
-            if chosen.linear_only
-            else ([module for module in candidates if module not in undecomposable], undecomposable)
-        )
-        saved = forced + saved
-
+        factored, saved, dropped, lora_bias = _chosen_modules(base, tuned, kinds, chosen, tuned_dir)
         ranks = _ranks(base, tuned, factored, set(kinds.embeddings), settings)
         dropped += [module for module in factored if module not in ranks]
         if not ranks:
@@ -325,26 +288,20 @@ def extract_lora(
                 f"{tuned_dir}: no singular value above --sv-epsilon {chosen.sv_epsilon}: nothing to extract"
             )
         tensors = _adapter_tensors(base, tuned, ranks, lora_bias, saved, set(kinds.embeddings), settings)
-
-        top_rank = max(ranks.values())
-        smaller = {module: r for module, r in ranks.items() if r != top_rank}
-        all_modules = {name.rsplit(".", 1)[0] for name in tuned.names}
-        config = {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "r": top_rank,
-            "lora_alpha": top_rank,
-            "rank_pattern": smaller,
-            "alpha_pattern": smaller,
-            "target_modules": peft_target_names(list(ranks), all_modules),
-            "lora_dropout": 0.0,
-            "bias": "none",
-            "lora_bias": lora_bias,
-            "fan_in_fan_out": False,
-            "use_rslora": False,
-            "modules_to_save": saved or None,
-            "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir),
-        }
+        config = _peft_config(ranks, lora_bias, saved, {name.rsplit(".", 1)[0] for name in tuned.names}, base_dir)
+        card = ModelCard(
+            bases=[input_name(base_dir)],
+            relation="adapter",
+            method="extract (truncated SVD)",
+            parameters={
+                "model": input_name(tuned_dir),
+                "rank": rank,
+                "include": list(include),
+                "exclude": list(exclude),
+                "linear_only": chosen.linear_only,
+            },
+            licenses=licenses_of([base_dir, tuned_dir]),
+        )
         with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as folder:
             with ShardedWriter(folder, [planned for planned, _ in tensors], max_shard_bytes=2**63) as writer:
                 for planned, make in tensors:
@@ -352,24 +309,73 @@ def extract_lora(
                 writer.close()
             (Path(folder) / SINGLE_FILE).rename(Path(folder) / ADAPTER_FILE)
             (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            parameters = {
-                "model": input_name(tuned_dir),
-                "rank": rank,
-                "include": list(include),
-                "exclude": list(exclude),
-                "linear_only": chosen.linear_only,
-            }
             if model_card:
-                write_card(
-                    folder,
-                    ModelCard(
-                        bases=[input_name(base_dir)],
-                        relation="adapter",
-                        method="extract (truncated SVD)",
-                        parameters=parameters,
-                        licenses=licenses_of([base_dir, tuned_dir]),
-                    ),
-                )
+                write_card(folder, card)
             if side_files is not None:
                 side_files(Path(folder), base_dir)
         return Extraction(list(ranks), saved, dropped)
+
+
+def _chosen_modules(base, tuned, kinds, chosen: ExtractSettings, tuned_dir: str) -> tuple[list, list, list, bool]:
+    """Which modules are factored, stored whole (modules_to_save) and left out, and whether changed biases ride as
+    PEFT's lora_bias: --save-module first, then the linear layers (and with --embed-lora embeddings and head), then
+    the changed modules a low-rank update cannot express."""
+    forced = [module for module in kinds.linear + kinds.full_rank if _named(module, chosen.save_modules)]
+    unknown = [name for name in chosen.save_modules if not any(_named(module, (name,)) for module in forced)]
+    if unknown:
+        raise InputError(f"--save-module {unknown[0]}: no module of {tuned_dir} has that name")
+    embedding_lora = [module for module in kinds.embeddings + kinds.heads if chosen.embed_lora and module not in forced]
+    linear = [
+        module
+        for module in kinds.linear + kinds.heads
+        if module not in forced and (module not in kinds.heads or module in embedding_lora)
+    ]
+    changed_bias = [module for module in linear if _changed(base, tuned, f"{module}.bias")]
+    lora_bias = bool(changed_bias) and all(f"{module}.bias" in tuned.names for module in linear)
+    whole = [] if lora_bias else changed_bias
+    factored = [module for module in linear if module not in whole] + [
+        module for module in embedding_lora if module in kinds.embeddings
+    ]
+    if not factored:
+        raise InputError(f"{tuned_dir}: no linear layers to extract (check --include/--exclude)")
+    candidates = [
+        module
+        for module in kinds.full_rank
+        if module not in forced + embedding_lora
+        and any(_changed(base, tuned, f"{module}.{part}") for part in ("weight", "bias"))
+    ] + whole
+    undecomposable = (
+        []
+        if not chosen.skip_undecomposable
+        else [module for module in candidates if module not in kinds.embeddings + kinds.heads + whole]
+    )
+    if chosen.linear_only:
+        return factored, forced, candidates, lora_bias
+    return (
+        factored,
+        forced + [module for module in candidates if module not in undecomposable],
+        undecomposable,
+        lora_bias,
+    )
+
+
+def _peft_config(ranks: dict[str, int], lora_bias: bool, saved: list[str], all_modules: set[str], base_dir) -> dict:
+    """adapter_config.json at scaling 1 (lora_alpha = r, per module in the patterns), as PEFT loads it."""
+    top_rank = max(ranks.values())
+    smaller = {module: r for module, r in ranks.items() if r != top_rank}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": top_rank,
+        "lora_alpha": top_rank,
+        "rank_pattern": smaller,
+        "alpha_pattern": smaller,
+        "target_modules": peft_target_names(list(ranks), all_modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "lora_bias": lora_bias,
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "modules_to_save": saved or None,
+        "base_model_name_or_path": hub_id_of(base_dir) or str(base_dir),
+    }
