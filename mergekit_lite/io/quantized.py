@@ -57,6 +57,7 @@ class Packed:
     scales: str
     shape: tuple[int, ...]
     block: tuple[int, int] | None  # rows x columns sharing one scale; None for MXFP4 (32 along a row)
+    grid: tuple[int, ...] = ()  # the scales' shape as the blocks lie ([..., row blocks, column blocks])
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class QuantizedSource:
         codes, scales = self.source.load(item.codes, into), self.source.load(item.scales)
         if item.block is None:
             return mxfp4_dense(codes, scales)
-        return scaled_dense(codes.to(torch.float32), scale_values(scales), item.block)
+        return scaled_dense(codes.to(torch.float32), scale_values(scales).reshape(item.grid), item.block)
 
     def close(self) -> None:
         self.source.close()
@@ -309,7 +310,7 @@ def _scaled(source: ModelSource, name: str, scale: str, configured: tuple[int, i
         raise InputError(f"{source.path}: quantized tensor {name} has shape {list(shape)}; expected a matrix")
     rows, cols = shape[-2:]
     if math.prod(grid) == 1:
-        return Packed(name, scale, shape, (rows, cols))
+        return Packed(name, scale, shape, (rows, cols), (1,) * len(shape))
     grid_rows, grid_cols = (grid[-2], grid[-1]) if len(grid) >= 2 else (grid[0], 1)
     block = configured or (math.ceil(rows / grid_rows), math.ceil(cols / grid_cols))
     expected = (*shape[:-2], math.ceil(rows / block[0]), math.ceil(cols / block[1]))
@@ -318,7 +319,7 @@ def _scaled(source: ModelSource, name: str, scale: str, configured: tuple[int, i
             f"{source.path}: scales {scale} have shape {list(grid)}; {block[0]}x{block[1]} blocks of {name} "
             f"{list(shape)} need {list(expected)}"
         )
-    return Packed(name, scale, shape, block)
+    return Packed(name, scale, shape, block, expected)
 
 
 def _mxfp4(source: ModelSource, blocks: str, scales: str) -> Packed:

@@ -30,6 +30,7 @@ from mergekit_lite.io.outputs import (
     copy_side_files,
     keep_post_trained_files,
 )
+from mergekit_lite.io.quantized import quantized_inputs
 from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource, adapter_of
 from mergekit_lite.merge import slabs
@@ -382,7 +383,7 @@ def run_merge(
             writer.close()
         _write_side_files(plan, folder, copy_tokenizer)
         if model_card:
-            write_card(folder, merge_card(config, reports, card_sections))
+            write_card(folder, merge_card(config, reports, [*card_sections, *dequantized_section(plan)]))
         files = sorted(p.name for p in folder.iterdir())
     return MergeResult(Path(out), plan, time.perf_counter() - started, files)
 
@@ -457,6 +458,31 @@ def _audit_notes(reports: list) -> list[str]:
     ]
 
 
+def written_dtype(plan: MergePlan) -> str | None:
+    """The dtype every floating tensor of the output is written in, for its config.json; None where they differ."""
+    dtypes = {step.out_dtype for step in plan.steps if step.out_dtype.is_floating_point}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
+
+
+def dequantized_section(plan: MergePlan) -> list[tuple[str, str]]:
+    """The model card's word on quantized inputs: which were read dequantized, from what, and what was written."""
+    quantized = quantized_inputs(plan.sources)
+    if not quantized:
+        return []
+    written = written_dtype(plan) or "the dtypes of the inputs"
+    lines = [f"- `{input_name(source.path)}`: {source.describe()}" for source in quantized]
+    text = "\n".join(
+        [
+            "These inputs are quantized; their weights were dequantized to float32 before the merge, so the "
+            f"merge is of weights, not of codes and scales. The output is dense ({written}), with no "
+            "`quantization_config`.",
+            "",
+            *lines,
+        ]
+    )
+    return [("Dequantized inputs", text)]
+
+
 def _restack_layers(model_config: dict, plan: MergePlan) -> None:
     """The output's layer count, and per-layer lists (Qwen2/Gemma's layer_types) taken from each layer's source."""
     model_config["num_hidden_layers"] = plan.n_layers
@@ -469,7 +495,8 @@ def _restack_layers(model_config: dict, plan: MergePlan) -> None:
 def _write_side_files(plan: MergePlan, folder: Path, copy_tokenizer: bool = True) -> None:
     """config, tokenizer and generation files from --copy-files-from, by default from the base (or the
     first input), plus the chat template and generation config of a post-trained input when the base has
-    none (a note says so)."""
+    none (a note says so). The weights written are dense, so a donor's quantization_config is dropped and its
+    dtype set to the one written."""
     config = plan.config
     donor = config.copy_files_from or config.base or config.inputs[0]
     if donor == "base":
@@ -483,11 +510,14 @@ def _write_side_files(plan: MergePlan, folder: Path, copy_tokenizer: bool = True
         plan.notes.extend(keep_post_trained_files(Path(donor), others, folder))
     config_file = folder / "config.json"
     own_head = any(isinstance(source, UntiedHeadSource) for source in plan.sources)
-    if config_file.is_file() and (config.dtype or own_head or plan.layer_origins is not None):
-        model_config = json.loads(config_file.read_text())
-        if config.dtype:
+    model_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    quantized = "quantization_config" in model_config
+    if config_file.is_file() and (config.dtype or own_head or plan.layer_origins is not None or quantized):
+        written = config.dtype or (written_dtype(plan) if quantized else None)
+        if written:
             key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
-            model_config[key] = config.dtype
+            model_config[key] = written
+        model_config.pop("quantization_config", None)  # the weights written are dense (io/quantized.py)
         if own_head:
             model_config["tie_word_embeddings"] = False  # an adapter's own head (modules_to_save) on a tied base
         if plan.layer_origins is not None:
