@@ -242,11 +242,20 @@ def _compressed_tensors(source: ModelSource, settings: dict) -> Quantization:
 def _from_layout(source: ModelSource) -> Quantization | None:
     """A checkpoint without quantization_config is still quantized when its tensors say so."""
     names = set(source.names)
-    if any(name.endswith(".weight_scale_inv") for name in names):
+
+    def float8(name: str) -> bool:
+        return name in names and source.dtype(name) in FLOAT8
+
+    def uint8(name: str) -> bool:
+        return name in names and source.dtype(name) == torch.uint8
+
+    if any(name.endswith(".weight_scale_inv") and float8(name.removesuffix("_scale_inv")) for name in names):
         return Quantization("fp8", f"fp8 ({FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks, from the tensor layout)", FP8_BLOCK)
-    if any(name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in names for name in names):
+    if any(
+        name.endswith("_blocks") and uint8(name) and uint8(name.removesuffix("_blocks") + "_scales") for name in names
+    ):
         return Quantization("mxfp4", "mxfp4 (from the tensor layout)")
-    if any(name.endswith(".weight_scale") and name.removesuffix("_scale") in names for name in names):
+    if any(name.endswith(".weight_scale") and float8(name.removesuffix("_scale")) for name in names):
         return Quantization("compressed-tensors", "compressed-tensors FP8 (from the tensor layout)")
     if any(name.endswith((".qweight", ".qzeros")) for name in names):
         raise _unsupported(source, "gptq or awq (packed qweight/qzeros tensors)")
@@ -339,9 +348,16 @@ def _mxfp4(source: ModelSource, blocks: str, scales: str) -> Packed:
 # --- opening -------------------------------------------------------------------------------------------------
 
 
-def dequantized(source: ModelSource) -> ModelSource | QuantizedSource:
-    """`source` as its dense model: a QuantizedSource where it is quantized, else itself."""
-    quantization = quantization_of(source)
+def dequantized(source: ModelSource, refuse_unread: bool = True) -> ModelSource | QuantizedSource:
+    """`source` as its dense model: a QuantizedSource where it is quantized, else itself. A scheme this module does
+    not read is refused, or with `refuse_unread` False the source is given as stored (for a caller that reports
+    such a model itself: the adapter audit's verdict on a quantised base)."""
+    try:
+        quantization = quantization_of(source)
+    except InputError:
+        if refuse_unread:
+            raise
+        return source
     if quantization is None:
         return source
     packed, hidden = packed_tensors(source, quantization)
@@ -350,10 +366,10 @@ def dequantized(source: ModelSource) -> ModelSource | QuantizedSource:
     return QuantizedSource(source, quantization, packed, hidden)
 
 
-def open_dense(path, allow_pickle: bool = False) -> ModelSource | QuantizedSource:
+def open_dense(path, allow_pickle: bool = False, refuse_unread: bool = True) -> ModelSource | QuantizedSource:
     """A model folder or safetensors file opened as its dense model (see `dequantized`); GGUF files refused."""
     _refuse_gguf(Path(path))
-    return dequantized(open_model(path, allow_pickle=allow_pickle))
+    return dequantized(open_model(path, allow_pickle=allow_pickle), refuse_unread)
 
 
 def _refuse_gguf(path: Path) -> None:
