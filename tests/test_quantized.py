@@ -449,3 +449,58 @@ def test_gguf_is_refused_naming_it(tmp_path):
         )
         one_error_line(result, 2, "quantized with gguf")
         assert not (tmp_path / "out").exists()
+
+
+# --- re-quantized output -------------------------------------------------------------------------------------
+
+
+def test_out_quant_fp8_block_writes_the_merge_in_the_inputs_scheme(tmp_path):
+    import transformers
+    from transformers import FineGrainedFP8Config
+
+    pre_state, config = tiny_checkpoint("qwen3", tmp_path / "pre-dense")
+    post_state, _ = tiny_checkpoint("qwen3", tmp_path / "post-dense", shift=0.02, seed=1)
+    pre, _ = save_fp8(pre_state, config, tmp_path / "pre", (8, 8))
+    post, _ = save_fp8(post_state, config, tmp_path / "post", (8, 8))
+    flags = ["--base", pre, "--model", post, "--method", "linear", "--alpha", "0.5"]
+    assert cli("merge", *flags, "--out", tmp_path / "dense").returncode == 0
+    result = cli("merge", *flags, "--out-quant", "fp8-block", "--out", tmp_path / "fp8")
+    assert result.returncode == 0, result.stderr
+    written = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert written["quantization_config"] == fp8_config((8, 8)) and written["dtype"] == "bfloat16"
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    merged = load_file(tmp_path / "dense" / "model.safetensors")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    ours = read_all(tmp_path / "fp8")
+    assert set(ours) == set(merged) == set(loaded)
+    requantized = [name for name in merged if name + "_scale_inv" in stored]
+    assert len(requantized) == 14 and all(stored[name].dtype == torch.float8_e4m3fn for name in requantized)
+    for name, tensor in merged.items():
+        assert torch.equal(ours[name].float(), loaded[name]), name
+        if name not in requantized:
+            assert torch.equal(ours[name], tensor), name
+            continue
+        # within e4m3's rounding: half a unit in the last of its 3 mantissa bits, or a subnormal step of the scale
+        scale = stored[name + "_scale_inv"].repeat_interleave(8, 0).repeat_interleave(8, 1)
+        bound = tensor.float().abs() / 16 + scale * 2.0**-10
+        assert ((ours[name] - tensor.float()).abs() <= bound).all(), name
+    # an input of another scheme, or a dense pair: nothing to re-quantize to
+    refused = cli(
+        "merge",
+        "--base",
+        tmp_path / "pre-dense",
+        "--model",
+        tmp_path / "post-dense",
+        "--method",
+        "linear",
+        "--alpha",
+        "0.5",
+        "--out-quant",
+        "fp8-block",
+        "--out",
+        tmp_path / "none",
+    )
+    one_error_line(refused, 2, "no input is one")
+    assert not (tmp_path / "none").exists()
