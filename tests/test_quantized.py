@@ -504,3 +504,39 @@ def test_out_quant_fp8_block_writes_the_merge_in_the_inputs_scheme(tmp_path):
     )
     one_error_line(refused, 2, "no input is one")
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_over_a_quantized_post_scores_as_over_its_dense_checkpoint(toy_pair, tmp_path):
+    """The sweep's merges and its post read the FP8 post dequantized: every point scores as with the float32
+    checkpoint of the same weights."""
+    import shutil
+
+    from mergekit_lite.sweep import SweepSettings, run_sweep
+
+    post_dir = Path(toy_pair.post_dir)
+    state = {name: t for shard in sorted(post_dir.glob("*.safetensors")) for name, t in load_file(shard).items()}
+    config = json.loads((post_dir / "config.json").read_text())
+    fp8, dense = save_fp8(state, config, tmp_path / "post-fp8", (16, 16))
+    dense_dir = dense_of(dense, config, tmp_path / "post-dense", torch.float32)
+    for folder in (fp8, dense_dir):
+        for item in post_dir.iterdir():
+            if not item.name.endswith(".safetensors") and item.name not in ("config.json", "README.md"):
+                if item.name != "model.safetensors.index.json" and item.is_file():
+                    shutil.copy(item, folder / item.name)
+    scores = []
+    for post in (fp8, dense_dir):
+        settings = SweepSettings(
+            str(toy_pair.pre_dir),
+            str(post),
+            "linear",
+            [0.5],
+            toy_pair.old_tasks,
+            toy_pair.new_tasks,
+            str(toy_pair.task_dir),
+            str(tmp_path / f"sweep-{post.name}"),
+            limit=8,
+        )
+        result = run_sweep(settings)
+        scores.append([(point.old, point.new) for point in (result.pre, result.post, *result.points)])
+    assert scores[0] == scores[1]
