@@ -540,3 +540,20 @@ def test_a_sweep_over_a_quantized_post_scores_as_over_its_dense_checkpoint(toy_p
         result = run_sweep(settings)
         scores.append([(point.old, point.new) for point in (result.pre, result.post, *result.points)])
     assert scores[0] == scores[1]
+
+
+def test_extract_reads_a_quantized_fine_tune(tmp_path):
+    """The adapter extracted from an FP8 fine-tune is the one extracted from its dense bf16 checkpoint (power-of-two
+    scales: the same weights exactly)."""
+    base_state, config = tiny_checkpoint("llama", tmp_path / "base")
+    tuned_state, _ = tiny_checkpoint("llama", tmp_path / "tuned-f32", shift=0.02, seed=1)
+    tuned, tuned_dense = save_fp8(tuned_state, config, tmp_path / "tuned", (16, 16), power_of_two=True)
+    dense = dense_of(tuned_dense, config, tmp_path / "tuned-dense", torch.bfloat16)
+    adapters = []
+    for model in (tuned, dense):
+        out = tmp_path / f"adapter-{model.name}"
+        result = cli("extract", "--base", tmp_path / "base", "--model", model, "--rank", "4", "--out", out, "-q")
+        assert result.returncode == 0, result.stderr
+        adapters.append(load_file(out / "adapter_model.safetensors"))
+    assert set(adapters[0]) == set(adapters[1])
+    assert all(torch.equal(adapters[0][name], adapters[1][name]) for name in adapters[0])
