@@ -173,26 +173,39 @@ def test_fp8_layout_without_a_quantization_config(tmp_path):
 # --- compressed-tensors --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "channel"])
-def test_compressed_tensors_fp8_reads_as_the_package_decompresses_it(tmp_path, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "scale_dtype"),
+    [("tensor", torch.float32), ("channel", torch.float32), ("channel", torch.bfloat16), ("block", torch.float32)],
+)
+def test_compressed_tensors_fp8_reads_as_the_package_decompresses_it(tmp_path, strategy, scale_dtype):
+    """The package decompresses in the scale's dtype: with bf16 scales (llm-compressor's usual) its bf16 weights
+    are ours rounded to bf16 (our float32 product is exact: 4 and 8 significant bits)."""
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     state, config = tiny_checkpoint("qwen3", tmp_path / "dense")
     weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+    if strategy == "block":  # blocks of 12: the last ones of a 16 or 32 wide dimension are partial
+        weights["block_structure"] = [12, 12]
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
     stored, expected = {}, {}
     for name, tensor in state.items():
         if not is_linear_weight(name, tensor):
             stored[name] = expected[name] = tensor
             continue
-        amax = tensor.double().abs().amax() if strategy == "tensor" else tensor.double().abs().amax(1, keepdim=True)
-        scale = (amax / FP8_MAX[torch.float8_e4m3fn]).float().reshape(1 if strategy == "tensor" else (-1, 1))
+        if strategy == "block":
+            scale = quantize_blocks(tensor, (12, 12))[1].to(scale_dtype)
+        else:
+            amax = tensor.double().abs().amax() if strategy == "tensor" else tensor.double().abs().amax(1, keepdim=True)
+            scale = (
+                (amax / FP8_MAX[torch.float8_e4m3fn]).to(scale_dtype).reshape(1 if strategy == "tensor" else (-1, 1))
+            )
         compressed = FloatQuantizationCompressor.compress({"weight": tensor, "weight_scale": scale}, scheme)
         module = name.removesuffix(".weight")
         stored[name], stored[f"{module}.weight_scale"] = compressed["weight"], compressed["weight_scale"]
         stored[f"{module}.input_scale"] = torch.ones(1)  # a static activation scale: not a weight
         expected[name] = FloatQuantizationCompressor.decompress(compressed, scheme)["weight"]
+        assert expected[name].dtype == scale_dtype
     assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     settings = {
         "quant_method": "compressed-tensors",
@@ -205,15 +218,13 @@ def test_compressed_tensors_fp8_reads_as_the_package_decompresses_it(tmp_path, s
     ours = read_all(folder)
     assert set(ours) == set(state)
     for name, tensor in expected.items():
-        assert ours[name].dtype == torch.float32 or name not in state or not is_linear_weight(name, state[name])
-        assert torch.equal(ours[name], tensor.to(ours[name].dtype)), name
+        if is_linear_weight(name, state[name]):
+            assert ours[name].dtype == torch.float32
+        assert torch.equal(ours[name].to(tensor.dtype), tensor), name
 
     # a module the ignore list names must be stored dense
-    stored["lm_head.weight"], stored["lm_head.weight_scale"] = (
-        stored["model.layers.0.mlp.up_proj.weight"],
-        torch.ones(1),
-    )
     stored["lm_head.weight"] = torch.zeros(state["lm_head.weight"].shape, dtype=torch.float8_e4m3fn)
+    stored["lm_head.weight_scale"] = torch.ones(1)
     save_dense(stored, {**config, "quantization_config": settings}, tmp_path / "ignored")
     one_error_line(cli("drift", tmp_path / "dense", tmp_path / "ignored"), 2, "lm_head.weight", "ignore list")
 

@@ -249,7 +249,7 @@ def _compressed_tensors(source: ModelSource, settings: dict) -> Quantization:
             else "sparse"
         )
         raise _unsupported(source, f"compressed-tensors {kind}")
-    strategies = set()
+    strategies, blocks = set(), set()
     for group in groups.values():
         weights = (group or {}).get("weights") if isinstance(group, dict) else None
         if not weights:
@@ -261,7 +261,12 @@ def _compressed_tensors(source: ModelSource, settings: dict) -> Quantization:
         if weights.get("symmetric") is False:
             raise _unsupported(source, "compressed-tensors asymmetric FP8 (zero points)")
         strategies.add(str(weights.get("strategy", "tensor")))
-    return Quantization("compressed-tensors", f"compressed-tensors FP8 ({', '.join(sorted(strategies)) or 'tensor'})")
+        if weights.get("block_structure"):
+            blocks.add(tuple(weights["block_structure"]))
+    if len(blocks) > 1:
+        raise _unsupported(source, f"compressed-tensors FP8 in several block sizes ({sorted(blocks)})")
+    shown = ", ".join(sorted(strategies)) or "tensor"
+    return Quantization("compressed-tensors", f"compressed-tensors FP8 ({shown})", blocks.pop() if blocks else None)
 
 
 def _from_layout(source: ModelSource) -> Quantization | None:
@@ -335,8 +340,8 @@ def _ignored(source: ModelSource):
 
 def _scaled(source: ModelSource, name: str, scale: str, configured: tuple[int, int] | None) -> Packed:
     """A float8 weight and its scales: one per tensor, or a grid of blocks (per channel is a block of one row,
-    a group one of one row and group columns). The block is the configured one (fp8's weight_block_size) where
-    the grid has several blocks, else read from the grid's shape."""
+    a group one of one row and group columns). The block is the configured one (fp8's weight_block_size,
+    compressed-tensors' block_structure) where the grid has several blocks, else read from the grid's shape."""
     shape, grid = source.shape(name), source.shape(scale)
     if source.dtype(name) not in FLOAT8:
         raise InputError(f"{source.path}: tensor {name} has scales {scale} but is {source.dtype(name)}, not float8")
