@@ -568,3 +568,21 @@ def test_extract_reads_a_quantized_fine_tune(tmp_path):
         adapters.append(load_file(out / "adapter_model.safetensors"))
     assert set(adapters[0]) == set(adapters[1])
     assert all(torch.equal(adapters[0][name], adapters[1][name]) for name in adapters[0])
+
+
+def test_the_requantizer_against_the_float64_quantizer():
+    """`fp8_blocks` gives the scales of the float64 quantizer above (to float32 rounding) and codes within one
+    e4m3 step of its own, partial blocks included; scaled_dense inverts it to e4m3's rounding."""
+    from mergekit_lite.io.quantized import fp8_blocks
+
+    weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(1))
+    weight[:128, :128] = 0  # an all-zero block: scale 1
+    codes, scales = fp8_blocks(weight, (128, 128))
+    reference_codes, reference_scales = quantize_blocks(weight, (128, 128))
+    assert scales.shape == (3, 2) and scales[0, 0] == 1
+    assert torch.allclose(scales, reference_scales, rtol=1e-6, atol=0)
+    assert (codes.float() - reference_codes.float()).abs().max() <= 32  # one step at e4m3's top binade
+    assert (codes.float() == reference_codes.float()).float().mean() > 0.99
+    back = scaled_dense(codes.float(), scales, (128, 128))
+    by_entry = scales.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    assert ((back - weight).abs() <= weight.abs() / 16 + by_entry * 2.0**-10).all()

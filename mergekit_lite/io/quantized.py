@@ -175,23 +175,25 @@ def fp8_blocks(
     """A dense [..., rows, cols] tensor as block-scaled FP8, the inverse of `scaled_dense`: per block the
     scale maps its largest magnitude onto the format's largest finite value (DeepSeek-V3's weight quantizer;
     1 for an all-zero block), codes = value / scale rounded to nearest. Returns (codes, scale_inv), the scales
-    as the `weight_scale_inv` a checkpoint stores (float32, [..., ceil(rows/br), ceil(cols/bc)])."""
-    values = tensor.to(torch.float32)
-    rows, cols = values.shape[-2:]
-    block_rows, block_cols = block
-    grid = (math.ceil(rows / block_rows), math.ceil(cols / block_cols))
-    padded = torch.zeros((*values.shape[:-2], grid[0] * block_rows, grid[1] * block_cols), dtype=torch.float32)
-    padded[..., :rows, :cols] = values
-    blocks = padded.unflatten(-1, (grid[1], block_cols)).unflatten(-3, (grid[0], block_rows))
-    largest = blocks.abs().amax(dim=(-3, -1))  # [..., row blocks, column blocks]
-    scales = torch.where(largest > 0, largest / torch.finfo(dtype).max, torch.ones_like(largest))
-    by_row = scales.repeat_interleave(block_rows, dim=-2)[..., :rows, :]
-    codes = values.clone()
-    for band in range(grid[1]):
-        columns = slice(band * block_cols, min((band + 1) * block_cols, cols))
-        codes[..., columns].div_(by_row[..., band : band + 1])
+    as the `weight_scale_inv` a checkpoint stores (float32, [..., ceil(rows/br), ceil(cols/bc)]). One float32
+    copy of the tensor, worked on a column band of blocks at a time."""
+    codes = tensor.to(torch.float32, copy=True)
+    cols, (block_rows, block_cols) = codes.shape[-1], block
+    bands = [slice(start, min(start + block_cols, cols)) for start in range(0, cols, block_cols)]
+    largest = torch.stack([_row_block_max(codes[..., band], block_rows) for band in bands], dim=-1)
     limit = torch.finfo(dtype).max
+    scales = torch.where(largest > 0, largest / limit, torch.ones_like(largest))
+    by_row = scales.repeat_interleave(block_rows, dim=-2)[..., : codes.shape[-2], :]
+    for index, band in enumerate(bands):
+        codes[..., band].div_(by_row[..., index : index + 1])
     return codes.clamp_(-limit, limit).to(dtype), scales
+
+
+def _row_block_max(band: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """The largest magnitude of each block of `block_rows` rows of a column band ([..., rows, band columns])."""
+    by_row = band.abs().amax(dim=-1)
+    by_row = torch.nn.functional.pad(by_row, (0, -by_row.shape[-1] % block_rows))
+    return by_row.unflatten(-1, (-1, block_rows)).amax(dim=-1)
 
 
 # --- recognising a checkpoint --------------------------------------------------------------------------------
