@@ -128,14 +128,17 @@ def e8m0_values(exponents: torch.Tensor) -> torch.Tensor:
 def scaled_dense(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """`codes` (float32, [..., rows, cols]) times the scale of the block each entry is in, in place: block
     (i, j) holds rows [i*br, (i+1)*br) and columns [j*bc, (j+1)*bc), the last ones partial. One float32
-    product per entry (the codes are exact in float32), a column band of blocks at a time, so no scale
-    tensor of the weight's size is made."""
+    product per entry (the codes are exact in float32), the whole column blocks in one broadcast product and
+    a partial last one after it, so no scale tensor of the weight's size is made."""
     rows, cols = codes.shape[-2:]
     block_rows, block_cols = block
     by_row = scales.repeat_interleave(block_rows, dim=-2)[..., :rows, :]  # [..., rows, column blocks]
-    for band in range(by_row.shape[-1]):
-        columns = slice(band * block_cols, min((band + 1) * block_cols, cols))
-        codes[..., columns].mul_(by_row[..., band : band + 1])
+    whole = cols // block_cols
+    if whole:
+        full = codes[..., : whole * block_cols].unflatten(-1, (whole, block_cols))
+        full.mul_(by_row[..., :whole, None])
+    if cols % block_cols:
+        codes[..., whole * block_cols :].mul_(by_row[..., whole:])
     return codes
 
 
