@@ -130,16 +130,21 @@ def scaled_dense(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, in
     (i, j) holds rows [i*br, (i+1)*br) and columns [j*bc, (j+1)*bc), the last ones partial. One float32
     product per entry (the codes are exact in float32), the whole column blocks in one broadcast product and
     a partial last one after it, so no scale tensor of the weight's size is made."""
-    rows, cols = codes.shape[-2:]
+    return _by_blocks(codes, scales, block, torch.Tensor.mul_)
+
+
+def _by_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], operation) -> torch.Tensor:
+    """`operation(part, its scales)` in place over `values` ([..., rows, cols]) block by block: the whole column
+    blocks in one broadcast, a partial last one after them."""
+    rows, cols = values.shape[-2:]
     block_rows, block_cols = block
     by_row = scales.repeat_interleave(block_rows, dim=-2)[..., :rows, :]  # [..., rows, column blocks]
     whole = cols // block_cols
     if whole:
-        full = codes[..., : whole * block_cols].unflatten(-1, (whole, block_cols))
-        full.mul_(by_row[..., :whole, None])
+        operation(values[..., : whole * block_cols].unflatten(-1, (whole, block_cols)), by_row[..., :whole, None])
     if cols % block_cols:
-        codes[..., whole * block_cols :].mul_(by_row[..., whole:])
-    return codes
+        operation(values[..., whole * block_cols :], by_row[..., whole:])
+    return values
 
 
 def mxfp4_dense(blocks: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
@@ -179,16 +184,14 @@ def fp8_blocks(
     scale maps its largest magnitude onto the format's largest finite value (DeepSeek-V3's weight quantizer;
     1 for an all-zero block), codes = value / scale rounded to nearest. Returns (codes, scale_inv), the scales
     as the `weight_scale_inv` a checkpoint stores (float32, [..., ceil(rows/br), ceil(cols/bc)]). One float32
-    copy of the tensor, worked on a column band of blocks at a time."""
+    copy of the tensor; the largest magnitudes are found a column band of blocks at a time."""
     codes = tensor.to(torch.float32, copy=True)
     cols, (block_rows, block_cols) = codes.shape[-1], block
     bands = [slice(start, min(start + block_cols, cols)) for start in range(0, cols, block_cols)]
     largest = torch.stack([_row_block_max(codes[..., band], block_rows) for band in bands], dim=-1)
     limit = torch.finfo(dtype).max
     scales = torch.where(largest > 0, largest / limit, torch.ones_like(largest))
-    by_row = scales.repeat_interleave(block_rows, dim=-2)[..., : codes.shape[-2], :]
-    for index, band in enumerate(bands):
-        codes[..., band].div_(by_row[..., index : index + 1])
+    _by_blocks(codes, scales, block, torch.Tensor.div_)
     return codes.clamp_(-limit, limit).to(dtype), scales
 
 
