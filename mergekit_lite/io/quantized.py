@@ -431,3 +431,16 @@ def quantized_inputs(sources) -> list[QuantizedSource]:
                 break
             source = getattr(source, "source", None) or getattr(source, "base", None)
     return found
+
+
+def dequantized_on_read(source, name: str) -> bool:
+    """Whether `source` (through the wrappers that rename, adapt or pad it) reads tensor `name` dequantized:
+    a float32 copy in new memory, outside the engine's ring."""
+    seen = set()
+    while source is not None and id(source) not in seen:
+        seen.add(id(source))
+        if isinstance(source, QuantizedSource):
+            return name in source.packed
+        name = getattr(source, "name_map", {}).get(name, name)
+        source = getattr(source, "source", None) or getattr(source, "base", None)
+    return False
