@@ -522,7 +522,9 @@ class Requantization:
 
 def requantization(plan: MergePlan) -> Requantization:
     """What `--out-quant fp8-block` writes quantized: the tensors the first FP8 block-scaled input stores so
-    (under the same names in the merge), in its block size and float8 dtype."""
+    (under the same names in the merge), in its block size and float8 dtype. They are merged whole (an input
+    read dequantized is never read in row slabs), so each is quantized once, whole; a step the engine would cut
+    into slabs (of other inputs only, in a slice) is written as merged."""
     fp8 = [
         source
         for source in quantized_inputs(plan.sources)
@@ -533,7 +535,9 @@ def requantization(plan: MergePlan) -> Requantization:
             "--out-quant fp8-block re-quantizes to an FP8 block-scaled input's scheme, and no input is one"
         )
     source = fp8[0]
-    merged = {step.name for step in plan.steps if step.out_dtype.is_floating_point}
+    merged = {
+        step.name for step in plan.steps if step.out_dtype.is_floating_point and slabs.slab_rows(plan, step) is None
+    }
     names = frozenset(name for name in source.packed if name in merged)
     dtypes = {source.source.dtype(source.packed[name].codes) for name in names}
     settings = dict((source.config or {}).get("quantization_config") or {})
