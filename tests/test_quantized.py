@@ -147,6 +147,28 @@ def test_fp8_block_scaled_reads_as_transformers_dequantizes_it(tmp_path, archite
         assert torch.equal(ours[name].float(), tensor.float()), name
 
 
+def test_ue8m0_scales_read_as_transformers_reads_them(tmp_path):
+    """MXFP8-style fp8 checkpoints store power-of-two block scales as e8m0 bytes (scale_fmt ue8m0)."""
+    import transformers
+    from transformers import FineGrainedFP8Config
+
+    state, config = tiny_checkpoint("llama", tmp_path / "dense")
+    folder, dense = save_fp8(state, config, tmp_path / "fp8", (8, 8), power_of_two=True)
+    stored = load_file(folder / "model.safetensors")
+    for name in [name for name in stored if name.endswith("_scale_inv")]:
+        stored[name] = (stored[name].log2() + 127).round().to(torch.uint8)
+    settings = json.loads((folder / "config.json").read_text())
+    settings["quantization_config"]["scale_fmt"] = "ue8m0"
+    save_dense(stored, settings, folder)
+    ours = read_all(folder)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(
+        folder, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    assert set(ours) == set(theirs) == set(dense)
+    for name, tensor in dense.items():
+        assert torch.equal(ours[name].float(), tensor.float()) and torch.equal(ours[name].float(), theirs[name]), name
+
+
 def test_partial_blocks_against_the_float64_reference():
     """Shapes that are no multiple of the block: the last blocks of each dimension are partial."""
     generator = torch.Generator().manual_seed(0)
