@@ -595,3 +595,22 @@ def test_the_requantizer_against_the_float64_quantizer():
     back = scaled_dense(codes.float(), scales, (128, 128))
     by_entry = scales.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
     assert ((back - weight).abs() <= weight.abs() / 16 + by_entry * 2.0**-10).all()
+
+
+def test_an_adapter_is_audited_against_a_quantized_base_read_dense(tmp_path):
+    """The audit reads an FP8 base dequantized: its tensors are the dense base's, so the adapter's modules are found
+    and no check calls the base quantised."""
+    from test_audit import make_adapter
+    from tiny_models import tiny_llama
+
+    from mergekit_lite.audits.adapter import audit_adapter
+
+    tiny_llama(0).save_pretrained(tmp_path / "base")
+    adapter = make_adapter(tmp_path / "base", tmp_path / "adapter", ["q_proj", "v_proj"], steps=3)
+    state = load_file(tmp_path / "base" / "model.safetensors")
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    fp8, _ = save_fp8(state, config, tmp_path / "base-fp8", (16, 16))
+    report = audit_adapter(adapter, fp8)
+    assert not any("quantised" in reason for reason in report.reasons), report.reasons
+    statuses = {check.name: check.status for check in report.checks}
+    assert statuses["structure"] == "pass"

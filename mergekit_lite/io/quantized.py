@@ -81,10 +81,14 @@ class QuantizedSource:
         self.path, self.config = source.path, source.config
         codes = {item.codes: name for name, item in packed.items()}
         self._names = [codes.get(name, name) for name in source.names if name not in hidden or name in codes]
+        self._shown = set(self._names)
 
     @property
     def names(self) -> list[str]:
         return list(self._names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shown
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.packed[name].shape if name in self.packed else self.source.shape(name)
