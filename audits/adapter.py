@@ -57,6 +57,7 @@ from mergekit_lite.devices import usable_device
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import ADAPTER_PATTERNS, is_hub_id, repo_files, resolve_model
 from mergekit_lite.io.lora import PEFT_DEFAULT_ALPHA, PICKLE_FILE, SAFETENSORS_FILE, LoraAdapter
+from mergekit_lite.io.quantized import QuantizedSource
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ def check_declared_base(
         "given_from": given_from or None,
     }
     quantisation = (base.config or {}).get("quantization_config")
-    if quantisation:
+    if quantisation and not isinstance(base, QuantizedSource):  # a scheme read dequantized is the dense base
         method = quantisation.get("quant_method", "?") if isinstance(quantisation, dict) else "?"
         return CheckResult(
             "base-id",

@@ -10,7 +10,7 @@ import torch
 
 from mergekit_lite.audits.fingerprint import probe, top_singular
 from mergekit_lite.io.hub import hub_id_of, is_hub_id, resolve_model, split_hub_id
-from mergekit_lite.io.safetensors import open_model
+from mergekit_lite.io.quantized import open_dense
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class AuditBase:
         reference = str(reference)
         hub_id = split_hub_id(reference)[0] if is_hub_id(reference) else None
         path = Path(resolve_model(reference))
-        return cls(reference, path, open_model(path, allow_pickle=allow_pickle), hub_id or hub_id_of(path))
+        # a quantized base is read dequantized; one quantized in a scheme not read is left to the base-id check
+        source = open_dense(path, allow_pickle=allow_pickle, refuse_unread=False)
+        return cls(reference, path, source, hub_id or hub_id_of(path))
 
     def close(self) -> None:
         """Close the base's weight files (the measured matrices stay usable)."""

@@ -19,7 +19,7 @@ from mergekit_lite.audits.declared_base import names_local_folder, same_folder
 from mergekit_lite.audits.report import FAIL, PASS, WARN, CheckResult, shown_names
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.hub import check_ref, checked_snapshot, hub_errors, hub_subfolder, is_hub_id, split_hub_id
-from mergekit_lite.io.safetensors import open_model
+from mergekit_lite.io.quantized import open_dense
 
 LOCAL, MISSING, CACHED, UNCACHED = "local", "missing", "cached", "uncached"
 
@@ -90,7 +90,7 @@ def _same_values(declared: torch.Tensor, given: torch.Tensor) -> bool:
 def compare_weights(declared_path: Path, given_source) -> WeightComparison:
     """Stream both bases tensor by tensor (one pair in memory at a time) and count what differs. The declared base
     is opened as any model a command is given (safetensors only, its files inside its folder)."""
-    declared_source = open_model(declared_path)
+    declared_source = open_dense(declared_path)
     result = WeightComparison()
     try:
         declared_names, given_names = set(declared_source.names), set(given_source.names)

@@ -143,13 +143,13 @@ def compute_fingerprint(base_dir, top_k: int = DEFAULT_TOP_K, behaviour: bool = 
 
     One tensor in memory at a time for the weights; `behaviour` loads the model once to record its outputs.
     """
-    from mergekit_lite.io.safetensors import open_model
+    from mergekit_lite.io.quantized import open_dense
 
     if top_k < 1:
         raise InputError(f"--top-k must be at least 1 (got {top_k})")
     base_dir = Path(base_dir)
     modules, samples = {}, {}
-    with closing(open_model(base_dir)) as source:
+    with closing(open_dense(base_dir)) as source:
         for name in source.names:
             weight = source.load(name)
             if weight.is_floating_point():

@@ -136,6 +136,11 @@ def _seed(seed: int | None, random_seed: int | None) -> int | None:
 )
 @click.option("--seed", type=int, help="Seed for DARE's random drop (default 0): same seed, same bytes.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Stored dtype (default: the base's). Math is float32.")
+@click.option(
+    "--out-quant",
+    type=click.Choice(["fp8-block"]),
+    help="Write the merge re-quantized to its FP8 input's block scheme (default: dense, quantization_config dropped).",
+)
 @click.option("--copy-files-from", help="Model folder whose config/tokenizer files are copied (default: the base).")
 @click.option(
     "--tokenizer-source",
@@ -199,6 +204,7 @@ def merge(
     embed_rule,
     seed,
     dtype,
+    out_quant,
     copy_files_from,
     tokenizer_source,
     mergekit_compat,
@@ -255,6 +261,7 @@ def merge(
         "base": base,
         "seed": seed,
         "dtype": dtype,
+        "out_quant": out_quant,
         "out_shard_size": out_shard_size,
         "copy_files_from": copy_files_from,
         "device": device,

@@ -175,7 +175,7 @@ def merge_adapters(
     the adapters declare), which is then read for DoRA updates and module names."""
     from mergekit_lite.io.hub import resolve_model
     from mergekit_lite.io.lora import LoraAdapter
-    from mergekit_lite.io.safetensors import open_model
+    from mergekit_lite.io.quantized import open_dense
     from mergekit_lite.merge.adapters import merge_adapters as write_merged
 
     if len(set(map(str, adapters))) != len(adapters):
@@ -191,7 +191,7 @@ def merge_adapters(
         for adapter in adapters
     ]
     opened = [LoraAdapter.open(adapter, allow_pickle=allow_pickle) for adapter in adapters]
-    source = open_model(resolve_model(host), allow_pickle=allow_pickle)
+    source = open_dense(resolve_model(host), allow_pickle=allow_pickle)
     try:
         return write_merged(
             opened,

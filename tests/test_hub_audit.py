@@ -254,8 +254,8 @@ class Counter:
 
 @pytest.mark.slow
 def test_a_batch_opens_and_measures_the_base_once(hub, offline_cache, tmp_path, monkeypatch):
-    opened, decomposed = Counter(audit_base_module.open_model), Counter(audit_base_module.top_singular)
-    monkeypatch.setattr(audit_base_module, "open_model", opened)
+    opened, decomposed = Counter(audit_base_module.open_dense), Counter(audit_base_module.top_singular)
+    monkeypatch.setattr(audit_base_module, "open_dense", opened)
     monkeypatch.setattr(audit_base_module, "top_singular", decomposed)
     listing = tmp_path / "adapters.txt"
     by_id = [f"tiny-org/batch-{index:02d}" for index in range(0, BATCH, 2)]

@@ -19,7 +19,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.architecture import checkpoint_names, tied_tensors
 from mergekit_lite.io.hub import split_lora_reference
 from mergekit_lite.io.lora import LoraAdapter
-from mergekit_lite.io.safetensors import open_model
+from mergekit_lite.io.quantized import open_dense
 
 KNOWN_PREFIXES = ("model.", "base_model.model.", "module.", "_orig_mod.", "transformer.")
 
@@ -168,16 +168,18 @@ def adapter_of(reference: str) -> str | None:
 
 
 def open_model_reference(reference: str, allow_pickle: bool) -> TensorSource:
-    """A model, or mergekit's model+lora: the adapter applied to its own host model (not the merge's base)."""
+    """A model, or mergekit's model+lora: the adapter applied to its own host model (not the merge's base). A
+    quantized model is read as its dense model (io/quantized.py), so every command merges and measures weights,
+    never codes and scales."""
     lora = split_lora_reference(reference)
     if not lora:
-        return open_model(reference, allow_pickle=allow_pickle)
+        return open_dense(reference, allow_pickle=allow_pickle)
     if not LoraAdapter.is_adapter_dir(lora[1]):
         raise InputError(
             f"{reference}: {lora[1]} is not a LoRA adapter folder (no adapter_config.json), so it "
             f"cannot be applied to {lora[0]}"
         )
-    host = open_model(lora[0], allow_pickle=allow_pickle)
+    host = open_dense(lora[0], allow_pickle=allow_pickle)
     return AdapterSource(LoraAdapter.open(lora[1], allow_pickle=allow_pickle), host)
 
 

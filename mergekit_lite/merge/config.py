@@ -41,6 +41,7 @@ DTYPES = {
     "float": "float32",
 }
 TOKENIZER_SOURCES = ("base", "union")
+OUT_QUANTS = ("fp8-block",)  # the merge re-quantized to its fp8 input's block scheme (io/quantized.py)
 
 
 @dataclass
@@ -99,6 +100,7 @@ class MergeConfig:
     base: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     dtype: str | None = None  # the stored dtype (mergekit's out_dtype); the math is always float32
+    out_quant: str | None = None  # "fp8-block": the merge re-quantized to its fp8 input's block scheme
     seed: int = 0
     out_shard_size: int = 5 * 10**9
     copy_files_from: str | None = None
@@ -184,6 +186,8 @@ class MergeConfig:
             if str(self.dtype).lower() not in DTYPES:
                 raise InputError(f"unknown dtype {self.dtype!r} (use bf16, fp16 or fp32)")
             self.dtype = DTYPES[str(self.dtype).lower()]
+        if self.out_quant is not None and self.out_quant not in OUT_QUANTS:
+            raise InputError(f"unknown out_quant {self.out_quant!r} (use {', '.join(OUT_QUANTS)})")
         if isinstance(self.out_shard_size, bool) or not isinstance(self.out_shard_size, (int, str)):
             raise InputError(f"out_shard_size: expected a size like 2GB or a byte count, got {self.out_shard_size!r}")
         self.out_shard_size = parse_size(self.out_shard_size)

@@ -12,7 +12,8 @@ from the plan, and one more slab for TIES's and SLERP's statistics, mapped on a 
 writer's two direct-write stages, and the method's working memory: a few chunks' temporaries, or for the
 methods that hold whole tensors (`Method.holds_whole_tensors`) bytes per element of the step; for TIES and SLERP
 also their statistics' own, which the reader's and the statistician's threads compute while the math thread
-merges.
+merges; and for quantized inputs the float32 copies they are read into (io/quantized.py). The time of that
+dequantization is not modelled.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from safetensors.torch import save_file
 import mergekit_lite
 from mergekit_lite.io.direct import STAGE_BYTES
 from mergekit_lite.io.outputs import write_atomic
+from mergekit_lite.io.quantized import dequantized_on_read
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter, read_at
 from mergekit_lite.merge import engine, slabs
 from mergekit_lite.merge.methods import NAMES, REGISTRY, tensor_math
@@ -230,6 +232,7 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     units = slabs.parts(plan)
     ring = slabs.ring_capacity(plan, units) + slabs.statistics_slab_bytes(plan, units)  # blocks read into, slab mapped
     working = max((_working_memory(rates, method, step) for step in merged), default=0)
+    working += sum(sorted((_dequantized_bytes(plan, step) for step in plan.steps), reverse=True)[:2])
     read_s, write_s = input_bytes / rates.read_bytes_per_s, plan.total_bytes / rates.write_bytes_per_s
     return Estimate(
         plan.config.method,
@@ -243,6 +246,16 @@ def estimate(plan: MergePlan, rates: Rates) -> Estimate:
         WRITER_BYTES,
         plan.config.device,
     )
+
+
+def _dequantized_bytes(plan: MergePlan, step) -> int:
+    """What a step's quantized inputs cost beyond the ring (io/quantized.py): their float32 dequantized copies,
+    and the result's own memory, which then cannot overlay its first input's bytes in the ring. Two steps hold
+    them at once: the one being merged and the one the reader has ready."""
+    copies = sum(
+        4 * math.prod(step.shape) for source, name in plan.inputs_of(step) if dequantized_on_read(source, name)
+    )
+    return copies + step.nbytes if copies else 0
 
 
 def _working_memory(rates: Rates, method: str, step) -> float:

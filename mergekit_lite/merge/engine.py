@@ -30,7 +30,8 @@ from mergekit_lite.io.outputs import (
     copy_side_files,
     keep_post_trained_files,
 )
-from mergekit_lite.io.safetensors import PlannedTensor, ShardedWriter
+from mergekit_lite.io.quantized import fp8_blocks, quantized_inputs
+from mergekit_lite.io.safetensors import FLOAT8, PlannedTensor, ShardedWriter
 from mergekit_lite.io.sources import TensorSource, UntiedHeadSource, adapter_of
 from mergekit_lite.merge import slabs
 from mergekit_lite.merge.config import MergeConfig
@@ -374,15 +375,20 @@ def run_merge(
     except InputError:
         plan.close()
         raise
+    try:
+        requantized = requantization(plan) if config.out_quant else None
+    except InputError:
+        plan.close()
+        raise
     with plan, atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as folder:
-        with ShardedWriter(
-            folder, [PlannedTensor(s.name, s.shape, s.out_dtype) for s in plan.steps], config.out_shard_size
-        ) as writer:
-            execute(plan, writer.write, progress=progress, in_slabs=True)
+        with ShardedWriter(folder, output_tensors(plan, requantized), config.out_shard_size) as writer:
+            sink = writer.write if requantized is None else requantized.sink(writer.write)
+            execute(plan, sink, progress=progress, in_slabs=True)
             writer.close()
-        _write_side_files(plan, folder, copy_tokenizer)
+        _write_side_files(plan, folder, copy_tokenizer, requantized)
         if model_card:
-            write_card(folder, merge_card(config, reports, card_sections))
+            sections = [*card_sections, *dequantized_section(plan, requantized)]
+            write_card(folder, merge_card(config, reports, sections))
         files = sorted(p.name for p in folder.iterdir())
     return MergeResult(Path(out), plan, time.perf_counter() - started, files)
 
@@ -457,6 +463,103 @@ def _audit_notes(reports: list) -> list[str]:
     ]
 
 
+def written_dtype(plan: MergePlan) -> str | None:
+    """The dtype every floating tensor of the output is written in, for its config.json; None where they differ."""
+    dtypes = {step.out_dtype for step in plan.steps if step.out_dtype.is_floating_point}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
+
+
+def dequantized_section(plan: MergePlan, requantized: Requantization | None = None) -> list[tuple[str, str]]:
+    """The model card's word on quantized inputs: which were read dequantized, from what, and what was written."""
+    quantized = quantized_inputs(plan.sources)
+    if not quantized:
+        return []
+    written = written_dtype(plan) or "the dtypes of the inputs"
+    output = (
+        f"The output is dense ({written}), with no `quantization_config`."
+        if requantized is None
+        else f"The output is {requantized.describe()}; its other tensors are {written}."
+    )
+    lines = [f"- `{input_name(source.path)}`: {source.describe()}" for source in quantized]
+    text = "\n".join(
+        [
+            "These inputs are quantized; their weights were dequantized to float32 before the merge, so the "
+            f"merge is of weights, not of codes and scales. {output}",
+            "",
+            *lines,
+        ]
+    )
+    return [("Dequantized inputs", text)]
+
+
+@dataclass(frozen=True)
+class Requantization:
+    """`--out-quant fp8-block`: the tensors an FP8 block-scaled input stores quantized, written back in its scheme
+    (codes in its float8 dtype, `_scale_inv` per block) from the merged tensor; everything else as merged."""
+
+    names: frozenset[str]
+    block: tuple[int, int]
+    dtype: torch.dtype
+    settings: dict  # the input's quantization_config, written into the output's config.json
+
+    def describe(self) -> str:
+        return f"FP8 ({len(self.names)} tensors re-quantized in {self.block[0]}x{self.block[1]} blocks)"
+
+    def sink(self, write: Callable[..., None]) -> Callable[..., None]:
+        """`write` for the merged tensors, each re-quantized one written as its codes, then its scales."""
+
+        def requantizing(name, tensor, first_row=None):
+            if name not in self.names:
+                return write(name, tensor) if first_row is None else write(name, tensor, first_row)
+            if first_row is not None:
+                raise RuntimeError(f"{name}: a re-quantized tensor is merged whole, not in row slabs")
+            codes, scales = fp8_blocks(tensor, self.block, self.dtype)
+            write(name, codes)
+            write(name + "_scale_inv", scales)
+
+        return requantizing
+
+
+def requantization(plan: MergePlan) -> Requantization:
+    """What `--out-quant fp8-block` writes quantized: the tensors the first FP8 block-scaled input stores so
+    (under the same names in the merge), in its block size and float8 dtype. They are merged whole (an input
+    read dequantized is never read in row slabs), so each is quantized once, whole; a step the engine would cut
+    into slabs (of other inputs only, in a slice) is written as merged."""
+    fp8 = [
+        source
+        for source in quantized_inputs(plan.sources)
+        if source.quantization.method == "fp8" and source.quantization.block is not None
+    ]
+    if not fp8:
+        raise InputError(
+            "--out-quant fp8-block re-quantizes to an FP8 block-scaled input's scheme, and no input is one"
+        )
+    source = fp8[0]
+    merged = {
+        step.name for step in plan.steps if step.out_dtype.is_floating_point and slabs.slab_rows(plan, step) is None
+    }
+    names = frozenset(name for name in source.packed if name in merged)
+    dtypes = {source.source.dtype(source.packed[name].codes) for name in names}
+    settings = dict((source.config or {}).get("quantization_config") or {})
+    settings = settings or {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+    settings["weight_block_size"] = list(source.quantization.block)
+    return Requantization(names, source.quantization.block, dtypes.pop() if len(dtypes) == 1 else FLOAT8[0], settings)
+
+
+def output_tensors(plan: MergePlan, requantized: Requantization | None) -> list[PlannedTensor]:
+    """The output's tensors in plan order: each step's, a re-quantized one as its codes and its block scales."""
+    planned = []
+    for step in plan.steps:
+        if requantized is None or step.name not in requantized.names:
+            planned.append(PlannedTensor(step.name, step.shape, step.out_dtype))
+            continue
+        rows, cols = step.shape[-2:]
+        grid = (*step.shape[:-2], -(-rows // requantized.block[0]), -(-cols // requantized.block[1]))
+        planned.append(PlannedTensor(step.name, step.shape, requantized.dtype))
+        planned.append(PlannedTensor(step.name + "_scale_inv", grid, torch.float32))
+    return planned
+
+
 def _restack_layers(model_config: dict, plan: MergePlan) -> None:
     """The output's layer count, and per-layer lists (Qwen2/Gemma's layer_types) taken from each layer's source."""
     model_config["num_hidden_layers"] = plan.n_layers
@@ -466,10 +569,13 @@ def _restack_layers(model_config: dict, plan: MergePlan) -> None:
         ]
 
 
-def _write_side_files(plan: MergePlan, folder: Path, copy_tokenizer: bool = True) -> None:
+def _write_side_files(
+    plan: MergePlan, folder: Path, copy_tokenizer: bool = True, requantized: Requantization | None = None
+) -> None:
     """config, tokenizer and generation files from --copy-files-from, by default from the base (or the
     first input), plus the chat template and generation config of a post-trained input when the base has
-    none (a note says so)."""
+    none (a note says so). The weights written are dense, so a donor's quantization_config is dropped and its
+    dtype set to the one written."""
     config = plan.config
     donor = config.copy_files_from or config.base or config.inputs[0]
     if donor == "base":
@@ -483,11 +589,16 @@ def _write_side_files(plan: MergePlan, folder: Path, copy_tokenizer: bool = True
         plan.notes.extend(keep_post_trained_files(Path(donor), others, folder))
     config_file = folder / "config.json"
     own_head = any(isinstance(source, UntiedHeadSource) for source in plan.sources)
-    if config_file.is_file() and (config.dtype or own_head or plan.layer_origins is not None):
-        model_config = json.loads(config_file.read_text())
-        if config.dtype:
+    model_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    quantized = "quantization_config" in model_config or requantized is not None
+    if config_file.is_file() and (config.dtype or own_head or plan.layer_origins is not None or quantized):
+        written = config.dtype or (written_dtype(plan) if quantized else None)
+        if written:
             key = "torch_dtype" if "torch_dtype" in model_config and "dtype" not in model_config else "dtype"
-            model_config[key] = config.dtype
+            model_config[key] = written
+        model_config.pop("quantization_config", None)  # the weights written are dense (io/quantized.py)
+        if requantized is not None:
+            model_config["quantization_config"] = requantized.settings
         if own_head:
             model_config["tie_word_embeddings"] = False  # an adapter's own head (modules_to_save) on a tied base
         if plan.layer_origins is not None:

@@ -15,6 +15,7 @@ import torch
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.architecture import Layout, layout
 from mergekit_lite.io.lora import LoraAdapter
+from mergekit_lite.io.quantized import quantized_inputs
 from mergekit_lite.io.sources import TensorSource, check_architectures, open_inputs
 from mergekit_lite.io.validation import read_json, require_regular
 from mergekit_lite.merge.config import (
@@ -180,6 +181,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
         )
     for kinds in sorted(mixed):
         notes.append(f"inputs mix dtypes ({', '.join(kinds)}): upcast to float32 for the math")
+    notes.extend(f"{source.path}: {source.describe()} to float32 for the math" for source in quantized_inputs(sources))
     return MergePlan(config, sources, steps, n_layers, notes, recall_weights, vocabulary, owns_sources=owned)
 
 

@@ -77,6 +77,7 @@ class _Options(_Schema):
     """Keys both schemas share: mergekit's output keys and mergekit-lite's run options."""
 
     dtype: StrictStr | None = None
+    out_quant: StrictStr | None = None
     seed: StrictInt = 0
     out_shard_size: Any = 5 * 10**9  # bytes, or "2GB": checked by parse_size
     copy_files_from: StrictStr | None = None
@@ -110,6 +111,7 @@ class _Options(_Schema):
         recall = {k: v for k, v in (self.recall.model_dump() if self.recall else {}).items() if v is not None}
         return {
             "seed": self.seed,
+            "out_quant": self.out_quant,
             "out_shard_size": self.out_shard_size,
             "copy_files_from": self.copy_files_from,
             "skip": list(self.skip),

@@ -276,10 +276,12 @@ def _sparsifier_key(config: MergeConfig) -> str:
 
 
 def post_model(loader: ModelLoader, settings: SweepSettings, sources):
-    """post through from_pretrained, or, for a LoRA adapter, pre + its update by on-disk name."""
+    """post through from_pretrained, or, for a LoRA adapter, pre + its update by on-disk name; a quantized post
+    as the dense tensors every command reads (io/quantized.py), by on-disk name too."""
     from mergekit_lite.io.lora import LoraAdapter
+    from mergekit_lite.io.quantized import quantized_inputs
 
-    if LoraAdapter.is_adapter_dir(settings.post):
+    if LoraAdapter.is_adapter_dir(settings.post) or quantized_inputs(sources[1:]):
         return loader.from_state({name: sources[1].load(name) for name in sources[1].names}, settings.post)
     return loader.from_folder(settings.post)
 
