@@ -5,13 +5,16 @@ without another edit."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from mergekit_lite.cli import merge as merge_module
 from mergekit_lite.cli import method_flags
+from mergekit_lite.cli.main import main
 from mergekit_lite.cli.merge import merge, merge_command
 from mergekit_lite.cli.mergekit_flags import MergekitFlags
 from mergekit_lite.errors import InputError
@@ -186,3 +189,48 @@ def test_a_parameter_declared_only_in_its_method_is_a_config_key(gain_method):
         {"merge_method": "gain_for_test", "models": [{"model": "a"}], "parameters": {"negate": 1}}
     )
     assert mergekit.parameter("negate") is True
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "adding-a-method.md"
+
+
+def documented_methods() -> dict[str, Method]:
+    """The methods of docs/adding-a-method.md's module: its first block, then the second one below it."""
+    namespace: dict = {}
+    for block in DOCS.read_text().split("```python\n")[1:3]:
+        exec(compile(block.split("```", 1)[0], "median.py", "exec"), namespace)
+    return {declared.name: declared for declared in namespace["METHODS"]}
+
+
+def test_the_documented_knob_is_a_flag_a_config_key_and_one_refusal(monkeypatch, tmp_path):
+    """What the page says its `quantile` method's `q` becomes, through `mergekit-lite merge` itself."""
+    monkeypatch.setitem(methods.REGISTRY, "quantile", documented_methods()["quantile"])
+    monkeypatch.setattr(merge_module, "merge", merge_command())
+    page = " ".join(DOCS.read_text().split())
+    help_text = {param.name: param for param in merge_module.merge.params}["q"].help
+    assert f"whose help reads `{help_text}`" in page
+    shown = CliRunner().invoke(main, ["merge", "--help"], terminal_width=200)
+    entry = "quantile the entrywise quantile of the inputs; takes --q"
+    assert entry in " ".join(shown.output.split()) and f"`{entry}`" in page
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = []
+    for name in "abc":
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.randn(6, 5, generator=generator)}, tmp_path / name / "model.safetensors")
+        inputs += ["--model", str(tmp_path / name)]
+    args = ["merge", "--method", "quantile", *inputs, "-q", "--no-write-model-card"]
+    result = CliRunner().invoke(main, [*args, "--q", "0.25", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    read = [load_file(tmp_path / name / "model.safetensors")["w"] for name in "abc"]
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["w"], torch.stack(read).quantile(0.25, dim=0))
+
+    refused = CliRunner().invoke(main, [*args, "--q", "1.5", "--out", str(tmp_path / "refused")])
+    assert refused.exit_code == 2 and refused.output.strip() == "error: q must be in [0.0, 1.0], got 1.5"
+    assert "`error: q must be in [0.0, 1.0], got 1.5` (exit 2)" in page
+    with pytest.raises(InputError, match=r"^q must be in \[0\.0, 1\.0\], got 1\.5$"):
+        config_from_dict({"method": "quantile", "models": ["a", "b", "c"], "parameters": {"q": 1.5}})
+    mergekit = config_from_dict(
+        {"merge_method": "quantile", "models": [{"model": m} for m in "abc"], "parameters": {"q": 0.25}}
+    )
+    assert mergekit.parameter("q") == 0.25
