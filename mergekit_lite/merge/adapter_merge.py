@@ -32,6 +32,7 @@ import torch
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.adapter_combinations import COMBINATIONS
 from mergekit_lite.merge.extract import low_rank_factors
+from mergekit_lite.merge.methods.task_vectors import Sparsifier
 
 EXACT = ("cat",)
 
@@ -46,13 +47,14 @@ def dense_rule(kind: str) -> str:
     return "linear" if kind == "svd" else kind.removesuffix("_svd")
 
 
-# each rule (a type without `_svd`): (its sparsifier, whether it elects signs), after PEFT's merge_utils
+# each rule (a type without `_svd`): (its sparsifier, whether it elects signs), after PEFT's merge_utils: its
+# magnitude_based_pruning and random_pruning (`magnitude_pruned`, `randomly_pruned`)
 RULES = {
     "linear": (None, False),
-    "ties": ("magnitude", True),
-    "magnitude_prune": ("magnitude", False),
-    "dare_linear": ("random", False),
-    "dare_ties": ("random", True),
+    "ties": (Sparsifier.MAGNITUDE, True),
+    "magnitude_prune": (Sparsifier.MAGNITUDE, False),
+    "dare_linear": (Sparsifier.RANDOM, False),
+    "dare_ties": (Sparsifier.RANDOM, True),
 }
 SPARSIFIED = tuple(kind for kind in COMBINATIONS if kind != "cat" and RULES[dense_rule(kind)][0])
 
@@ -97,9 +99,9 @@ def combine(
     """PEFT's merge_utils rules: linear (weighted sum), magnitude_prune, dare_linear (sparsify, weighted sum), ties,
     dare_ties (sparsify, elect signs on the unweighted tensors, weighted mean of those that agree)."""
     sparsifier, elect = RULES[rule]
-    if sparsifier == "random":
+    if sparsifier is Sparsifier.RANDOM:
         tensors = [randomly_pruned(t, density, g) for t, g in zip(tensors, generators, strict=True)]
-    elif sparsifier == "magnitude":
+    elif sparsifier is Sparsifier.MAGNITUDE:
         tensors = [magnitude_pruned(t, density) for t in tensors]
     stacked = torch.stack(list(tensors))
     weighted = stacked * torch.tensor(weights, dtype=stacked.dtype).view(-1, *[1] * (stacked.dim() - 1))
