@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -234,3 +235,57 @@ def test_the_documented_knob_is_a_flag_a_config_key_and_one_refusal(monkeypatch,
         {"merge_method": "quantile", "models": [{"model": m} for m in "abc"], "parameters": {"q": 0.25}}
     )
     assert mergekit.parameter("q") == 0.25
+
+
+@pytest.mark.parametrize(
+    "method, weights, flags, parameters",
+    [
+        ("della", False, ["--density", "0.6", "--epsilon", "0.3"], {"density": 0.6, "epsilon": 0.3}),
+        ("breadcrumbs", False, ["--gamma", "0.2", "--rescale"], {"gamma": 0.2, "rescale": True}),
+        ("multislerp", True, ["--no-normalize-weights", "--eps", "1e-6"], {"normalize_weights": False, "eps": 1e-6}),
+        (
+            "nuslerp",
+            True,
+            ["--no-nuslerp-flatten", "--nuslerp-row-wise"],
+            {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+        ),
+        ("passthrough", False, ["--scale", "0.5"], {"scale": 0.5}),
+    ],
+)
+def test_a_new_flag_merges_as_its_config_key_does(method, weights, flags, parameters, tmp_path):
+    """The flags that had none (a config key only) give the config's bytes, and not the defaults'."""
+    first, second = save_random_pair(tmp_path, 2, (8, 16))
+    declared = methods.REGISTRY[method]
+    if method == "passthrough":
+        inputs, models = ["--model", str(first)], [str(first)]
+    elif declared.needs_base:
+        inputs, models = ["--base", str(first), "--model", str(second)], [str(second)]
+    else:
+        inputs = [
+            "--model",
+            f"{first}:1" if weights else str(first),
+            "--model",
+            f"{second}:3" if weights else str(second),
+        ]
+        models = (
+            [
+                {"model": str(first), "parameters": {"weight": 1.0}},
+                {"model": str(second), "parameters": {"weight": 3.0}},
+            ]
+            if weights
+            else [str(first), str(second)]
+        )
+    config = {"method": method, "models": models, "parameters": parameters}
+    if declared.needs_base:
+        config["base"] = str(first)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    common = ["merge", "--method", method, *inputs, "-q", "--no-write-model-card"]
+
+    def merged(name: str, *args: str) -> bytes:
+        result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        return (tmp_path / name / "model.safetensors").read_bytes()
+
+    by_flags = merged("flags", *common, *flags)
+    assert by_flags == merged("config", "merge", str(tmp_path / "config.yaml"), "-q", "--no-write-model-card")
+    assert by_flags != merged("defaults", *common)

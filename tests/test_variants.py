@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from mergekit_lite.merge.methods import REGISTRY
-from mergekit_lite.merge.methods.registry import Variant
-from mergekit_lite.merge.methods.task_vectors import Sparsifier, TaskVectorMethod
+from mergekit_lite.merge.methods.task_vectors import SPARSIFIER_PARAMETERS, TaskVectorMethod
 from mergekit_lite.merge.methods.tensor_math import TaskVectorRecipe, task_vector_merge
+from mergekit_lite.merge.methods.variants import Sparsifier, Variant
 from mergekit_lite.merge.plan import StepAction, TensorStep
 
 MERGE_PACKAGE = Path(__file__).resolve().parent.parent / "mergekit_lite" / "merge"
@@ -55,7 +55,7 @@ def test_a_recipe_and_its_fields_as_keywords_merge_alike():
 def test_every_family_member_declares_its_sparsifiers_knobs():
     for method in REGISTRY.values():
         if isinstance(method, TaskVectorMethod) and method.sparsifier is not None:
-            assert set(method.sparsifier.parameters) <= set(method.parameters), method.name
+            assert set(SPARSIFIER_PARAMETERS[method.sparsifier]) <= set(method.parameters), method.name
 
 
 def _compared_strings(tree: ast.AST, values: set[str]) -> list[int]:

@@ -32,7 +32,7 @@ import torch
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.adapter_combinations import COMBINATIONS
 from mergekit_lite.merge.extract import low_rank_factors
-from mergekit_lite.merge.methods.task_vectors import Sparsifier
+from mergekit_lite.merge.methods.variants import Sparsifier
 
 EXACT = ("cat",)
 

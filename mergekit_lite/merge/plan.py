@@ -25,7 +25,8 @@ from mergekit_lite.merge.config import (
     is_embedding,
     resolve,
 )
-from mergekit_lite.merge.methods.registry import Depth, StepParameters, Variant
+from mergekit_lite.merge.methods.registry import Depth, StepParameters
+from mergekit_lite.merge.methods.variants import Variant
 from mergekit_lite.merge.vocab import align_vocabularies, limit_vocabulary_inputs
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\.")

@@ -9,7 +9,6 @@ math, slabs, the dry run's cost, CLI help, the sweep) and never compares method 
 from __future__ import annotations
 
 import difflib
-import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -22,15 +21,6 @@ if TYPE_CHECKING:
     import torch
 
 NOT_SET = object()
-
-
-class Variant(str, enum.Enum):
-    """One of a fixed set of variants (a sparsifier, a plan step's action), valued by the string it has always been
-    written as: equal to it, hashed, printed, formatted and JSON-written as it, so configs, plans and recorded
-    hashes read the same. Code asks the member (`is`, its properties), never compares the string."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from mergekit_lite.merge.methods.registry import (
     Method,
     Parameter,
     StepParameters,
-    Variant,
 )
+from mergekit_lite.merge.methods.variants import Sparsifier
 from mergekit_lite.threads import start_on_other_cores
 
 if TYPE_CHECKING:
@@ -66,42 +66,15 @@ DARE_MASK_VERSION = (
 # 16 bits per entry at the entry's own counter (`tensor_math.keep_indicator`)
 
 
-class Sparsifier(Variant):
-    """How a member of the family selects each task vector's entries (one that keeps them all has None). The
-    declarations, the plan and the math ask its properties, or which member it `is`."""
-
-    MAGNITUDE = "magnitude"  # TIES's trim (Yadav et al. 2023, sec. 3): the largest |delta|, by a threshold per model
-    RANDOM = "random"  # DARE's drop (Yu et al. 2024): entries dropped at random, the rest rescaled by 1/(1 - drop)
-    MAGPRUNE = "magprune"  # DELLA's MagPrune (Deep et al. 2024, sec. 3.1): a drop with magnitude-ranked odds
-    OUTLIERS = "outliers"  # Model Breadcrumbs (Davari & Belilovsky 2024): the largest and the smallest left out
-
-    @property
-    def parameters(self) -> tuple[Parameter, ...]:
-        """Its knobs beyond lambda, weight, normalize, int8_mask and rescale (DARE's density is mergekit's name for
-        1 - drop)."""
-        return {
-            Sparsifier.MAGNITUDE: (DENSITY,),
-            Sparsifier.RANDOM: (DROP, DENSITY),
-            Sparsifier.MAGPRUNE: (DENSITY, EPSILON),
-            Sparsifier.OUTLIERS: (DENSITY, GAMMA),
-        }[self]
-
-    @property
-    def by_magnitude(self) -> bool:
-        """It keeps a `density` share of the entries chosen by their magnitudes, so it may select a NaN or Inf
-        entry away; DARE's drop looks at no value (its 0-or-1 mask multiplies, keeping a NaN)."""
-        return self is not Sparsifier.RANDOM
-
-    @property
-    def over_whole_tensors(self) -> bool:
-        """Its selection ranks every magnitude of the tensor (DELLA's ranks within rows, Breadcrumbs' band)."""
-        return self in (Sparsifier.MAGPRUNE, Sparsifier.OUTLIERS)
-
-    @property
-    def l1_rescaled(self) -> bool:
-        """Its `rescale` restores the L1 norm the task vector had before (mergekit's, over the whole tensor);
-        DARE's divides its survivors by 1 - drop."""
-        return self in (Sparsifier.MAGPRUNE, Sparsifier.OUTLIERS)
+# the knobs of each sparsifier beyond lambda, weight, normalize, int8_mask and rescale (DARE's density is mergekit's
+# name for 1 - drop)
+SPARSIFIER_PARAMETERS = {
+    None: (),
+    Sparsifier.MAGNITUDE: (DENSITY,),
+    Sparsifier.RANDOM: (DROP, DENSITY),
+    Sparsifier.MAGPRUNE: (DENSITY, EPSILON),
+    Sparsifier.OUTLIERS: (DENSITY, GAMMA),
+}
 
 
 def _draw_digest(seed: int, tensor_name: str, model_index: int) -> bytes:
@@ -200,7 +173,7 @@ class TaskVectorMethod(Method):
         self.parameters = (
             LAMBDA,
             WEIGHT,
-            *(sparsifier.parameters if sparsifier else ()),
+            *SPARSIFIER_PARAMETERS[sparsifier],
             NORMALIZE,
             INT8_MASK,
             RESCALE,

@@ -25,7 +25,7 @@ import numpy
 import torch
 
 from mergekit_lite.merge.methods.chunks import CHUNK, ELEMENTWISE_CHUNK
-from mergekit_lite.merge.methods.task_vectors import Sparsifier
+from mergekit_lite.merge.methods.variants import Sparsifier
 
 try:  # the merge math fused in C (kernels.c), an optional extension: the same bytes as the torch code below
     from mergekit_lite.merge import _kernels
