@@ -147,8 +147,8 @@ RUN_OPTIONS = (
 ABOUT = """Merge checkpoints tensor by tensor, never holding a whole model in memory.
 
 Give either a YAML CONFIG_FILE (ours or mergekit's) or flags; flags win where both say something. Each method
-parameter is a flag (--alpha, --density, ...) and a config key under parameters: alike, with the bounds and
-defaults its method declares. mergekit-yaml's flags work with mergekit's meaning (docs/mergekit.md).
+parameter is a flag (--alpha, --density, ...; a model's weight is --model PATH:WEIGHT) and a config key under
+parameters: alike, with the bounds and defaults its method declares. mergekit-yaml's flags work with mergekit's meaning (docs/mergekit.md).
 """
 
 
