@@ -2,8 +2,9 @@
 
 import click
 
+from mergekit_lite.cli import method_flags
 from mergekit_lite.cli.mergekit_flags import MergekitFlags, mergekit_options
-from mergekit_lite.cli.types import Number, SafeSuggestions
+from mergekit_lite.cli.types import SafeSuggestions
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.checkpoints import in_training_order
 from mergekit_lite.merge import methods
@@ -62,143 +63,129 @@ def _seed(seed: int | None, random_seed: int | None) -> int | None:
     return random_seed if random_seed is not None else seed
 
 
-@click.command(cls=SafeSuggestions, epilog=EXAMPLES)
-@click.argument("config_file", required=False, type=click.Path(dir_okay=False))
-@click.argument("out_path", required=False, type=click.Path(file_okay=False))
-@click.option(
-    "--out",
-    "-o",
-    type=click.Path(file_okay=False),
-    help="Output model folder (written atomically); or give it as OUT_PATH after the CONFIG_FILE.",
+# The command's own options (what is no method parameter): its inputs first, then the run's options; the method
+# flags sit between them (cli/method_flags.py, generated from the registry), mergekit's after them
+INPUTS = (
+    click.argument("config_file", required=False, type=click.Path(dir_okay=False)),
+    click.argument("out_path", required=False, type=click.Path(file_okay=False)),
+    click.option(
+        "--out",
+        "-o",
+        type=click.Path(file_okay=False),
+        help="Output model folder (written atomically); or give it as OUT_PATH after the CONFIG_FILE.",
+    ),
+    click.option(
+        "--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors."
+    ),
+    click.option(
+        "--model",
+        "models",
+        multiple=True,
+        metavar="PATH[:WEIGHT]",
+        help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.",
+    ),
 )
-@click.option("--method", "-m", type=click.Choice(methods.NAMES), help="Merge method.")
-@click.option(
-    "--base", "--pre", "base", help="Base (pre-trained) model: the start of LERP/SLERP, the origin of task vectors."
+RUN_OPTIONS = (
+    click.option(
+        "--order",
+        type=click.Choice(["step"]),
+        help="ema: take a folder of checkpoint-N subfolders in the order "
+        "of N (without it such a folder is refused: its order is not given).",
+    ),
+    click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical samples, one per line."),
+    click.option("--recall-samples", type=int, help="recall: how many typical samples k-means picks (default 8)."),
+    click.option(
+        "--embed-rule",
+        type=click.Choice(["nearest", "average", "base", "reference"]),
+        help="recall: weights for embeddings and head (default nearest layer).",
+    ),
+    click.option("--seed", type=int, help="Seed for DARE's random drop (default 0): same seed, same bytes."),
+    click.option(
+        "--dtype", type=click.Choice(sorted(DTYPES)), help="Stored dtype (default: the base's). Math is float32."
+    ),
+    click.option(
+        "--out-quant",
+        type=click.Choice(["fp8-block"]),
+        help="Write the merge re-quantized to its FP8 input's block scheme (default: dense, quantization_config "
+        "dropped).",
+    ),
+    click.option("--copy-files-from", help="Model folder whose config/tokenizer files are copied (default: the base)."),
+    click.option(
+        "--tokenizer-source",
+        help="Output vocabulary when the inputs' differ: base, union or a model (rows aligned by token).",
+    ),
+    click.option(
+        "--mergekit-compat/--no-mergekit-compat",
+        default=None,
+        help="mergekit's defaults and rules (the default for mergekit-format configs).",
+    ),
+    click.option("--skip", multiple=True, help="Copy tensors whose name contains this text from the base unchanged."),
+    click.option(
+        "--device",
+        type=str,
+        help="Where the math runs: cpu (default), cuda, cuda:N, or auto (cuda where there is one). I/O stays on the CPU.",
+    ),
+    click.option(
+        "--allow-pickle", is_flag=True, default=None, help="Accept pickle .bin weights (unsafe for untrusted files)."
+    ),
+    click.option(
+        "--allow-nonfinite", is_flag=True, default=None, help="Merge inputs that contain NaN/Inf instead of stopping."
+    ),
+    click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them."),
+    click.option(
+        "--require-verified",
+        is_flag=True,
+        help="Merge LoRA adapters only when their audit VERIFIES them: a WARN "
+        "stops the merge too (exit 1). Each adapter's verdict is printed on stderr either way.",
+    ),
+    click.option("--overwrite", is_flag=True, help="Replace an existing output folder."),
+    click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Print the plan (tensors, shapes, bytes, parameters) and its estimated wall "
+        "time and peak memory on this machine, and write no output (the first one measures this machine's "
+        "rates in a few seconds and caches them in ~/.cache/mergekit-lite/rates.json).",
+    ),
+    click.option("--calibrate", is_flag=True, help="With --dry-run: measure this machine's rates again."),
+    click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
 )
-@click.option(
-    "--model",
-    "models",
-    multiple=True,
-    metavar="PATH[:WEIGHT]",
-    help="A model folder, .safetensors file or LoRA adapter folder; repeat for several.",
-)
-@click.option(
-    "--alpha",
-    type=Number(),
-    help="linear, recall_lerp: weight of the model, 1-alpha on the base (LERP/EMA), in [0, 1]; "
-    "lines: scale of the task vector in the first layer and outside the layers.",
-)
-@click.option(
-    "--beta",
-    type=Number(),
-    help="lines: added to alpha across the layers, the last takes alpha + beta (default 1 - alpha).",
-)
-@click.option("--t", "t", type=Number(), help="slerp: interpolation factor; nearswap: distance threshold; in [0, 1].")
-@click.option(
-    "--lambda",
-    "scale",
-    type=Number(),
-    help="Task-vector methods: scale of the combined task vector (negative subtracts).",
-)
-@click.option(
-    "--density", type=Number(), help="ties: share of each task vector kept by magnitude, in (0, 1] (default 0.5)."
-)
-@click.option("--drop", type=Number(), help="dare_*: drop probability of task-vector entries, in [0, 1) (default 0.5).")
-@click.option(
-    "--select-topk", type=Number(), help="sce: share of entries kept by variance across the models, in [0, 1]."
-)
-@click.option(
-    "--decay",
-    type=Number(),
-    help="ema: weight of the running average at each step, in [0, 1] "
-    "(s_i = decay*s_(i-1) + (1-decay)*c_i over the checkpoints in training order).",
-)
-@click.option(
-    "--order",
-    type=click.Choice(["step"]),
-    help="ema: take a folder of checkpoint-N subfolders in the order "
-    "of N (without it such a folder is refused: its order is not given).",
-)
-@click.option(
-    "--temperature",
-    type=Number(),
-    help="recall: softmax temperature over similarities (> 0, default 1 = plain softmax).",
-)
-@click.option(
-    "--normalize/--no-normalize", default=None, help="Divide by the sum of weights (defaults depend on the method)."
-)
-@click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical samples, one per line.")
-@click.option("--recall-samples", type=int, help="recall: how many typical samples k-means picks (default 8).")
-@click.option(
-    "--embed-rule",
-    type=click.Choice(["nearest", "average", "base", "reference"]),
-    help="recall: weights for embeddings and head (default nearest layer).",
-)
-@click.option("--seed", type=int, help="Seed for DARE's random drop (default 0): same seed, same bytes.")
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Stored dtype (default: the base's). Math is float32.")
-@click.option(
-    "--out-quant",
-    type=click.Choice(["fp8-block"]),
-    help="Write the merge re-quantized to its FP8 input's block scheme (default: dense, quantization_config dropped).",
-)
-@click.option("--copy-files-from", help="Model folder whose config/tokenizer files are copied (default: the base).")
-@click.option(
-    "--tokenizer-source",
-    help="Output vocabulary when the inputs' differ: base, union or a model (rows aligned by token).",
-)
-@click.option(
-    "--mergekit-compat/--no-mergekit-compat",
-    default=None,
-    help="mergekit's defaults and rules (the default for mergekit-format configs).",
-)
-@click.option("--skip", multiple=True, help="Copy tensors whose name contains this text from the base unchanged.")
-@click.option(
-    "--device",
-    type=str,
-    help="Where the math runs: cpu (default), cuda, cuda:N, or auto (cuda where there is one). I/O stays on the CPU.",
-)
-@click.option(
-    "--allow-pickle", is_flag=True, default=None, help="Accept pickle .bin weights (unsafe for untrusted files)."
-)
-@click.option(
-    "--allow-nonfinite", is_flag=True, default=None, help="Merge inputs that contain NaN/Inf instead of stopping."
-)
-@click.option("--force", is_flag=True, default=None, help="Merge LoRA adapters even if their audit REJECTS them.")
-@click.option(
-    "--require-verified",
-    is_flag=True,
-    help="Merge LoRA adapters only when their audit VERIFIES them: a WARN "
-    "stops the merge too (exit 1). Each adapter's verdict is printed on stderr either way.",
-)
-@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-@click.option(
-    "--dry-run",
-    is_flag=True,
-    help="Print the plan (tensors, shapes, bytes, parameters) and its estimated wall "
-    "time and peak memory on this machine, and write no output (the first one measures this machine's "
-    "rates in a few seconds and caches them in ~/.cache/mergekit-lite/rates.json).",
-)
-@click.option("--calibrate", is_flag=True, help="With --dry-run: measure this machine's rates again.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@mergekit_options
-def merge(
+
+ABOUT = """Merge checkpoints tensor by tensor, never holding a whole model in memory.
+
+Give either a YAML CONFIG_FILE (ours or mergekit's) or flags; flags win where both say something. Each method
+parameter is a flag (--alpha, --density, ...; a model's weight is --model PATH:WEIGHT) and a config key under
+parameters: alike, with the bounds and defaults its method declares. mergekit-yaml's flags work with mergekit's meaning (docs/mergekit.md).
+"""
+
+
+def merge_command() -> click.Command:
+    """`merge` as the method registry stands: the command's own options, a flag per method parameter
+    (cli/method_flags.py) and mergekit's shared flags; `--help` lists the methods and what each takes."""
+    flagged = tuple(method_flags.flagged_parameters(methods.REGISTRY))
+
+    def merge(**given):
+        _merge(parameters={name: given.pop(name) for name in flagged}, **given)
+
+    method = click.option(
+        "--method", "-m", type=click.Choice(tuple(methods.REGISTRY)), help="Merge method (see the list above)."
+    )
+    options = (*INPUTS[:3], method, *INPUTS[3:], *method_flags.method_options(methods.REGISTRY), *RUN_OPTIONS)
+    merge = mergekit_options(merge)  # the first applied is the last listed in --help
+    for option in reversed(options):
+        merge = option(merge)
+    help_text = f"{ABOUT}\n{method_flags.methods_help(methods.REGISTRY)}"
+    return click.command("merge", cls=SafeSuggestions, help=help_text, epilog=EXAMPLES)(merge)
+
+
+def _merge(
     config_file,
     out_path,
     out,
     method,
     base,
     models,
-    alpha,
-    beta,
-    t,
-    scale,
-    density,
-    drop,
-    select_topk,
-    decay,
+    parameters,
     order,
-    temperature,
-    normalize,
     recall_texts,
     recall_samples,
     embed_rule,
@@ -220,17 +207,8 @@ def merge(
     quiet,
     **mergekit,
 ):
-    """Merge checkpoints tensor by tensor, never holding a whole model in memory.
-
-    Methods: linear (LERP, weighted average), ema (exponential moving average of checkpoints in training
-    order), slerp, task_arithmetic, ties, dare_linear, dare_ties, recall (layer-wise weights from
-    hidden-representation similarity), recall_lerp (our layer-wise LERP from the same measurements),
-    lines (LiNeS: the task vector scaled linearly with depth), and mergekit's others (della, breadcrumbs,
-    model_stock, nuslerp, multislerp,
-    karcher, nearswap, sce, passthrough). Give either a YAML CONFIG_FILE (ours or mergekit's) or
-    flags; flags win where both say something. mergekit-yaml's flags work with mergekit's meaning
-    (docs/mergekit.md).
-    """
+    """The merge the flags describe: `parameters` are the method flags' values by parameter name (None where
+    not given), `mergekit` mergekit's shared flags (cli/mergekit_flags.py)."""
     from mergekit_lite.io.outputs import check_free_space, check_output_folder
     from mergekit_lite.merge.schema import config_from_dict, load_config
 
@@ -241,18 +219,6 @@ def merge(
     device = flags.device(device)
     out_shard_size = flags.out_shard_size
     data = load_config(config_file).to_dict() if config_file else {"parameters": {}, "recall": {}}
-    parameters = {
-        "alpha": alpha,
-        "beta": beta,
-        "t": t,
-        "lambda": scale,
-        "density": density,
-        "drop": drop,
-        "select_topk": select_topk,
-        "decay": decay,
-        "temperature": temperature,
-        "normalize": normalize,
-    }
     data["parameters"].update({k: v for k, v in parameters.items() if v is not None})
     recall = {"texts": recall_texts, "samples": recall_samples, "embed_rule": embed_rule}
     data["recall"].update({k: v for k, v in recall.items() if v is not None})
@@ -332,3 +298,6 @@ def merge(
         )
         for note in result.plan.notes:
             click.echo(f"note: {note}")
+
+
+merge = merge_command()

@@ -1,6 +1,8 @@
 """The combination types of `merge-adapters`, with PEFT's names (`add_weighted_adapter`'s combination_type). Torch-free,
 so the command line offers them without importing the math (merge/adapter_merge.py)."""
 
+from mergekit_lite.merge.methods.variants import Sparsifier
+
 COMBINATIONS = (
     "svd",
     "linear",
@@ -26,12 +28,13 @@ def dense_rule(kind: str) -> str:
     return "linear" if kind == "svd" else kind.removesuffix("_svd")
 
 
-# each rule (a type without `_svd`): (its sparsifier, whether it elects signs), after PEFT's merge_utils
+# each rule (a type without `_svd`): (its sparsifier, whether it elects signs), after PEFT's merge_utils: its
+# magnitude_based_pruning and random_pruning (`magnitude_pruned`, `randomly_pruned`)
 RULES = {
     "linear": (None, False),
-    "ties": ("magnitude", True),
-    "magnitude_prune": ("magnitude", False),
-    "dare_linear": ("random", False),
-    "dare_ties": ("random", True),
+    "ties": (Sparsifier.MAGNITUDE, True),
+    "magnitude_prune": (Sparsifier.MAGNITUDE, False),
+    "dare_linear": (Sparsifier.RANDOM, False),
+    "dare_ties": (Sparsifier.RANDOM, True),
 }
 SPARSIFIED = tuple(kind for kind in COMBINATIONS if kind != "cat" and RULES[dense_rule(kind)][0])

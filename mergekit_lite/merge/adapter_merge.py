@@ -32,6 +32,7 @@ import torch
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge.adapter_combinations import RULES
 from mergekit_lite.merge.extract import low_rank_factors
+from mergekit_lite.merge.methods.variants import Sparsifier
 
 EXACT = ("cat",)
 
@@ -76,9 +77,9 @@ def combine(
     """PEFT's merge_utils rules: linear (weighted sum), magnitude_prune, dare_linear (sparsify, weighted sum), ties,
     dare_ties (sparsify, elect signs on the unweighted tensors, weighted mean of those that agree)."""
     sparsifier, elect = RULES[rule]
-    if sparsifier == "random":
+    if sparsifier is Sparsifier.RANDOM:
         tensors = [randomly_pruned(t, density, g) for t, g in zip(tensors, generators, strict=True)]
-    elif sparsifier == "magnitude":
+    elif sparsifier is Sparsifier.MAGNITUDE:
         tensors = [magnitude_pruned(t, density) for t in tensors]
     stacked = torch.stack(list(tensors))
     weighted = stacked * torch.tensor(weights, dtype=stacked.dtype).view(-1, *[1] * (stacked.dim() - 1))

@@ -246,8 +246,13 @@ class MergeConfig:
             f"{owner}: {name} has no effect per model (mergekit reads it from parameters: only)"
             for owner, parameters in owners
             for name in parameters
-            if name not in methods.PER_MODEL_PARAMETERS
+            if not self._per_model(name)
         ]
+
+    def _per_model(self, name: str) -> bool:
+        """Whether this config's method declares `name` settable per model."""
+        declared = self.merge_method.parameter(name)
+        return declared is not None and declared.per_model
 
     def _check_parameters(self, parameters: dict, allowed: set[str], where: str, per_model: bool) -> None:
         for name, value in parameters.items():
@@ -258,7 +263,7 @@ class MergeConfig:
                     if not per_model
                     else f"{where} {name!r} cannot be set per model for method {self.method}"
                 )
-            if per_model and name not in methods.PER_MODEL_PARAMETERS and not self.mergekit_compat:
+            if per_model and not self._per_model(name) and not self.mergekit_compat:
                 raise InputError(f"{where} {name!r} cannot be set per model for method {self.method}")
             _check_value(self.merge_method.parameter(name), value)
 

@@ -46,7 +46,7 @@ from mergekit_lite.io.quantized import dequantized_on_read
 from mergekit_lite.io.safetensors import SINGLE_FILE, PlannedTensor, ShardedWriter, read_at
 from mergekit_lite.merge import engine, slabs
 from mergekit_lite.merge.methods import NAMES, REGISTRY, tensor_math
-from mergekit_lite.merge.plan import MergePlan, plan_merge
+from mergekit_lite.merge.plan import MergePlan, StepAction, plan_merge
 from mergekit_lite.merge.schema import config_from_dict
 
 RATES_FORMAT = 7  # bump when what calibrate measures changes: older entries are measured again
@@ -223,7 +223,7 @@ def _when(rates: Rates) -> str:
 def estimate(plan: MergePlan, rates: Rates) -> Estimate:
     """Wall time and peak RSS of running `plan` as a process on the machine `rates` were measured on."""
     method = plan.config.merge_method.same_math_as or plan.config.method
-    merged = [step for step in plan.steps if step.action != "copy"]
+    merged = [step for step in plan.steps if step.action is not StepAction.COPY]
     input_bytes = sum(engine.input_bytes(plan, step) for step in plan.steps)
     math_s = sum(
         rates.math_s_per_step[method] + math.prod(step.shape) * rates.math_ns_per_element[method] * 1e-9

@@ -42,6 +42,7 @@ from mergekit_lite.merge.plan import (
     PROVENANCE_FILE,
     RECALL_WEIGHTS_FILE,
     MergePlan,
+    StepAction,
     TensorStep,
     plan_merge,
 )
@@ -238,7 +239,7 @@ def _read_step(plan: MergePlan, part: slabs.Part, ring: BufferRing, decided: dic
     with torch_threads(1):
         if part.rows is None:
             tensors = slabs.load_part(plan, part, block, sizes)
-            copied = step.action == "copy" or slabs.all_identical(tensors)
+            copied = step.action is StepAction.COPY or slabs.all_identical(tensors)
         elif step.name in ahead:
             tensors = slabs.load_part(plan, part, block, sizes)
             copied, statistics = ahead[step.name].result()

@@ -27,6 +27,7 @@ from mergekit_lite.merge.config import (
     resolve,
 )
 from mergekit_lite.merge.methods.registry import Depth, StepParameters
+from mergekit_lite.merge.methods.variants import Variant
 from mergekit_lite.merge.vocab import align_vocabularies, limit_vocabulary_inputs
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\.")
@@ -66,18 +67,28 @@ def with_layer(tensor_name: str, index: int) -> str:
     return f"{tensor_name[: match.start(1)]}{index}{tensor_name[match.end(1) :]}"
 
 
+class StepAction(Variant):
+    """What a plan step does with its tensor."""
+
+    MERGE = "merge"  # the method combines the inputs (the step's parameters say how)
+    COPY = "copy"  # the first input is written unchanged (the step's reason says why)
+
+
 @dataclass(frozen=True)
 class TensorStep:
     """One output tensor: merge it with these resolved parameters (its method's own type), or copy it from the
-    first input."""
+    first input. `action` may be given by its value ("merge")."""
 
     name: str
     shape: tuple[int, ...]
     out_dtype: torch.dtype
-    action: str  # "merge" or "copy"
+    action: StepAction
     parameters: StepParameters | None = None
     reason: str = ""
     inputs: tuple[tuple[int, str], ...] = ()  # (source index, tensor name) per input; () = every source, this name
+
+    def __post_init__(self):
+        object.__setattr__(self, "action", StepAction(self.action))
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +140,7 @@ class MergePlan:
         lines += [f"  note: {note}" for note in self.notes]
         width = max((len(step.name) for step in self.steps), default=10)
         for step in self.steps:
-            what = step.reason if step.action == "copy" else _format_parameters(step.parameters.shown())
+            what = step.reason if step.action is StepAction.COPY else _format_parameters(step.parameters.shown())
             if any(name != step.name for _, name in step.inputs):
                 what += "  from " + ", ".join(f"{index}:{name}" for index, name in step.inputs)
             lines.append(
@@ -208,18 +219,18 @@ def _check_kinds(name: str, dtypes: list[tuple[str, torch.dtype]]) -> None:
 
 def _plan_step(config: MergeConfig, name, shape, stored_dtype, depth, n_layers, recall_weights) -> TensorStep:
     if not stored_dtype.is_floating_point:
-        return TensorStep(name, shape, stored_dtype, "copy", reason="not floating point: copied from input 0")
+        return TensorStep(name, shape, stored_dtype, StepAction.COPY, reason="not floating point: copied from input 0")
     out_dtype = getattr(torch, config.dtype) if config.dtype else stored_dtype
     skipped = next((pattern for pattern in config.skip if pattern in name), None)
     if skipped:
         return TensorStep(
-            name, shape, out_dtype, "copy", reason=f"matches skip filter {skipped!r}: copied from input 0"
+            name, shape, out_dtype, StepAction.COPY, reason=f"matches skip filter {skipped!r}: copied from input 0"
         )
     parameters = step_parameters(config, name, depth, n_layers, recall_weights)
     copied = config.merge_method.copies(parameters)
     if copied:
-        return TensorStep(name, shape, out_dtype, "copy", reason=copied)
-    return TensorStep(name, shape, out_dtype, "merge", parameters)
+        return TensorStep(name, shape, out_dtype, StepAction.COPY, reason=copied)
+    return TensorStep(name, shape, out_dtype, StepAction.MERGE, parameters)
 
 
 def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> MergePlan:

@@ -213,12 +213,13 @@ class _MergekitConfig(_Options):
         if bool(self.models) == bool(self.slices):
             raise InputError("give exactly one of models: or slices: (as mergekit requires)")
         base = _reference(self.base_model) if self.base_model else None
+        booleans = _boolean_parameters(self.merge_method)
         models, base_parameters = [], {}
         for entry in self.models or []:
             if _reference(entry.model) == base:  # the base listed among the models is still the base
-                base_parameters = _as_mergekit_reads(entry.parameters)
+                base_parameters = _as_mergekit_reads(entry.parameters, booleans)
             else:
-                models.append(ModelSpec(_reference(entry.model), _as_mergekit_reads(entry.parameters)))
+                models.append(ModelSpec(_reference(entry.model), _as_mergekit_reads(entry.parameters, booleans)))
         if self.models and not models:
             raise InputError(
                 f"every entry under models: is the base ({base}): nothing to merge into it "
@@ -230,20 +231,21 @@ class _MergekitConfig(_Options):
                 raise InputError("slices: residual_weight is not supported")
             _check_slice_base(number, self.merge_method, part.base_model or self.base_model, part.sources)
             sources = [
-                replace(source.to_source(), parameters=_as_mergekit_reads(source.parameters)) for source in part.sources
+                replace(source.to_source(), parameters=_as_mergekit_reads(source.parameters, booleans))
+                for source in part.sources
             ]
             slices.append(
                 Slice(
                     sources,
                     _reference(part.base_model) if part.base_model else None,
-                    _as_mergekit_reads(part.parameters),
+                    _as_mergekit_reads(part.parameters, booleans),
                 )
             )
         # mergekit's dtype is the compute dtype, which also becomes the stored one unless out_dtype is given;
         # here the math is float32 always, so only the stored dtype is taken.
         return {
             **self.common_fields(),
-            "parameters": _as_mergekit_reads(self.parameters),
+            "parameters": _as_mergekit_reads(self.parameters, booleans),
             "method": self.merge_method,
             "base": base,
             "models": models,
@@ -289,19 +291,25 @@ def _default_module(data: dict) -> dict:
     return unwrapped
 
 
-def _as_mergekit_reads(parameters: dict | None) -> dict:
+def _boolean_parameters(method: str) -> set[str]:
+    """The boolean parameters `method` declares (none for an unknown method, refused with the config)."""
+    declared = methods.REGISTRY.get(method)
+    return {parameter.name for parameter in declared.parameters if parameter.kind is bool} if declared else set()
+
+
+def _as_mergekit_reads(parameters: dict | None, booleans: set[str]) -> dict:
     """A parameter map with each value as mergekit's typed validation reads it: YAML takes `1e-5` (no dot) for
     a string, which mergekit reads as the number; a boolean parameter given as 1 or 0 is true or false. A
     string for a boolean (`'false'`) is still refused by _check_value: Python would read it as true."""
-    return {name: _typed(name, value) for name, value in (parameters or {}).items()}
+    return {name: _typed(value, name in booleans) for name, value in (parameters or {}).items()}
 
 
-def _typed(name: str, value: Any) -> Any:
+def _typed(value: Any, boolean: bool) -> Any:
     if isinstance(value, list):
-        return [_typed(name, entry) for entry in value]
+        return [_typed(entry, boolean) for entry in value]
     if isinstance(value, dict):
-        return {**value, "value": _typed(name, value["value"])} if "value" in value else value
-    if name in methods.BOOLEAN_PARAMETERS:
+        return {**value, "value": _typed(value["value"], boolean)} if "value" in value else value
+    if boolean:
         return bool(value) if type(value) in (int, float) and value in (0, 1) else value
     if isinstance(value, str):
         try:

@@ -24,7 +24,7 @@ import torch
 
 from mergekit_lite.io.buffers import aligned
 from mergekit_lite.io.safetensors import ModelSource
-from mergekit_lite.merge.plan import MergePlan, TensorStep
+from mergekit_lite.merge.plan import MergePlan, StepAction, TensorStep
 
 SLAB_BYTES = 32 << 20  # the inputs' bytes one slab reads, all inputs together
 RING_SLABS = 3  # slabs in flight: one being read, one in the math, one being written
@@ -60,7 +60,7 @@ def slab_rows(plan: MergePlan, step: TensorStep) -> int | None:
     method = plan.config.merge_method
     in_slabs = method.elementwise or method.slab_statistics
     if (
-        step.action != "merge"
+        step.action is not StepAction.MERGE
         or len(step.shape) < 2
         or not in_slabs
         or any(type(source) is not ModelSource for source, _ in inputs)
@@ -91,7 +91,7 @@ def row_slabs(step: TensorStep, rows: int) -> list[Part]:
 def block_sizes(plan: MergePlan, part: Part) -> list[int]:
     """Each input's share of the part's ring block, page-aligned so every tensor view is aligned."""
     step = part.step
-    inputs = plan.inputs_of(step)[:1] if step.action == "copy" else plan.inputs_of(step)
+    inputs = plan.inputs_of(step)[:1] if step.action is StepAction.COPY else plan.inputs_of(step)
     return [aligned(math.prod(part.shape) * source.dtype(name).itemsize) for source, name in inputs]
 
 

@@ -31,8 +31,6 @@ NAMES = tuple(REGISTRY)
 PARAMETERS: dict[str, Parameter] = {
     parameter.name: parameter for method in reversed(REGISTRY.values()) for parameter in reversed(method.parameters)
 }
-BOOLEAN_PARAMETERS = {name for name, parameter in PARAMETERS.items() if parameter.kind is bool}
-PER_MODEL_PARAMETERS = {name for name, parameter in PARAMETERS.items() if parameter.per_model}
 SWEEPABLE = {name: method for name, method in REGISTRY.items() if method.main_coefficient}
 
 

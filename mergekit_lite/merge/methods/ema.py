@@ -12,7 +12,12 @@ from mergekit_lite.merge.methods.registry import (
     require,
 )
 
-DECAY = Parameter("decay", "the weight of the running average at each checkpoint", low=0.0, high=1.0)
+DECAY = Parameter(
+    "decay",
+    "the weight of the running average at each checkpoint (s_i = decay*s_(i-1) + (1-decay)*c_i, in training order)",
+    low=0.0,
+    high=1.0,
+)
 
 
 def ema_weights(count: int, decay: float) -> list[float]:

@@ -66,7 +66,11 @@ class LayerScaled(StepParameters):
 class Lines(Method):
     name = "lines"
     summary = "task vectors scaled linearly with depth (LiNeS)"
-    parameters = (replace(ALPHA, help="the scale of the task vector in the first layer"), BETA, WEIGHT)
+    parameters = (
+        replace(ALPHA, help="the scale of the task vector in the first layer and outside the layers"),
+        BETA,
+        WEIGHT,
+    )
     main_coefficient = "alpha"
     alpha_meaning = "LiNeS: post's task vector scaled by alpha in the first layer, rising linearly to 1 in the last"
     post_at_one_without_beta = True

@@ -3,12 +3,16 @@ nearswap)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mergekit_lite.merge.methods.registry import Calibration, Depth, Method, Position, T, require
 
 if TYPE_CHECKING:
     import torch
+
+# SLERP's t, read as a distance: no default, a nearswap config must give it
+DISTANCE = replace(T, help="the distance within which the model's entries are taken whole", default=None)
 
 
 def nearswap(base: torch.Tensor, model: torch.Tensor, t: float) -> torch.Tensor:
@@ -25,7 +29,7 @@ def nearswap(base: torch.Tensor, model: torch.Tensor, t: float) -> torch.Tensor:
 class Nearswap(Method):
     name = "nearswap"
     summary = "the base, with the model's entries where the two are within t"
-    parameters = (T,)
+    parameters = (DISTANCE,)
     elementwise = True
     calibration = Calibration({"t": 0.5}, 1, with_base=True)
 

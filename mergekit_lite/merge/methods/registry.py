@@ -26,7 +26,10 @@ NOT_SET = object()
 @dataclass(frozen=True)
 class Parameter:
     """One knob a method takes: `kind` float, bool or int; `low`/`high` bounds (None: unbounded) and whether each
-    is included; `per_model`: settable per input model (under models:), else only globally."""
+    is included; `per_model`: settable per input model (under models:), else only globally; `per_model_only`: a
+    setting of each model that the command line takes with its model (`merge --model PATH:WEIGHT`), so it has no
+    flag of its own (a config may still give it under parameters: or a slice). `merge`'s flags, their help and
+    the YAML configs' keys all come from these declarations (cli/method_flags.py, merge/config.py)."""
 
     name: str
     help: str
@@ -37,6 +40,7 @@ class Parameter:
     low_inclusive: bool = True
     high_inclusive: bool = True
     per_model: bool = False
+    per_model_only: bool = False
     mergekit_default: Any = NOT_SET  # mergekit's default where it differs (used in mergekit_compat mode)
 
     def bounds_text(self) -> str:
@@ -54,10 +58,12 @@ class Parameter:
 # The knobs several methods share (a method's own knobs sit in its module). Their defaults and those of the methods'
 # own knobs are mergekit's; where mergekit's differ (its generalized_task_arithmetic.py and merge_methods/registry.py),
 # `mergekit_default` holds them for mergekit_compat mode: nothing is trimmed or dropped unless `density` is given.
-WEIGHT = Parameter("weight", "a model's weight in the combination", default=1.0, per_model=True)
+WEIGHT = Parameter("weight", "a model's weight in the combination", default=1.0, per_model=True, per_model_only=True)
 NORMALIZE = Parameter("normalize", "divide by the sum of the weights", kind=bool, default=True)
-ALPHA = Parameter("alpha", "the weight of the second model (post)", low=0.0, high=1.0)
-LAMBDA = Parameter("lambda", "the scale of the combined task vectors added to the base", default=1.0)
+ALPHA = Parameter("alpha", "the weight of the second model (post), 1 - alpha on the first", low=0.0, high=1.0)
+LAMBDA = Parameter(
+    "lambda", "the scale of the combined task vectors added to the base (negative subtracts)", default=1.0
+)
 T = Parameter("t", "the interpolation position from the base (0) to the model (1)", default=0.5, low=0.0, high=1.0)
 DENSITY = Parameter(
     "density",

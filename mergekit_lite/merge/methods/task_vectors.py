@@ -27,10 +27,13 @@ from mergekit_lite.merge.methods.registry import (
     Parameter,
     StepParameters,
 )
+from mergekit_lite.merge.methods.variants import Sparsifier
 from mergekit_lite.threads import start_on_other_cores
 
 if TYPE_CHECKING:
     import torch
+
+    from mergekit_lite.merge.methods import tensor_math
 
 DROP = Parameter(
     "drop",
@@ -61,13 +64,16 @@ DARE_MASK_VERSION = (
     2  # 1: torch's Mersenne Twister, float uniforms, one sequential stream per tensor; 2: Philox4x64-10,
 )
 # 16 bits per entry at the entry's own counter (`tensor_math.keep_indicator`)
-# the knobs of each sparsifier beyond lambda, weight, normalize, int8_mask and rescale
+
+
+# the knobs of each sparsifier beyond lambda, weight, normalize, int8_mask and rescale (DARE's density is mergekit's
+# name for 1 - drop)
 SPARSIFIER_PARAMETERS = {
     None: (),
-    "magnitude": (DENSITY,),
-    "random": (DROP, DENSITY),
-    "magprune": (DENSITY, EPSILON),
-    "outliers": (DENSITY, GAMMA),
+    Sparsifier.MAGNITUDE: (DENSITY,),
+    Sparsifier.RANDOM: (DROP, DENSITY),
+    Sparsifier.MAGPRUNE: (DENSITY, EPSILON),
+    Sparsifier.OUTLIERS: (DENSITY, GAMMA),
 }
 
 
@@ -144,8 +150,8 @@ class TaskVectorParameters(StepParameters):
 
 
 class TaskVectorMethod(Method):
-    """One member of the family: which sparsifier (None, "magnitude", "random", "magprune" or "outliers"),
-    whether signs must agree, and its defaults for normalize and rescale (mergekit's)."""
+    """One member of the family: which `Sparsifier` (None: none), whether signs must agree, and its defaults for
+    normalize and rescale (mergekit's)."""
 
     main_coefficient = "lambda"
     needs_base = True
@@ -153,7 +159,7 @@ class TaskVectorMethod(Method):
     def __init__(
         self,
         name: str,
-        sparsifier: str | None,
+        sparsifier: Sparsifier | None,
         consensus: bool,
         normalize: bool,
         rescale: bool,
@@ -164,20 +170,27 @@ class TaskVectorMethod(Method):
         self.name, self.sparsifier, self.consensus, self.summary = name, sparsifier, consensus, summary
         self.normalize, self.rescale, self.alpha_meaning = normalize, rescale, alpha_meaning
         self.mergekit_normalize = normalize if mergekit_normalize is None else mergekit_normalize
-        self.parameters = (LAMBDA, WEIGHT, *SPARSIFIER_PARAMETERS[sparsifier], NORMALIZE, INT8_MASK, RESCALE)
-        self.draws_dare_masks = sparsifier == "random"
+        self.parameters = (
+            LAMBDA,
+            WEIGHT,
+            *SPARSIFIER_PARAMETERS[sparsifier],
+            NORMALIZE,
+            INT8_MASK,
+            RESCALE,
+        )
+        self.draws_dare_masks = sparsifier is Sparsifier.RANDOM
         self.pre_at_zero = True  # lambda 0: no task vector
         self.post_at_one = sparsifier is None  # lambda 1, nothing sparsified: post itself
         self.sparsifies = sparsifier is not None
         self.scales_task_vector = sparsifier is None and not consensus  # pre + lambda * (post - pre), one model
-        self.elementwise = sparsifier in (None, "random")
-        self.slab_statistics = sparsifier == "magnitude"  # TIES's trim: elementwise once each threshold is known
-        # the sparsifiers that select entries may zero a NaN/Inf input; DARE's 0-or-1 mask multiplies, keeping NaN
-        self.hides_nonfinite = sparsifier not in (None, "random")
+        self.elementwise = sparsifier in (None, Sparsifier.RANDOM)
+        # TIES's trim: elementwise once each threshold is known
+        self.slab_statistics = sparsifier is Sparsifier.MAGNITUDE
+        self.hides_nonfinite = sparsifier is not None and sparsifier.by_magnitude
         # ~15 float32 ops per element and model: several times the reading and writing
         self.compute_bound = sparsifier is not None
         # DARE's masks are drawn, and TIES's coming thresholds counted, on the other cores (benchmarks/RESULTS.md)
-        self.one_chunk_thread = sparsifier in ("random", "magnitude")
+        self.one_chunk_thread = sparsifier in (Sparsifier.RANDOM, Sparsifier.MAGNITUDE)
 
     def default(self, name: str, mergekit_compat: bool):
         if name == "normalize":
@@ -187,19 +200,18 @@ class TaskVectorMethod(Method):
         return super().default(name, mergekit_compat)
 
     def check(self, config) -> None:
-        if config.parameters.get("rescale") is True and self.sparsifier == "magnitude":
+        if config.parameters.get("rescale") is True and self.sparsifier is Sparsifier.MAGNITUDE:
             raise InputError(f"rescale applies to DARE's random drop; {self.name} trims by magnitude without rescaling")
 
     def step_parameters(self, config, value, depth: Depth) -> TaskVectorParameters:
-        from mergekit_lite.merge.methods import tensor_math
-
         models = range(len(config.models))
         per_model = {}
-        if self.sparsifier in ("magnitude", "magprune", "outliers"):
+        sparsifier = self.sparsifier
+        if sparsifier is not None and sparsifier.by_magnitude:
             per_model["densities"] = [value("density", i) for i in models]
-        if self.sparsifier == "random":
+        if sparsifier is Sparsifier.RANDOM:
             per_model["drops"] = [value("drop", i) for i in models]
-        if self.sparsifier == "magprune":
+        if sparsifier is Sparsifier.MAGPRUNE:
             per_model["epsilons"] = [value("epsilon", i) for i in models]
             for density, epsilon in zip(per_model["densities"], per_model["epsilons"]):
                 if density < 1.0 and not (density - epsilon > 0.0 and density + epsilon < 1.0):
@@ -207,11 +219,11 @@ class TaskVectorMethod(Method):
                         f"tensor {depth.name}: della needs 0 < density - epsilon and density + epsilon "
                         f"< 1, got density {density:g}, epsilon {epsilon:g}"
                     )
-        if self.sparsifier == "outliers":
+        if sparsifier is Sparsifier.OUTLIERS:
             per_model["gammas"] = [value("gamma", i) for i in models]
-        if self.sparsifier in ("random", *tensor_math.L1_RESCALED):
+        if sparsifier is Sparsifier.RANDOM or (sparsifier is not None and sparsifier.l1_rescaled):
             per_model["rescale"] = config.parameter("rescale")
-        rules = config.mergekit_compat and (self.sparsifier == "magnitude" or self.consensus)
+        rules = config.mergekit_compat and (sparsifier is Sparsifier.MAGNITUDE or self.consensus)
         return TaskVectorParameters(
             value("lambda"),
             [value("weight", i) for i in models],
@@ -222,36 +234,43 @@ class TaskVectorMethod(Method):
 
     def holds_whole_tensors(self, parameters) -> bool:
         """DELLA's ranks and Breadcrumbs' band are selections over every magnitude of the tensor."""
-        return self.sparsifier in ("magprune", "outliers")
+        return self.sparsifier is not None and self.sparsifier.over_whole_tensors
+
+    def recipe(self, parameters: TaskVectorParameters, **inputs) -> tensor_math.TaskVectorRecipe:
+        """The combination of a tensor's task vectors (`tensor_math.task_vector_merge`): this member's, with the
+        step's parameters and the sparsifier's `inputs` (thresholds, generators, ...)."""
+        from mergekit_lite.merge.methods import tensor_math
+
+        return tensor_math.TaskVectorRecipe(
+            scale=parameters.scale,
+            sparsifier=self.sparsifier,
+            consensus=self.consensus,
+            normalize=parameters.normalize,
+            mergekit_rules=parameters.mergekit_rules,
+            densities=parameters.densities,
+            drops=parameters.drops,
+            epsilons=parameters.epsilons,
+            gammas=parameters.gammas,
+            **inputs,
+        )
 
     def whole_tensor_merge(self, parameters, tensors, seed, tensor_name):
         """DELLA (ranks within rows) and the L1 rescales (a norm of the sparsified delta) need whole tensors."""
         from mergekit_lite.merge.methods import tensor_math
 
-        l1_rescaled = self.sparsifier in tensor_math.L1_RESCALED and parameters.rescale
-        if not (self.sparsifier == "magprune" or l1_rescaled):
+        sparsifier = self.sparsifier
+        l1_rescaled = sparsifier is not None and sparsifier.l1_rescaled and parameters.rescale
+        if not (sparsifier is Sparsifier.MAGPRUNE or l1_rescaled):
             return None
-        return tensor_math.task_vector_merge(
-            tensors[0],
-            tensors[1:],
-            parameters.weights,
-            scale=parameters.scale,
-            sparsifier=self.sparsifier,
-            densities=parameters.densities,
-            epsilons=parameters.epsilons,
-            gammas=parameters.gammas,
-            generators=[magprune_generator(seed, tensor_name, i) for i in range(len(tensors) - 1)],
-            rescale=parameters.rescale,
-            consensus=self.consensus,
-            normalize=parameters.normalize,
-            mergekit_rules=parameters.mergekit_rules,
-        )
+        generators = [magprune_generator(seed, tensor_name, i) for i in range(len(tensors) - 1)]
+        recipe = self.recipe(parameters, generators=generators, rescale=parameters.rescale)
+        return tensor_math.task_vector_merge(tensors[0], tensors[1:], parameters.weights, recipe)
 
     def tensor_statistics(self, parameters, tensors):
         """TIES's trim threshold per model (one model per core: exact selections, in any order)."""
         from mergekit_lite.merge.methods import tensor_math
 
-        if self.sparsifier != "magnitude":
+        if self.sparsifier is not Sparsifier.MAGNITUDE:
             return None
         return [
             future.result()
@@ -289,30 +308,19 @@ class TaskVectorMethod(Method):
         from mergekit_lite.merge.methods import tensor_math
 
         thresholds = statistics
-        if self.sparsifier == "outliers":
+        if self.sparsifier is Sparsifier.OUTLIERS:
             thresholds = [
                 tensor_math.outlier_band(tensors[0], model, density, gamma)
                 for model, density, gamma in zip(tensors[1:], parameters.densities, parameters.gammas)
             ]
         keeps = None
-        if self.sparsifier == "random":
+        if self.sparsifier is Sparsifier.RANDOM:
             keys = [dare_key(seed, tensor_name, i) for i in range(len(tensors) - 1)]
             keeps = KeepsAhead(keys, parameters.drops, tensors[0].numel(), tensor_math.ELEMENTWISE_CHUNK, first_element)
         rescale = True if parameters.rescale is None else parameters.rescale
+        recipe = self.recipe(parameters, thresholds=thresholds, rescale=rescale)
         return lambda chunk, out: tensor_math.task_vector_merge(
-            chunk[0],
-            chunk[1:],
-            parameters.weights,
-            scale=parameters.scale,
-            sparsifier=self.sparsifier,
-            thresholds=thresholds,
-            drops=parameters.drops,
-            keeps=None if keeps is None else keeps.take(),
-            consensus=self.consensus,
-            normalize=parameters.normalize,
-            rescale=rescale,
-            mergekit_rules=parameters.mergekit_rules,
-            out=out,
+            chunk[0], chunk[1:], parameters.weights, recipe, keeps=None if keeps is None else keeps.take(), out=out
         )
 
 
@@ -413,7 +421,7 @@ METHODS = (
     ),
     _member(
         "ties",
-        "magnitude",
+        Sparsifier.MAGNITUDE,
         True,
         True,
         False,
@@ -422,7 +430,7 @@ METHODS = (
     ),
     _member(
         "dare_linear",
-        "random",
+        Sparsifier.RANDOM,
         False,
         False,
         True,
@@ -431,7 +439,7 @@ METHODS = (
     ),
     _member(
         "dare_ties",
-        "random",
+        Sparsifier.RANDOM,
         True,
         True,
         True,
@@ -441,7 +449,7 @@ METHODS = (
     ),  # mergekit's does not divide
     _member(
         "della",
-        "magprune",
+        Sparsifier.MAGPRUNE,
         True,
         True,
         True,
@@ -450,7 +458,7 @@ METHODS = (
     ),
     _member(
         "della_linear",
-        "magprune",
+        Sparsifier.MAGPRUNE,
         False,
         False,
         True,
@@ -459,7 +467,7 @@ METHODS = (
     ),
     _member(
         "breadcrumbs",
-        "outliers",
+        Sparsifier.OUTLIERS,
         False,
         False,
         False,
@@ -468,7 +476,7 @@ METHODS = (
     ),
     _member(
         "breadcrumbs_ties",
-        "outliers",
+        Sparsifier.OUTLIERS,
         True,
         False,
         False,

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy
 import torch
 
 from mergekit_lite.merge.methods.chunks import CHUNK, ELEMENTWISE_CHUNK
+from mergekit_lite.merge.methods.variants import Sparsifier
 
 try:  # the merge math fused in C (kernels.c), an optional extension: the same bytes as the torch code below
     from mergekit_lite.merge import _kernels
@@ -49,7 +51,7 @@ DENSE_CHUNK = 1 << 16
 # CUDA kernels alike), and `task_vector` converts them before subtracting
 EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 THRESHOLD_SAMPLE = 1 << 16  # strided sample that brackets TIES's trim threshold on large tensors
-L1_RESCALED = {"magprune", "outliers"}  # sparsifiers whose `rescale` restores the L1 norm (DARE's divides by 1-drop)
+FUSED_SPARSIFIERS = (None, Sparsifier.MAGNITUDE, Sparsifier.RANDOM)  # what kernels.c's task-vector merge takes
 
 
 def linear(
@@ -497,88 +499,100 @@ def positive_agreement(weighted_deltas: torch.Tensor, zero_sum_positive: bool = 
     return torch.mul(weighted_deltas, elected).sign_().clamp_min_(0.0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TaskVectorRecipe:
+    """What `task_vector_merge` does with its inputs: the combination a method names (`sparsifier`, `consensus`,
+    `normalize`, `rescale`, `mergekit_rules`, `scale`) and the sparsifier's inputs per model. Every field defaults
+    to plain task arithmetic; `sparsifier` may be given by its value ("magnitude").
+
+    The magnitude trim takes `thresholds` (from `trim_threshold`) and the outlier band (low, high) pairs (from
+    `outlier_band`), so a tensor can be merged in chunks; both are computed from `densities` (and `gammas`) when
+    not given. DARE drops with `drops`, its masks drawn from each model's Philox `keys` over the whole tensor
+    where no chunk's masks are given; MagPrune draws with `densities` and `epsilons` from each model's
+    `generators`. `rescale` is the sparsifier's own: DARE's 1/(1-drop), or for MagPrune and the outlier band the
+    delta's L1 norm before sparsification (mergekit's; whole tensors only). `mergekit_rules` selects mergekit's
+    trim count and sign vote (see `trim_threshold`, `sign_consensus`).
+    """
+
+    scale: float = 1.0
+    sparsifier: Sparsifier | None = None
+    consensus: bool = False
+    normalize: bool = False
+    rescale: bool = True
+    mergekit_rules: bool = False
+    densities: Sequence[float] | None = None
+    thresholds: Sequence | None = None
+    drops: Sequence[float] | None = None
+    keys: Sequence[int] | None = None
+    generators: Sequence[torch.Generator] | None = None
+    epsilons: Sequence[float] | None = None
+    gammas: Sequence[float] | None = None
+
+    def __post_init__(self):
+        if self.sparsifier is not None:
+            object.__setattr__(self, "sparsifier", Sparsifier(self.sparsifier))
+
+
 def task_vector_merge(
     base: torch.Tensor,
     models: Sequence[torch.Tensor],
     weights: Sequence[float],
+    recipe: TaskVectorRecipe | None = None,
     *,
-    scale: float = 1.0,
-    sparsifier: str | None = None,
-    densities: Sequence[float] | None = None,
-    thresholds: Sequence[float] | None = None,
-    drops: Sequence[float] | None = None,
-    generators: Sequence[torch.Generator] | None = None,
-    keys: Sequence[int] | None = None,
     keeps: Sequence[torch.Tensor | None] | None = None,
-    epsilons: Sequence[float] | None = None,
-    gammas: Sequence[float] | None = None,
-    consensus: bool = False,
-    normalize: bool = False,
-    rescale: bool = True,
-    mergekit_rules: bool = False,
     out: torch.Tensor | None = None,
+    **recipe_fields,
 ) -> torch.Tensor:
     """base + scale * combine(weight_i * sparsify(model_i - base)), in float32, or rounded once into `out` where
-    the compiled kernel takes the inputs (`fused_task_vectors`; the same bytes).
+    the compiled kernel takes the inputs (`fused_task_vectors`; the same bytes), as `recipe` says (or its fields
+    given as keywords: `scale=0.5, sparsifier="magnitude", densities=[0.5]`; with a recipe, they replace its own).
 
     combine is a plain sum, or with `consensus` the sum of the entries agreeing with the elected sign.
     `normalize` divides by the sum of the weights that contributed to each entry (TIES's disjoint mean).
-    The magnitude trim takes `thresholds` (from `trim_threshold`) and the outlier band takes (low, high)
-    pairs (from `outlier_band`), so a tensor can be merged in chunks; both are computed here from
-    `densities` (and `gammas`) when not given. DARE drops with `drops` and each model's `keeps` (from
-    `keep_indicator`; None where nothing drops), drawn here from its Philox `keys` over the whole tensor when
-    not given; MagPrune draws with `densities`
-    and `epsilons` from each model's generator. `rescale` is the sparsifier's own: DARE's 1/(1-drop),
-    or for MagPrune and the outlier band the delta's L1 norm before sparsification (mergekit's; whole
-    tensors only). `mergekit_rules` selects mergekit's trim count and sign vote (see `trim_threshold`,
-    `sign_consensus`).
+    `keeps` are DARE's masks of this chunk per model (from `keep_indicator`; None where a model drops nothing).
     """
-    if sparsifier == "magnitude" and thresholds is None:
-        thresholds = [trim_threshold(base, model, density, mergekit_rules) for model, density in zip(models, densities)]
-    if sparsifier == "random" and keeps is None:
-        keeps = [keep_indicator(key, 0, base.numel(), drop) for key, drop in zip(keys, drops)]
+    if recipe is None or recipe_fields:
+        recipe = TaskVectorRecipe(**recipe_fields) if recipe is None else replace(recipe, **recipe_fields)
+    sparsifier, thresholds = recipe.sparsifier, recipe.thresholds
+    if sparsifier is Sparsifier.MAGNITUDE and thresholds is None:
+        thresholds = [
+            trim_threshold(base, model, density, recipe.mergekit_rules)
+            for model, density in zip(models, recipe.densities)
+        ]
+    if sparsifier is Sparsifier.RANDOM and keeps is None:
+        keeps = [keep_indicator(key, 0, base.numel(), drop) for key, drop in zip(recipe.keys, recipe.drops)]
     if (
         out is not None
-        and sparsifier in (None, "magnitude", "random")
+        and sparsifier in FUSED_SPARSIFIERS
         and len(models) <= MAX_FUSED_MODELS
         and fused(out, base, *models, dtypes=(torch.bfloat16,))
         and all(keep is None or fused(keep, dtypes=(torch.float32,)) for keep in keeps or ())
     ):
-        return fused_task_vectors(
-            out,
-            base,
-            models,
-            weights,
-            scale,
-            thresholds if sparsifier == "magnitude" else None,
-            keeps,
-            drops,
-            consensus,
-            normalize,
-            rescale,
-            mergekit_rules,
-        )
+        trims = thresholds if sparsifier is Sparsifier.MAGNITUDE else None
+        return fused_task_vectors(out, base, models, weights, recipe, trims, keeps)
     base32 = base.to(torch.float32)
-    if sparsifier == "outliers" and thresholds is None:
+    if sparsifier is Sparsifier.OUTLIERS and thresholds is None:
         thresholds = [
-            outlier_band(base32, model, density, gamma) for model, density, gamma in zip(models, densities, gammas)
+            outlier_band(base32, model, density, gamma)
+            for model, density, gamma in zip(models, recipe.densities, recipe.gammas)
         ]
+    consensus, rescale = recipe.consensus, recipe.rescale
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
+    restores_l1 = rescale and sparsifier is not None and sparsifier.l1_rescaled
     merged = None
     for index, (model, weight) in enumerate(zip(models, weights)):
         slot = stacked[index] if consensus else None
         delta = task_vector(model, base32, out=slot)
-        dense_l1 = delta.abs().sum().item() if rescale and sparsifier in L1_RESCALED else None
-        if sparsifier == "magnitude":
+        dense_l1 = delta.abs().sum().item() if restores_l1 else None
+        if sparsifier is Sparsifier.MAGNITUDE:
             trim(delta, thresholds[index])
-        elif sparsifier == "random":
-            delta = random_drop(
-                delta, drops[index], None if keeps[index] is None else keeps[index].view(delta.shape), rescale
-            )
-        elif sparsifier == "magprune":
-            delta = magprune(delta, densities[index], epsilons[index], generators[index])
-        elif sparsifier == "outliers":
+        elif sparsifier is Sparsifier.RANDOM:
+            keep = None if keeps[index] is None else keeps[index].view(delta.shape)
+            delta = random_drop(delta, recipe.drops[index], keep, rescale)
+        elif sparsifier is Sparsifier.MAGPRUNE:
+            delta = magprune(delta, recipe.densities[index], recipe.epsilons[index], recipe.generators[index])
+        elif sparsifier is Sparsifier.OUTLIERS:
             low, high = thresholds[index]
             magnitudes = delta.abs()
             delta.masked_fill_((magnitudes < low) | (magnitudes > high), 0.0)
@@ -591,26 +605,26 @@ def task_vector_merge(
     if consensus:
         positive = weighted_at_least_eps(weights)
         agree = (
-            positive_agreement(stacked, mergekit_rules)
+            positive_agreement(stacked, recipe.mergekit_rules)
             if positive
-            else sign_consensus(stacked, zero_sum_positive=mergekit_rules).to(torch.float32)
+            else sign_consensus(stacked, zero_sum_positive=recipe.mergekit_rules).to(torch.float32)
         )  # converted once
         merged = sum_of_products(stacked, agree)
-        if normalize:
+        if recipe.normalize:
             divisor = row_sum(agree, weights)
             if positive:  # every non-zero divisor is then at least NORM_EPS: a clamp does the masked fill's work
                 divisor = divisor.clamp_min_(NORM_EPS)  # in place: a new sum, or the agreement, read already
             else:
                 divisor = divisor.masked_fill(divisor.abs() < NORM_EPS, 1.0)
-            if scale == 1.0:  # base + merged / divisor in one pass: a division, then an addition, as unfused
+            if recipe.scale == 1.0:  # base + merged / divisor in one pass: a division, then an addition, as unfused
                 return torch.addcdiv(base32, merged, divisor, out=merged)
             merged.div_(divisor)
-    elif normalize:
+    elif recipe.normalize:
         total = math.fsum(weights)
         if abs(total) >= NORM_EPS:
             merged.div_(total)
-    if scale != 1.0:
-        merged.mul_(scale)
+    if recipe.scale != 1.0:
+        merged.mul_(recipe.scale)
     return merged.add_(base32)
 
 
@@ -624,24 +638,21 @@ def fused_task_vectors(
     base: torch.Tensor,
     models: Sequence[torch.Tensor],
     weights: Sequence[float],
-    scale: float,
+    recipe: TaskVectorRecipe,
     thresholds: Sequence[float] | None,
     keeps: Sequence[torch.Tensor | None] | None,
-    drops: Sequence[float] | None,
-    consensus: bool,
-    normalize: bool,
-    rescale: bool,
-    mergekit_rules: bool,
 ) -> torch.Tensor:
     """`task_vector_merge` for bfloat16 inputs and output on the CPU, in kernels.c's one pass: the same operations
     in the same order (trim's hardshrink at `below` the threshold, DARE's addcmul, the weights, the sum or the
     consensus of `positive_agreement` or `sign_consensus`, the divisor of `row_sum`, the scale and the base), so
-    the same bytes as the float32 result rounded."""
+    the same bytes as the float32 result rounded. `thresholds`: the magnitude trim's, else None."""
+    scale, drops, consensus, normalize = recipe.scale, recipe.drops, recipe.consensus, recipe.normalize
     count = len(models)
     lambdas = [-1.0] * count if thresholds is None else [trim_lambda(threshold) for threshold in thresholds]
     keeps = [None] * count if keeps is None else keeps
     keep_scales = [
-        drop_rescale(drop, rescale) if keep is not None else 1.0 for keep, drop in zip(keeps, drops or [0.0] * count)
+        drop_rescale(drop, recipe.rescale) if keep is not None else 1.0
+        for keep, drop in zip(keeps, drops or [0.0] * count)
     ]
     agreement = 0 if not consensus else 1 if weighted_at_least_eps(weights) else 2
     total = math.fsum(weights)
@@ -655,7 +666,7 @@ def fused_task_vectors(
         [0 if keep is None else keep.data_ptr() for keep in keeps],
         keep_scales,
         agreement,
-        mergekit_rules,
+        recipe.mergekit_rules,
         normalize,
         not consensus and normalize and abs(total) >= NORM_EPS,
         scale != 1.0,
