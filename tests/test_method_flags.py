@@ -38,6 +38,7 @@ OWN_OPTIONS = {
     "embed_rule",
     "seed",
     "dtype",
+    "out_quant",
     "copy_files_from",
     "tokenizer_source",
     "mergekit_compat",
