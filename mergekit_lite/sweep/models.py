@@ -294,7 +294,7 @@ def task_vector_state(config: MergeConfig, sources) -> dict:
     import torch
 
     from mergekit_lite.merge.engine import merge_tensor
-    from mergekit_lite.merge.plan import plan_merge
+    from mergekit_lite.merge.plan import StepAction, plan_merge
 
     config = config.with_parameter("lambda", 1.0)
     state = {}
@@ -303,7 +303,7 @@ def task_vector_state(config: MergeConfig, sources) -> dict:
         if not pre.is_floating_point():
             state[step.name] = pre
             continue
-        if step.action == "copy":
+        if step.action is StepAction.COPY:
             state[step.name] = torch.zeros(step.shape, dtype=torch.float32)
             continue
         delta = sources[1].load(step.name).to(torch.float32).sub_(pre.to(torch.float32))
