@@ -510,7 +510,8 @@ def summary(result) -> str:
             f"post  old {result.post.old:.4f}  new {result.post.new:.4f}",
             f"best  alpha={best.alpha!r}{second} ({result.settings.coefficient} of {result.settings.method})  "
             f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}",
-            f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}",
+            f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}"
+            + (f"; {result.separation.text(result.separation.rival)}" if result.separation else ""),
             result.outcome_text(),
             *([result.warning_text()] if result.better else []),
             *probed,

@@ -56,6 +56,10 @@ DEFINITIONS = {
     "kept": "(new_best - new_pre) / (new_post - new_pre) on the report split: share of post's new-task gain the "
     "pick keeps; null when post gained nothing or the pick is pre or post itself",
     "better": "alphas whose HM - pick interval lies above 0: they beat the pick on the report split",
+    "docs_to_separate": "report docs (every task together, in today's proportions) that would separate the pick "
+    "from the runner-up (the best other selection harmonic mean) at their observed report-split difference: "
+    "n = ((z_0.975 + z_0.8) * sd / diff)^2, level 0.05 and power 0.8, sd the per-doc standard deviation of the "
+    "paired differences weighted as the harmonic mean weighs each task (delta method); null when diff is 0",
     "ties": "alphas whose selection harmonic mean is within 1e-9 of the best; the smallest is picked",
     "pareto": "alphas that no other alpha beats on both old and new (selection split)",
 }
@@ -130,6 +134,7 @@ def results_json(result: SweepResult, rows: list[dict] | None = None, kinds=None
             "selection_harmonic_mean": best.selection.harmonic_mean,
             "ties": result.ties,
             "indistinguishable": result.indistinguishable,
+            "docs_to_separate": result.separation.to_json() if result.separation else None,
         },
         "pareto": result.pareto,
         **pick_fields(result),
@@ -374,6 +379,18 @@ def chosen_text(context: ReportContext) -> str:
     return cell_text(pick, settings.coefficient) if settings.second else f"alpha = {pick['alpha']!r}"
 
 
+def separation_text(result: SweepResult) -> str:
+    """The runner-up and the report docs that would separate the pick from it (sweep.power), in words."""
+    return result.separation.text(f"the runner-up ({rival_text(result)})")
+
+
+def rival_text(result: SweepResult) -> str:
+    """The runner-up of the pick as the report names points: `alpha 0.3`, `lambda 0.5, density 0.3` in a 2-D grid."""
+    rival = next(point for point in result.points if point.label == result.separation.rival)
+    shown = f"{result.settings.coefficient} {rival.alpha!r}"
+    return shown + (f", {rival.second[0]} {rival.second[1]!r}" if rival.second else "")
+
+
 def summary_section(context: ReportContext) -> Section:
     """The title, the settings, the definitions, the score table and the pick in words."""
     result, results = context.result, context.results
@@ -404,7 +421,12 @@ def summary_section(context: ReportContext) -> Section:
                 f"{pick['new']:.4f}, harmonic mean {pick['harmonic_mean']:.4f}. Ties: {ties}."
             ]
         ),
-        Prose([f"Indistinguishable from the pick on the report split (HM - pick interval holds 0): {same}."]),
+        Prose(
+            [
+                f"Indistinguishable from the pick on the report split (HM - pick interval holds 0): {same}"
+                + (f"; {separation_text(result)}." if result.separation else ".")
+            ]
+        ),
         Prose([f"Pareto front (selection split): {', '.join(map(repr, results['pareto']))}."]),
     ]
     if result.better:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge import methods
+from mergekit_lite.sweep.power import DocsNeeded, docs_needed, runner_up
 from mergekit_lite.sweep.scoring import (
     PointResult,
     Scores,
@@ -72,6 +73,7 @@ class SweepResult:
     realigned: list[TaskRun] | None = None  # --realign-shots: post again with K demonstrations on the docs it forgot
     drift: object | None = None  # evaluate.drift.DriftReport of post against pre
     vector: dict | None = None  # --groups/--modules: the vector search against the scalar pick (sweep.vector_search)
+    separation: DocsNeeded | None = None  # report docs that would separate the pick from the runner-up (sweep.power)
 
     @property
     def recovered(self) -> float | None:
@@ -182,6 +184,9 @@ def add_intervals(result: SweepResult) -> None:
         for point in candidates
         if point is not result.best and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]
     ]
+    rival = runner_up(result.points, result.best)
+    if rival is not None:
+        result.separation = docs_needed(result.best, rival, result.splits, settings.aggregation)
     result.better = sorted(
         (point for point in candidates if point.intervals["diff_to_pick"][0] > 0),
         key=lambda point: -point.intervals["diff_to_pick"][0],
