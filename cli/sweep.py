@@ -424,6 +424,7 @@ def sweep(
         click.echo(comparison_summary(comparison))
         for result in comparison.sweeps.values():
             _warn_nonfinite(result)
+            _warn_chance(result)
         return
     settings = settings_from_dict(data)
     if replay_out:
@@ -433,6 +434,7 @@ def sweep(
         result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
     _warn_nonfinite(result)
+    _warn_chance(result)
     if settings.save_best:
         click.echo(f"saved the pick ({result.best.label}) as a model folder: {settings.save_best}")
     if replay_out:
@@ -456,6 +458,13 @@ def _warn_nonfinite(result) -> None:
             f"pick (see {result.out / 'report.md'}); sweep smaller coefficients",
             err=True,
         )
+
+
+def _warn_chance(result) -> None:
+    """Tasks pre, post or every merge scored within chance on (sweep.chance): the pick is marked unsupported in
+    results.json and report.md; say so here too."""
+    if result.unsupported:
+        click.echo(f"{result.chance_text()} (see {result.out / 'report.md'})", err=True)
 
 
 def _warn_remote_code(settings) -> None:
@@ -509,7 +518,8 @@ def summary(result) -> str:
             f"pre   old {result.pre.old:.4f}  new {result.pre.new:.4f}",
             f"post  old {result.post.old:.4f}  new {result.post.new:.4f}",
             f"best  alpha={best.alpha!r}{second} ({result.settings.coefficient} of {result.settings.method})  "
-            f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}",
+            f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}"
+            + ("  (unsupported: tasks at chance)" if result.unsupported else ""),
             f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}"
             + (f"; {result.separation.text(result.separation.rival)}" if result.separation else ""),
             result.outcome_text(),

@@ -56,6 +56,10 @@ DEFINITIONS = {
     "kept": "(new_best - new_pre) / (new_post - new_pre) on the report split: share of post's new-task gain the "
     "pick keeps; null when post gained nothing or the pick is pre or post itself",
     "better": "alphas whose HM - pick interval lies above 0: they beat the pick on the report split",
+    "unsupported": "true when pre on an old task, post on a new task, or every merge on any task scores within "
+    "chance (`chance`): the Wilson "
+    "interval of its report-split accuracy covers 1/k for k choices per doc (0 for free-form generation); the "
+    "pick then rests on scores that say nothing about the skill",
     "docs_to_separate": "report docs (every task together, in today's proportions) that would separate the pick "
     "from the runner-up (the best other selection harmonic mean) at their observed report-split difference: "
     "n = ((z_0.975 + z_0.8) * sd / diff)^2, level 0.05 and power 0.8, sd the per-doc standard deviation of the "
@@ -135,9 +139,11 @@ def results_json(result: SweepResult, rows: list[dict] | None = None, kinds=None
             "ties": result.ties,
             "indistinguishable": result.indistinguishable,
             "docs_to_separate": result.separation.to_json() if result.separation else None,
+            "unsupported": result.unsupported,
         },
         "pareto": result.pareto,
         **pick_fields(result),
+        "chance": [level.to_json() for level in result.chance],
         "lm_eval": settings.lm_eval.describe(),
         "search": {
             "method": settings.search,
@@ -416,7 +422,7 @@ def summary_section(context: ReportContext) -> Section:
     blocks += [
         Prose(
             [
-                f"**Pick: {chosen_text(context)}**, chosen on the selection split (harmonic mean "
+                f"**Pick: {chosen_text(context)}**{' (unsupported: tasks at chance, below)' if result.unsupported else ''}, chosen on the selection split (harmonic mean "
                 f"{pick['selection_harmonic_mean']:.4f}); on the report split: old {pick['old']:.4f}, new "
                 f"{pick['new']:.4f}, harmonic mean {pick['harmonic_mean']:.4f}. Ties: {ties}."
             ]
@@ -431,6 +437,8 @@ def summary_section(context: ReportContext) -> Section:
     ]
     if result.better:
         blocks.append(Prose([f"**{_capital(result.warning_text())}**"]))
+    if result.unsupported:
+        blocks.append(Prose([f"**{_capital(result.chance_text())}.**"]))
     blocks.append(Prose([f"{_capital(result.outcome_text())}."]))
     return Section("summary", f"Sweep: {settings.method} between pre and post", blocks, level=1)
 
@@ -450,6 +458,7 @@ def headline(context: ReportContext) -> Headline:
         ("lm-eval", context.results["lm_eval"]),
     ]
     warnings = [_capital(result.warning_text())] if result.better else []
+    warnings += [_capital(result.chance_text())] if result.unsupported else []
     title = f"Sweep: {settings.method} between pre and post"
     return Headline(title, chosen_text(context), scores, verdict, warnings, facts)
 
