@@ -253,6 +253,20 @@ def _flag_values(data: dict, **flags) -> dict:
     "it forgot, and split the forgetting into spurious (K shots bring it back) and genuine.",
 )
 @click.option(
+    "--pre-results",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="Score pre from lm-eval --log_samples outputs already in DIR (results_*.json, samples_<task>_*.jsonl) "
+    "instead of evaluating it: refused unless they hold this sweep's tasks, docs, metrics, filters and prompt "
+    "settings.",
+)
+@click.option(
+    "--post-results",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="Score post from lm-eval --log_samples outputs already in DIR, checked as --pre-results.",
+)
+@click.option(
     "--replay",
     "replay_out",
     type=click.Path(dir_okay=False),
@@ -334,6 +348,8 @@ def sweep(
     vector_search,
     trials,
     vector_start,
+    pre_results,
+    post_results,
 ):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
@@ -401,6 +417,8 @@ def sweep(
         vector_search=vector_search,
         trials=trials,
         vector_start=vector_start,
+        pre_results=pre_results,
+        post_results=post_results,
     )
     listed = data.pop("methods", None)
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]

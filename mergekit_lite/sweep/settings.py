@@ -43,6 +43,7 @@ IDENTITY_FIELDS = (
 SEARCHES = ("grid", "golden")
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
+RESULTS = ("pre_results", "post_results")  # lm-eval output folders an endpoint is scored from (sweep.reuse)
 # a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
@@ -53,7 +54,15 @@ VECTOR_STARTS = ("scalar", "drift")
 # --modules: the module types of evaluate.drift.module_type inside decoder layers, and attn / mlp for their groups
 MODULE_KINDS = ("attn", "mlp", "norm", "q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")
 MODULE_KINDS += ("experts", "shared_expert", "router")
-OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots", *VECTOR_KEYS)  # settings written out only when given
+OPTIONAL_KEYS = (
+    "beta",
+    *SECOND_AXES,
+    "budget",
+    "realign_shots",
+    *VECTOR_KEYS,
+    "pre_results",
+    "post_results",
+)  # settings written out only when given
 
 
 def parse_alphas(spec, name: str = "alphas") -> list[float]:
@@ -159,6 +168,9 @@ class SweepSettings:
     drops: list[float] | None = None
     budget: int | None = None  # sweep.budget: at most this many full evaluations' worth of scored docs
     realign_shots: int | None = None  # sweep.realign: post scored again with K demonstrations on the docs it forgot
+    # sweep.reuse: pre / post scored from lm-eval --log_samples folders the user has, checked against this sweep
+    pre_results: str | None = None
+    post_results: str | None = None
     # sweep.vector: one coefficient per group of decoder layers and/or module type, searched beside the scalar pick
     groups: int | None = None
     modules: list[str] | None = None
@@ -210,7 +222,7 @@ class SweepSettings:
             raise InputError(f"confidence must be in (0, 1), got {self.confidence!r}")
         if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
             raise InputError(f"bootstrap must be a whole number >= 0 (0: no intervals), got {self.bootstrap!r}")
-        for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best", "copy_files_from"):
+        for name in ("pre", "post", "out", "include_path", "recall_texts", "save_best", "copy_files_from") + RESULTS:
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
         if self.method not in methods.SWEEPABLE:
@@ -481,6 +493,8 @@ class SweepFile(BaseModel):
     drops: str | float | list[float] | None = None
     budget: int | None = Field(None, ge=3)
     realign_shots: int | None = None  # checked by SweepSettings (one message for a flag and a file)
+    pre_results: str | None = None  # lm-eval --log_samples folders of pre / post (sweep.reuse)
+    post_results: str | None = None
     groups: int | None = None  # sweep.vector's settings, checked by SweepSettings
     modules: str | list[str] | None = None
     vector_search: str | None = None
