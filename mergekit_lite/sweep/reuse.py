@@ -14,11 +14,11 @@ sweep, and a rerun, never tell them apart from an evaluation.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.lm_harness import TaskScore, _leaf_tasks, _silenced_stderr, task_index
 from mergekit_lite.evaluate.outcomes import find_samples_files, read_samples_file
+from mergekit_lite.evaluate.records import logged_names
 from mergekit_lite.io.validation import read_json
 from mergekit_lite.sweep.scoring import TaskRun, check_groups_disjoint, score_task
 from mergekit_lite.sweep.settings import SweepSettings
@@ -127,7 +127,7 @@ def reused_runs(settings: SweepSettings, label: str, folder: str, tasks: dict | 
             f"{flag} {folder}: no samples of task(s) {', '.join(missing)} (this sweep scores {', '.join(tasks)}); "
             "run lm-eval with --log_samples on every task of the sweep"
         )
-    scoring, runs = settings.scoring(), []
+    scoring, runs, read = settings.scoring(), [], {}
     for name, (group, task) in tasks.items():
         entry = files[name]
         results_path = entry.path.with_name(f"results_{entry.stamp}.json")
@@ -148,7 +148,11 @@ def reused_runs(settings: SweepSettings, label: str, folder: str, tasks: dict | 
             )
         if found:
             raise InputError(f"{flag} {folder}: task {name!r} was scored differently: {'; '.join(found)}")
-        runs.append(score_task(name, group, TaskScore(name, samples, entry.config or {}), scoring))
+        read[name] = (group, TaskScore(name, samples, entry.config or {}))
+    logged = [logged_names(score.samples, score.config) for _, score in read.values()]
+    metrics, filters = (set().union(*(names[position] for names in logged)) for position in (0, 1))
+    scoring.check_logged(metrics, filters, f"{flag} {folder}")  # a --metric no task logs: one line, not a skip each
+    runs = [score_task(name, group, score, scoring) for name, (group, score) in read.items()]
     check_groups_disjoint(runs)
     return runs
 
@@ -161,12 +165,3 @@ def reused_endpoints(settings: SweepSettings) -> dict[str, list[TaskRun]]:
         return {}
     tasks = sweep_tasks(settings)
     return {label: reused_runs(settings, label, folder, tasks) for label, folder in given.items()}
-
-
-def describe(settings: SweepSettings) -> list[str]:
-    """The folders reused, as the report names them."""
-    return [
-        f"{label} scored from lm-eval outputs in `{Path(folder)}` ({FLAGS[label]})"
-        for label, folder in (("pre", settings.pre_results), ("post", settings.post_results))
-        if folder
-    ]
