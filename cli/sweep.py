@@ -289,7 +289,12 @@ def _flag_values(data: dict, **flags) -> dict:
     "when its audit VERIFIES it: a WARN stops the sweep too (exit 1). Its verdict is printed on stderr "
     "either way.",
 )
-@click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
+@click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar either (library bars are hidden by default).")
+@click.option(
+    "--verbose",
+    is_flag=True,
+    help="Show transformers' and lm-eval's own progress bars and logs too (hidden under the sweep's bar by default).",
+)
 def sweep(
     config_file,
     pre,
@@ -350,6 +355,7 @@ def sweep(
     vector_start,
     pre_results,
     post_results,
+    verbose,
 ):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
@@ -360,10 +366,7 @@ def sweep(
     from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
     from mergekit_lite.sweep.samples import check_replay, write_replay
 
-    if quiet:
-        from mergekit_lite.cli.main import quiet_third_party
-
-        quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
+    _library_output(quiet, verbose)
     data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
     data = _flag_values(
         data,
@@ -476,6 +479,20 @@ def _warn_nonfinite(result) -> None:
             f"pick (see {result.out / 'report.md'}); sweep smaller coefficients",
             err=True,
         )
+
+
+def _library_output(quiet: bool, verbose: bool) -> None:
+    """transformers' and lm-eval's bars and logs are quiet under the sweep's own bar (which sets `disable` itself, so
+    TQDM_DISABLE leaves it); --verbose lets them through, lm-eval's stderr included (lm_harness.VERBOSE_ENV)."""
+    from mergekit_lite.cli.main import quiet_third_party
+    from mergekit_lite.evaluate.lm_harness import VERBOSE_ENV
+
+    if quiet and verbose:
+        raise InputError("--quiet and --verbose contradict each other: give one")
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # Ray actors inherit it
+    else:
+        quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
 
 
 def _warn_chance(result) -> None:
