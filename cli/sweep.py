@@ -556,7 +556,7 @@ def summary(result) -> str:
             f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}"
             + ("  (unsupported: tasks at chance)" if result.unsupported else ""),
             f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}"
-            + (f"; {result.separation.text(result.separation.rival)}" if result.separation else ""),
+            + (f"; {result.separation.text()}" if result.separation else ""),
             result.outcome_text(),
             *([result.warning_text()] if result.better else []),
             *probed,

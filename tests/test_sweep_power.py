@@ -109,6 +109,7 @@ def test_the_runner_up_is_the_best_other_selection_score():
 @pytest.mark.slow
 def test_the_sweep_reports_the_estimate_beside_indistinguishable(linear_sweep):
     from cli.sweep import summary
+    from mergekit_lite.sweep.report import card_section
 
     result = linear_sweep
     separation = result.separation
@@ -123,3 +124,5 @@ def test_the_sweep_reports_the_estimate_beside_indistinguishable(linear_sweep):
     line = next(line for line in report.splitlines() if line.startswith("Indistinguishable from the pick"))
     assert "the runner-up (alpha " in line and ("report docs would separate" in line or "not estimable" in line)
     assert separation.text(separation.rival) in summary(result)
+    _, card = card_section(result)  # --save-best's model card says it beside the alphas it cannot tell apart
+    assert (separation.text() in card) == bool(result.indistinguishable)
