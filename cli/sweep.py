@@ -544,6 +544,7 @@ def summary(result) -> str:
             f"probe {len(probe.estimates)} alphas on {probe.samples_probed} of {probe.samples_all} docs each "
             f"(estimates in the report); indistinguishable from the pick by the estimates: "
             f"{', '.join(map(repr, probe.indistinguishable)) or 'none'}"
+            + (f"; {probe.separation.text()}" if probe.separation else "")
         ]
         if probe
         else []

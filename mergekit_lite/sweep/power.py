@@ -41,6 +41,7 @@ class DocsNeeded:
     sd: float  # per-doc standard deviation of the difference (delta method, stratified by task)
     docs: int | None
     docs_now: int  # report docs scored now, every task together
+    kind: str = "report"  # which docs: the report split's, or probe mode's samples of the selection split
 
     def to_json(self) -> dict:
         return {
@@ -48,8 +49,8 @@ class DocsNeeded:
             "rival": self.rival,
             "difference": self.difference,
             "sd": self.sd,
-            "report_docs": self.docs,
-            "report_docs_now": self.docs_now,
+            f"{self.kind}_docs": self.docs,
+            f"{self.kind}_docs_now": self.docs_now,
             "level": LEVEL,
             "power": POWER,
         }
@@ -58,9 +59,12 @@ class DocsNeeded:
         """In words: how many report docs would separate the two, against how many there are."""
         rival = rival or self.rival
         if self.docs is None:
-            return f"report docs to separate {subject} from {rival}: not estimable (the two score alike on the report docs)"
+            return (
+                f"{self.kind} docs to separate {subject} from {rival}: not estimable (the two score alike on the "
+                f"{self.kind} docs)"
+            )
         return (
-            f"about {self.docs} report docs would separate {subject} from {rival} at the observed difference "
+            f"about {self.docs} {self.kind} docs would separate {subject} from {rival} at the observed difference "
             f"({self.difference:+.4f}; {POWER:.0%} power, level {LEVEL:g}; {self.docs_now} now)"
         )
 
@@ -102,6 +106,16 @@ def docs_needed(a: PointResult, b: PointResult, splits: dict, aggregation: str) 
     if abs(difference) > NO_DIFFERENCE:
         docs = max(1, math.ceil(((Z_LEVEL + Z_POWER) * sd / abs(difference)) ** 2))
     return DocsNeeded(a.label, b.label, difference, sd, docs, docs_now)
+
+
+def docs_from_standard_error(pick: str, rival: str, difference: float, se: float, docs_now: int) -> DocsNeeded:
+    """Probe mode's estimate: its two estimates differ by `difference` with standard error `se` (unpaired: probe mode
+    tells points apart by |diff| <= z * hypot(se_a, se_b)) on `docs_now` probe docs each; standard errors shrink as
+    1 / sqrt(docs), so n = docs_now * ((z_{1-a/2} + z_power) * se / diff)^2 probe docs."""
+    docs = None
+    if abs(difference) > NO_DIFFERENCE:
+        docs = max(1, math.ceil(docs_now * ((Z_LEVEL + Z_POWER) * se / abs(difference)) ** 2))
+    return DocsNeeded(pick, rival, difference, se * math.sqrt(docs_now), docs, docs_now, "probe")
 
 
 def runner_up(points: list[PointResult], best: PointResult) -> PointResult | None:

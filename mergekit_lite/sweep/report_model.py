@@ -173,6 +173,7 @@ def probe_json(result: SweepResult) -> dict | None:
         "rate": probe.rate,
         "pick": probe.pick,
         "indistinguishable": probe.indistinguishable,
+        "docs_to_separate": probe.separation.to_json() if probe.separation else None,
         "samples_per_probe": probe.samples_probed,
         "samples_per_full_point": probe.samples_all,
         "sample_evaluations": len(probe.estimates) * probe.samples_probed + probe.samples_all,
@@ -490,7 +491,8 @@ def probe_section(context: ReportContext) -> Section | None:
                     f"{len(probe['estimates'])} alphas scored on {probe['samples_per_probe']} docs each, then the "
                     f"pick on all {probe['samples_per_full_point']}: {probe['sample_evaluations']} doc evaluations "
                     f"against {probe['grid_sample_evaluations']} for the full grid. Indistinguishable from the pick "
-                    f"by the estimates: {', '.join(map(repr, probe['indistinguishable'])) or 'none'}."
+                    f"by the estimates: {', '.join(map(repr, probe['indistinguishable'])) or 'none'}"
+                    + (f"; {context.result.probe.separation.text()}." if context.result.probe.separation else ".")
                 ]
             ),
             Table(columns, rows, "lrrrl", key="probe"),

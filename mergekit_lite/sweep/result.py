@@ -47,6 +47,7 @@ class ProbeTrace:
     indistinguishable: list[float]  # alphas whose estimated HM is within the interval of the pick's
     samples_probed: int  # docs scored per probed alpha
     samples_all: int  # docs of every scored task (both splits): what each alpha costs in a full grid
+    separation: DocsNeeded | None = None  # probe docs that would separate the pick from the runner-up (sweep.power)
 
 
 @dataclass
