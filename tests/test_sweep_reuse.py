@@ -90,3 +90,47 @@ def test_a_folder_without_a_task_of_the_sweep_is_refused(toy_pair, lm_eval_folde
     with pytest.raises(InputError, match=f"no samples of task\\(s\\) {toy_pair.new_tasks[0]}"):
         reused_endpoints(settings(toy_pair, tmp_path / "run", pre_results=str(only_old)))
     assert not (tmp_path / "run").exists()
+
+
+def edited(folder: Path, into: Path, edit) -> Path:
+    """A copy of an lm-eval output folder whose results_*.json `edit` changed (as another run's would read)."""
+    import shutil
+
+    shutil.copytree(folder, into)
+    [results] = into.glob("results_*.json")
+    data = json.loads(results.read_text())
+    edit(data)
+    results.write_text(json.dumps(data))
+    return into
+
+
+def _set(**values):
+    return lambda data: data.update(values)
+
+
+def _task_config(task: str, key: str, value):
+    return lambda data: data["configs"][task].update({key: value})
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (_set(chat_template="{{ messages }}"), "apply_chat_template True (this sweep: False)"),
+        (_set(system_instruction="Be brief."), "system_instruction 'Be brief.' (this sweep: None)"),
+        (
+            _task_config("toy_old", "metric_list", [{"metric": "acc_norm"}]),
+            "metrics ['acc_norm'] (this sweep: ['acc'])",
+        ),
+        (_task_config("toy_old", "filter_list", [{"name": "strict"}]), "filters ['strict'] (this sweep: [])"),
+        (_task_config("toy_old", "num_fewshot", 3), "num_fewshot 3 (this sweep: 0)"),
+    ],
+)
+def test_each_prompt_setting_of_the_results_file_is_checked(toy_pair, lm_eval_folders, tmp_path, edit, named):
+    from mergekit_lite.errors import InputError
+    from mergekit_lite.sweep.reuse import reused_endpoints
+
+    folder = edited(lm_eval_folders["pre"], tmp_path / "edited", edit)
+    with pytest.raises(InputError) as refused:
+        reused_endpoints(settings(toy_pair, tmp_path / "run", pre_results=str(folder)))
+    assert f"--pre-results {folder}: task 'toy_old' was scored differently: " in str(refused.value)
+    assert named in str(refused.value)

@@ -13,6 +13,7 @@ sweep, and a rerun, never tell them apart from an evaluation.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from mergekit_lite.errors import InputError
@@ -79,8 +80,27 @@ def _names(entries, key: str) -> list:
     return [entry.get(key) if isinstance(entry, dict) else entry for entry in entries or []]
 
 
-def differences(settings: SweepSettings, task, results: dict, config: dict) -> list[str]:
-    """How one task of a results file differs from what this sweep scores: metrics, filters, prompt settings."""
+def expected_template(settings: SweepSettings) -> str | None:
+    """The chat template text lm-eval applies in this sweep (its tokenizer's, the named one of several), or None."""
+    if not settings.lm_eval.apply_chat_template:
+        return None
+    from mergekit_lite.merge.recall import find_tokenizer_dir
+    from mergekit_lite.sweep.evaluator import evaluation_tokenizer
+
+    template = evaluation_tokenizer(settings, find_tokenizer_dir([settings.pre, settings.post], 0)).chat_template
+    if isinstance(template, dict):
+        name = settings.lm_eval.apply_chat_template
+        template = template.get(name if isinstance(name, str) else "default")
+    return template if isinstance(template, str) else None
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def differences(settings: SweepSettings, task, results: dict, config: dict, template: str | None = None) -> list[str]:
+    """How one task of a results file differs from what this sweep scores: metrics, filters, prompt settings
+    (`template`: the chat template text this sweep applies)."""
     lm_eval, found = settings.lm_eval, []
     wanted_metrics = _names(task.get_config("metric_list"), "metric")
     if wanted_metrics and _names(config.get("metric_list"), "metric") != wanted_metrics:
@@ -94,6 +114,8 @@ def differences(settings: SweepSettings, task, results: dict, config: dict) -> l
     templated = bool(results.get("chat_template"))
     if templated != bool(lm_eval.apply_chat_template):
         found.append(f"apply_chat_template {templated} (this sweep: {bool(lm_eval.apply_chat_template)})")
+    elif templated and template and isinstance(results["chat_template"], str) and results["chat_template"] != template:
+        found.append(f"chat template sha256 {_digest(results['chat_template'])} (this sweep's: {_digest(template)})")
     elif templated and bool(results.get("fewshot_as_multiturn")) != lm_eval.multiturn:
         found.append(
             f"fewshot_as_multiturn {bool(results.get('fewshot_as_multiturn'))} (this sweep: {lm_eval.multiturn})"
@@ -108,7 +130,9 @@ def differences(settings: SweepSettings, task, results: dict, config: dict) -> l
     return found
 
 
-def reused_runs(settings: SweepSettings, label: str, folder: str, tasks: dict | None = None) -> list[TaskRun]:
+def reused_runs(
+    settings: SweepSettings, label: str, folder: str, tasks: dict | None = None, template: str | None = None
+) -> list[TaskRun]:
     """`label`'s (pre or post) outcomes read from `folder`, checked against this sweep and scored as it scores its
     own evaluations; a folder that scored anything else is refused in one line naming the difference."""
     flag = FLAGS[label]
@@ -137,7 +161,7 @@ def reused_runs(settings: SweepSettings, label: str, folder: str, tasks: dict | 
                 "was scored with cannot be checked"
             )
         results = read_json(results_path)
-        found = differences(settings, task, results, entry.config or {})
+        found = differences(settings, task, results, entry.config or {}, template)
         samples, _ = read_samples_file(entry.path)
         hashes = {str(sample.get("doc_hash")) for sample in samples if isinstance(sample, dict)}
         wanted = expected_doc_hashes(settings, task)
@@ -163,5 +187,5 @@ def reused_endpoints(settings: SweepSettings) -> dict[str, list[TaskRun]]:
     given = {label: folder for label, folder in given.items() if folder}
     if not given:
         return {}
-    tasks = sweep_tasks(settings)
-    return {label: reused_runs(settings, label, folder, tasks) for label, folder in given.items()}
+    tasks, template = sweep_tasks(settings), expected_template(settings)
+    return {label: reused_runs(settings, label, folder, tasks, template) for label, folder in given.items()}
