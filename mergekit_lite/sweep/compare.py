@@ -253,11 +253,13 @@ def comparison_headline(comparison: Comparison) -> Headline:
 
 def pick_lines(comparison: Comparison, outcome: str, warning: str) -> list[str]:
     """Each method's pick in words (forgetting recovered and new skill kept, or that it is pre or post itself), and
-    a warning where another of its alphas beat it on the report split."""
+    a warning where another of its alphas beat it on the report split, or where it rests on tasks scored at chance
+    (sweep.chance)."""
     lines = []
     for method, result in comparison.sweeps.items():
         lines.append(outcome.format(method=method, text=result.outcome_text()))
         lines += [warning.format(method=method, text=result.warning_text())] if result.better else []
+        lines += [warning.format(method=method, text=result.chance_text())] if result.unsupported else []
     return lines
 
 
