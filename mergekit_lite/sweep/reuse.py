@@ -114,9 +114,11 @@ def differences(settings: SweepSettings, task, results: dict, config: dict, temp
     templated = bool(results.get("chat_template"))
     if templated != bool(lm_eval.apply_chat_template):
         found.append(f"apply_chat_template {templated} (this sweep: {bool(lm_eval.apply_chat_template)})")
-    elif templated and template and isinstance(results["chat_template"], str) and results["chat_template"] != template:
-        found.append(f"chat template sha256 {_digest(results['chat_template'])} (this sweep's: {_digest(template)})")
-    elif templated and bool(results.get("fewshot_as_multiturn")) != lm_eval.multiturn:
+    elif templated:
+        text = results["chat_template"]
+        if template and isinstance(text, str) and text != template:
+            found.append(f"chat template sha256 {_digest(text)} (this sweep's: {_digest(template)})")
+    if templated and lm_eval.apply_chat_template and bool(results.get("fewshot_as_multiturn")) != lm_eval.multiturn:
         found.append(
             f"fewshot_as_multiturn {bool(results.get('fewshot_as_multiturn'))} (this sweep: {lm_eval.multiturn})"
         )
@@ -151,7 +153,7 @@ def reused_runs(
             f"{flag} {folder}: no samples of task(s) {', '.join(missing)} (this sweep scores {', '.join(tasks)}); "
             "run lm-eval with --log_samples on every task of the sweep"
         )
-    scoring, runs, read = settings.scoring(), [], {}
+    scoring, read = settings.scoring(), {}
     for name, (group, task) in tasks.items():
         entry = files[name]
         results_path = entry.path.with_name(f"results_{entry.stamp}.json")
