@@ -62,6 +62,20 @@ Examples:
 @given_options(SweepFile)
 @click.option("--baseline", help="With several methods: the one each is compared with (default linear).")
 @click.option(
+    "--pre-results",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="Score pre from lm-eval --log_samples outputs already in DIR (results_*.json, samples_<task>_*.jsonl) "
+    "instead of evaluating it: refused unless they hold this sweep's tasks, docs, metrics, filters and prompt "
+    "settings.",
+)
+@click.option(
+    "--post-results",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="Score post from lm-eval --log_samples outputs already in DIR, checked as --pre-results.",
+)
+@click.option(
     "--replay",
     "replay_out",
     type=click.Path(dir_okay=False),
@@ -84,8 +98,13 @@ Examples:
     "when its audit VERIFIES it: a WARN stops the sweep too (exit 1). Its verdict is printed on stderr "
     "either way.",
 )
-@click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar (and fewer library bars).")
-def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, require_verified, quiet):
+@click.option("--quiet", "-q", is_flag=True, help="No sweep progress bar either (library bars are hidden by default).")
+@click.option(
+    "--verbose",
+    is_flag=True,
+    help="Show transformers' and lm-eval's own progress bars and logs too (hidden under the sweep's bar by default).",
+)
+def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, require_verified, quiet, verbose):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
     alpha with the best harmonic mean. Settings come from flags or a YAML CONFIG_FILE with the
@@ -95,10 +114,7 @@ def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, r
     from mergekit_lite.sweep import load_sweep_file, run_sweep, settings_from_dict
     from mergekit_lite.sweep.samples import check_replay, write_replay
 
-    if quiet:
-        from mergekit_lite.cli.main import quiet_third_party
-
-        quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
+    _library_output(quiet, verbose)
     data = {"method": "linear", **(load_sweep_file(config_file) if config_file else {})}
     if given.get("apply_chat_template") == CHAT_TEMPLATE_DEFAULT:
         given["apply_chat_template"] = True
@@ -129,6 +145,7 @@ def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, r
         click.echo(comparison_summary(comparison))
         for result in comparison.sweeps.values():
             _warn_nonfinite(result)
+            _warn_chance(result)
         return
     settings = settings_from_dict(data)
     if replay_out:
@@ -138,6 +155,7 @@ def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, r
         result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
     _warn_nonfinite(result)
+    _warn_chance(result)
     if settings.save_best:
         click.echo(f"saved the pick ({result.best.label}) as a model folder: {settings.save_best}")
     if settings.save_best_adapter:
@@ -163,6 +181,27 @@ def _warn_nonfinite(result) -> None:
             f"pick (see {result.out / 'report.md'}); sweep smaller coefficients",
             err=True,
         )
+
+
+def _library_output(quiet: bool, verbose: bool) -> None:
+    """transformers' and lm-eval's bars and logs are quiet under the sweep's own bar (which sets `disable` itself, so
+    TQDM_DISABLE leaves it); --verbose lets them through, lm-eval's stderr included (lm_harness.VERBOSE_ENV)."""
+    from mergekit_lite.cli.main import quiet_third_party
+    from mergekit_lite.evaluate.lm_harness import VERBOSE_ENV
+
+    if quiet and verbose:
+        raise InputError("--quiet and --verbose contradict each other: give one")
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # Ray actors inherit it
+    else:
+        quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
+
+
+def _warn_chance(result) -> None:
+    """Tasks pre, post or every merge scored within chance on (sweep.chance): the pick is marked unsupported in
+    results.json and report.md; say so here too."""
+    if result.unsupported:
+        click.echo(f"{result.chance_text()} (see {result.out / 'report.md'})", err=True)
 
 
 def _warn_remote_code(settings) -> None:
@@ -207,6 +246,7 @@ def summary(result) -> str:
             f"probe {len(probe.estimates)} alphas on {probe.samples_probed} of {probe.samples_all} docs each "
             f"(estimates in the report); indistinguishable from the pick by the estimates: "
             f"{', '.join(map(repr, probe.indistinguishable)) or 'none'}"
+            + (f"; {probe.separation.text()}" if probe.separation else "")
         ]
         if probe
         else []
@@ -216,8 +256,10 @@ def summary(result) -> str:
             f"pre   old {result.pre.old:.4f}  new {result.pre.new:.4f}",
             f"post  old {result.post.old:.4f}  new {result.post.new:.4f}",
             f"best  alpha={best.alpha!r}{second} ({result.settings.coefficient} of {result.settings.method})  "
-            f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}",
-            f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}",
+            f"old {best.old:.4f}  new {best.new:.4f}  harmonic mean {best.harmonic_mean:.4f}"
+            + ("  (unsupported: tasks at chance)" if result.unsupported else ""),
+            f"      {split}; indistinguishable from the pick: {', '.join(map(repr, result.indistinguishable)) or 'none'}"
+            + (f"; {result.separation.text()}" if result.separation else ""),
             result.outcome_text(),
             *([result.warning_text()] if result.better else []),
             *probed,

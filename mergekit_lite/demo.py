@@ -128,6 +128,7 @@ def summary_data(sweeps: dict[str, SweepResult], audits: list) -> dict:
                 "intervals": r.best.intervals,
                 "selection_harmonic_mean": r.best.selection.harmonic_mean,
                 "indistinguishable": r.indistinguishable,
+                "docs_to_separate": r.separation.to_json() if r.separation else None,
                 **pick_fields(r),
             }
             for method, r in sweeps.items()
@@ -186,6 +187,8 @@ def summary_markdown(sweeps: dict[str, SweepResult], audits: list) -> str:
         if result.pick_is:
             recovered = kept = f"the pick is {result.pick_is} itself"
         same = ", ".join(f"{alpha:g}" for alpha in result.indistinguishable) or "none"
+        if result.separation:  # the report docs that would separate the pick from its runner-up (sweep.power)
+            same += f" ({result.separation.text('the runner-up')})"
         rows.append(
             f"| best {method} | {best.alpha:g} | {best.old:.3f}{_interval(best, 'old')} | "
             f"{best.new:.3f}{_interval(best, 'new')} | {best.harmonic_mean:.3f}"

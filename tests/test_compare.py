@@ -10,6 +10,8 @@ from test_safety import cli
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.sweep import method_settings, run_comparison
+from mergekit_lite.sweep.compare import comparison_summary
+from mergekit_lite.sweep.power import docs_needed
 from mergekit_lite.sweep.store import POINTS_DIR
 
 pytestmark = pytest.mark.slow
@@ -76,9 +78,25 @@ def test_comparison_files_agree_with_the_result(comparison):
         low, high = entry["diff_to_baseline"]
         assert entry["indistinguishable_from_baseline"] == (low <= 0 <= high)
         assert len(entry["points"]) == len(ALPHAS)
+        separation = entry["docs_to_separate"]  # the docs-needed estimate against the baseline's pick (sweep.power)
+        assert (separation is None) == (row.method == "linear")
+        if separation:
+            assert (
+                separation
+                == docs_needed(row.pick, comparison.sweeps["linear"].best, *shared_splits(comparison)).to_json()
+            )
     markdown = (comparison.out / "comparison.md").read_text()
+    for row in comparison.rows:
+        if row.indistinguishable and row.method != "linear":
+            said = row.separation.text("linear's pick")
+            assert f"- {row.method}: {said}." in markdown and said in comparison_summary(comparison)
     assert all(f"[{method}]({method}/report.md)" in markdown for method in METHODS)
     assert (comparison.out / "pareto.png").stat().st_size > 0
+
+
+def shared_splits(comparison):
+    reference = comparison.sweeps["linear"]
+    return reference.splits, reference.settings.aggregation
 
 
 def test_a_rerun_resumes_everything(toy_pair, comparison):

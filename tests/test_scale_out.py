@@ -272,6 +272,16 @@ def test_probe_sweep_saves_evaluations_and_picks_what_the_grid_cannot_tell_apart
     assert results["probe"]["sample_evaluations"] < results["probe"]["grid_sample_evaluations"]
     assert len(results["probe"]["estimates"]) == len(GRID)
     assert "## Probe estimates" in (out / "report.md").read_text()
+    # beside "indistinguishable by the estimates": the probe docs that would separate the pick from the runner-up
+    separation = result.probe.separation
+    estimates = {row["alpha"]: row for row in results["probe"]["estimates"]}
+    rival = max(
+        (alpha for alpha in estimates if alpha != result.best.alpha), key=lambda a: estimates[a]["harmonic_mean"]
+    )
+    assert separation.rival == f"alpha={rival!r}" and separation.docs_now == results["probe"]["samples_per_probe"]
+    assert separation.difference == estimates[result.best.alpha]["harmonic_mean"] - estimates[rival]["harmonic_mean"]
+    assert results["probe"]["docs_to_separate"] == separation.to_json()
+    assert separation.text() in (out / "report.md").read_text()
     again = probe_sweep(toy_pair, out, probe=0.2)
     assert again.evaluated == [] and again.best.alpha == result.best.alpha  # probes and the pick resumed
     with pytest.raises(InputError, match="other settings"):

@@ -99,6 +99,9 @@ def test_every_cell_is_a_point_and_the_pick_is_the_best_cell(ties_grid):
     assert "## Grid: harmonic mean over lambda (alpha) x density" in report
     assert f"**Pick: lambda {ties_grid.best.alpha!r}, density {ties_grid.best.second[1]!r}**" in report
     assert report.count("**") >= 4 and (out / "sweep.png").stat().st_size > 0
+    rival = next(point for point in ties_grid.points if point.label == ties_grid.separation.rival)  # sweep.power
+    assert f"the runner-up (lambda {rival.alpha!r}, density {rival.second[1]!r})" in report
+    assert data["pick"]["docs_to_separate"] == ties_grid.separation.to_json()
 
 
 def test_the_resident_grid_equals_streamed_one_dimensional_sweeps(toy_pair, ties_grid, tmp_path):

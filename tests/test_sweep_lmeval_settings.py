@@ -4,6 +4,7 @@ any model is read, says when the pick does not hold up or is pre or post itself,
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -417,3 +418,46 @@ def test_settings_pass_through_asdict_as_ray_actors_rebuild_them(toy_pair, tmp_p
     assert SweepSettings(**asdict(settings)) == settings
     assert settings.identity()["lm_eval"] == {"num_fewshot": 3, "apply_chat_template": "tool_use"}
     assert "lm_eval" not in settings_from_dict({**asdict(settings), "lm_eval": None}).identity()
+
+
+@pytest.mark.slow
+def test_lm_evals_chat_outputs_are_reused_under_the_same_flags_and_refused_under_others(chat_sweep, toy_pair):
+    """--pre-results on lm-eval's own CLI run with the sweep's chat flags: taken, scoring pre as the sweep did;
+    without the system instruction, with another template or without the template, refused naming that."""
+    from mergekit_lite.sweep.reuse import reused_endpoints
+
+    root, _, _, lm_eval_folder = chat_sweep
+    data = {
+        "pre": str(root / "pre"),
+        "post": str(root / "post"),
+        "method": "linear",
+        "alphas": [0.5],
+        "old_tasks": toy_pair.old_tasks,
+        "new_tasks": toy_pair.new_tasks,
+        "include_path": str(toy_pair.task_dir),
+        "out": str(root / "elsewhere"),
+        "limit": LIMIT,
+        "pre_results": str(lm_eval_folder),
+        "num_fewshot": 2,
+        "apply_chat_template": True,
+        "fewshot_as_multiturn": True,
+        "system_instruction": SYSTEM,
+    }
+    [reused] = reused_endpoints(settings_from_dict(data)).values()
+    evaluated = json.loads(point_file(root / "run", "pre").read_text())["tasks"]
+    assert {run.task: run.outcomes.correct for run in reused} == {task["task"]: task["correct"] for task in evaluated}
+    for changes, named in (
+        ({"system_instruction": None}, "system_instruction"),
+        ({"apply_chat_template": None, "fewshot_as_multiturn": None}, "apply_chat_template True (this sweep: False)"),
+        ({"fewshot_as_multiturn": False}, "fewshot_as_multiturn True (this sweep: False)"),
+    ):
+        with pytest.raises(InputError, match=re.escape(named)):
+            reused_endpoints(
+                settings_from_dict({key: value for key, value in {**data, **changes}.items() if value is not None})
+            )
+    other = with_chat_template(toy_pair.pre_dir, root / "other-template")
+    template = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**template, "chat_template": CHAT_TEMPLATE + " "}))
+    with pytest.raises(InputError, match="chat template sha256"):
+        reused_endpoints(settings_from_dict({**data, "pre": str(other)}))
+    assert not (root / "elsewhere").exists()

@@ -169,6 +169,14 @@ def test_a_pair_without_layer_structure_reports_that_the_vector_did_not_beat_one
     assert low <= 0
     report = (tmp_path / "run" / "report.md").read_text()
     assert "did not beat one coefficient" in report or "no vector beat the scalar pick" in report
+    separation = vector["docs_to_separate"]  # the docs-needed estimate of the vector against the scalar pick
+    assert (
+        separation["rival"] == result.best.label and separation["difference"] == vector["difference"]["harmonic_mean"]
+    )
+    if "cannot tell them apart" in vector["verdict"]:
+        assert "report docs would separate the vector from the scalar pick" in vector["verdict"] or (
+            "not estimable" in vector["verdict"]
+        )
 
 
 def cli_command(pair, out: Path, trials: int) -> list[str]:

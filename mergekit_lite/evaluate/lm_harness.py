@@ -24,6 +24,7 @@ from mergekit_lite.io.outputs import check_chat_template_text
 # Set at import because huggingface_hub reads them once, when it is first imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+VERBOSE_ENV = "MERGEKIT_LITE_VERBOSE"  # set (sweep --verbose): lm-eval's bars and logs are shown, never silenced
 
 
 @dataclass
@@ -93,7 +94,8 @@ def _folder_state(folder: str | None) -> tuple:
 def _task_manager(include_path: str | None, include_defaults: bool, state: tuple):
     from lm_eval.tasks import TaskManager
 
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    if not os.environ.get(VERBOSE_ENV):
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)
     return TaskManager(include_path=include_path, include_defaults=include_defaults)
 
 
@@ -216,7 +218,8 @@ class Evaluator:
                 "every task in samples needs at least one doc id (lm-eval scores all docs of an empty list)"
             )
         # lm-eval passes disable=False to its own progress bars; `quiet` silences them at the stream.
-        with _silenced_stderr() if self.quiet else contextlib.nullcontext(), _empty_encoding_named():
+        silenced = self.quiet and not os.environ.get(VERBOSE_ENV)
+        with _silenced_stderr() if silenced else contextlib.nullcontext(), _empty_encoding_named():
             results = lm_eval.simple_evaluate(
                 model=model,
                 model_args=model_args,

@@ -173,10 +173,12 @@ def write_card(folder, card: ModelCard) -> Path:
     return path
 
 
-def selection_section(alpha: float, scores: list[dict], tied: list[float] | None = None) -> tuple[str, str]:
+def selection_section(
+    alpha: float, scores: list[dict], tied: list[float] | None = None, separation: str | None = None
+) -> tuple[str, str]:
     """The section a sweep's --save-best adds: the pick and every point's scores with their intervals. `scores`: one
     {"label", "old", "new", "harmonic_mean"} per point, each value a number, plus optional "intervals": {name: [lo,
-    hi]}."""
+    hi]}; `separation`: how many report docs would tell the pick from its runner-up, in words."""
 
     def shown(point: dict, name: str) -> str:
         interval = (point.get("intervals") or {}).get(name)
@@ -189,7 +191,8 @@ def selection_section(alpha: float, scores: list[dict], tied: list[float] | None
         "",
     ]
     if tied:
-        lines += [f"Alphas the report split cannot tell from the pick: {', '.join(f'{a:g}' for a in tied)}.", ""]
+        told = f" ({separation})" if separation else ""
+        lines += [f"Alphas the report split cannot tell from the pick: {', '.join(f'{a:g}' for a in tied)}{told}.", ""]
     lines += ["| point | old | new | harmonic mean |", "|---|---|---|---|"]
     lines += [f"| {p['label']} | {shown(p, 'old')} | {shown(p, 'new')} | {shown(p, 'harmonic_mean')} |" for p in scores]
     return "Sweep selection", "\n".join(lines)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.evaluate.outcomes import SampleOutcomes
+from mergekit_lite.sweep.power import docs_from_standard_error
 from mergekit_lite.sweep.result import ProbeTrace
 from mergekit_lite.sweep.scoring import GROUPS, PointResult, TaskRun, doc_splits, paired_bootstrap, summarise
 from mergekit_lite.sweep.search import (
@@ -183,4 +184,14 @@ def run_probes(
         sum(len(plan.scored) for plan in plans.values()),
         sum(len(run.outcomes.correct) for run in baseline if run.task in plans),
     )
+    rivals = [i for i in sorted(estimates) if i != best]
+    if rivals:  # the best other estimate, and the probe docs that would tell it from the pick
+        rival = max(rivals, key=lambda i: (at(i).harmonic_mean, -i))
+        trace.separation = docs_from_standard_error(
+            point_label(settings, settings.alphas[best]),
+            point_label(settings, settings.alphas[rival]),
+            at(best).harmonic_mean - at(rival).harmonic_mean,
+            math.hypot(at(best).harmonic_mean_se, at(rival).harmonic_mean_se),
+            trace.samples_probed,
+        )
     return trace, search

@@ -24,6 +24,7 @@ from mergekit_lite.errors import InputError
 from mergekit_lite.io.outputs import write_atomic
 from mergekit_lite.io.report_page import Cell, Headline, Plot, Prose, Section, Table, markdown, render_html
 from mergekit_lite.merge import methods as merge_methods
+from mergekit_lite.sweep.power import DocsNeeded, docs_needed
 from mergekit_lite.sweep.result import SweepResult, pick_fields
 from mergekit_lite.sweep.scoring import PointResult, paired_bootstrap
 from mergekit_lite.sweep.settings import SECOND_AXES, SweepSettings, settings_from_dict
@@ -47,6 +48,7 @@ class MethodRow:
     pick: PointResult
     diff_to_baseline: list[float] | None  # [low, high] of HM(pick) - HM(baseline pick); None without bootstrap
     indistinguishable: bool | None
+    separation: DocsNeeded | None = None  # report docs that would separate it from the baseline's pick (sweep.power)
 
 
 @dataclass
@@ -112,11 +114,11 @@ def compare(sweeps: dict[str, SweepResult], baseline: str, folder: Path, evaluat
         interval = None
         if settings.bootstrap:
             interval = np.percentile(draws[:, index, 2] - draws[:, base_index, 2], [tail, 100 - tail]).tolist()
-        rows.append(
-            MethodRow(
-                method, result.best, interval, None if interval is None else bool(interval[0] <= 0 <= interval[1])
-            )
-        )
+        separation = None
+        if interval is not None and method != baseline:
+            separation = docs_needed(result.best, reference.best, reference.splits, settings.aggregation)
+        indistinguishable = None if interval is None else bool(interval[0] <= 0 <= interval[1])
+        rows.append(MethodRow(method, result.best, interval, indistinguishable, separation))
     return Comparison(baseline, reference.pre, reference.post, sweeps, rows, evaluations, folder)
 
 
@@ -147,6 +149,7 @@ def comparison_json(comparison: Comparison) -> dict:
                 **scores(row.pick),
                 "diff_to_baseline": row.diff_to_baseline,
                 "indistinguishable_from_baseline": row.indistinguishable,
+                "docs_to_separate": row.separation.to_json() if row.separation else None,
                 **pick_fields(comparison.sweeps[row.method]),
                 "pareto": comparison.sweeps[row.method].pareto,
                 "points": [
@@ -214,6 +217,7 @@ def comparison_sections(comparison: Comparison, data: dict) -> list[Section]:
             ]
         ),
         Table(columns, rows, key="methods", markdown_header="| " + " | ".join(columns[:-1]) + " | |"),
+        *([Prose(lines)] if (lines := separation_lines(comparison, "- {method}: {text}.")) else []),
         Prose(pick_lines(comparison, "- {method}: {text}.", "- **{method}: {text}**")),
         Prose([f"{comparison.evaluations} models evaluated by this run (pre and post once for every method)."]),
         Plot(PARETO_PLOT, "old against new"),
@@ -251,12 +255,24 @@ def comparison_headline(comparison: Comparison) -> Headline:
 
 def pick_lines(comparison: Comparison, outcome: str, warning: str) -> list[str]:
     """Each method's pick in words (forgetting recovered and new skill kept, or that it is pre or post itself), and
-    a warning where another of its alphas beat it on the report split."""
+    a warning where another of its alphas beat it on the report split, or where it rests on tasks scored at chance
+    (sweep.chance)."""
     lines = []
     for method, result in comparison.sweeps.items():
         lines.append(outcome.format(method=method, text=result.outcome_text()))
         lines += [warning.format(method=method, text=result.warning_text())] if result.better else []
+        lines += [warning.format(method=method, text=result.chance_text())] if result.unsupported else []
     return lines
+
+
+def separation_lines(comparison: Comparison, line: str) -> list[str]:
+    """For each method indistinguishable from the baseline: the report docs that would separate its pick from the
+    baseline's at their observed difference (sweep.power)."""
+    return [
+        line.format(method=row.method, text=row.separation.text(f"{comparison.baseline}'s pick"))
+        for row in comparison.rows
+        if row.indistinguishable and row.separation
+    ]
 
 
 def plot_pareto(comparison: Comparison, path: Path) -> None:
@@ -305,6 +321,9 @@ def comparison_summary(comparison: Comparison) -> str:
             else f"  vs {comparison.baseline} [{row.diff_to_baseline[0]:+.3f}, {row.diff_to_baseline[1]:+.3f}]"
             + (" indistinguishable" if row.indistinguishable else "")
         )
+        if row.indistinguishable and row.separation:
+            baseline_pick = f"{comparison.baseline}'s pick"
+            verdict += f" ({row.separation.text(baseline_pick)})"
         lines.append(
             f"best {row.method:<16} ({_chosen(pick, comparison.sweeps[row.method].settings.coefficient)})  "
             f"old {pick.old:.3f}  new {pick.new:.3f}  harmonic mean {pick.harmonic_mean:.3f}{verdict}"

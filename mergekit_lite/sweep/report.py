@@ -51,7 +51,9 @@ def card_section(result: SweepResult) -> tuple[str, str]:
         }
         for point in (result.pre, result.post, *result.points)
     ]
-    return selection_section(result.best.alpha, scores, None if result.settings.second else result.indistinguishable)
+    separation = result.separation.text() if result.separation else None
+    tied = None if result.settings.second else result.indistinguishable
+    return selection_section(result.best.alpha, scores, tied, separation)
 
 
 def _new_figure(size):

@@ -56,6 +56,14 @@ DEFINITIONS = {
     "kept": "(new_best - new_pre) / (new_post - new_pre) on the report split: share of post's new-task gain the "
     "pick keeps; null when post gained nothing or the pick is pre or post itself",
     "better": "alphas whose HM - pick interval lies above 0: they beat the pick on the report split",
+    "unsupported": "true when pre on an old task, post on a new task, or every merge on any task scores within "
+    "chance (`chance`): the Wilson "
+    "interval of its report-split accuracy covers 1/k for k choices per doc (0 for free-form generation); the "
+    "pick then rests on scores that say nothing about the skill",
+    "docs_to_separate": "report docs (every task together, in today's proportions) that would separate the pick "
+    "from the runner-up (the best other selection harmonic mean) at their observed report-split difference: "
+    "n = ((z_0.975 + z_0.8) * sd / diff)^2, level 0.05 and power 0.8, sd the per-doc standard deviation of the "
+    "paired differences weighted as the harmonic mean weighs each task (delta method); null when diff is 0",
     "ties": "alphas whose selection harmonic mean is within 1e-9 of the best; the smallest is picked",
     "pareto": "alphas that no other alpha beats on both old and new (selection split)",
 }
@@ -130,9 +138,12 @@ def results_json(result: SweepResult, rows: list[dict] | None = None, kinds=None
             "selection_harmonic_mean": best.selection.harmonic_mean,
             "ties": result.ties,
             "indistinguishable": result.indistinguishable,
+            "docs_to_separate": result.separation.to_json() if result.separation else None,
+            "unsupported": result.unsupported,
         },
         "pareto": result.pareto,
         **pick_fields(result),
+        "chance": [level.to_json() for level in result.chance],
         "lm_eval": settings.lm_eval.describe(),
         "search": {
             "method": settings.search,
@@ -162,6 +173,7 @@ def probe_json(result: SweepResult) -> dict | None:
         "rate": probe.rate,
         "pick": probe.pick,
         "indistinguishable": probe.indistinguishable,
+        "docs_to_separate": probe.separation.to_json() if probe.separation else None,
         "samples_per_probe": probe.samples_probed,
         "samples_per_full_point": probe.samples_all,
         "sample_evaluations": len(probe.estimates) * probe.samples_probed + probe.samples_all,
@@ -374,6 +386,18 @@ def chosen_text(context: ReportContext) -> str:
     return cell_text(pick, settings.coefficient) if settings.second else f"alpha = {pick['alpha']!r}"
 
 
+def separation_text(result: SweepResult) -> str:
+    """The runner-up and the report docs that would separate the pick from it (sweep.power), in words."""
+    return result.separation.text(f"the runner-up ({rival_text(result)})")
+
+
+def rival_text(result: SweepResult) -> str:
+    """The runner-up of the pick as the report names points: `alpha 0.3`, `lambda 0.5, density 0.3` in a 2-D grid."""
+    rival = next(point for point in result.points if point.label == result.separation.rival)
+    shown = f"{result.settings.coefficient} {rival.alpha!r}"
+    return shown + (f", {rival.second[0]} {rival.second[1]!r}" if rival.second else "")
+
+
 def summary_section(context: ReportContext) -> Section:
     """The title, the settings, the definitions, the score table and the pick in words."""
     result, results = context.result, context.results
@@ -399,16 +423,23 @@ def summary_section(context: ReportContext) -> Section:
     blocks += [
         Prose(
             [
-                f"**Pick: {chosen_text(context)}**, chosen on the selection split (harmonic mean "
+                f"**Pick: {chosen_text(context)}**{' (unsupported: tasks at chance, below)' if result.unsupported else ''}, chosen on the selection split (harmonic mean "
                 f"{pick['selection_harmonic_mean']:.4f}); on the report split: old {pick['old']:.4f}, new "
                 f"{pick['new']:.4f}, harmonic mean {pick['harmonic_mean']:.4f}. Ties: {ties}."
             ]
         ),
-        Prose([f"Indistinguishable from the pick on the report split (HM - pick interval holds 0): {same}."]),
+        Prose(
+            [
+                f"Indistinguishable from the pick on the report split (HM - pick interval holds 0): {same}"
+                + (f"; {separation_text(result)}." if result.separation else ".")
+            ]
+        ),
         Prose([f"Pareto front (selection split): {', '.join(map(repr, results['pareto']))}."]),
     ]
     if result.better:
         blocks.append(Prose([f"**{_capital(result.warning_text())}**"]))
+    if result.unsupported:
+        blocks.append(Prose([f"**{_capital(result.chance_text())}.**"]))
     blocks.append(Prose([f"{_capital(result.outcome_text())}."]))
     return Section("summary", f"Sweep: {settings.method} between pre and post", blocks, level=1)
 
@@ -428,6 +459,7 @@ def headline(context: ReportContext) -> Headline:
         ("lm-eval", context.results["lm_eval"]),
     ]
     warnings = [_capital(result.warning_text())] if result.better else []
+    warnings += [_capital(result.chance_text())] if result.unsupported else []
     title = f"Sweep: {settings.method} between pre and post"
     return Headline(title, chosen_text(context), scores, verdict, warnings, facts)
 
@@ -459,7 +491,8 @@ def probe_section(context: ReportContext) -> Section | None:
                     f"{len(probe['estimates'])} alphas scored on {probe['samples_per_probe']} docs each, then the "
                     f"pick on all {probe['samples_per_full_point']}: {probe['sample_evaluations']} doc evaluations "
                     f"against {probe['grid_sample_evaluations']} for the full grid. Indistinguishable from the pick "
-                    f"by the estimates: {', '.join(map(repr, probe['indistinguishable'])) or 'none'}."
+                    f"by the estimates: {', '.join(map(repr, probe['indistinguishable'])) or 'none'}"
+                    + (f"; {context.result.probe.separation.text()}." if context.result.probe.separation else ".")
                 ]
             ),
             Table(columns, rows, "lrrrl", key="probe"),

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge import methods
+from mergekit_lite.sweep.chance import ChanceLevel, chance_levels, chance_warning
+from mergekit_lite.sweep.power import DocsNeeded, docs_needed, runner_up
 from mergekit_lite.sweep.scoring import (
     PointResult,
     Scores,
@@ -45,6 +47,7 @@ class ProbeTrace:
     indistinguishable: list[float]  # alphas whose estimated HM is within the interval of the pick's
     samples_probed: int  # docs scored per probed alpha
     samples_all: int  # docs of every scored task (both splits): what each alpha costs in a full grid
+    separation: DocsNeeded | None = None  # probe docs that would separate the pick from the runner-up (sweep.power)
 
 
 @dataclass
@@ -72,6 +75,8 @@ class SweepResult:
     realigned: list[TaskRun] | None = None  # --realign-shots: post again with K demonstrations on the docs it forgot
     drift: object | None = None  # evaluate.drift.DriftReport of post against pre
     vector: dict | None = None  # --groups/--modules: the vector search against the scalar pick (sweep.vector_search)
+    chance: list[ChanceLevel] = field(default_factory=list)  # tasks pre, post or every merge scored at chance on
+    separation: DocsNeeded | None = None  # report docs that would separate the pick from the runner-up (sweep.power)
 
     @property
     def recovered(self) -> float | None:
@@ -115,6 +120,15 @@ class SweepResult:
         kept = f"{self.kept:.1%}" if self.kept is not None else "N/A (post gained no new-task accuracy)"
         return f"forgetting recovered {recovered}, new skill kept {kept}"
 
+    @property
+    def unsupported(self) -> bool:
+        """The pick rests on a task that pre (old), post (new) or every merge scored within chance on (sweep.chance)."""
+        return bool(self.chance)
+
+    def chance_text(self) -> str | None:
+        """The warning naming the tasks scored within chance and lm-eval's settings; None when there are none."""
+        return chance_warning(self.chance)
+
     def warning_text(self) -> str | None:
         """A sentence naming the points that beat the pick on the report split with an interval above zero: the pick
         made on the selection docs did not hold up on the others."""
@@ -140,6 +154,7 @@ def pick_fields(result: SweepResult) -> dict:
         "kept": None if result.pick_is else result.kept,
         "pick_is": result.pick_is,
         "better": [point.label for point in result.better],
+        "unsupported": result.unsupported,  # a task pre, post or every merge scored within chance on
     }
 
 
@@ -182,6 +197,9 @@ def add_intervals(result: SweepResult) -> None:
         for point in candidates
         if point is not result.best and point.intervals["diff_to_pick"][0] <= 0 <= point.intervals["diff_to_pick"][1]
     ]
+    rival = runner_up(result.points, result.best)
+    if rival is not None:
+        result.separation = docs_needed(result.best, rival, result.splits, settings.aggregation)
     result.better = sorted(
         (point for point in candidates if point.intervals["diff_to_pick"][0] > 0),
         key=lambda point: -point.intervals["diff_to_pick"][0],
@@ -226,4 +244,7 @@ def build_result(
         skipped=skipped,
     )
     add_intervals(result)
+    result.chance = chance_levels(
+        result.pre, result.post, points, splits, settings.confidence, settings.lm_eval.describe()
+    )
     return result

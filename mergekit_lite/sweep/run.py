@@ -34,6 +34,7 @@ from mergekit_lite.sweep.compare import (
 from mergekit_lite.sweep.evaluator import MERGE_TEMP, PointEvaluator, evaluate_point, evaluation_tokenizer
 from mergekit_lite.sweep.models import check_pair
 from mergekit_lite.sweep.result import SweepResult, build_result
+from mergekit_lite.sweep.reuse import reused_endpoints
 from mergekit_lite.sweep.scoring import TaskRun
 from mergekit_lite.sweep.settings import SweepSettings
 from mergekit_lite.sweep.store import (
@@ -99,6 +100,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     from mergekit_lite.sweep.report import write_report
 
     inputs = check_sweep(settings)
+    reused = reused_endpoints(settings)  # --pre-results / --post-results checked before the run folder is made
     drift = post_drift(settings)  # reads every weight of pre and post: NaN or Inf refused before any point is scored
     with (
         taken_back_if_unused(settings.out, lambda: prepared(settings.out, inputs, run_file)) as folder,
@@ -106,6 +108,10 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     ):
         rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
         sweep = SweepRun(settings, rows, grid.cells(rows, folder), folder, load_points(folder, settings.identity()))
+        for label, runs in reused.items():
+            if label not in sweep.runs:  # saved as the endpoint's point: the sweep and a rerun resume it
+                save_point(point_file(folder, label), settings.cell_identity(), label, None, runs)
+                sweep.runs[label] = runs
         saved = sum(label in sweep.runs for label, _ in sweep.plan)
         strategy = with_vector(strategy_for(settings, resuming_everything=saved == len(sweep.plan)), settings)
         total = strategy.bar_points(sweep) * sweep.n_tasks
@@ -136,6 +142,7 @@ def check_sweep(settings: SweepSettings) -> list:
     """Everything checked before the run folder is made, cheapest first; returns the inputs no output may touch."""
     settings.check_inputs()
     inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
+    inputs += [settings.pre_results, settings.post_results]  # lm-eval outputs reused (sweep.reuse): never written
     check_save_best(settings, inputs)
     check_save_best_adapter(settings, inputs)
     check_run_folder(settings.out, inputs, own=run_file)
@@ -322,7 +329,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     for own in settings:
         own.check_inputs()
     first = settings[0]
-    inputs = [first.pre, first.post, first.include_path, first.recall_texts]
+    inputs = [first.pre, first.post, first.include_path, first.recall_texts, first.pre_results, first.post_results]
     methods = tuple(Path(own.out).name for own in settings)
     top = Path(first.out).parent
     check_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
@@ -331,6 +338,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     check_pair(first)
     audit_adapter_post(first)
     post_drift(first)  # NaN or Inf in pre or post refused before the endpoints are scored
+    reused = reused_endpoints(first)
     shared = replace(first, out=str(top), stream=True, save_best=None)  # endpoints only: no resident pair
     pair = {key: value for key, value in shared.identity().items() if key not in METHOD_FIELDS}
 
@@ -342,6 +350,10 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
         run_lock(folder),
     ):
         endpoints = saved_endpoints()
+        for label, runs in reused.items():
+            if label not in endpoints:
+                save_point(point_file(folder, label), pair, label, None, runs)
+                endpoints[label] = runs
         todo = [label for label in ENDPOINTS if label not in endpoints]
         if todo and shared.ray is not None:
             from mergekit_lite.sweep.distributed import run_points_on_ray

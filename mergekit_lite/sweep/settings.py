@@ -46,6 +46,7 @@ SEARCHES = ("grid", "golden")
 CHAT_TEMPLATE_DEFAULT = "default"  # --apply-chat-template given bare: the tokenizer's default template
 SELECTIONS = ("docs", "none")  # docs: seeded doc_hash partition; none: pick and report on the same docs
 PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
+RESULTS = ("pre_results", "post_results")  # lm-eval output folders an endpoint is scored from (sweep.reuse)
 # a 2-D grid: the list setting that sweeps a second coefficient beside alpha, and the merge parameter it sets
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
@@ -57,7 +58,7 @@ VECTOR_STARTS = ("scalar", "drift")
 MODULE_KINDS = ("attn", "mlp", "norm", "q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")
 MODULE_KINDS += ("experts", "shared_expert", "router")
 # settings written out only when given
-OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots", *VECTOR_KEYS, "save_best_adapter")
+OPTIONAL_KEYS = ("beta", *SECOND_AXES, "budget", "realign_shots", *VECTOR_KEYS, "save_best_adapter", *RESULTS)
 
 
 def parse_alphas(spec, name: str = "alphas") -> list[float]:
@@ -164,6 +165,9 @@ class SweepSettings:
     drops: list[float] | None = None
     budget: int | None = None  # sweep.budget: at most this many full evaluations' worth of scored docs
     realign_shots: int | None = None  # sweep.realign: post scored again with K demonstrations on the docs it forgot
+    # sweep.reuse: pre / post scored from lm-eval --log_samples folders the user has, checked against this sweep
+    pre_results: str | None = None
+    post_results: str | None = None
     # sweep.vector: one coefficient per group of decoder layers and/or module type, searched beside the scalar pick
     groups: int | None = None
     modules: list[str] | None = None
@@ -215,7 +219,7 @@ class SweepSettings:
             raise InputError(f"confidence must be in (0, 1), got {self.confidence!r}")
         if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
             raise InputError(f"bootstrap must be a whole number >= 0 (0: no intervals), got {self.bootstrap!r}")
-        for name in (*PATH_FIELDS, "out", "save_best", "save_best_adapter", "copy_files_from"):
+        for name in (*PATH_FIELDS, "out", "save_best", "save_best_adapter", "copy_files_from", *RESULTS):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
         if self.method not in methods.SWEEPABLE:
@@ -629,6 +633,21 @@ class SweepFile(BaseModel):
         "After pre and post, score post again with K demonstrations (lm-eval's few-shot docs) on the docs "
         "it forgot, and split the forgetting into spurious (K shots bring it back) and genuine.",
         metavar="K",
+    )
+    # sweep.reuse: lm-eval --log_samples folders of pre / post
+    pre_results: str | None = setting(
+        None,
+        "Score pre from lm-eval --log_samples outputs already in DIR (results_*.json, samples_<task>_*.jsonl) "
+        "instead of evaluating it: refused unless they hold this sweep's tasks, docs, metrics, filters and prompt "
+        "settings.",
+        metavar="DIR",
+        path="existing-folder",
+    )
+    post_results: str | None = setting(
+        None,
+        "Score post from lm-eval --log_samples outputs already in DIR, checked as --pre-results.",
+        metavar="DIR",
+        path="existing-folder",
     )
     # several methods compared in one run (sweep.compare): names, or {method: NAME, alphas/density/drop: ...}
     methods: list[str | dict[str, str | int | float | list[float]]] | None = setting(

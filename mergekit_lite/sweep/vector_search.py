@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge import methods
+from mergekit_lite.sweep.power import docs_needed
 from mergekit_lite.sweep.result import TIE_TOLERANCE, pick
 from mergekit_lite.sweep.scoring import PointResult, TaskRun, doc_splits, paired_bootstrap, summarise
 from mergekit_lite.sweep.store import load_points, point_file, save_point
@@ -263,6 +264,7 @@ def judge(outcome: VectorOutcome, result) -> dict:
         for position, name in enumerate(("old", "new", "harmonic_mean")):
             spread = draws[:, 1, position] - draws[:, 0, position]
             intervals[name] = np.percentile(spread, [tail, 100 - tail]).tolist()
+    separation = docs_needed(point, scalar, result.splits, settings.aggregation) if intervals else None
     low = intervals.get("harmonic_mean", [None])[0]
     beat = chosen and (low > 0 if low is not None else difference["harmonic_mean"] > 0)
     if not chosen:
@@ -286,7 +288,10 @@ def judge(outcome: VectorOutcome, result) -> dict:
                 f" (interval [{shown[0]:+.4f}, {shown[1]:+.4f}] below 0): the extra capacity fit the selection docs"
             )
         elif shown:
-            verdict += f" (interval [{shown[0]:+.4f}, {shown[1]:+.4f}] holds 0: the report docs cannot tell them apart)"
+            verdict += (
+                f" (interval [{shown[0]:+.4f}, {shown[1]:+.4f}] holds 0: the report docs cannot tell them apart; "
+                f"{separation.text('the scalar pick', 'the vector')})"
+            )
     outcome.judged = {
         "chosen": chosen,
         "beat_scalar": beat,
@@ -319,6 +324,7 @@ def judge(outcome: VectorOutcome, result) -> dict:
         },
         "difference": difference,
         "intervals": intervals,
+        "docs_to_separate": separation.to_json() if separation else None,
         "trials": outcome.trials,
     }
     return outcome.judged
