@@ -80,7 +80,16 @@ def test_options_carry_the_fields_help_default_and_names(name):
 
 
 def test_every_sweep_option_is_a_field_of_the_file_model_or_the_commands_own():
-    own = {"config_file", "baseline", "replay_out", "replay_format", "replay_all", "require_verified", "quiet"}
+    own = {
+        "config_file",
+        "baseline",
+        "replay_out",
+        "replay_format",
+        "replay_all",
+        "require_verified",
+        "quiet",
+        "verbose",
+    }
     options = [param.name for param in sweep.params]
     assert len(options) == len(set(options))
     assert set(options) == set(command_line_fields(SweepFile)) | own
