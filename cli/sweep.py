@@ -62,20 +62,6 @@ Examples:
 @given_options(SweepFile)
 @click.option("--baseline", help="With several methods: the one each is compared with (default linear).")
 @click.option(
-    "--pre-results",
-    type=click.Path(exists=True, file_okay=False),
-    metavar="DIR",
-    help="Score pre from lm-eval --log_samples outputs already in DIR (results_*.json, samples_<task>_*.jsonl) "
-    "instead of evaluating it: refused unless they hold this sweep's tasks, docs, metrics, filters and prompt "
-    "settings.",
-)
-@click.option(
-    "--post-results",
-    type=click.Path(exists=True, file_okay=False),
-    metavar="DIR",
-    help="Score post from lm-eval --log_samples outputs already in DIR, checked as --pre-results.",
-)
-@click.option(
     "--replay",
     "replay_out",
     type=click.Path(dir_okay=False),
