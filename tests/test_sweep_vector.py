@@ -197,30 +197,37 @@ def cli_command(pair, out: Path, trials: int) -> list[str]:
     ]
 
 
+def interrupted(command: list[str], out: Path, finished: int, signum: int, log: Path) -> int:
+    """Run the CLI until `finished` trials are saved in out/vectors, then send `signum`; its exit status."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=environment)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(list((out / VECTORS_DIR).glob("*.json"))) < finished:
+            assert process.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.05)
+        os.kill(process.pid, signum)
+        return process.wait()
+
+
 @pytest.mark.slow
 def test_same_command_twice_gives_the_same_vector_and_a_killed_run_resumes(layered_pair, tmp_path):
-    """Two fresh runs of one command give the same trials; a third, killed (SIGKILL) while its search runs and run
-    again, evaluates only the trials not finished and ends with the same trials and pick."""
+    """Two fresh runs of one command give the same trials; a third, stopped by Ctrl-C (SIGINT) while its search
+    runs, rerun and killed (SIGKILL), then run again, evaluates only the trials not finished and ends with the
+    same trials and pick."""
     trials = 10
     first = run_sweep(settings_for(layered_pair, tmp_path / "first", groups=2, trials=trials)).vector
     second = run_sweep(settings_for(layered_pair, tmp_path / "second", groups=2, trials=trials)).vector
     assert first["trials"] == second["trials"] and first["pick"] == second["pick"]
 
     out = tmp_path / "killed"
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    stderr = open(tmp_path / "stderr", "w")
-    process = subprocess.Popen(
-        cli_command(layered_pair, out, trials), stdout=subprocess.DEVNULL, stderr=stderr, env=environment
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and len(list((out / VECTORS_DIR).glob("*.json"))) < 3:
-        assert process.poll() is None, (tmp_path / "stderr").read_text()[-2000:]
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    stderr.close()
+    command = cli_command(layered_pair, out, trials)
+    assert interrupted(command, out, 2, signal.SIGINT, tmp_path / "stderr") == 130
+    assert "error" not in (tmp_path / "stderr").read_text().lower()
+    after_interrupt = len(list((out / VECTORS_DIR).glob("*.json")))
+    assert interrupted(command, out, after_interrupt + 2, signal.SIGKILL, tmp_path / "stderr") == -signal.SIGKILL
     finished = len(list((out / VECTORS_DIR).glob("*.json")))
-    assert 3 <= finished < trials
+    assert after_interrupt < finished < trials
     resumed = run_sweep(settings_for(layered_pair, out, groups=2, trials=trials)).vector
     assert resumed["search"]["evaluated"] == trials - finished
     assert resumed["trials"] == first["trials"] and resumed["pick"] == first["pick"]
