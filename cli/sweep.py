@@ -166,6 +166,18 @@ def _flag_values(data: dict, **flags) -> dict:
     type=click.Choice(["scalar", "drift"]),
     help="The search's first trials: the scalar pick's vector (default), and with drift one from post's drift.",
 )
+@click.option(
+    "--vector-prune",
+    type=click.FloatRange(min=0, min_open=True, max=1),
+    help="Cheap-first trials: each vector scored first on probe docs (this share of the agreeing selection docs), "
+    "and Optuna's median pruner stops one clearly worse before its full evaluation.",
+)
+@click.option(
+    "--trial-batch",
+    type=click.IntRange(min=1),
+    help="Vectors asked of Optuna at once, scored in parallel with --ray (default 1; with --ray the actors Ray "
+    "fits). The same batch gives the same vector with or without Ray.",
+)
 @click.option("--seed", type=SEED, help="Seed of DARE's drop and RECALL's sample choice (default 0).")
 @click.option("--recall-texts", type=click.Path(dir_okay=False), help="recall: typical texts, one per line.")
 @click.option("--recall-samples", type=click.IntRange(min=1), help="recall: how many typical samples (default 8).")
@@ -334,6 +346,8 @@ def sweep(
     vector_search,
     trials,
     vector_start,
+    vector_prune,
+    trial_batch,
 ):
     """Sweep the merge coefficient alpha between PRE and POST, evaluate old and new skills at every
     alpha (plus pre and post themselves), map sample-level forgetting against pre, and pick the
@@ -401,6 +415,8 @@ def sweep(
         vector_search=vector_search,
         trials=trials,
         vector_start=vector_start,
+        vector_prune=vector_prune,
+        trial_batch=trial_batch,
     )
     listed = data.pop("methods", None)
     methods = listed if listed and not method else [name.strip() for name in data["method"].split(",") if name.strip()]

@@ -47,7 +47,7 @@ PATH_FIELDS = ("pre", "post", "include_path", "recall_texts")
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
 # a vector of coefficients (sweep.vector): layer groups, module types, the search, its trials and its start
-VECTOR_KEYS = ("groups", "modules", "vector_search", "trials", "vector_start")
+VECTOR_KEYS = ("groups", "modules", "vector_search", "trials", "vector_start", "vector_prune", "trial_batch")
 VECTOR_SEARCHES = ("tpe", "cmaes", "revert")  # Optuna's TPE or CMA-ES; revert: each slot pre's or the merge's
 VECTOR_STARTS = ("scalar", "drift")
 # --modules: the module types of evaluate.drift.module_type inside decoder layers, and attn / mlp for their groups
@@ -165,6 +165,8 @@ class SweepSettings:
     vector_search: str | None = None  # tpe (default), cmaes or revert
     trials: int | None = None  # how many vectors the search scores (default 24)
     vector_start: str | None = None  # scalar (default): the scalar pick's vector first; drift: also one from drift
+    vector_prune: float | None = None  # cheap-first: each trial on this probe share first, Optuna's pruner stops it
+    trial_batch: int | None = None  # trials asked at once (Ray: in parallel); default 1, with --ray the actors
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -335,8 +337,16 @@ class SweepSettings:
             raise InputError(f"trials must be a whole number >= 1, got {self.trials!r}")
         if self.trials is not None and self.trials < 1:
             raise InputError(f"trials must be a whole number >= 1, got {self.trials!r}")
-        if self.ray is not None:
-            raise InputError("--groups/--modules search their vectors in this process: run them without --ray")
+        if self.vector_prune is not None and not (
+            isinstance(self.vector_prune, (int, float))
+            and not isinstance(self.vector_prune, bool)
+            and 0 < self.vector_prune <= 1
+        ):
+            raise InputError(f"vector_prune must be a share of docs in (0, 1], got {self.vector_prune!r}")
+        if self.trial_batch is not None and (
+            isinstance(self.trial_batch, bool) or not isinstance(self.trial_batch, int) or self.trial_batch < 1
+        ):
+            raise InputError(f"trial_batch must be a whole number >= 1, got {self.trial_batch!r}")
 
     @property
     def second(self) -> str | None:
@@ -486,6 +496,8 @@ class SweepFile(BaseModel):
     vector_search: str | None = None
     trials: int | None = None
     vector_start: str | None = None
+    vector_prune: float | None = None
+    trial_batch: int | None = None
     # lm-eval's evaluation settings (LmEvalSettings), as its CLI flags of the same names
     num_fewshot: int | None = Field(None, ge=0)
     apply_chat_template: bool | str | None = None
