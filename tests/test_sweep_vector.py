@@ -294,3 +294,42 @@ def test_trials_on_ray_give_the_vector_of_a_serial_run_with_the_same_batch(layer
     assert parallel["trials"] == serial["trials"] and parallel["pick"] == serial["pick"]
     report = (tmp_path / "ray" / "report.md").read_text()
     assert "asked 2 at a time and scored in parallel on Ray" in report
+
+
+@pytest.mark.slow
+def test_comparison_shows_each_methods_vector_beside_its_scalar_pick(layered_pair, tmp_path):
+    """Several methods with --groups: comparison.json and comparison.md give each method's vector beside its scalar
+    pick, with the paired interval of the difference its own sweep computed."""
+    from mergekit_lite.sweep import method_settings, run_comparison
+
+    data = {
+        "pre": layered_pair.pre_dir,
+        "post": layered_pair.post_dir,
+        "alphas": ALPHAS,
+        "old_tasks": layered_pair.old_tasks,
+        "new_tasks": layered_pair.new_tasks,
+        "include_path": layered_pair.task_dir,
+        "out": str(tmp_path / "run"),
+        "limit": None,
+        "groups": 2,
+        "trials": 3,
+    }
+    comparison = run_comparison(method_settings(data, ["linear", "task_arithmetic"]), baseline="linear")
+    saved = json.loads((tmp_path / "run" / "comparison.json").read_text())
+    markdown = (tmp_path / "run" / "comparison.md").read_text()
+    assert "| method | scalar pick: harmonic mean | vector | harmonic mean | vector - scalar | |" in markdown
+    for entry in saved["methods"]:
+        own = json.loads((tmp_path / "run" / entry["method"] / "results.json").read_text())["vector"]
+        vector = entry["vector"]
+        assert vector["coefficients"] == own["pick"]["coefficients"]
+        assert vector["harmonic_mean"] == own["pick"]["harmonic_mean"]
+        assert vector["intervals"] == own["intervals"] and len(vector["intervals"]["harmonic_mean"]) == 2
+        low, high = vector["intervals"]["harmonic_mean"]
+        difference = vector["difference"]["harmonic_mean"]
+        pick = comparison.sweeps[entry["method"]].best
+        assert difference == pytest.approx(own["pick"]["harmonic_mean"] - pick.harmonic_mean)
+        coefficients = ", ".join(f"{slot} {value:.2f}" for slot, value in vector["coefficients"].items())
+        method = entry["method"]
+        row = next(line for line in markdown.splitlines() if coefficients in line and f"[{method}]" in line)
+        assert f"{difference:+.3f} [{low:+.3f}, {high:+.3f}]" in row
+        assert f": {pick.harmonic_mean:.3f}" in row
