@@ -290,7 +290,7 @@ def vector_section(results: dict) -> Section | None:
 
 def trial_table(trials: list[dict]) -> Table:
     """Every trial: its estimate on probe docs (with --vector-prune), its selection harmonic mean on every doc (none
-    when pruned), and the docs and evaluations it cost."""
+    when pruned), and the docs and evaluations it cost (none for a vector an earlier trial scored)."""
 
     def number(value) -> Cell:
         return Cell("-" if value is None else f"{value:.4f}", value)

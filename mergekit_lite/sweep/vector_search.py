@@ -351,10 +351,14 @@ def run_search(sweep: SweepRun, scalar: PointResult, splits, trials_on, batch: i
             run_batch(study, pending)
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     done = sorted(study.get_trials(deepcopy=False, states=finished), key=lambda t: t.number)[:wanted]
-    trials = []
+    trials, scored, probed_before = [], set(), set()
     for trial in done:
         label, vector, point = trial_point(trial.params)
         pruned = trial.state == optuna.trial.TrialState.PRUNED
+        probe_cost = int(cheap is not None and label not in probed_before)  # a vector met again is not scored again
+        full_cost = int(not pruned and label not in scored)
+        probed_before.add(label)
+        scored |= set() if pruned else {label}
         trials.append(
             {
                 "number": trial.number,
@@ -363,8 +367,8 @@ def run_search(sweep: SweepRun, scalar: PointResult, splits, trials_on, batch: i
                 "selection_harmonic_mean": None if pruned else trial.value,
                 "probe_harmonic_mean": trial.intermediate_values.get(0),
                 "pruned": pruned,
-                "docs": (cheap.docs if cheap else 0) + (0 if pruned else docs),
-                "evaluations": (1 if cheap else 0) + (0 if pruned else 1),
+                "docs": probe_cost * (cheap.docs if cheap else 0) + full_cost * docs,
+                "evaluations": probe_cost + full_cost,
                 "nonfinite": None if pruned else point.nonfinite,
             }
         )
@@ -517,7 +521,7 @@ def spent(outcome: VectorOutcome, settings) -> dict:
     cost = {
         "docs": docs,
         "evaluations": sum(trial["evaluations"] for trial in trials),
-        "docs_without_pruning": len(trials) * outcome.docs_per_trial,
+        "docs_without_pruning": len({trial["label"] for trial in trials}) * outcome.docs_per_trial,
     }
     if settings.vector_prune is None:
         return cost
