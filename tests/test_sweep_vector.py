@@ -1,8 +1,9 @@
 """The per-layer-group / per-module search (sweep.vector, sweep.vector_search): the slots each tensor takes, the merge
 against a float64 reimplementation and against mergekit running the written YAML, a toy whose forgetting sits in
 chosen layers (the search must put them back to pre and beat the scalar pick on the report split), a toy without
-such structure (the report must say the vector did not beat one coefficient), the same vector run twice, and a run
-killed mid-search resuming from its Optuna storage."""
+such structure (the report must say the vector did not beat one coefficient), the same vector run twice, a run
+stopped or killed mid-search resuming from its Optuna storage, cheap-first trials pruned on probe docs, batches on
+Ray giving a serial run's vector, and the comparison of several methods showing each one's vector."""
 
 import json
 import os

@@ -12,7 +12,14 @@ pick set against the scalar pick on the report split with the paired bootstrap.
 - Storage: Optuna's SQLite file in the run folder (`search.db`), one study per scalar pick and space, and each
   trial's point in `vectors/`: a killed run resumes, its finished trials are not evaluated again and a trial cut
   off mid-way is scored and told from its stored parameters. A fresh sampler per trial, seeded by the sweep's seed
-  and the number of trials done, makes the same command give the same vector, killed or not.
+  and the number of trials asked before, makes the same command give the same vector, killed or not.
+- Cheap first (`--vector-prune SHARE`): each trial scored first on probe docs (probe mode's plans and estimator,
+  sweep.adaptive), its estimate reported to Optuna's median pruner at step 0; a pruned trial is never scored on
+  every doc and never the pick. The decision is stored with the trial (a resumed batch keeps it), the probe in
+  `probes/`.
+- Batches (`--trial-batch B`, `--ray`): B trials asked at once, their merges scored here one after another or in
+  parallel on Ray actors (sweep.distributed), told in trial order once the batch is done; a batch sees only the
+  trials told before it, so the same seed and B give the same vector with or without Ray.
 """
 
 from __future__ import annotations
