@@ -263,7 +263,8 @@ def run_search(sweep: SweepRun, scalar: PointResult, splits, trials_on, batch: i
             return
         what = "every doc" if samples is None else "probe docs"
         numbers = ", ".join(str(trial.number + 1) for trial in todo.values())
-        sweep.bar.set_postfix_str(f"vector trials {numbers}: {what} ({docs if samples is None else cheap.docs})")
+        named = f"vector trial{'s' * (len(todo) > 1)} {numbers}"
+        sweep.bar.set_postfix_str(f"{named}: {what} ({docs if samples is None else cheap.docs})")
         jobs = [(config_of(trial.params), samples) for trial in todo.values()]
         for (label, trial), runs in zip(todo.items(), trials_on.merged(jobs), strict=True):
             save(label, trial, runs)
