@@ -1,8 +1,9 @@
 """The per-layer-group / per-module search (sweep.vector, sweep.vector_search): the slots each tensor takes, the merge
 against a float64 reimplementation and against mergekit running the written YAML, a toy whose forgetting sits in
 chosen layers (the search must put them back to pre and beat the scalar pick on the report split), a toy without
-such structure (the report must say the vector did not beat one coefficient), the same vector run twice, and a run
-killed mid-search resuming from its Optuna storage."""
+such structure (the report must say the vector did not beat one coefficient), the same vector run twice, a run
+stopped or killed mid-search resuming from its Optuna storage, cheap-first trials pruned on probe docs, batches on
+Ray giving a serial run's vector, and the comparison of several methods showing each one's vector."""
 
 import json
 import os
@@ -95,8 +96,12 @@ def test_vector_settings_are_checked_before_any_model_is_read(layered_pair, toy_
         settings_for(layered_pair, tmp_path, trials=4)
     with pytest.raises(InputError, match="groups 1 is the scalar sweep"):
         settings_for(layered_pair, tmp_path, groups=1)
-    with pytest.raises(InputError, match="without --ray"):
-        settings_for(layered_pair, tmp_path, groups=2, ray="local")
+    with pytest.raises(InputError, match="give one of them"):
+        settings_for(layered_pair, tmp_path, vector_prune=0.1)
+    with pytest.raises(InputError, match=r"vector_prune must be a share of docs in \(0, 1\], got 0"):
+        settings_for(layered_pair, tmp_path, groups=2, vector_prune=0)
+    with pytest.raises(InputError, match="trial_batch must be a whole number >= 1, got 0"):
+        settings_for(layered_pair, tmp_path, groups=2, trial_batch=0)
     with pytest.raises(InputError, match="attn and q both hold q"):
         vector_space(settings_for(layered_pair, tmp_path, modules="attn,q"))
     with pytest.raises(InputError, match="3 groups.*2 layers"):
@@ -179,7 +184,7 @@ def test_a_pair_without_layer_structure_reports_that_the_vector_did_not_beat_one
         )
 
 
-def cli_command(pair, out: Path, trials: int) -> list[str]:
+def cli_command(pair, out: Path, trials: int, *extra: str) -> list[str]:
     return [
         str(Path(sys.executable).with_name("mergekit-lite")),
         "sweep",
@@ -202,33 +207,138 @@ def cli_command(pair, out: Path, trials: int) -> list[str]:
         "--out",
         str(out),
         "--quiet",
+        *extra,
     ]
+
+
+def interrupted(command: list[str], out: Path, finished: int, signum: int, log: Path, folder: str = VECTORS_DIR) -> int:
+    """Run the CLI until `finished` trials are saved in out/`folder`, then send `signum`; its exit status."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=environment)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(list((out / folder).glob("vector_*.json"))) < finished:
+            assert process.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.05)
+        os.kill(process.pid, signum)
+        return process.wait()
 
 
 @pytest.mark.slow
 def test_same_command_twice_gives_the_same_vector_and_a_killed_run_resumes(layered_pair, tmp_path):
-    """Two fresh runs of one command give the same trials; a third, killed (SIGKILL) while its search runs and run
-    again, evaluates only the trials not finished and ends with the same trials and pick."""
+    """Two fresh runs of one command give the same trials; a third, stopped by Ctrl-C (SIGINT) while its search
+    runs, rerun and killed (SIGKILL), then run again, evaluates only the trials not finished and ends with the
+    same trials and pick."""
     trials = 10
     first = run_sweep(settings_for(layered_pair, tmp_path / "first", groups=2, trials=trials)).vector
     second = run_sweep(settings_for(layered_pair, tmp_path / "second", groups=2, trials=trials)).vector
     assert first["trials"] == second["trials"] and first["pick"] == second["pick"]
 
     out = tmp_path / "killed"
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    stderr = open(tmp_path / "stderr", "w")
-    process = subprocess.Popen(
-        cli_command(layered_pair, out, trials), stdout=subprocess.DEVNULL, stderr=stderr, env=environment
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and len(list((out / VECTORS_DIR).glob("*.json"))) < 3:
-        assert process.poll() is None, (tmp_path / "stderr").read_text()[-2000:]
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    stderr.close()
+    command = cli_command(layered_pair, out, trials)
+    assert interrupted(command, out, 2, signal.SIGINT, tmp_path / "stderr") == 130
+    assert "error" not in (tmp_path / "stderr").read_text().lower()
+    after_interrupt = len(list((out / VECTORS_DIR).glob("*.json")))
+    assert interrupted(command, out, after_interrupt + 2, signal.SIGKILL, tmp_path / "stderr") == -signal.SIGKILL
     finished = len(list((out / VECTORS_DIR).glob("*.json")))
-    assert 3 <= finished < trials
+    assert after_interrupt < finished < trials
     resumed = run_sweep(settings_for(layered_pair, out, groups=2, trials=trials)).vector
     assert resumed["search"]["evaluated"] == trials - finished
     assert resumed["trials"] == first["trials"] and resumed["pick"] == first["pick"]
+
+
+@pytest.mark.slow
+def test_cheap_first_trials_are_pruned_on_probe_docs_and_a_killed_run_resumes_them(layered_pair, tmp_path):
+    """--vector-prune: every trial scored first on probe docs; those Optuna's median pruner stops cost one probe
+    evaluation, the others a probe and every doc; the report, results.json and the run's counts say so. A run
+    killed mid-search and run again ends with the same trials, evaluating only what was not saved."""
+    trials, changes = 10, {"groups": 2, "trials": 10, "vector_prune": 0.2}
+    first = run_sweep(settings_for(layered_pair, tmp_path / "first", **changes)).vector
+    search, rows = first["search"], first["trials"]
+    probe_docs, every_doc = search["prune"]["probe_docs"], search["docs_per_trial"]
+    pruned = [row for row in rows if row["pruned"]]
+    assert 1 <= len(pruned) == search["prune"]["pruned"] and len(rows) == trials
+    assert all(row["number"] >= 4 and row["selection_harmonic_mean"] is None for row in pruned)  # startups kept
+    for row in rows:
+        assert row["probe_harmonic_mean"] is not None
+        assert (row["docs"], row["evaluations"]) == ((probe_docs, 1) if row["pruned"] else (probe_docs + every_doc, 2))
+    assert search["docs"] == sum(row["docs"] for row in rows)
+    assert search["evaluations"] == 2 * trials - len(pruned) == search["evaluated"] + search["prune"]["probed"]
+    assert first["pick"]["label"] in {row["label"] for row in rows if not row["pruned"]}
+    # a pruned trial's probe estimate lies below the median of the finished trials' estimates before it
+    for row in pruned:
+        before = sorted(
+            other["probe_harmonic_mean"] for other in rows if other["number"] < row["number"] and not other["pruned"]
+        )
+        middle = len(before) // 2
+        median = before[middle] if len(before) % 2 else (before[middle - 1] + before[middle]) / 2
+        assert row["probe_harmonic_mean"] < median
+    saved = json.loads((tmp_path / "first" / "results.json").read_text())["vector"]
+    assert saved["trials"] == rows
+    report = (tmp_path / "first" / "report.md").read_text()
+    assert f"each scored first on {probe_docs} probe docs" in report and f"{len(pruned)} pruned" in report
+    assert report.count("| pruned |") == len(pruned)
+
+    out = tmp_path / "killed"
+    command = cli_command(layered_pair, out, trials, "--vector-prune", "0.2")
+    assert interrupted(command, out, 6, signal.SIGKILL, tmp_path / "stderr", "probes") == -signal.SIGKILL
+    probes = len(list((out / "probes").glob("*.json")))
+    assert 6 <= probes < trials
+    fulls = len(list((out / VECTORS_DIR).glob("*.json")))
+    resumed = run_sweep(settings_for(layered_pair, out, **changes)).vector
+    assert resumed["trials"] == rows and resumed["pick"] == first["pick"]
+    assert resumed["search"]["prune"]["probed"] == trials - probes
+    assert resumed["search"]["evaluated"] == trials - len(pruned) - fulls
+
+
+@pytest.mark.slow
+def test_trials_on_ray_give_the_vector_of_a_serial_run_with_the_same_batch(layered_pair, tmp_path):
+    """On a local Ray cluster: batches of two trials asked of Optuna and scored on two actors give the trials and
+    pick a serial run with the same batch gives, cheap first included."""
+    pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'mergekit-lite[ray]'")
+    changes = {"groups": 2, "trials": 6, "vector_prune": 0.2, "trial_batch": 2}
+    serial = run_sweep(settings_for(layered_pair, tmp_path / "serial", **changes)).vector
+    parallel = run_sweep(settings_for(layered_pair, tmp_path / "ray", ray="local", **changes)).vector
+    assert parallel["search"]["ray"] and parallel["search"]["batch"] == 2
+    assert parallel["trials"] == serial["trials"] and parallel["pick"] == serial["pick"]
+    report = (tmp_path / "ray" / "report.md").read_text()
+    assert "asked 2 at a time and scored in parallel on Ray" in report
+
+
+@pytest.mark.slow
+def test_comparison_shows_each_methods_vector_beside_its_scalar_pick(layered_pair, tmp_path):
+    """Several methods with --groups: comparison.json and comparison.md give each method's vector beside its scalar
+    pick, with the paired interval of the difference its own sweep computed."""
+    from mergekit_lite.sweep import method_settings, run_comparison
+
+    data = {
+        "pre": layered_pair.pre_dir,
+        "post": layered_pair.post_dir,
+        "alphas": ALPHAS,
+        "old_tasks": layered_pair.old_tasks,
+        "new_tasks": layered_pair.new_tasks,
+        "include_path": layered_pair.task_dir,
+        "out": str(tmp_path / "run"),
+        "limit": None,
+        "groups": 2,
+        "trials": 3,
+    }
+    comparison = run_comparison(method_settings(data, ["linear", "task_arithmetic"]), baseline="linear")
+    saved = json.loads((tmp_path / "run" / "comparison.json").read_text())
+    markdown = (tmp_path / "run" / "comparison.md").read_text()
+    assert "| method | scalar pick: harmonic mean | vector | harmonic mean | vector - scalar | |" in markdown
+    for entry in saved["methods"]:
+        own = json.loads((tmp_path / "run" / entry["method"] / "results.json").read_text())["vector"]
+        vector = entry["vector"]
+        assert vector["coefficients"] == own["pick"]["coefficients"]
+        assert vector["harmonic_mean"] == own["pick"]["harmonic_mean"]
+        assert vector["intervals"] == own["intervals"] and len(vector["intervals"]["harmonic_mean"]) == 2
+        low, high = vector["intervals"]["harmonic_mean"]
+        difference = vector["difference"]["harmonic_mean"]
+        pick = comparison.sweeps[entry["method"]].best
+        assert difference == pytest.approx(own["pick"]["harmonic_mean"] - pick.harmonic_mean)
+        coefficients = ", ".join(f"{slot} {value:.2f}" for slot, value in vector["coefficients"].items())
+        method = entry["method"]
+        row = next(line for line in markdown.splitlines() if coefficients in line and f"[{method}]" in line)
+        assert f"{difference:+.3f} [{low:+.3f}, {high:+.3f}]" in row
+        assert f": {pick.harmonic_mean:.3f}" in row

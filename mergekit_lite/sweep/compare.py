@@ -157,10 +157,61 @@ def comparison_json(comparison: Comparison) -> dict:
                     for p in comparison.sweeps[row.method].points
                 ],
                 "report": f"{row.method}/report.md",
+                **vector_json(comparison.sweeps[row.method]),
             }
             for row in comparison.rows
         ],
     }
+
+
+def vector_json(result: SweepResult) -> dict:
+    """With --groups/--modules, the method's vector beside its scalar pick (sweep.vector_search.judge): its
+    coefficients, its report-split scores, the paired interval of vector - scalar, and whether it was chosen."""
+    vector = result.vector
+    if vector is None:
+        return {}
+    pick = vector["pick"]
+    kept = ("coefficients", "old", "new", "harmonic_mean", "selection_harmonic_mean")
+    return {
+        "vector": {
+            **{name: pick[name] for name in kept},
+            "difference": vector["difference"],
+            "intervals": vector["intervals"],
+            "chosen": vector["chosen"],
+            "beat_scalar": vector["beat_scalar"],
+            "verdict": vector["verdict"],
+            "trials": vector["search"]["trials"],
+        }
+    }
+
+
+def vector_table(comparison: Comparison, data: dict) -> Table | None:
+    """Each method's vector of coefficients beside its scalar pick, on the report split: the scalar pick's and the
+    vector's harmonic means and the paired-bootstrap interval of their difference."""
+    rows = []
+    for row, entry in zip(comparison.rows, data["methods"]):
+        vector = entry.get("vector")
+        if vector is None:
+            continue
+        coefficients = ", ".join(f"{slot} {value:.2f}" for slot, value in vector["coefficients"].items())
+        interval = vector["intervals"].get("harmonic_mean")
+        difference = vector["difference"]["harmonic_mean"]
+        shown = f"{difference:+.3f}" + (f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else "")
+        outcome = "beats the scalar pick" if vector["beat_scalar"] else "chosen" if vector["chosen"] else "not chosen"
+        rows.append(
+            [
+                Cell(row.method, link=entry["report"]),
+                Cell(f"{_chosen(row.pick, entry['coefficient'])}: {row.pick.harmonic_mean:.3f}", row.pick.alpha),
+                Cell(coefficients),
+                _cell(vector["harmonic_mean"], None),
+                Cell(shown, difference),
+                Cell(outcome),
+            ]
+        )
+    if not rows:
+        return None
+    columns = ["method", "scalar pick: harmonic mean", "vector", "harmonic mean", "vector - scalar", ""]
+    return Table(columns, rows, key="vectors", markdown_header="| " + " | ".join(columns[:-1]) + " | |")
 
 
 def _chosen(pick: PointResult, coefficient: str) -> str:
@@ -218,11 +269,29 @@ def comparison_sections(comparison: Comparison, data: dict) -> list[Section]:
         ),
         Table(columns, rows, key="methods", markdown_header="| " + " | ".join(columns[:-1]) + " | |"),
         *([Prose(lines)] if (lines := separation_lines(comparison, "- {method}: {text}.")) else []),
+        *vector_blocks(comparison, data),
         Prose(pick_lines(comparison, "- {method}: {text}.", "- **{method}: {text}**")),
         Prose([f"{comparison.evaluations} models evaluated by this run (pre and post once for every method)."]),
         Plot(PARETO_PLOT, "old against new"),
     ]
     return [Section("comparison", "Method comparison", blocks, level=1)]
+
+
+def vector_blocks(comparison: Comparison, data: dict) -> list:
+    table = vector_table(comparison, data)
+    if table is None:
+        return []
+    settings = comparison.sweeps[comparison.baseline].settings
+    return [
+        Prose(
+            [
+                "Per-layer-group vectors (--groups/--modules): each method's vector, searched on the selection split "
+                "from its scalar pick, against that pick on the report split; the interval is the paired bootstrap "
+                f"({settings.confidence:.0%}) of the vector's harmonic mean minus the scalar pick's."
+            ]
+        ),
+        table,
+    ]
 
 
 def comparison_markdown(comparison: Comparison, data: dict) -> str:

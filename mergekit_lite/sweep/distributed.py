@@ -10,6 +10,8 @@ unchanged; on a cluster the run folder must be on storage every node sees.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,9 +49,19 @@ def run_points_on_ray(
 
     The driver resolves every point's merge config first (RECALL's similarities are computed once
     there), so the actors only merge and evaluate. Returns the labels in the order they finished."""
+    from ray.util import ActorPool
+
+    with ray_actors(settings, len(todo), address, gpus_per_point) as actors:
+        pool = ActorPool(actors)
+        return list(pool.map_unordered(lambda actor, point: actor.run.remote(*point), todo))
+
+
+@contextmanager
+def ray_actors(settings, wanted: int, address: str | None, gpus_per_point: int = 1) -> Iterator[list]:
+    """Up to `wanted` PointWorker actors, as many as the cluster holds (Ray started here when it is not running,
+    and shut down after)."""
     try:
         import ray
-        from ray.util import ActorPool
     except ImportError:
         raise InputError("--ray needs Ray: pip install 'mergekit-lite[ray]'") from None
     started_here = not ray.is_initialized()
@@ -68,10 +80,8 @@ def run_points_on_ray(
     try:
         resources = worker_resources(settings.device, gpus_per_point)
         worker_class = ray.remote(max_restarts=1, max_task_retries=1, **resources)(PointWorker)
-        count = worker_count(len(todo), resources, ray.available_resources())
-        actors = [worker_class.remote(asdict(settings)) for _ in range(count)]
-        pool = ActorPool(actors)
-        return list(pool.map_unordered(lambda actor, point: actor.run.remote(*point), todo))
+        count = worker_count(wanted, resources, ray.available_resources())
+        yield [worker_class.remote(asdict(settings)) for _ in range(count)]
     finally:
         if started_here:
             ray.shutdown()
@@ -85,12 +95,20 @@ class PointWorker:
         self.settings = SweepSettings(**settings)
         self.evaluator = None
 
-    def run(self, label: str, alpha: float | None, config: dict | None) -> str:
+    def point_evaluator(self) -> PointEvaluator:
         from tqdm import tqdm
 
         if self.evaluator is None:
             self.evaluator = PointEvaluator(self.settings, Path(self.settings.out), tqdm(disable=True))
+        return self.evaluator
+
+    def run(self, label: str, alpha: float | None, config: dict | None) -> str:
         evaluate_point(
-            self.evaluator, self.settings, label, alpha, None if config is None else config_from_dict(config)
+            self.point_evaluator(), self.settings, label, alpha, None if config is None else config_from_dict(config)
         )
         return label
+
+    def merged(self, config: dict, samples: dict | None = None) -> list:
+        """One merge scored on every doc or on `samples`, its runs returned (the driver saves them: a vector
+        search's trial)."""
+        return self.point_evaluator().merged(config_from_dict(config), samples)

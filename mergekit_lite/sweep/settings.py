@@ -51,7 +51,7 @@ RESULTS = ("pre_results", "post_results")  # lm-eval output folders an endpoint 
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}  # torch.finfo
 SECOND_AXES = {"betas": "beta", "densities": "density", "drops": "drop"}
 # a vector of coefficients (sweep.vector): layer groups, module types, the search, its trials and its start
-VECTOR_KEYS = ("groups", "modules", "vector_search", "trials", "vector_start")
+VECTOR_KEYS = ("groups", "modules", "vector_search", "trials", "vector_start", "vector_prune", "trial_batch")
 VECTOR_SEARCHES = ("tpe", "cmaes", "revert")  # Optuna's TPE or CMA-ES; revert: each slot pre's or the merge's
 VECTOR_STARTS = ("scalar", "drift")
 # --modules: the module types of evaluate.drift.module_type inside decoder layers, and attn / mlp for their groups
@@ -174,6 +174,8 @@ class SweepSettings:
     vector_search: str | None = None  # tpe (default), cmaes or revert
     trials: int | None = None  # how many vectors the search scores (default 24)
     vector_start: str | None = None  # scalar (default): the scalar pick's vector first; drift: also one from drift
+    vector_prune: float | None = None  # cheap-first: each trial on this probe share first, Optuna's pruner stops it
+    trial_batch: int | None = None  # trials asked at once (Ray: in parallel); default 1, with --ray the actors
     # scoring (as `mergekit-lite forgetting`): [TASK=]METRIC, [TASK=]FILTER, TASK=K
     metric: list[str] = field(default_factory=list)
     filter: list[str] = field(default_factory=list)
@@ -344,8 +346,16 @@ class SweepSettings:
             raise InputError(f"trials must be a whole number >= 1, got {self.trials!r}")
         if self.trials is not None and self.trials < 1:
             raise InputError(f"trials must be a whole number >= 1, got {self.trials!r}")
-        if self.ray is not None:
-            raise InputError("--groups/--modules search their vectors in this process: run them without --ray")
+        if self.vector_prune is not None and not (
+            isinstance(self.vector_prune, (int, float))
+            and not isinstance(self.vector_prune, bool)
+            and 0 < self.vector_prune <= 1
+        ):
+            raise InputError(f"vector_prune must be a share of docs in (0, 1], got {self.vector_prune!r}")
+        if self.trial_batch is not None and (
+            isinstance(self.trial_batch, bool) or not isinstance(self.trial_batch, int) or self.trial_batch < 1
+        ):
+            raise InputError(f"trial_batch must be a whole number >= 1, got {self.trial_batch!r}")
 
     @property
     def second(self) -> str | None:
@@ -550,6 +560,19 @@ class SweepFile(BaseModel):
     trials: int | None = setting(None, "Vectors the search scores on every doc (default 24).", ge=1)
     vector_start: Literal[VECTOR_STARTS] | None = setting(
         None, "The search's first trials: the scalar pick's vector (default), and with drift one from post's drift."
+    )
+    vector_prune: float | None = setting(
+        None,
+        "Cheap-first trials: each vector scored first on probe docs (this share of the agreeing selection docs), "
+        "and Optuna's median pruner stops one clearly worse before its full evaluation.",
+        gt=0,
+        le=1,
+    )
+    trial_batch: int | None = setting(
+        None,
+        "Vectors asked of Optuna at once, scored in parallel with --ray (default 1; with --ray the actors Ray "
+        "fits). The same batch gives the same vector with or without Ray.",
+        ge=1,
     )
     # numpy's and torch's generators take seeds in [0, 2**63)
     seed: int | None = setting(None, "Seed of DARE's drop and RECALL's sample choice (default 0).", ge=0, le=2**63 - 1)

@@ -249,10 +249,21 @@ def vector_section(results: dict) -> Section | None:
         return None
     search, space, pick = vector["search"], vector["space"], vector["pick"]
     modules = f", module types {', '.join(space['modules'])} (and `other`)" if space["modules"] else ""
+    prune = search.get("prune")
+    if prune is None:
+        scored = f"each scored on every doc ({search['docs_per_trial']} docs a trial"
+    else:
+        scored = (
+            f"each scored first on {prune['probe_docs']} probe docs of the selection split, then on every doc "
+            f"({search['docs_per_trial']} docs a trial) unless Optuna's median pruner stopped it: "
+            f"{prune['pruned']} pruned, {search['docs']} docs scored in all against "
+            f"{search['docs_without_pruning']} for every trial on every doc ({search['evaluations']} evaluations"
+        )
+    batch = f", asked {search['batch']} at a time" + (" and scored in parallel on Ray" if search.get("ray") else "")
     cost = (
         f"Searched with {search['sampler']} from the {search['start']} start on the selection split only: "
-        f"{search['trials']} trials, each scored on every doc ({search['docs_per_trial']} docs a trial; "
-        f"{search['evaluated']} evaluated by this run, the others resumed). Layers per group: "
+        f"{search['trials']} trials{batch if search.get('batch', 1) > 1 or search.get('ray') else ''}, "
+        f"{scored}; {search['evaluated']} scored on every doc by this run, the others resumed). Layers per group: "
         f"{'; '.join(f'g{index + 1}: {layer_range(layers)}' for index, layers in enumerate(space['layers']))}; "
         f"{space['outside_layers']}."
     )
@@ -274,7 +285,29 @@ def vector_section(results: dict) -> Section | None:
     comparison = Table(["report split", "old", "new", "harmonic mean"], rows, "lrrr")
     verdict = Prose([f"**{vector['verdict'][0].upper()}{vector['verdict'][1:]}.**"])
     title = f"Vector of coefficients ({space['groups']} layer groups{modules})"
-    return Section("vector", title, [Prose([cost]), slots, comparison, verdict])
+    return Section("vector", title, [Prose([cost]), slots, comparison, verdict, trial_table(vector["trials"])])
+
+
+def trial_table(trials: list[dict]) -> Table:
+    """Every trial: its estimate on probe docs (with --vector-prune), its selection harmonic mean on every doc (none
+    when pruned), and the docs and evaluations it cost (none for a vector an earlier trial scored)."""
+
+    def number(value) -> Cell:
+        return Cell("-" if value is None else f"{value:.4f}", value)
+
+    rows = [
+        [
+            Cell(str(trial["number"] + 1), trial["number"]),
+            number(trial.get("probe_harmonic_mean")),
+            number(trial["selection_harmonic_mean"]),
+            Cell("pruned" if trial.get("pruned") else "every doc"),
+            Cell(str(trial.get("docs", "")), trial.get("docs")),
+            Cell(str(trial.get("evaluations", "")), trial.get("evaluations")),
+        ]
+        for trial in trials
+    ]
+    columns = ["trial", "probe estimate", "selection harmonic mean", "scored on", "docs", "evaluations"]
+    return Table(columns, rows, "lrrlrr", key="vector-trials")
 
 
 def layer_range(layers: list[int]) -> str:

@@ -12,20 +12,30 @@ pick set against the scalar pick on the report split with the paired bootstrap.
 - Storage: Optuna's SQLite file in the run folder (`search.db`), one study per scalar pick and space, and each
   trial's point in `vectors/`: a killed run resumes, its finished trials are not evaluated again and a trial cut
   off mid-way is scored and told from its stored parameters. A fresh sampler per trial, seeded by the sweep's seed
-  and the number of trials done, makes the same command give the same vector, killed or not.
+  and the number of trials asked before, makes the same command give the same vector, killed or not.
+- Cheap first (`--vector-prune SHARE`): each trial scored first on probe docs (probe mode's plans and estimator,
+  sweep.adaptive), its estimate reported to Optuna's median pruner at step 0; a pruned trial is never scored on
+  every doc and never the pick. The decision is stored with the trial (a resumed batch keeps it), the probe in
+  `probes/`.
+- Batches (`--trial-batch B`, `--ray`): B trials asked at once, their merges scored here one after another or in
+  parallel on Ray actors (sweep.distributed), told in trial order once the batch is done; a batch sees only the
+  trials told before it, so the same seed and B give the same vector with or without Ray.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from mergekit_lite import interrupts
 from mergekit_lite.errors import InputError
 from mergekit_lite.merge import methods
+from mergekit_lite.sweep.adaptive import on_pre_keys, probe_plans, probe_samples
 from mergekit_lite.sweep.power import docs_needed
 from mergekit_lite.sweep.result import TIE_TOLERANCE, pick
 from mergekit_lite.sweep.scoring import PointResult, TaskRun, doc_splits, paired_bootstrap, summarise
-from mergekit_lite.sweep.store import load_points, point_file, save_point
+from mergekit_lite.sweep.search import estimate_scores
+from mergekit_lite.sweep.store import PROBES_DIR, load_points, point_file, probe_identity, save_point
 from mergekit_lite.sweep.strategies import Searched, SearchStrategy, SweepRun
 from mergekit_lite.sweep.vector import (
     DEFAULT_TRIALS,
@@ -39,6 +49,8 @@ from mergekit_lite.sweep.vector import (
 )
 
 REVERT_CHOICES = {"pre": 0.0, "pick": None, "post": 1.0}  # None: the scalar pick's coefficient
+PRUNED_ATTR = "pruned_after_probe"  # the pruner's decision on a trial, stored so a resumed batch keeps it
+PRUNE_STARTUP = 4  # trials finished on every doc before the pruner stops any (the starts among them)
 
 
 @dataclass
@@ -54,9 +66,13 @@ class VectorOutcome:
     pick: dict
     runs: list[TaskRun]
     config: object  # the pick's MergeConfig
-    evaluated: int  # trials scored by this call (the others were resumed)
-    docs_per_trial: int
+    evaluated: int  # trials scored on every doc by this call (the others were resumed)
+    docs_per_trial: int  # every doc
     judged: dict = field(default_factory=dict)
+    probed: int = 0  # trials scored on probe docs by this call (--vector-prune)
+    probe_docs: int = 0  # probe docs a trial (--vector-prune)
+    batch: int = 1  # trials asked at once
+    ray: bool = False
 
     @property
     def chosen(self) -> bool:
@@ -98,8 +114,91 @@ def trial_count(settings) -> int:
 
 
 def search(sweep: SweepRun, scalar: PointResult, splits) -> VectorOutcome:
-    """Optuna's study over the vector space from the scalar pick, every trial scored on every doc and ranked on the
-    selection split only."""
+    """Optuna's study over the vector space from the scalar pick, every trial kept scored on every doc and ranked on
+    the selection split only; with --ray, each batch's merges on the actors."""
+    settings = sweep.settings
+    wanted = trial_count(settings)
+    if settings.ray is None:
+        return run_search(sweep, scalar, splits, SerialTrials(sweep), settings.trial_batch or 1)
+    from mergekit_lite.sweep.distributed import ray_actors
+
+    with ray_actors(settings, settings.trial_batch or wanted, settings.ray) as actors:
+        return run_search(sweep, scalar, splits, RayTrials(sweep, actors), settings.trial_batch or len(actors))
+
+
+class SerialTrials:
+    """Trials' merges scored here, one after another (the evaluator moves the progress bar)."""
+
+    def __init__(self, sweep: SweepRun):
+        self.sweep = sweep
+
+    def merged(self, jobs: list[tuple[object, dict | None]]) -> list[list[TaskRun]]:
+        return [self.sweep.point_evaluator().merged(config, samples) for config, samples in jobs]
+
+
+class RayTrials:
+    """Trials' merges scored in parallel on the sweep's Ray actors, their runs returned in the order asked."""
+
+    def __init__(self, sweep: SweepRun, actors: list):
+        self.sweep, self.actors = sweep, actors
+
+    def merged(self, jobs: list[tuple[object, dict | None]]) -> list[list[TaskRun]]:
+        from ray.util import ActorPool
+
+        interrupts.check()
+        pool, runs = ActorPool(self.actors), []
+        for done in pool.map(lambda actor, job: actor.merged.remote(job[0].to_dict(), job[1]), jobs):
+            self.sweep.bar.update(self.sweep.n_tasks)
+            runs.append(done)
+        return runs
+
+
+@dataclass
+class CheapFirst:
+    """--vector-prune: the probe docs every trial is scored on first (probe mode's plans: where pre and post disagree
+    on the selection split, plus this seeded share of the rest), and Optuna's median pruner over their estimate of the
+    selection harmonic mean. [Optuna's MedianPruner: a trial below the median of the finished trials at the same step
+    stops; successive halving (Jamieson & Talwalkar 2016) with one rung of docs]"""
+
+    rate: float
+    plans: dict
+    samples: dict
+    groups: dict
+    pre: dict
+    docs: int  # probe docs a trial
+
+    def estimate(self, runs: list[TaskRun], aggregation: str) -> float:
+        observed = {run.task: run.outcomes.correct for run in runs}
+        return estimate_scores(self.plans, self.groups, observed, aggregation).harmonic_mean
+
+    def keyed(self, runs: list[TaskRun]) -> list[TaskRun]:
+        """A probe's runs keyed as pre's full runs, marked when their logits were not finite."""
+        return [
+            replace(on_pre_keys(run, self.samples[run.group][run.task], self.pre[run.task]), nonfinite=run.nonfinite)
+            for run in runs
+            if run.task in self.plans
+        ]
+
+
+def cheap_first(settings, runs: dict, splits) -> CheapFirst | None:
+    if settings.vector_prune is None:
+        return None
+    plans = probe_plans(settings, runs, splits, settings.vector_prune)
+    baseline = runs["pre"]
+    return CheapFirst(
+        settings.vector_prune,
+        plans,
+        probe_samples(plans, baseline),
+        {run.task: run.group for run in baseline},
+        {run.task: run.outcomes for run in baseline},
+        sum(len(plan.scored) for plan in plans.values()),
+    )
+
+
+def run_search(sweep: SweepRun, scalar: PointResult, splits, trials_on, batch: int) -> VectorOutcome:
+    """The study, asked `batch` trials at a time: each batch probed (with --vector-prune), the pruner's decisions
+    made and stored, the kept ones scored on every doc, then told in trial order. A batch's trials see only the
+    trials told before it, so the same seed and batch give the same vector here or on Ray, killed or not."""
     import optuna
 
     settings, folder = sweep.settings, sweep.folder
@@ -131,72 +230,159 @@ def search(sweep: SweepRun, scalar: PointResult, splits) -> VectorOutcome:
     (folder / VECTORS_DIR).mkdir(exist_ok=True)
     saved = load_points(folder, identity, VECTORS_DIR)
     baseline = sweep.runs["pre"]
-    evaluated = []
-
+    cheap = cheap_first(settings, sweep.runs, splits)
+    probe_id = {**probe_identity(settings), "vector_prune": settings.vector_prune}
+    if cheap is not None:
+        (folder / PROBES_DIR).mkdir(exist_ok=True)
+    probed = load_points(folder, probe_id, PROBES_DIR) if cheap is not None else {}
+    evaluated, probes_run = [], []
     docs = sum(len(run.outcomes.correct) for run in baseline if run.outcomes is not None)
+
+    def config_of(params: dict):
+        return vector_config(cell.config(), coefficient, space.spec(vector_of(params)))
 
     def trial_point(params: dict) -> tuple[str, list[float], PointResult | None]:
         """A trial's label, vector and point (None when not saved yet)."""
         vector = vector_of(params)
-        label = vector_label(vector_config(cell.config(), coefficient, space.spec(vector)))
+        label = vector_label(config_of(params))
         runs = saved.get(label)
         return label, vector, runs and summarise(label, None, runs, baseline, splits, settings.aggregation)
 
-    def score(params: dict) -> float:
-        label, vector, point = trial_point(params)
-        if point is None:
-            sweep.bar.set_postfix_str(f"vector trial {len(evaluated) + 1}: every doc ({docs})")
-            config = vector_config(cell.config(), coefficient, space.spec(vector))
-            runs = sweep.point_evaluator().merged(config)
-            save_point(point_file(folder, label, VECTORS_DIR), identity, label, sum(vector) / len(vector), runs)
-            saved[label] = runs
-            evaluated.append(label)
-            point = trial_point(params)[2]
-        else:
-            sweep.bar.update(sweep.n_tasks)
+    def score(point: PointResult) -> float:
         return 0.0 if point.nonfinite else point.selection.harmonic_mean
 
-    wanted = trial_count(settings)
+    def evaluate(batch_trials: list, store: dict, samples, save) -> None:
+        """The batch's merges not saved yet in `store`, scored (on `samples`, or every doc) and saved."""
+        todo = {}
+        for trial in batch_trials:
+            label = trial_point(trial.params)[0]
+            if label in store or label in todo:
+                sweep.bar.update(sweep.n_tasks)
+            else:
+                todo[label] = trial
+        if not todo:
+            return
+        what = "every doc" if samples is None else "probe docs"
+        numbers = ", ".join(str(trial.number + 1) for trial in todo.values())
+        named = f"vector trial{'s' * (len(todo) > 1)} {numbers}"
+        sweep.bar.set_postfix_str(f"{named}: {what} ({docs if samples is None else cheap.docs})")
+        jobs = [(config_of(trial.params), samples) for trial in todo.values()]
+        for (label, trial), runs in zip(todo.items(), trials_on.merged(jobs), strict=True):
+            save(label, trial, runs)
+
+    def save_full(label: str, trial, runs: list[TaskRun]) -> None:
+        vector = vector_of(trial.params)
+        save_point(point_file(folder, label, VECTORS_DIR), identity, label, sum(vector) / len(vector), runs)
+        saved[label] = runs
+        evaluated.append(label)
+
+    def save_probe(label: str, trial, runs: list[TaskRun]) -> None:
+        scored = cheap.keyed(runs)
+        vector = vector_of(trial.params)
+        save_point(point_file(folder, label, PROBES_DIR), probe_id, label, sum(vector) / len(vector), scored)
+        probed[label] = scored
+        probes_run.append(label)
+
+    def decide(study, frozen) -> bool:
+        """Whether the pruner stops this trial after its probe: reported and stored once, so a rerun keeps it."""
+        if PRUNED_ATTR in frozen.user_attrs:
+            return frozen.user_attrs[PRUNED_ATTR]
+        trial = optuna.trial.Trial(study, frozen._trial_id)
+        runs = probed[trial_point(frozen.params)[0]]
+        if 0 not in frozen.intermediate_values:
+            nonfinite = any(run.nonfinite for run in runs)
+            trial.report(0.0 if nonfinite else cheap.estimate(runs, settings.aggregation), 0)
+        stop = bool(trial.should_prune())
+        trial.set_user_attr(PRUNED_ATTR, stop)
+        return stop
+
+    def run_batch(study, batch_trials: list) -> None:
+        batch_trials = sorted(batch_trials, key=lambda trial: trial.number)
+        kept = batch_trials
+        if cheap is not None:
+            evaluate(batch_trials, probed, cheap.samples, save_probe)
+            fresh = {trial.number: trial for trial in study.get_trials(deepcopy=False)}
+            stops = {trial.number: decide(study, fresh[trial.number]) for trial in batch_trials}
+            kept = [trial for trial in batch_trials if not stops[trial.number]]
+            sweep.bar.update(sweep.n_tasks * (len(batch_trials) - len(kept)))  # no full evaluation for these
+        evaluate(kept, saved, None, save_full)
+        kept_numbers = {trial.number for trial in kept}
+        for trial in batch_trials:
+            if trial.number in kept_numbers:
+                study.tell(trial.number, score(trial_point(trial.params)[2]))
+            else:
+                study.tell(trial.number, state=optuna.trial.TrialState.PRUNED)
+            probe = f"{cheap.docs} probe docs" if cheap else ""
+            full = "" if trial.number not in kept_numbers else f"{' + ' if probe else ''}{docs} docs"
+            evaluations = (cheap is not None) + (trial.number in kept_numbers)
+            sweep.bar.set_postfix_str(
+                f"vector trial {trial.number + 1}: {probe}{full}, {evaluations} evaluation{'s' * (evaluations > 1)}"
+                + ("" if trial.number in kept_numbers else " (pruned)")
+            )
+
     if sampler_name == "revert":
-        wanted = min(wanted, len(REVERT_CHOICES) ** len(slots))
-    sweep.bar.total = sweep.bar.n + wanted * sweep.n_tasks  # the scalar search may have resized it
+        wanted = min(trial_count(settings), len(REVERT_CHOICES) ** len(slots))
+    else:
+        wanted = trial_count(settings)
+    stages = 2 if cheap is not None else 1
+    sweep.bar.total = sweep.bar.n + wanted * sweep.n_tasks * stages  # the scalar search may have resized it
     sweep.bar.refresh()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = f"sqlite:///{folder / STUDY_FILE}"
-    name = study_name(settings, space, scalar, sampler_name, starts)
+    name = study_name(settings, space, scalar, sampler_name, starts, batch)
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=max(len(first), PRUNE_STARTUP), n_warmup_steps=0)
+    waiting, running = optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study = optuna.create_study(study_name=name, storage=storage, direction="maximize", load_if_exists=True)
+        study = optuna.create_study(
+            study_name=name, storage=storage, direction="maximize", load_if_exists=True, pruner=pruner
+        )
         if not study.trials:
             for params in first:
                 study.enqueue_trial(params)
-        for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            study.tell(stale.number, score(stale.params))  # cut off by a kill: scored from its stored parameters
         while True:
-            done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-            if len(done) >= wanted:
+            trials = study.get_trials(deepcopy=False)
+            asked = sum(trial.state != waiting for trial in trials)
+            pending = [trial for trial in trials if trial.state == running]  # a batch cut off by a kill
+            if not pending and asked >= wanted:
                 break
-            study = optuna.load_study(
-                study_name=name, storage=storage, sampler=sampler(sampler_name, settings.seed, len(done), first[0])
-            )
-            trial = study.ask(distributions)
-            study.tell(trial, score(trial.params))
-    done = sorted(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: t.number)[
-        :wanted
-    ]
-    trials = []
+            while asked < wanted and (not pending or asked % batch):
+                study = optuna.load_study(
+                    study_name=name,
+                    storage=storage,
+                    sampler=sampler(sampler_name, settings.seed, asked, first[0]),
+                    pruner=pruner,
+                )
+                pending.append(study.ask(distributions))
+                asked += 1
+                if asked % batch == 0:
+                    break
+            run_batch(study, pending)
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    done = sorted(study.get_trials(deepcopy=False, states=finished), key=lambda t: t.number)[:wanted]
+    trials, scored, probed_before = [], set(), set()
     for trial in done:
         label, vector, point = trial_point(trial.params)
+        pruned = trial.state == optuna.trial.TrialState.PRUNED
+        probe_cost = int(cheap is not None and label not in probed_before)  # a vector met again is not scored again
+        full_cost = int(not pruned and label not in scored)
+        probed_before.add(label)
+        scored |= set() if pruned else {label}
         trials.append(
             {
                 "number": trial.number,
                 "label": label,
                 "vector": dict(zip(slots, vector, strict=True)),
-                "selection_harmonic_mean": trial.value,
-                "nonfinite": point.nonfinite,
+                "selection_harmonic_mean": None if pruned else trial.value,
+                "probe_harmonic_mean": trial.intermediate_values.get(0),
+                "pruned": pruned,
+                "docs": probe_cost * (cheap.docs if cheap else 0) + full_cost * docs,
+                "evaluations": probe_cost + full_cost,
+                "nonfinite": None if pruned else point.nonfinite,
             }
         )
-    finite = [trial for trial in trials if not trial["nonfinite"]] or trials
+    complete = [trial for trial in trials if not trial["pruned"]]
+    finite = [trial for trial in complete if not trial["nonfinite"]] or complete
     top = max(trial["selection_harmonic_mean"] for trial in finite)
     best = next(trial for trial in finite if top - trial["selection_harmonic_mean"] <= TIE_TOLERANCE)
     config = vector_config(cell.config(), coefficient, space.spec(list(best["vector"].values())))
@@ -211,12 +397,17 @@ def search(sweep: SweepRun, scalar: PointResult, splits) -> VectorOutcome:
         config,
         len(evaluated),
         docs,
+        probed=len(probes_run),
+        probe_docs=cheap.docs if cheap else 0,
+        batch=batch,
+        ray=settings.ray is not None,
     )
 
 
 def sampler(name: str, seed: int, done: int, start: dict):
-    """A fresh sampler for the next trial: TPE (over the slots' values, or revert's choices) seeded by the trials done
-    (their history is in the storage), CMA-ES by the sweep's seed (its state is in the storage's trials)."""
+    """A fresh sampler for the next trial: TPE (over the slots' values, or revert's choices) seeded by the trials
+    asked before it (their history is in the storage), CMA-ES by the sweep's seed (its state is in the storage's
+    trials)."""
     import optuna
 
     if name == "cmaes":
@@ -224,8 +415,9 @@ def sampler(name: str, seed: int, done: int, start: dict):
     return optuna.samplers.TPESampler(seed=seed * 100003 + done, n_startup_trials=8, multivariate=True)
 
 
-def study_name(settings, space: VectorSpace, scalar: PointResult, sampler_name: str, starts) -> str:
-    """One study per scalar pick, space, sampler and start (a sweep with more points may pick another alpha)."""
+def study_name(settings, space: VectorSpace, scalar: PointResult, sampler_name: str, starts, batch: int) -> str:
+    """One study per scalar pick, space, sampler, start, batch and probe share (a sweep with more points may pick
+    another alpha)."""
     import hashlib
     import json
 
@@ -237,6 +429,8 @@ def study_name(settings, space: VectorSpace, scalar: PointResult, sampler_name: 
             "starts": starts,
             "seed": settings.seed,
             "bounds": [min(settings.alphas), max(settings.alphas)],
+            **({"batch": batch} if batch > 1 else {}),
+            **({"vector_prune": settings.vector_prune} if settings.vector_prune is not None else {}),
         },
         sort_keys=True,
     )
@@ -305,6 +499,9 @@ def judge(outcome: VectorOutcome, result) -> dict:
             "evaluated": outcome.evaluated,
             "docs_per_trial": outcome.docs_per_trial,
             "selection_only": True,
+            "batch": outcome.batch,
+            "ray": outcome.ray,
+            **spent(outcome, settings),
         },
         "scalar": {
             "label": scalar.label,
@@ -328,6 +525,31 @@ def judge(outcome: VectorOutcome, result) -> dict:
         "trials": outcome.trials,
     }
     return outcome.judged
+
+
+def spent(outcome: VectorOutcome, settings) -> dict:
+    """What the trials cost, in docs scored and evaluations (a merge scored on probe docs is one, on every doc one),
+    against every trial on every doc; with --vector-prune, the probe and the pruner's count."""
+    trials = outcome.trials
+    docs = sum(trial["docs"] for trial in trials)
+    cost = {
+        "docs": docs,
+        "evaluations": sum(trial["evaluations"] for trial in trials),
+        "docs_without_pruning": len({trial["label"] for trial in trials}) * outcome.docs_per_trial,
+    }
+    if settings.vector_prune is None:
+        return cost
+    return {
+        **cost,
+        "prune": {
+            "pruner": "median",
+            "probe": settings.vector_prune,
+            "probe_docs": outcome.probe_docs,
+            "pruned": sum(trial["pruned"] for trial in trials),
+            "startup_trials": PRUNE_STARTUP,
+            "probed": outcome.probed,
+        },
+    }
 
 
 def chosen_merge(outcome: VectorOutcome, settings, folder) -> tuple[object, list[tuple[str, str]]]:
