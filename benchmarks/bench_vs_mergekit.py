@@ -500,7 +500,7 @@ def print_table(summary: dict) -> None:
             print(
                 "  ".join(
                     c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(cells, widths))
+                    for i, (c, w) in enumerate(zip(cells, widths, strict=True))
                 )
             )
 

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
             guess = predicted(method, ckpt, calibrate)
             calibrate = False
             runs = []
-            for attempt in range(args.repeat):
+            for _attempt in range(args.repeat):
                 out = WORK / f"predict-{size}-{method}"
                 run = timed_run(lite_command(method, ckpt, out), WORK / f"predict-{size}-{method}.log")
                 shutil.rmtree(out, ignore_errors=True)

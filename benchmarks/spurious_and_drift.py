@@ -95,7 +95,7 @@ def main() -> None:
     print("\n## Drift per decoder layer and module type (relative Frobenius), CKA and recall_lerp\n")
     print(f"| layer | all | {' | '.join(columns)} | CKA | recall_lerp post weight (alpha {options.alpha}) |")
     print("|---|" + "---:|" * (len(columns) + 3))
-    for row, alpha in zip(drift["layers"], alphas):
+    for row, alpha in zip(drift["layers"], alphas, strict=True):
         cells = " | ".join(f"{row['modules'][c]:.3f}" for c in columns)
         print(f"| {row['layer']} | {row['relative_drift']:.3f} | {cells} | {row['cka']:.3f} | {alpha:.3f} |")
     outside = drift["outside_layers"]

@@ -280,7 +280,7 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
         payload = {
             "checkpoints": [
                 {"position": position, "path": label, "model": run.model}
-                for position, (label, run) in enumerate(zip(series.labels, series.runs))
+                for position, (label, run) in enumerate(zip(series.labels, series.runs, strict=True))
             ],
             "rows": [
                 {
@@ -290,7 +290,7 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
                     "groups": [row.to_dict() for row in groups],
                     "skipped": [{"task": task, "reason": reason} for task, reason in result.skipped.items()],
                 }
-                for position, (result, groups) in enumerate(zip(series.maps, group_rows), start=1)
+                for position, (result, groups) in enumerate(zip(series.maps, group_rows, strict=True), start=1)
             ],
             "alerts": crossed,
         }
@@ -298,14 +298,18 @@ def render_trajectory(series: Trajectory, group_rows, crossed, as_json: bool) ->
         return
     click.echo(f"reference (checkpoint 0): {series.labels[0]}")
     labels = [f"{position}" for position in range(1, len(series.labels))]
-    task_rows = [(label, row) for label, result in zip(labels, series.maps) for row in result.rows.values()]
+    task_rows = [
+        (label, row) for label, result in zip(labels, series.maps, strict=True) for row in result.rows.values()
+    ]
     click.echo(format_table([row for _, row in task_rows], checkpoints=[label for label, _ in task_rows]))
-    group_cells = [(label, row) for label, groups in zip(labels, group_rows) for row in groups]
+    group_cells = [(label, row) for label, groups in zip(labels, group_rows, strict=True) for row in groups]
     if group_cells:
         click.echo()
         click.echo(format_table([row for _, row in group_cells], checkpoints=[label for label, _ in group_cells]))
     click.echo()
-    click.echo("checkpoints: " + "; ".join(f"{label}: {name}" for label, name in zip(labels, series.labels[1:])))
+    click.echo(
+        "checkpoints: " + "; ".join(f"{label}: {name}" for label, name in zip(labels, series.labels[1:], strict=True))
+    )
 
 
 def write_outputs(

@@ -316,7 +316,7 @@ def build_toy_pair(out_dir: str | Path, seed: int = 0, **options) -> ToyPair:
         model = build_model(len(tokenizer), config)
         train(model, tokenizer, old_skill, config.pre_steps, config.learning_rate)
         save_model(model, tokenizer, paths.pre_dir, config)
-        steps = dict(zip(sorted(config.post_checkpoints or ()), paths.checkpoints))
+        steps = dict(zip(sorted(config.post_checkpoints or ()), paths.checkpoints, strict=True))
 
         def save_checkpoint(step: int) -> None:
             if step in steps:

@@ -73,7 +73,7 @@ def test_comparison_files_agree_with_the_result(comparison):
     data = json.loads((comparison.out / "comparison.json").read_text())
     assert data["evaluations"] == comparison.evaluations and data["baseline"] == "linear"
     assert [entry["method"] for entry in data["methods"]] == METHODS
-    for entry, row in zip(data["methods"], comparison.rows):
+    for entry, row in zip(data["methods"], comparison.rows, strict=True):
         assert entry["pick"] == row.pick.alpha and entry["harmonic_mean"] == row.pick.harmonic_mean
         low, high = entry["diff_to_baseline"]
         assert entry["indistinguishable_from_baseline"] == (low <= 0 <= high)

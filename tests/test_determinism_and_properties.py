@@ -199,9 +199,9 @@ def test_dare_expectation_is_task_arithmetic(tensors, data):
     )
     expected = task_vector_merge(base, models, weights, scale=scale)
 
-    deltas = [(m.double() - base.double()) * w * scale for m, w in zip(models, weights)]
-    variance = sum(d**2 * p / (1 - p) for d, p in zip(deltas, drops)) / DRAWS  # of the mean over draws
-    magnitude = base.double().abs() + sum(d.abs() / (1 - p) for d, p in zip(deltas, drops))
+    deltas = [(m.double() - base.double()) * w * scale for m, w in zip(models, weights, strict=True)]
+    variance = sum(d**2 * p / (1 - p) for d, p in zip(deltas, drops, strict=True)) / DRAWS  # of the mean over draws
+    magnitude = base.double().abs() + sum(d.abs() / (1 - p) for d, p in zip(deltas, drops, strict=True))
     tolerance = 6 * variance.sqrt() + 1e-4 * magnitude + 1e-6
     error = (dare.double().mean(dim=0) - expected.double()).abs()
     assert (error <= tolerance).all(), (error - tolerance).max()

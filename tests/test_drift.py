@@ -138,7 +138,7 @@ def token_states(folder: Path, tokenizer, texts: list[str]) -> list[torch.Tensor
         with torch.no_grad():
             hidden = model(input_ids=encoded["input_ids"], output_hidden_states=True).hidden_states[1:]
         per_layer = per_layer or [[] for _ in hidden]
-        for rows, states in zip(per_layer, hidden):
+        for rows, states in zip(per_layer, hidden, strict=True):
             rows.append(states[0, keep])
     return [torch.cat(rows) for rows in per_layer]
 
@@ -160,7 +160,7 @@ def test_cli_drift_of_the_toy_pair_with_cka_and_heatmap(toy_pair, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(toy_pair.pre_dir)
     before, after = token_states(toy_pair.pre_dir, tokenizer, texts), token_states(toy_pair.post_dir, tokenizer, texts)
     assert [row["layer"] for row in payload["layers"]] == list(range(len(before)))
-    for row, x, y in zip(payload["layers"], before, after):
+    for row, x, y in zip(payload["layers"], before, after, strict=True):
         assert row["cka"] == pytest.approx(direct_cka(x, y), rel=1e-5)
         assert set(row["modules"]) >= {"q", "k", "v", "o", "gate", "up", "down", "norm"}
     assert heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -184,7 +184,7 @@ def test_cka_of_an_adapter_is_that_of_the_model_peft_merges(toy_pair, tmp_path):
     of_adapter = model_drift(str(pre), str(tmp_path / "adapter"), texts)
     before, after = token_states(pre, tokenizer, texts), token_states(tmp_path / "merged", tokenizer, texts)
     assert all(row.cka is not None and row.cka < 1 for row in of_adapter.layers)
-    for row, x, y in zip(of_adapter.layers, before, after):
+    for row, x, y in zip(of_adapter.layers, before, after, strict=True):
         assert row.cka == pytest.approx(direct_cka(x, y), rel=1e-5)
 
 

@@ -452,8 +452,8 @@ def test_keeps_ahead_give_each_chunks_mask_and_draw_at_most_the_window(monkeypat
     monkeypatch.setattr(methods, "keep_indicator", counted)
     keeps = KeepsAhead(keys, drops, total, chunk, depth=depth)
     for begin in range(0, total, chunk):
-        expected = [draw(key, begin, min(chunk, total - begin), drop) for key, drop in zip(keys, drops)]
-        for got, want in zip(keeps.take(), expected):
+        expected = [draw(key, begin, min(chunk, total - begin), drop) for key, drop in zip(keys, drops, strict=True)]
+        for got, want in zip(keeps.take(), expected, strict=True):
             assert (got is None and want is None) or torch.equal(got, want)
         if begin == 5 * chunk:  # stop taking for a while: only the window's chunks are drawn
             time.sleep(0.2)

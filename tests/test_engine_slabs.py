@@ -244,7 +244,7 @@ def test_the_trim_threshold_from_slabs_is_the_whole_tensors(density):
     for sampled in (slice(None, None, 12), slice(0, 40)):
         trim = methods.TrimThreshold(base.numel(), density)
         trim.sample(base[sampled], model[sampled])
-        for begin, end in zip(bounds, bounds[1:]):
+        for begin, end in zip(bounds, bounds[1:], strict=True):
             trim.count(base[begin:end], model[begin:end])
         assert trim.select(lambda: (base, model)) == expected
 

@@ -81,7 +81,7 @@ def test_two_random_guessers_on_four_options_forget_nothing_truly():
 )
 @settings(max_examples=60, deadline=None)
 def test_invariants(pairs, k):
-    pre, post = zip(*pairs)
+    pre, post = zip(*pairs, strict=True)
     row = forgetting_metrics(pre, post, k)
     assert row.kept + row.gained + row.forgotten + row.never == row.n == len(pairs)
     assert row.F - row.BT == pytest.approx(row.acc_pre - row.acc_post)
@@ -198,8 +198,10 @@ def test_overall_weighs_each_group_the_same():
     pre_rows, post_rows = {}, {}
     forgotten = {"a1": ([0, 1, 1, 1],) * 2, "a2": ([0, 0, 1, 1],) * 2, "a3": ([1, 1, 1, 1],) * 2, "b": ([0, 0], [1, 0])}
     for task, post_by_seed in forgotten.items():
-        pre_rows[task] = {seed: outcomes(task, [1] * len(post), math.inf) for seed, post in zip("12", post_by_seed)}
-        post_rows[task] = {seed: outcomes(task, post, math.inf) for seed, post in zip("12", post_by_seed)}
+        pre_rows[task] = {
+            seed: outcomes(task, [1] * len(post), math.inf) for seed, post in zip("12", post_by_seed, strict=True)
+        }
+        post_rows[task] = {seed: outcomes(task, post, math.inf) for seed, post in zip("12", post_by_seed, strict=True)}
     result = forgetting_map(LoadedRun("pre", pre_rows), LoadedRun("post", post_rows))
     groups = [("knowledge", ["a1", "a2", "a3"]), ("math", ["b"])]
     overall = result.overall(groups)
@@ -460,7 +462,7 @@ def test_cli_tables_from_single_files(runs):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("| task ")
     header, arc_easy = (line.strip("|").split("|") for line in (lines[0], lines[2]))
-    assert dict(zip(map(str.strip, header), map(str.strip, arc_easy)))["F_true"] == "0.188"
+    assert dict(zip(map(str.strip, header), map(str.strip, arc_easy), strict=True))["F_true"] == "0.188"
     assert lines[4].startswith("| group ") and lines[6].startswith("| old ")
 
 

@@ -83,7 +83,7 @@ def test_the_sample_list_adds_up_to_the_maps_counts_and_says_what_lm_eval_logged
             assert row["doc_hash"] == before["doc_hash"] and row["scores"] == [score(before), score(after)]
             assert row["prompt"] == before["arguments"]["gen_args_0"]["arg_0"]
             assert row["gold"] == expected_gold(before), task
-            for answer, line in zip(row["answers"], (before, after)):
+            for answer, line in zip(row["answers"], (before, after), strict=True):
                 if isinstance(line["arguments"]["gen_args_0"]["arg_1"], dict):
                     assert answer == line["filtered_resps"][0]  # the filtered generation
                 else:  # the option the metric picked: right exactly when lm-eval scored it right
@@ -227,7 +227,7 @@ def test_each_trajectory_row_is_the_two_model_comparison(checkpoints, tmp_path):
     payload = json.loads(result.stdout)
     assert [row["path"] for row in payload["checkpoints"]] == list(map(str, checkpoints))
     assert [row["checkpoint"] for row in payload["rows"]] == [1, 2]
-    for row, later in zip(payload["rows"], checkpoints[1:]):
+    for row, later in zip(payload["rows"], checkpoints[1:], strict=True):
         pair = run_cli(checkpoints[0], later, "--filter", FILTER, *GROUPS, "--overall", "--json")
         assert pair.exit_code == 0, pair.output
         two_models = json.loads(pair.stdout)

@@ -213,7 +213,7 @@ def test_recall_weights_file_fifo_is_refused(fresh):
 def mergekit_linear(weights) -> str:
     models = "".join(
         f"  - model: {model}\n    parameters: {{weight: {weight}}}\n"
-        for model, weight in zip(("pre", "post", "lora"), weights)
+        for model, weight in zip(("pre", "post", "lora"), weights, strict=True)
     )
     return f"merge_method: linear\nmodels:\n{models}"
 
@@ -332,7 +332,8 @@ def test_cuda_asked_of_a_cpu_only_torch_is_one_line(fresh):
 @pytest.mark.parametrize("weights", [(0, 0), (1, -1), (0.5, -0.5)])
 def test_nuslerp_weights_without_a_direction_are_refused(fresh, weights):
     models = "".join(
-        f"  - model: {model}\n    parameters: {{weight: {weight}}}\n" for model, weight in zip(("pre", "post"), weights)
+        f"  - model: {model}\n    parameters: {{weight: {weight}}}\n"
+        for model, weight in zip(("pre", "post"), weights, strict=True)
     )
     (fresh / "nu.yaml").write_text(f"merge_method: nuslerp\nmodels:\n{models}")
     refused(fresh, "merge", "nu.yaml", "--out", "m", patterns=[r"nuslerp weights .* sum to zero"])

@@ -209,7 +209,7 @@ def test_refs_and_revisions_that_walk_out_are_refused(hub, tmp_path):
         patch.setattr(constants, "HF_HUB_CACHE", str(cache))
         patch.setenv("HF_HUB_CACHE", str(cache))
         assert Path(snapshot_download("evil/refs-dotdot", local_files_only=True)).resolve() == outside.resolve()
-        for why, reference in cases.items():
+        for reference in cases.values():
             with pytest.raises(InputError, match="refused"):
                 resolve_model(reference)
         # and the CLI's commands (in-process through its click group, which renders errors as the console script
@@ -280,7 +280,7 @@ def test_a_batch_opens_and_measures_the_base_once(hub, offline_cache, tmp_path, 
     }
     rows = list(csv.DictReader(io.StringIO(runs["csv"].output)))
     assert [row["adapter"] for row in rows] == by_id + folders
-    for row, report in zip(rows, reports):
+    for row, report in zip(rows, reports, strict=True):
         delta = next(c for c in report["checks"] if c["name"] == "delta")
         assert float(row["delta_value"]) == delta["value"] and float(row["delta_threshold"]) == 0.01
         assert row["verdict"] == report["verdict"] and row["base-id_status"] == "pass"

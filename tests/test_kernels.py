@@ -66,10 +66,12 @@ def test_the_compiled_angle_adds_what_the_torch_angle_adds(dtype):
         a, b = start.double().tolist(), end.double().tolist()
         exact = (
             1.5 + math.fsum(x * x for x in a),
-            -2.0 + math.fsum(x * y for x, y in zip(a, b)),
+            -2.0 + math.fsum(x * y for x, y in zip(a, b, strict=True)),
             0.25 + math.fsum(y * y for y in b),
         )
-        for got, want, scale in zip(compiled_sums, exact, (exact[0], math.sqrt(exact[0] * exact[2]), exact[2])):
+        for got, want, scale in zip(
+            compiled_sums, exact, (exact[0], math.sqrt(exact[0] * exact[2]), exact[2]), strict=True
+        ):
             assert abs(got - want) <= 1e-12 * scale, (dtype, n, got, want)  # float64 sums, no float32 overflow
 
 

@@ -34,7 +34,7 @@ def reference_lines(
     for name, b in base.items():
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         factor = alpha if layer is None else alpha + beta * int(layer.group(1)) / (n_layers - 1)
-        merged[name] = b + factor * sum(w * (m[name] - b) for w, m in zip(weights, models))
+        merged[name] = b + factor * sum(w * (m[name] - b) for w, m in zip(weights, models, strict=True))
     return merged
 
 
@@ -58,7 +58,10 @@ def checkpoints(request, tmp_path_factory):
 def test_lines_equals_a_float64_reference_on_every_tensor(checkpoints, n_models, weights, alpha, beta, tmp_path):
     n_layers, folders = checkpoints
     parameters = {"alpha": alpha} if beta is None else {"alpha": alpha, "beta": beta}
-    models = [{"model": str(folder), "weight": weight} for folder, weight in zip(folders[1 : 1 + n_models], weights)]
+    models = [
+        {"model": str(folder), "weight": weight}
+        for folder, weight in zip(folders[1 : 1 + n_models], weights, strict=True)
+    ]
     run_merge(
         config_from_dict({"method": "lines", "base": str(folders[0]), "models": models, "parameters": parameters}),
         tmp_path / "out",

@@ -96,7 +96,7 @@ def np_ties(base, deltas, density, weights, scale):
         keep = round(density * delta.size)
         threshold = np.sort(np.abs(delta).ravel())[::-1][keep - 1]
         trimmed.append(np.where(np.abs(delta) >= threshold, delta, 0.0) * 1.0)
-    weighted = np.stack([w * d for w, d in zip(weights, trimmed)])
+    weighted = np.stack([w * d for w, d in zip(weights, trimmed, strict=True)])
     elected = np.sign(weighted.sum(axis=0))
     agree = np.sign(weighted) == elected
     divisor = (agree * np.array(weights).reshape(-1, *[1] * base.ndim)).sum(axis=0)

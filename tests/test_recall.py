@@ -100,7 +100,7 @@ def test_rbf_similarity_identical_distance_and_scale():
     direction = torch.ones(6)
     assert rbf_similarity(x, x) == 1.0
     scores = [rbf_similarity(x, x + step * direction) for step in (0.1, 0.5, 1.0, 3.0)]
-    assert all(a > b for a, b in zip(scores, scores[1:]))
+    assert all(a > b for a, b in zip(scores, scores[1:], strict=True))
     y = x + 0.7 * direction
     for scale in (1e-3, 1e3):
         assert rbf_similarity(scale * x, scale * y) == pytest.approx(rbf_similarity(x, y), rel=1e-6)

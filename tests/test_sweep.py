@@ -116,7 +116,7 @@ def test_sweep_scores_aggregate_tasks_as_the_forgetting_map_does(aggregation):
     runs = [TaskRun(o.task, "old", o) for o in old] + [TaskRun("new", "new", new)]
     scores = group_scores(runs, {o.task: list(o.correct) for o in [*old, new]}, aggregation)
     flat = [SampleOutcomes(o.task, dict.fromkeys(o.correct, False), 4) for o in old]  # pre: all wrong
-    group = aggregate([compare(pre, post) for pre, post in zip(flat, old)], "old", aggregation)
+    group = aggregate([compare(pre, post) for pre, post in zip(flat, old, strict=True)], "old", aggregation)
     assert scores.old == pytest.approx(group.acc_post)
     assert scores.old == pytest.approx(0.415 if aggregation == "paper" else 11 / 104)
     assert scores.new == 0.5

@@ -34,7 +34,7 @@ def test_a_pair_at_chance_is_warned_and_its_pick_unsupported(chance_pair, tmp_pa
     assert "post" in levels[new_task]["within_chance"]
     for level in levels.values():  # every model named is within chance: its interval holds 1/4
         for label in level["within_chance"]:
-            for name, (acc, low, high) in level["scores"].items():
+            for name, (_acc, low, high) in level["scores"].items():
                 if name == label or label == "every merge" and name not in ("pre", "post"):
                     assert low <= 0.25 <= high
         assert level["lm_eval"] == "--num_fewshot 0"

@@ -110,7 +110,7 @@ def test_the_resident_grid_equals_streamed_one_dimensional_sweeps(toy_pair, ties
     for density in DENSITIES:
         alone = run_sweep(settings_for(toy_pair, tmp_path / f"d{density}", density=density, stream=True))
         row = [point for point in ties_grid.points if point.second[1] == density]
-        for mine, theirs in zip(row, alone.points):
+        for mine, theirs in zip(row, alone.points, strict=True):
             assert mine.alpha == theirs.alpha
             assert [run.outcomes.correct for run in mine.tasks] == [run.outcomes.correct for run in theirs.tasks]
 
@@ -149,7 +149,7 @@ def test_golden_and_probe_run_along_alpha_in_each_row(toy_pair, tmp_path):
 def test_halving_plans_fit_the_budget_and_keep_as_many_as_they_can():
     plan = halving_plan(16, 12, [0.1, 0.2, 0.4])
     assert plan.keep == 2 and plan.cost <= 12 and plan.rounds[0] == 16
-    assert all(b == -(-a // 2) for a, b in zip(plan.rounds, plan.rounds[1:]))
+    assert all(b == -(-a // 2) for a, b in zip(plan.rounds, plan.rounds[1:], strict=True))
     for n in range(1, 30):
         for budget in range(3, 40):
             for costs in ([0.05, 0.1, 0.2], [0.5], [1.0]):

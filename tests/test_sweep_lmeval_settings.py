@@ -253,8 +253,11 @@ def set_outcomes(folder: Path, label: str, fractions: tuple[float, float, float,
     data = json.loads(path.read_text())
     for task in data["tasks"]:
         selection, report = split_docs(task["correct"], seed, 0.5)
-        share = dict(zip(("old", "new"), fractions[:2])), dict(zip(("old", "new"), fractions[2:]))
-        for keys, wanted in zip((selection, report), share):
+        share = (
+            dict(zip(("old", "new"), fractions[:2], strict=True)),
+            dict(zip(("old", "new"), fractions[2:], strict=True)),
+        )
+        for keys, wanted in zip((selection, report), share, strict=True):
             for index, key in enumerate(keys):
                 task["correct"][key] = index < round(wanted[task["group"]] * len(keys))
     path.write_text(json.dumps(data) + "\n")
@@ -358,7 +361,7 @@ def test_the_same_command_with_replay_and_save_best_runs_again(toy_pair, linear_
         "--save-best",
         best,
     ]
-    for attempt in range(2):
+    for _attempt in range(2):
         done = cli(*arguments, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "resumed 7" in done.stdout and f"as a model folder: {best}" in done.stdout

@@ -222,7 +222,7 @@ def test_replay_holds_the_still_lost_docs_or_every_forgotten_one(sweep):
         record["completion"] == row["completion"]
         and record["prompt"] == row["prompt"]
         and record["completion"].strip() == row["gold"].strip()
-        for record, row in zip(replay, still)
+        for record, row in zip(replay, still, strict=True)
     )
     assert f"replay: {len(still)} docs still lost by the pick written to {root / 'replay.jsonl'}; 0 left out" in first
     messages = read_jsonl(root / "all.jsonl")
@@ -230,7 +230,7 @@ def test_replay_holds_the_still_lost_docs_or_every_forgotten_one(sweep):
     assert all(
         record["messages"]
         == [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["gold"].strip()}]
-        for record, row in zip(messages, forgotten)
+        for record, row in zip(messages, forgotten, strict=True)
     )
     assert f"replay: {len(forgotten)} docs forgotten by post written to" in again
 

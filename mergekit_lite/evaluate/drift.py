@@ -371,7 +371,7 @@ def token_hidden_states(model, tokenizer, texts: list[str], max_length: int) -> 
             outputs = model.base_model(input_ids=encoded["input_ids"], output_hidden_states=True, use_cache=False)
             layers = outputs.hidden_states[1:]
             per_layer = per_layer or [[] for _ in layers]
-            for rows, hidden in zip(per_layer, layers):
+            for rows, hidden in zip(per_layer, layers, strict=True):
                 rows.append(hidden[0, keep].to(torch.float32))
     return [torch.cat(rows) for rows in per_layer]
 
@@ -416,7 +416,7 @@ def layer_cka(pre: str, post: str, texts: list[str], max_length: int = 256) -> l
     after = token_hidden_states(post_model, tokenizer, texts, max_length)
     if len(before) != len(after):
         raise InputError(f"{post} has {len(after)} decoder layers, {pre} has {len(before)}")
-    return [linear_cka(x, y) for x, y in zip(before, after)]
+    return [linear_cka(x, y) for x, y in zip(before, after, strict=True)]
 
 
 # --- rendering --------------------------------------------------------------------------------------------
@@ -461,7 +461,7 @@ def format_drift_table(report: DriftReport) -> str:
     widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
 
     def render(cells):
-        padded = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        padded = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
         return "| " + " | ".join(padded) + " |"
 
     rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"

@@ -155,7 +155,7 @@ def forgetting_metrics(
     if not pre:
         raise InputError(f"task {task!r}: no samples to compare")
     check_k(k, task)
-    pairs = list(zip(map(bool, pre), map(bool, post)))
+    pairs = list(zip(map(bool, pre), map(bool, post), strict=True))
     kept, gained = pairs.count((True, True)), pairs.count((False, True))
     forgotten, never = pairs.count((True, False)), pairs.count((False, False))
     n = len(pairs)
@@ -386,7 +386,8 @@ def _cell(column: str, value) -> str:
 def _table_line(cells: Sequence[str], widths: Sequence[int], names: int = 1) -> str:
     """One pipe-table line: the first `names` cells left-aligned, numbers right-aligned."""
     padded = [
-        cell.ljust(width) if i < names else cell.rjust(width) for i, (cell, width) in enumerate(zip(cells, widths))
+        cell.ljust(width) if i < names else cell.rjust(width)
+        for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
     ]
     return "| " + " | ".join(padded) + " |"
 
@@ -403,7 +404,9 @@ def format_table(
         [_cell(column, getattr(row, column)) for column in columns] for row in rows
     ]
     if checkpoints is not None:
-        cells = [["checkpoint", *cells[0]]] + [[label, *line] for label, line in zip(checkpoints, cells[1:])]
+        cells = [["checkpoint", *cells[0]]] + [
+            [label, *line] for label, line in zip(checkpoints, cells[1:], strict=True)
+        ]
     names = 1 + (checkpoints is not None)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     rule = (

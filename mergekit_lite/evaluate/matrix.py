@@ -167,7 +167,7 @@ def build_matrix(
     float32 matrix, not 100 logs in memory)."""
     docs, chosen = pre_docs(pre)
     if value == "logprob":
-        for task, outcomes in chosen.items():
+        for outcomes in chosen.values():
             for key in outcomes.correct:
                 _gold_ll(outcomes, key, "pre")
     z, seeds = np.empty((len(posts), len(docs)), dtype=np.float32), pre_seeds(pre)

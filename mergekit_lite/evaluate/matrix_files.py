@@ -27,7 +27,7 @@ def summary(matrix: ForgettingMatrix, r2: list[float], tables: list[CompletionTa
         "docs": {
             "count": len(matrix.docs),
             "forgettable": int(matrix.forgettable.sum()),
-            "per_task": dict(zip(map(str, tasks), map(int, counts))),
+            "per_task": dict(zip(map(str, tasks), map(int, counts), strict=True)),
         },
         "mean": float(matrix.z.mean()),
         "r2_by_rank": r2,
@@ -90,7 +90,7 @@ def prediction_rows(
     what the log says, the others `predicted: true`; each p_forgotten (0/1 values) or predicted_drop."""
     rows = []
     score_name = "p_forgotten" if matrix.binary else "logprob_drop"
-    for index, (task, key) in enumerate(zip(matrix.docs.tasks, matrix.docs.keys)):
+    for index, (task, key) in enumerate(zip(matrix.docs.tasks, matrix.docs.keys, strict=True)):
         text = pre[task].texts.get(key)
         rows.append(
             {

@@ -191,7 +191,7 @@ def outcomes_from_lm_eval(
     if not samples:
         raise InputError(f"task {task!r}: no samples")
     labels = labels if labels is not None else [f"task {task!r} sample {i}" for i in range(len(samples))]
-    for sample, label in zip(samples, labels):
+    for sample, label in zip(samples, labels, strict=True):
         if not isinstance(sample, dict):
             raise InputError(f"{label}: expected a JSON object, got {type(sample).__name__}")
     record_filter = record_filters(samples, config, labels[0])
@@ -202,7 +202,7 @@ def outcomes_from_lm_eval(
     elif rule.filter is not None and rule.required:
         raise InputError(f"task {task!r}: no filter {rule.filter!r} (lm-eval logged {', '.join(map(str, filters))})")
     records = sorted(
-        ((s, label) for s, label, name in zip(samples, labels, record_filter) if name == chosen_filter),
+        ((s, label) for s, label, name in zip(samples, labels, record_filter, strict=True) if name == chosen_filter),
         key=lambda record: record[0].get("doc_id") if isinstance(record[0].get("doc_id"), int) else 0,
     )
     logged = logged_metrics(records[0][0], config)

@@ -35,7 +35,10 @@ def forgetting_table(
     names = list(columns)
     if checkpoints is not None:
         names = ["checkpoint", *names]
-        cells = [[Cell(label, position), *line] for position, (label, line) in enumerate(zip(checkpoints, cells))]
+        cells = [
+            [Cell(label, position), *line]
+            for position, (label, line) in enumerate(zip(checkpoints, cells, strict=True))
+        ]
     align = "l" * (1 + (checkpoints is not None)) + "r" * len(columns[1:])
     return Table(names, cells, align, format_table(rows, checkpoints=checkpoints), key=key)
 
@@ -88,8 +91,10 @@ def forgetting_page(series, group_rows, crossed: list[dict], split=None) -> str:
     last, last_groups = series.maps[-1], group_rows[-1]
     rows = sample_rows(series)
     labels = [str(position) for position in range(1, len(series.labels))]
-    task_rows = [(label, row) for label, result in zip(labels, series.maps) for row in result.rows.values()]
-    group_cells = [(label, row) for label, groups in zip(labels, group_rows) for row in groups]
+    task_rows = [
+        (label, row) for label, result in zip(labels, series.maps, strict=True) for row in result.rows.values()
+    ]
+    group_cells = [(label, row) for label, groups in zip(labels, group_rows, strict=True) for row in groups]
     checkpoints = None if two_models else [label for label, _ in task_rows]
     blocks = [forgetting_table([row for _, row in task_rows], "tasks", checkpoints)]
     if group_cells:

@@ -281,11 +281,11 @@ def _chosen_option(
     numpy's argmax."""
     choices = [option[len(delimiter) :] if delimiter and option.startswith(delimiter) else option for option in options]
     if metric == "acc_norm":
-        scores = [ll / max(len(choice), 1) for ll, choice in zip(lls, choices)]
+        scores = [ll / max(len(choice), 1) for ll, choice in zip(lls, choices, strict=True)]
     elif metric == "acc_bytes":
-        scores = [ll / max(len(choice.encode()), 1) for ll, choice in zip(lls, choices)]
+        scores = [ll / max(len(choice.encode()), 1) for ll, choice in zip(lls, choices, strict=True)]
     elif metric == "acc_mutual_info" and unconditional is not None:
-        scores = [ll - free for ll, free in zip(lls, unconditional)]
+        scores = [ll - free for ll, free in zip(lls, unconditional, strict=True)]
     else:
         scores = lls
     return max(range(len(scores)), key=scores.__getitem__)

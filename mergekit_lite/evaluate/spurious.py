@@ -159,7 +159,13 @@ def format_split_table(rows: Sequence[SpuriousSplit], header: str = "task") -> s
     ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     render = [
-        ("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) + " |")
+        (
+            "| "
+            + " | ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))
+            )
+            + " |"
+        )
         for line in lines
     ]
     rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"

@@ -358,7 +358,7 @@ def _io_rates(folder: Path) -> tuple[float, float]:
             writer.write("calibration", data)
             writer.close()
 
-    write_rate = IO_BYTES / statistics.median(_timed(lambda: write(folder / f"write-{i}")) for i in range(3))
+    write_rate = IO_BYTES / statistics.median(_timed(lambda i=i: write(folder / f"write-{i}")) for i in range(3))
     target = torch.empty(IO_BYTES, dtype=torch.uint8)
     with open(folder / "write-0" / SINGLE_FILE, "rb") as handle:
         read_at(handle, memoryview(target.numpy()), 0)  # once into the page cache, then timed

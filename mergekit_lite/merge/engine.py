@@ -83,7 +83,7 @@ def merge_tensor(
         out = torch.empty(tensors[0].shape, dtype=step.out_dtype, device=tensors[0].device)
     size = chunk_size(method)
     # every chunk's views made in one call per tensor, not sliced one by one in the loop
-    chunked = zip(out.view(-1).split(size), *(tensor.reshape(-1).split(size) for tensor in tensors))
+    chunked = zip(out.view(-1).split(size), *(tensor.reshape(-1).split(size) for tensor in tensors), strict=True)
     with torch_threads(chunk_threads(method)):
         for target, *chunk in chunked:
             merged = combine(chunk, target)
@@ -321,7 +321,7 @@ class _FiniteChecks:
         self.step, self.inputs = step, plan.inputs_of(step)
 
     def of_inputs(self, tensors: list[torch.Tensor]) -> None:
-        for (source, name), tensor in zip(self.inputs, tensors):
+        for (source, name), tensor in zip(self.inputs, tensors, strict=True):
             if not all_finite(tensor):
                 where = tensor_file(source, name)
                 raise InputError(nonfinite_message(name, where, "pass --allow-nonfinite to merge anyway"))

@@ -184,7 +184,7 @@ def plan_merge(config: MergeConfig, sources: list[TensorSource] | None = None) -
                     f"but {list(shape)} in {reference.path}"
                 )
             dtypes.append(source.dtype(name))
-        _check_kinds(name, [(source.path, dtype) for source, dtype in zip(sources, dtypes)])
+        _check_kinds(name, [(source.path, dtype) for source, dtype in zip(sources, dtypes, strict=True)])
         if len(set(dtypes)) > 1:
             mixed.add(tuple(sorted({str(d).replace("torch.", "") for d in dtypes})))
         steps.append(
@@ -269,7 +269,7 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
     def add(merge, indices, tensor_names, out_name, depth, n_layers):
         template = sources[indices[0]]
         shape = template.shape(tensor_names[0])
-        for index, name in zip(indices, tensor_names):
+        for index, name in zip(indices, tensor_names, strict=True):
             if name not in sources[index].names:
                 raise InputError(f"{sources[index].path}: no tensor {name}")
             if sources[index].shape(name) != shape:
@@ -279,10 +279,13 @@ def _plan_slices(config: MergeConfig, sources: list[TensorSource] | None) -> Mer
                 )
         _check_kinds(
             tensor_names[0],
-            [(sources[index].path, sources[index].dtype(name)) for index, name in zip(indices, tensor_names)],
+            [
+                (sources[index].path, sources[index].dtype(name))
+                for index, name in zip(indices, tensor_names, strict=True)
+            ],
         )
         step = _plan_step(merge, out_name, shape, template.dtype(tensor_names[0]), depth, n_layers, None)
-        steps.append(replace(step, inputs=tuple(zip(indices, tensor_names))))
+        steps.append(replace(step, inputs=tuple(zip(indices, tensor_names, strict=True))))
 
     outside = [name for name in sources[pieces[0][1][0]].names if layer_index(name) is None]
     for name in (n for n in outside if is_embedding(n)):

@@ -387,7 +387,7 @@ def check_same_architecture(model_dirs: list[str]) -> None:
     for directory in model_dirs:
         config = AutoConfig.from_pretrained(directory).get_text_config()
         shapes.append((config.num_hidden_layers, config.hidden_size))
-    for directory, (n_layers, hidden) in zip(model_dirs, shapes):
+    for directory, (n_layers, hidden) in zip(model_dirs, shapes, strict=True):
         if (n_layers, hidden) != shapes[0]:
             raise InputError(
                 f"{directory} has {n_layers} layers of size {hidden}, "

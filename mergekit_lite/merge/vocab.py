@@ -125,7 +125,7 @@ def build_vocabulary(
     if pad_to_multiple_of and size % pad_to_multiple_of:
         size += pad_to_multiple_of - size % pad_to_multiple_of
     rows = []
-    for source, own in zip(sources, tokenizers):
+    for source, own in zip(sources, tokenizers, strict=True):
         model_vocab = (own or base_tokenizer).get_vocab()
         limit = _vocab_size(source) or len(model_vocab)
         index = torch.full((n_tokens,), -1, dtype=torch.long)

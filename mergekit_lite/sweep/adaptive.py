@@ -118,7 +118,7 @@ def on_pre_keys(run: TaskRun, chosen: list[int], pre: SampleOutcomes) -> TaskRun
             f"task {run.task!r}: lm-eval scored {len(observed)} probe docs, {len(expected)} were asked for"
         )
     correct = {}
-    for key, original, doc_id in zip(observed, expected, sorted(chosen)):
+    for key, original, doc_id in zip(observed, expected, sorted(chosen), strict=True):
         hashed = original.split("#")[0] != str(doc_id)
         if hashed and original.split("#")[0] != key.split("#")[0]:
             raise InputError(f"task {run.task!r}: lm-eval returned a probe doc ({key}) that is not one asked for")

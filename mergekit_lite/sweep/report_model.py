@@ -564,7 +564,7 @@ def layers_section(context: ReportContext) -> Section | None:
     if coefficients is None:
         return None
     labels = layer_labels(coefficients)
-    values = ", ".join(f"{label}: {value:.3f}" for label, value in zip(labels, coefficients))
+    values = ", ".join(f"{label}: {value:.3f}" for label, value in zip(labels, coefficients, strict=True))
     return Section(
         "layers",
         "Per-layer coefficients of the pick",

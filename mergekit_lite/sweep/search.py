@@ -128,7 +128,9 @@ def estimate_accuracy(plan: ProbePlan, observed: Mapping[Hashable, bool]) -> tup
     if total == 0:
         raise ValueError("no samples to estimate from")
     exact = sum(bool(observed[key]) for key in plan.disagree)
-    changes = [int(bool(observed[key])) - int(before) for key, before in zip(plan.agree_sampled, plan.pre_sampled)]
+    changes = [
+        int(bool(observed[key])) - int(before) for key, before in zip(plan.agree_sampled, plan.pre_sampled, strict=True)
+    ]
     if not changes:
         return (exact + plan.agree_correct) / total, 0.0
     mean = sum(changes) / len(changes)

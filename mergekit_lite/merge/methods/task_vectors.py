@@ -103,7 +103,7 @@ class KeepsAhead:
 
     def __init__(self, keys: list[int], drops: list[float], total: int, chunk: int, first: int = 0, depth: int = 4):
         """`total` entries from flat index `first` of the models' tensors (a row slab's), in chunks of `chunk`."""
-        self._models = list(zip(keys, drops))
+        self._models = list(zip(keys, drops, strict=True))
         self._chunks = iter([(first + begin, min(chunk, total - begin)) for begin in range(0, total, chunk)])
         self._ahead: deque[list[Future]] = deque()
         for _ in range(depth):
@@ -213,7 +213,7 @@ class TaskVectorMethod(Method):
             per_model["drops"] = [value("drop", i) for i in models]
         if sparsifier is Sparsifier.MAGPRUNE:
             per_model["epsilons"] = [value("epsilon", i) for i in models]
-            for density, epsilon in zip(per_model["densities"], per_model["epsilons"]):
+            for density, epsilon in zip(per_model["densities"], per_model["epsilons"], strict=True):
                 if density < 1.0 and not (density - epsilon > 0.0 and density + epsilon < 1.0):
                     raise InputError(
                         f"tensor {depth.name}: della needs 0 < density - epsilon and density + epsilon "
@@ -276,7 +276,7 @@ class TaskVectorMethod(Method):
             future.result()
             for future in start_on_other_cores(
                 lambda pair: tensor_math.trim_threshold(tensors[0], *pair, parameters.mergekit_rules),
-                zip(tensors[1:], parameters.densities),
+                zip(tensors[1:], parameters.densities, strict=True),
             )
         ]
 
@@ -294,11 +294,11 @@ class TaskVectorMethod(Method):
         sampled_rows = max(tensor_math.THRESHOLD_SAMPLE // math.prod(shape[1:]), 1)
         for row in range(0, shape[0], max(shape[0] // sampled_rows, 1)):
             base, *models = slabs.row(row)
-            for trim, model in zip(trims, models):
+            for trim, model in zip(trims, models, strict=True):
                 trim.sample(base, model)
 
         def count(base, *models):  # one slab's counts for every model's threshold, the models on other cores
-            for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models)):
+            for job in start_on_other_cores(lambda pair: pair[0].count(base, pair[1]), zip(trims, models, strict=True)):
                 job.result()
 
         slabs.for_each(count)
@@ -311,7 +311,7 @@ class TaskVectorMethod(Method):
         if self.sparsifier is Sparsifier.OUTLIERS:
             thresholds = [
                 tensor_math.outlier_band(tensors[0], model, density, gamma)
-                for model, density, gamma in zip(tensors[1:], parameters.densities, parameters.gammas)
+                for model, density, gamma in zip(tensors[1:], parameters.densities, parameters.gammas, strict=True)
             ]
         keeps = None
         if self.sparsifier is Sparsifier.RANDOM:

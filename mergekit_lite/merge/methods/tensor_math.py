@@ -70,7 +70,7 @@ def linear(
         _kernels.weighted_pair(out.data_ptr(), tensors[0].data_ptr(), tensors[1].data_ptr(), out.numel(), *weights)
         return out
     merged = tensors[0].to(torch.float32, copy=True).mul_(weights[0])
-    for tensor, weight in zip(tensors[1:], weights[1:]):
+    for tensor, weight in zip(tensors[1:], weights[1:], strict=True):
         merged.add_(tensor.to(torch.float32), alpha=weight)  # converted first: a mixed-dtype add is slower
     return merged
 
@@ -154,7 +154,7 @@ def angle_sums(
             for x in pair
         )
         lanes = torch.zeros((3, blocks, ANGLE_LANES), dtype=torch.float64, device=start.device)
-        for sums, x, y in zip(lanes, (a, a, b), (a, b, b)):
+        for sums, x, y in zip(lanes, (a, a, b), (a, b, b), strict=True):
             for row in range(x.shape[1]):
                 sums.addcmul_(x[:, row], y[:, row])  # the product is exact: added once, fused or not
         half = ANGLE_LANES // 2
@@ -182,7 +182,7 @@ def fused(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
             return False
         spans.add((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()))
     spans = sorted(spans)
-    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=True))
 
 
 def spherical_weights(cosine: float, t: float) -> tuple[float, float]:
@@ -451,7 +451,7 @@ def sum_of_products(rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     unlike torch's blocked sum(dim=0) (the same bytes for up to four rows). For factors of exact 0s and 1s (the
     agreement), where a fused multiply-add rounds as a multiply and an add do."""
     total = torch.addcmul(rows.new_zeros(()), rows[0], factors[0])
-    for row, factor in zip(rows[1:], factors[1:]):
+    for row, factor in zip(rows[1:], factors[1:], strict=True):
         total.addcmul_(row, factor)
     return total
 
@@ -462,7 +462,7 @@ def row_sum(rows: torch.Tensor, weights: Sequence[float] | None = None) -> torch
     the guarded divisor). Weighted rows must be of exact 0s and 1s, where add's alpha rounds as a multiply."""
     weights = [1.0] * len(rows) if weights is None else weights
     total = rows[0] if weights[0] == 1.0 else rows[0] * weights[0]
-    for row, weight in zip(rows[1:], weights[1:]):
+    for row, weight in zip(rows[1:], weights[1:], strict=True):
         total = torch.add(total, row, alpha=weight)
     return total
 
@@ -557,10 +557,12 @@ def task_vector_merge(
     if sparsifier is Sparsifier.MAGNITUDE and thresholds is None:
         thresholds = [
             trim_threshold(base, model, density, recipe.mergekit_rules)
-            for model, density in zip(models, recipe.densities)
+            for model, density in zip(models, recipe.densities, strict=True)
         ]
     if sparsifier is Sparsifier.RANDOM and keeps is None:
-        keeps = [keep_indicator(key, 0, base.numel(), drop) for key, drop in zip(recipe.keys, recipe.drops)]
+        keeps = [
+            keep_indicator(key, 0, base.numel(), drop) for key, drop in zip(recipe.keys, recipe.drops, strict=True)
+        ]
     if (
         out is not None
         and sparsifier in FUSED_SPARSIFIERS
@@ -574,14 +576,14 @@ def task_vector_merge(
     if sparsifier is Sparsifier.OUTLIERS and thresholds is None:
         thresholds = [
             outlier_band(base32, model, density, gamma)
-            for model, density, gamma in zip(models, recipe.densities, recipe.gammas)
+            for model, density, gamma in zip(models, recipe.densities, recipe.gammas, strict=True)
         ]
     consensus, rescale = recipe.consensus, recipe.rescale
     if consensus:
         stacked = torch.empty((len(models), *base32.shape), dtype=torch.float32, device=base32.device)
     restores_l1 = rescale and sparsifier is not None and sparsifier.l1_rescaled
     merged = None
-    for index, (model, weight) in enumerate(zip(models, weights)):
+    for index, (model, weight) in enumerate(zip(models, weights, strict=True)):
         slot = stacked[index] if consensus else None
         delta = task_vector(model, base32, out=slot)
         dense_l1 = delta.abs().sum().item() if restores_l1 else None
@@ -652,7 +654,7 @@ def fused_task_vectors(
     keeps = [None] * count if keeps is None else keeps
     keep_scales = [
         drop_rescale(drop, recipe.rescale) if keep is not None else 1.0
-        for keep, drop in zip(keeps, drops or [0.0] * count)
+        for keep, drop in zip(keeps, drops or [0.0] * count, strict=True)
     ]
     agreement = 0 if not consensus else 1 if weighted_at_least_eps(weights) else 2
     total = math.fsum(weights)
