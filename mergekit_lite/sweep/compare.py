@@ -189,7 +189,7 @@ def vector_table(comparison: Comparison, data: dict) -> Table | None:
     """Each method's vector of coefficients beside its scalar pick, on the report split: the scalar pick's and the
     vector's harmonic means and the paired-bootstrap interval of their difference."""
     rows = []
-    for row, entry in zip(comparison.rows, data["methods"]):
+    for row, entry in zip(comparison.rows, data["methods"], strict=True):
         vector = entry.get("vector")
         if vector is None:
             continue
@@ -238,7 +238,7 @@ def comparison_sections(comparison: Comparison, data: dict) -> list[Section]:
     """The comparison as report sections (io.report_page): comparison.md and comparison.html render them."""
     settings = comparison.sweeps[comparison.baseline].settings
     rows = []
-    for row, entry in zip(comparison.rows, data["methods"]):
+    for row, entry in zip(comparison.rows, data["methods"], strict=True):
         pick, low_high = row.pick, row.diff_to_baseline
         rows.append(
             [
