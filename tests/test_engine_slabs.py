@@ -4,6 +4,7 @@ one alike only in its first rows (merged, as whole: no slab of it is copied on i
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -244,7 +245,7 @@ def test_the_trim_threshold_from_slabs_is_the_whole_tensors(density):
     for sampled in (slice(None, None, 12), slice(0, 40)):
         trim = methods.TrimThreshold(base.numel(), density)
         trim.sample(base[sampled], model[sampled])
-        for begin, end in zip(bounds, bounds[1:], strict=True):
+        for begin, end in itertools.pairwise(bounds):
             trim.count(base[begin:end], model[begin:end])
         assert trim.select(lambda: (base, model)) == expected
 

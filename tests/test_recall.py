@@ -2,6 +2,7 @@
 checked against values computed by hand, our recall_lerp profile, and both end to end on tiny Llamas."""
 
 import copy
+import itertools
 import json
 import math
 
@@ -100,7 +101,7 @@ def test_rbf_similarity_identical_distance_and_scale():
     direction = torch.ones(6)
     assert rbf_similarity(x, x) == 1.0
     scores = [rbf_similarity(x, x + step * direction) for step in (0.1, 0.5, 1.0, 3.0)]
-    assert all(a > b for a, b in zip(scores, scores[1:], strict=True))
+    assert all(a > b for a, b in itertools.pairwise(scores))
     y = x + 0.7 * direction
     for scale in (1e-3, 1e3):
         assert rbf_similarity(scale * x, scale * y) == pytest.approx(rbf_similarity(x, y), rel=1e-6)

@@ -3,6 +3,7 @@ the pick over every cell, a resident 2-D grid equal to streamed 1-D sweeps at ea
 counted from the files the run wrote, and a report for every method a sweep accepts."""
 
 import copy
+import itertools
 import json
 import subprocess
 import sys
@@ -149,7 +150,7 @@ def test_golden_and_probe_run_along_alpha_in_each_row(toy_pair, tmp_path):
 def test_halving_plans_fit_the_budget_and_keep_as_many_as_they_can():
     plan = halving_plan(16, 12, [0.1, 0.2, 0.4])
     assert plan.keep == 2 and plan.cost <= 12 and plan.rounds[0] == 16
-    assert all(b == -(-a // 2) for a, b in zip(plan.rounds, plan.rounds[1:], strict=True))
+    assert all(b == -(-a // 2) for a, b in itertools.pairwise(plan.rounds))
     for n in range(1, 30):
         for budget in range(3, 40):
             for costs in ([0.05, 0.1, 0.2], [0.5], [1.0]):

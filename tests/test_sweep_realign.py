@@ -117,7 +117,7 @@ def test_realign_shots_splits_forgetting_as_the_saved_outcomes_say(toy_pair, tmp
     assert f"recall_lerp weight of post (alpha {results['pick']['alpha']!r})" in table[0]
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
     assert [row[0] for row in cells][1 : layers + 1] == [f"layer {index}" for index in range(layers)]
-    for row, drift in zip(cells[1:], results["drift"]["layers"], strict=True):
+    for row, drift in zip(cells[1 : layers + 1], results["drift"]["layers"], strict=True):
         assert float(row[1]) == pytest.approx(drift["relative_drift"], rel=1e-3)
         assert 0 <= float(row[2]) <= 1
 

@@ -107,7 +107,8 @@ def ring_capacity(plan: MergePlan, found: list[Part]) -> int:
 def load_part(plan: MergePlan, part: Part, block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """The part's inputs read into `block`, each at its offset in `sizes` (`block_sizes`)."""
     tensors, offset = [], 0
-    for (source, name), size in zip(plan.inputs_of(part.step), sizes, strict=True):
+    # a copy step reads its first input only (block_sizes): the rest have no size
+    for (source, name), size in zip(plan.inputs_of(part.step), sizes, strict=False):
         into = block[offset : offset + size]
         tensors.append(source.load(name, into) if part.rows is None else source.load_rows(name, *part.rows, into))
         offset += size

@@ -275,12 +275,12 @@ def check_save_best_adapter(settings: SweepSettings, inputs: list) -> None:
     """--save-best-adapter: post is a LoRA adapter and the method's merge at every coefficient c is pre + c * (post -
     pre) (its registry declaration `scales_task_vector`), so the pick is the adapter with its update scaled; one
     coefficient for the whole model (no --groups/--modules); its folder follows --save-best's rules and is another."""
-    from mergekit_lite.io.lora import LoraAdapter
-    from mergekit_lite.merge import methods
-
     out = settings.save_best_adapter
     if not out:
         return
+    from mergekit_lite.io.lora import LoraAdapter  # torch: only when an adapter is to be written
+    from mergekit_lite.merge import methods
+
     if not LoraAdapter.is_adapter_dir(settings.post):
         raise InputError(
             f"--save-best-adapter writes the pick as a LoRA adapter, and --post {settings.post} is a model, not a "

@@ -17,6 +17,7 @@ Gram matrices, one per row.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -182,7 +183,7 @@ def fused(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
             return False
         spans.add((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()))
     spans = sorted(spans)
-    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=True))
+    return all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
 
 
 def spherical_weights(cosine: float, t: float) -> tuple[float, float]:
