@@ -150,19 +150,21 @@ def _saved_traceback() -> str:
     return ""
 
 
+# what quiets the libraries' bars and logs in this process and the ones it starts (lm-eval workers, Ray actors)
+QUIET_ENVIRONMENT = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "DATASETS_VERBOSITY": "error",
+}
+
+
 def quiet_third_party() -> None:
     """-q: no loading bars or info logs from transformers / huggingface_hub / lm-eval / datasets on stderr."""
     import logging
 
-    os.environ.update(
-        {
-            "TQDM_DISABLE": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "TRANSFORMERS_VERBOSITY": "error",
-            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-            "DATASETS_VERBOSITY": "error",
-        }
-    )
+    os.environ.update(QUIET_ENVIRONMENT)
     for name in ("transformers", "huggingface_hub", "lm-eval", "lm_eval", "datasets", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     from huggingface_hub.utils import disable_progress_bars

@@ -172,13 +172,15 @@ def _warn_nonfinite(result) -> None:
 def _library_output(quiet: bool, verbose: bool) -> None:
     """transformers' and lm-eval's bars and logs are quiet under the sweep's own bar (which sets `disable` itself, so
     TQDM_DISABLE leaves it); --verbose lets them through, lm-eval's stderr included (lm_harness.VERBOSE_ENV)."""
-    from mergekit_lite.cli.main import quiet_third_party
+    from mergekit_lite.cli.main import QUIET_ENVIRONMENT, quiet_third_party
     from mergekit_lite.evaluate.lm_harness import VERBOSE_ENV
 
     if quiet and verbose:
         raise InputError("--quiet and --verbose contradict each other: give one")
     if verbose:
         os.environ[VERBOSE_ENV] = "1"  # Ray actors inherit it
+        for name in QUIET_ENVIRONMENT:  # asked for: shown, whatever an earlier quiet run left in the environment
+            os.environ.pop(name, None)
     else:
         quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
 

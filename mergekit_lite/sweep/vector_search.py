@@ -199,65 +199,88 @@ def run_search(sweep: SweepRun, scalar: PointResult, splits, trials_on, batch: i
     """The study, asked `batch` trials at a time: each batch probed (with --vector-prune), the pruner's decisions
     made and stored, the kept ones scored on every doc, then told in trial order. A batch's trials see only the
     trials told before it, so the same seed and batch give the same vector here or on Ray, killed or not."""
-    import optuna
+    study = VectorStudy(sweep, scalar, splits, trials_on, batch)
+    return study.outcome(study.run())
 
-    settings, folder = sweep.settings, sweep.folder
-    cell = sweep.found[scalar.label]
-    space, coefficient = vector_space(settings), settings.coefficient
-    low, high = min(settings.alphas), max(settings.alphas)
-    sampler_name = settings.vector_search or "tpe"
-    if sampler_name == "revert" and not methods.method(settings.method).pre_at_zero:
-        raise InputError(f"--vector-search revert puts slots back to pre: {settings.method} at 0 is not pre")
-    slots = space.slots
-    starts = [[scalar.alpha] * len(slots)]
-    if settings.vector_start == "drift":
-        starts.append(drift_start(space, settings, scalar.alpha, low, high))
-    if sampler_name == "revert":
-        distributions = {slot: optuna.distributions.CategoricalDistribution(tuple(REVERT_CHOICES)) for slot in slots}
-        first = [{slot: "pick" for slot in slots}]
-    else:
-        distributions = {slot: optuna.distributions.FloatDistribution(low, high) for slot in slots}
-        first = [dict(zip(slots, start, strict=True)) for start in starts]
 
-    def vector_of(params: dict) -> list[float]:
-        if sampler_name == "revert":
+def _score(point: PointResult) -> float:
+    """What Optuna maximises: the selection split's harmonic mean; a merge with non-finite logits scores 0."""
+    return 0.0 if point.nonfinite else point.selection.harmonic_mean
+
+
+class VectorStudy:
+    """One run's Optuna study of coefficient vectors and what it has scored: the vectors saved on every doc
+    (vectors/), the probes of cheap-first trials (probes/), and the evaluations this process ran."""
+
+    def __init__(self, sweep: SweepRun, scalar: PointResult, splits, trials_on, batch: int):
+        import optuna
+
+        settings = sweep.settings
+        self.sweep, self.scalar, self.splits, self.trials_on, self.batch = sweep, scalar, splits, trials_on, batch
+        self.settings, self.folder = settings, sweep.folder
+        self.cell = sweep.found[scalar.label]
+        self.space, self.coefficient = vector_space(settings), settings.coefficient
+        low, high = min(settings.alphas), max(settings.alphas)
+        self.sampler_name = settings.vector_search or "tpe"
+        if self.sampler_name == "revert" and not methods.method(settings.method).pre_at_zero:
+            raise InputError(f"--vector-search revert puts slots back to pre: {settings.method} at 0 is not pre")
+        self.slots = slots = self.space.slots
+        self.starts = [[scalar.alpha] * len(slots)]
+        if settings.vector_start == "drift":
+            self.starts.append(drift_start(self.space, settings, scalar.alpha, low, high))
+        if self.sampler_name == "revert":
+            self.distributions = {
+                slot: optuna.distributions.CategoricalDistribution(tuple(REVERT_CHOICES)) for slot in slots
+            }
+            self.first = [{slot: "pick" for slot in slots}]
+        else:
+            self.distributions = {slot: optuna.distributions.FloatDistribution(low, high) for slot in slots}
+            self.first = [dict(zip(slots, start, strict=True)) for start in self.starts]
+        self.identity = settings.identity()
+        (self.folder / VECTORS_DIR).mkdir(exist_ok=True)
+        self.saved = load_points(self.folder, self.identity, VECTORS_DIR)
+        self.baseline = sweep.runs["pre"]
+        self.cheap = cheap_first(settings, sweep.runs, splits)
+        self.probe_id = {**probe_identity(settings), "vector_prune": settings.vector_prune}
+        if self.cheap is not None:
+            (self.folder / PROBES_DIR).mkdir(exist_ok=True)
+        self.probed = load_points(self.folder, self.probe_id, PROBES_DIR) if self.cheap is not None else {}
+        self.evaluated, self.probes_run = [], []
+        self.docs = sum(len(run.outcomes.correct) for run in self.baseline if run.outcomes is not None)
+        if self.sampler_name == "revert":
+            self.wanted = min(trial_count(settings), len(REVERT_CHOICES) ** len(slots))
+        else:
+            self.wanted = trial_count(settings)
+
+    def vector_of(self, params: dict) -> list[float]:
+        if self.sampler_name == "revert":
             return [
-                scalar.alpha if REVERT_CHOICES[params[slot]] is None else REVERT_CHOICES[params[slot]] for slot in slots
+                self.scalar.alpha if REVERT_CHOICES[params[slot]] is None else REVERT_CHOICES[params[slot]]
+                for slot in self.slots
             ]
-        return [float(params[slot]) for slot in slots]
+        return [float(params[slot]) for slot in self.slots]
 
-    identity = settings.identity()
-    (folder / VECTORS_DIR).mkdir(exist_ok=True)
-    saved = load_points(folder, identity, VECTORS_DIR)
-    baseline = sweep.runs["pre"]
-    cheap = cheap_first(settings, sweep.runs, splits)
-    probe_id = {**probe_identity(settings), "vector_prune": settings.vector_prune}
-    if cheap is not None:
-        (folder / PROBES_DIR).mkdir(exist_ok=True)
-    probed = load_points(folder, probe_id, PROBES_DIR) if cheap is not None else {}
-    evaluated, probes_run = [], []
-    docs = sum(len(run.outcomes.correct) for run in baseline if run.outcomes is not None)
+    def config_of(self, params: dict):
+        return vector_config(self.cell.config(), self.coefficient, self.space.spec(self.vector_of(params)))
 
-    def config_of(params: dict):
-        return vector_config(cell.config(), coefficient, space.spec(vector_of(params)))
-
-    def trial_point(params: dict) -> tuple[str, list[float], PointResult | None]:
+    def trial_point(self, params: dict) -> tuple[str, list[float], PointResult | None]:
         """A trial's label, vector and point (None when not saved yet)."""
-        vector = vector_of(params)
-        label = vector_label(config_of(params))
-        runs = saved.get(label)
-        return label, vector, runs and summarise(label, None, runs, baseline, splits, settings.aggregation)
+        vector = self.vector_of(params)
+        label = vector_label(self.config_of(params))
+        runs = self.saved.get(label)
+        return (
+            label,
+            vector,
+            runs and summarise(label, None, runs, self.baseline, self.splits, self.settings.aggregation),
+        )
 
-    def score(point: PointResult) -> float:
-        return 0.0 if point.nonfinite else point.selection.harmonic_mean
-
-    def evaluate(batch_trials: list, store: dict, samples, save) -> None:
+    def evaluate(self, batch_trials: list, store: dict, samples, save) -> None:
         """The batch's merges not saved yet in `store`, scored (on `samples`, or every doc) and saved."""
         todo = {}
         for trial in batch_trials:
-            label = trial_point(trial.params)[0]
+            label = self.trial_point(trial.params)[0]
             if label in store or label in todo:
-                sweep.bar.update(sweep.n_tasks)
+                self.sweep.bar.update(self.sweep.n_tasks)
             else:
                 todo[label] = trial
         if not todo:
@@ -265,143 +288,160 @@ def run_search(sweep: SweepRun, scalar: PointResult, splits, trials_on, batch: i
         what = "every doc" if samples is None else "probe docs"
         numbers = ", ".join(str(trial.number + 1) for trial in todo.values())
         named = f"vector trial{'s' * (len(todo) > 1)} {numbers}"
-        sweep.bar.set_postfix_str(f"{named}: {what} ({docs if samples is None else cheap.docs})")
-        jobs = [(config_of(trial.params), samples) for trial in todo.values()]
-        for (label, trial), runs in zip(todo.items(), trials_on.merged(jobs), strict=True):
+        self.sweep.bar.set_postfix_str(f"{named}: {what} ({self.docs if samples is None else self.cheap.docs})")
+        jobs = [(self.config_of(trial.params), samples) for trial in todo.values()]
+        for (label, trial), runs in zip(todo.items(), self.trials_on.merged(jobs), strict=True):
             save(label, trial, runs)
 
-    def save_full(label: str, trial, runs: list[TaskRun]) -> None:
-        vector = vector_of(trial.params)
-        save_point(point_file(folder, label, VECTORS_DIR), identity, label, sum(vector) / len(vector), runs)
-        saved[label] = runs
-        evaluated.append(label)
+    def save_full(self, label: str, trial, runs: list[TaskRun]) -> None:
+        vector = self.vector_of(trial.params)
+        path = point_file(self.folder, label, VECTORS_DIR)
+        save_point(path, self.identity, label, sum(vector) / len(vector), runs)
+        self.saved[label] = runs
+        self.evaluated.append(label)
 
-    def save_probe(label: str, trial, runs: list[TaskRun]) -> None:
-        scored = cheap.keyed(runs)
-        vector = vector_of(trial.params)
-        save_point(point_file(folder, label, PROBES_DIR), probe_id, label, sum(vector) / len(vector), scored)
-        probed[label] = scored
-        probes_run.append(label)
+    def save_probe(self, label: str, trial, runs: list[TaskRun]) -> None:
+        scored = self.cheap.keyed(runs)
+        vector = self.vector_of(trial.params)
+        path = point_file(self.folder, label, PROBES_DIR)
+        save_point(path, self.probe_id, label, sum(vector) / len(vector), scored)
+        self.probed[label] = scored
+        self.probes_run.append(label)
 
-    def decide(study, frozen) -> bool:
+    def decide(self, study, frozen) -> bool:
         """Whether the pruner stops this trial after its probe: reported and stored once, so a rerun keeps it."""
+        import optuna
+
         if PRUNED_ATTR in frozen.user_attrs:
             return frozen.user_attrs[PRUNED_ATTR]
         trial = optuna.trial.Trial(study, frozen._trial_id)
-        runs = probed[trial_point(frozen.params)[0]]
+        runs = self.probed[self.trial_point(frozen.params)[0]]
         if 0 not in frozen.intermediate_values:
             nonfinite = any(run.nonfinite for run in runs)
-            trial.report(0.0 if nonfinite else cheap.estimate(runs, settings.aggregation), 0)
+            trial.report(0.0 if nonfinite else self.cheap.estimate(runs, self.settings.aggregation), 0)
         stop = bool(trial.should_prune())
         trial.set_user_attr(PRUNED_ATTR, stop)
         return stop
 
-    def run_batch(study, batch_trials: list) -> None:
+    def run_batch(self, study, batch_trials: list) -> None:
+        """One batch: probed and pruned (cheap-first), the kept trials scored on every doc, all told in order."""
+        import optuna
+
+        cheap, bar = self.cheap, self.sweep.bar
         batch_trials = sorted(batch_trials, key=lambda trial: trial.number)
         kept = batch_trials
         if cheap is not None:
-            evaluate(batch_trials, probed, cheap.samples, save_probe)
+            self.evaluate(batch_trials, self.probed, cheap.samples, self.save_probe)
             fresh = {trial.number: trial for trial in study.get_trials(deepcopy=False)}
-            stops = {trial.number: decide(study, fresh[trial.number]) for trial in batch_trials}
+            stops = {trial.number: self.decide(study, fresh[trial.number]) for trial in batch_trials}
             kept = [trial for trial in batch_trials if not stops[trial.number]]
-            sweep.bar.update(sweep.n_tasks * (len(batch_trials) - len(kept)))  # no full evaluation for these
-        evaluate(kept, saved, None, save_full)
+            bar.update(self.sweep.n_tasks * (len(batch_trials) - len(kept)))  # no full evaluation for these
+        self.evaluate(kept, self.saved, None, self.save_full)
         kept_numbers = {trial.number for trial in kept}
         for trial in batch_trials:
             if trial.number in kept_numbers:
-                study.tell(trial.number, score(trial_point(trial.params)[2]))
+                study.tell(trial.number, _score(self.trial_point(trial.params)[2]))
             else:
                 study.tell(trial.number, state=optuna.trial.TrialState.PRUNED)
             probe = f"{cheap.docs} probe docs" if cheap else ""
-            full = "" if trial.number not in kept_numbers else f"{' + ' if probe else ''}{docs} docs"
+            full = "" if trial.number not in kept_numbers else f"{' + ' if probe else ''}{self.docs} docs"
             evaluations = (cheap is not None) + (trial.number in kept_numbers)
-            sweep.bar.set_postfix_str(
+            bar.set_postfix_str(
                 f"vector trial {trial.number + 1}: {probe}{full}, {evaluations} evaluation{'s' * (evaluations > 1)}"
                 + ("" if trial.number in kept_numbers else " (pruned)")
             )
 
-    if sampler_name == "revert":
-        wanted = min(trial_count(settings), len(REVERT_CHOICES) ** len(slots))
-    else:
-        wanted = trial_count(settings)
-    stages = 2 if cheap is not None else 1
-    sweep.bar.total = sweep.bar.n + wanted * sweep.n_tasks * stages  # the scalar search may have resized it
-    sweep.bar.refresh()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = f"sqlite:///{folder / STUDY_FILE}"
-    name = study_name(settings, space, scalar, sampler_name, starts, batch)
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=max(len(first), PRUNE_STARTUP), n_warmup_steps=0)
-    waiting, running = optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study = optuna.create_study(
-            study_name=name, storage=storage, direction="maximize", load_if_exists=True, pruner=pruner
+    def run(self):
+        """The study from its storage in the run folder, asked and told until `wanted` trials are finished (a
+        batch a kill cut off is finished first)."""
+        import optuna
+
+        settings, sweep, batch = self.settings, self.sweep, self.batch
+        stages = 2 if self.cheap is not None else 1
+        sweep.bar.total = sweep.bar.n + self.wanted * sweep.n_tasks * stages  # the scalar search may have resized it
+        sweep.bar.refresh()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        storage = f"sqlite:///{self.folder / STUDY_FILE}"
+        name = study_name(settings, self.space, self.scalar, self.sampler_name, self.starts, batch)
+        pruner = optuna.pruners.MedianPruner(n_startup_trials=max(len(self.first), PRUNE_STARTUP), n_warmup_steps=0)
+        waiting, running = optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study = optuna.create_study(
+                study_name=name, storage=storage, direction="maximize", load_if_exists=True, pruner=pruner
+            )
+            if not study.trials:
+                for params in self.first:
+                    study.enqueue_trial(params)
+            while True:
+                trials = study.get_trials(deepcopy=False)
+                asked = sum(trial.state != waiting for trial in trials)
+                pending = [trial for trial in trials if trial.state == running]  # a batch cut off by a kill
+                if not pending and asked >= self.wanted:
+                    return study
+                while asked < self.wanted and (not pending or asked % batch):
+                    study = optuna.load_study(
+                        study_name=name,
+                        storage=storage,
+                        sampler=sampler(self.sampler_name, settings.seed, asked, self.first[0]),
+                        pruner=pruner,
+                    )
+                    pending.append(study.ask(self.distributions))
+                    asked += 1
+                    if asked % batch == 0:
+                        break
+                self.run_batch(study, pending)
+
+    def outcome(self, study) -> VectorOutcome:
+        """The finished trials as a table (each one's docs and evaluations spent), and the best on the selection
+        split (ties to the earliest)."""
+        import optuna
+
+        cheap = self.cheap
+        finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        done = sorted(study.get_trials(deepcopy=False, states=finished), key=lambda t: t.number)[: self.wanted]
+        trials, scored, probed_before = [], set(), set()
+        for trial in done:
+            label, vector, point = self.trial_point(trial.params)
+            pruned = trial.state == optuna.trial.TrialState.PRUNED
+            probe_cost = int(cheap is not None and label not in probed_before)  # a vector met again is not scored
+            full_cost = int(not pruned and label not in scored)
+            probed_before.add(label)
+            scored |= set() if pruned else {label}
+            trials.append(
+                {
+                    "number": trial.number,
+                    "label": label,
+                    "vector": dict(zip(self.slots, vector, strict=True)),
+                    "selection_harmonic_mean": None if pruned else trial.value,
+                    "probe_harmonic_mean": trial.intermediate_values.get(0),
+                    "pruned": pruned,
+                    "docs": probe_cost * (cheap.docs if cheap else 0) + full_cost * self.docs,
+                    "evaluations": probe_cost + full_cost,
+                    "nonfinite": None if pruned else point.nonfinite,
+                }
+            )
+        complete = [trial for trial in trials if not trial["pruned"]]
+        finite = [trial for trial in complete if not trial["nonfinite"]] or complete
+        top = max(trial["selection_harmonic_mean"] for trial in finite)
+        best = next(trial for trial in finite if top - trial["selection_harmonic_mean"] <= TIE_TOLERANCE)
+        config = vector_config(self.cell.config(), self.coefficient, self.space.spec(list(best["vector"].values())))
+        return VectorOutcome(
+            self.space,
+            self.sampler_name,
+            self.scalar.label,
+            self.scalar.alpha,
+            trials,
+            best,
+            self.saved[best["label"]],
+            config,
+            len(self.evaluated),
+            self.docs,
+            probed=len(self.probes_run),
+            probe_docs=cheap.docs if cheap else 0,
+            batch=self.batch,
+            ray=self.settings.ray is not None,
         )
-        if not study.trials:
-            for params in first:
-                study.enqueue_trial(params)
-        while True:
-            trials = study.get_trials(deepcopy=False)
-            asked = sum(trial.state != waiting for trial in trials)
-            pending = [trial for trial in trials if trial.state == running]  # a batch cut off by a kill
-            if not pending and asked >= wanted:
-                break
-            while asked < wanted and (not pending or asked % batch):
-                study = optuna.load_study(
-                    study_name=name,
-                    storage=storage,
-                    sampler=sampler(sampler_name, settings.seed, asked, first[0]),
-                    pruner=pruner,
-                )
-                pending.append(study.ask(distributions))
-                asked += 1
-                if asked % batch == 0:
-                    break
-            run_batch(study, pending)
-    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    done = sorted(study.get_trials(deepcopy=False, states=finished), key=lambda t: t.number)[:wanted]
-    trials, scored, probed_before = [], set(), set()
-    for trial in done:
-        label, vector, point = trial_point(trial.params)
-        pruned = trial.state == optuna.trial.TrialState.PRUNED
-        probe_cost = int(cheap is not None and label not in probed_before)  # a vector met again is not scored again
-        full_cost = int(not pruned and label not in scored)
-        probed_before.add(label)
-        scored |= set() if pruned else {label}
-        trials.append(
-            {
-                "number": trial.number,
-                "label": label,
-                "vector": dict(zip(slots, vector, strict=True)),
-                "selection_harmonic_mean": None if pruned else trial.value,
-                "probe_harmonic_mean": trial.intermediate_values.get(0),
-                "pruned": pruned,
-                "docs": probe_cost * (cheap.docs if cheap else 0) + full_cost * docs,
-                "evaluations": probe_cost + full_cost,
-                "nonfinite": None if pruned else point.nonfinite,
-            }
-        )
-    complete = [trial for trial in trials if not trial["pruned"]]
-    finite = [trial for trial in complete if not trial["nonfinite"]] or complete
-    top = max(trial["selection_harmonic_mean"] for trial in finite)
-    best = next(trial for trial in finite if top - trial["selection_harmonic_mean"] <= TIE_TOLERANCE)
-    config = vector_config(cell.config(), coefficient, space.spec(list(best["vector"].values())))
-    return VectorOutcome(
-        space,
-        sampler_name,
-        scalar.label,
-        scalar.alpha,
-        trials,
-        best,
-        saved[best["label"]],
-        config,
-        len(evaluated),
-        docs,
-        probed=len(probes_run),
-        probe_docs=cheap.docs if cheap else 0,
-        batch=batch,
-        ray=settings.ray is not None,
-    )
 
 
 def sampler(name: str, seed: int, done: int, start: dict):
