@@ -386,7 +386,8 @@ class VectorStudy:
                         sampler=sampler(self.sampler_name, settings.seed, asked, self.first[0]),
                         pruner=pruner,
                     )
-                    pending.append(study.ask(self.distributions))
+                    with interrupts.deferred():  # a trial asked whole: a Ctrl-C never leaves one without its params
+                        pending.append(study.ask(self.distributions))
                     asked += 1
                     if asked % batch == 0:
                         break
