@@ -12,7 +12,7 @@ from contextlib import closing
 import click
 
 from mergekit_lite.audits.thresholds import AuditThresholds
-from mergekit_lite.cli.options import settings_options
+from mergekit_lite.cli.options import QUIET, settings_options
 
 # audits.fingerprint.FINGERPRINT_FILE, named here to keep torch out of --help
 SHIPPED_FINGERPRINT = "base_fingerprint.json"
@@ -348,7 +348,7 @@ def audit():
     help="Run the base once to record its first-token outputs on the probes.",
 )
 @click.option("--device", default="cpu", show_default=True, help="Device for --behaviour.")
-@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+@QUIET
 def fingerprint(base, out, top_k, behaviour, device, quiet):
     """Write BASE's fingerprint (spectra, signature, tokenizer, outputs) to ship inside adapter folders."""
     if quiet:

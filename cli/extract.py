@@ -3,8 +3,8 @@
 import click
 
 from mergekit_lite.cli.mergekit_flags import MergekitFlags, mergekit_options
-from mergekit_lite.cli.options import settings_options
-from mergekit_lite.cli.types import SafeSuggestions
+from mergekit_lite.cli.options import QUIET, settings_options
+from mergekit_lite.cli.types import SafeSuggestions, flag_name
 from mergekit_lite.merge.lora_settings import ExtractSettings
 
 # mergekit's shared flags that have no part in an extraction: a note when given (mergekit reads them and does nothing)
@@ -43,7 +43,7 @@ Examples:
 @settings_options(ExtractSettings)
 @click.option("--device", help="Where the SVDs run: cpu (default), cuda, cuda:N or auto.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+@QUIET
 @mergekit_options
 @click.pass_context
 def extract(ctx, base, model, out, settings, device, overwrite, quiet, **mergekit):
@@ -62,7 +62,7 @@ def extract(ctx, base, model, out, settings, device, overwrite, quiet, **mergeki
     given = [
         name for name in NOT_EXTRACTION if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
     ]
-    for note in flags.notes() + [f"note: --{name.replace('_', '-')}: {NOT_EXTRACTION[name]}" for name in given]:
+    for note in flags.notes() + [f"note: {flag_name(name)}: {NOT_EXTRACTION[name]}" for name in given]:
         click.echo(note, err=True)
     flags.apply()
     result = extract_lora(

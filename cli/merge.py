@@ -8,7 +8,7 @@ from mergekit_lite.cli.types import SafeSuggestions
 from mergekit_lite.errors import InputError
 from mergekit_lite.io.checkpoints import in_training_order
 from mergekit_lite.merge import methods
-from mergekit_lite.merge.config import DTYPES
+from mergekit_lite.merge.config import DTYPES, OUT_QUANTS
 
 EXAMPLES = """
 \b
@@ -105,7 +105,7 @@ RUN_OPTIONS = (
     ),
     click.option(
         "--out-quant",
-        type=click.Choice(["fp8-block"]),
+        type=click.Choice(OUT_QUANTS),
         help="Write the merge re-quantized to its FP8 input's block scheme (default: dense, quantization_config "
         "dropped).",
     ),

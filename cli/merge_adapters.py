@@ -2,7 +2,7 @@
 
 import click
 
-from mergekit_lite.cli.options import settings_options
+from mergekit_lite.cli.options import QUIET, settings_options
 from mergekit_lite.cli.types import SafeSuggestions
 from mergekit_lite.merge.lora_settings import AdapterMergeSettings
 
@@ -26,7 +26,7 @@ Examples:
 @click.option("--require-verified", is_flag=True, help="Merge only adapters whose audit is VERIFIED (exit 1 if not).")
 @click.option("--allow-pickle", is_flag=True, help="Read adapter_model.bin pickles (weights_only=True).")
 @click.option("--overwrite", is_flag=True, help="Replace an output folder this tool wrote.")
-@click.option("--quiet", "-q", is_flag=True, help="No loading bars or logs from the libraries on stderr.")
+@QUIET
 def merge_adapters(adapters, settings, base, out, force, require_verified, allow_pickle, overwrite, quiet):
     """Merge LoRA adapters into one LoRA adapter (PEFT format), each audited first.
 

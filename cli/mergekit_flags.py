@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import click
 
-from mergekit_lite.cli.types import ShardSize
+from mergekit_lite.cli.types import ShardSize, flag_name
 from mergekit_lite.errors import InputError
 
 GPU_FLAGS = ("cuda", "read_to_gpu", "low_cpu_memory", "multi_gpu", "gpu_rich")
@@ -175,7 +175,7 @@ class MergekitFlags:
             )
 
     def gpu_flags(self) -> list[str]:
-        return [f"--{name.replace('_', '-')}" for name in GPU_FLAGS if getattr(self, name)]
+        return [flag_name(name) for name in GPU_FLAGS if getattr(self, name)]
 
     def device(self, device: str | None) -> str | None:
         """The math's device: --device as given (mergekit's `auto`: cuda where there is one), else cuda with

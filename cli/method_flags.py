@@ -15,15 +15,10 @@ from collections.abc import Iterable, Mapping
 
 import click
 
-from mergekit_lite.cli.types import Number
+from mergekit_lite.cli.types import Number, flag_name
 from mergekit_lite.merge.methods.registry import Method, Parameter
 
 HELP_WIDTH = 100  # the methods' table is printed as written (a click \\b paragraph), so wrapped here
-
-
-def flag_name(name: str) -> str:
-    """The flag of a parameter: its name with dashes (`select_topk` -> `--select-topk`)."""
-    return "--" + name.replace("_", "-")
 
 
 def flagged_parameters(registry: Mapping[str, Method]) -> dict[str, list[tuple[Method, Parameter]]]:
@@ -62,18 +57,16 @@ def defaults_text(name: str, takers: list[Method]) -> str:
         for method in takers
         if method.default(name, True) != method.default(name, False)
     )
-    parts = []
-    if len(ours) == 1 and sum(map(len, ours.values())) == len(takers):
-        parts.append(f"default {shown(next(iter(ours)))}")
-    elif ours:
-        parts.append("default " + "; ".join(f"{shown(value)} for {', '.join(names)}" for value, names in ours.items()))
-    if len(theirs) == 1 and len(next(iter(theirs.values()))) == len(takers):
-        parts.append(f"mergekit's {shown(next(iter(theirs)))}")
-    elif theirs:
-        parts.append(
-            "mergekit's " + "; ".join(f"{shown(value)} for {', '.join(names)}" for value, names in theirs.items())
-        )
-    return "; ".join(parts)
+    return "; ".join(_values_text("default", ours, takers) + _values_text("mergekit's", theirs, takers))
+
+
+def _values_text(label: str, grouped: dict[object, list[str]], takers: list[Method]) -> list[str]:
+    """`label value` where every method has that value, else `label value for methods; ...`; nothing for none."""
+    if len(grouped) == 1 and len(next(iter(grouped.values()))) == len(takers):
+        return [f"{label} {shown(next(iter(grouped)))}"]
+    if not grouped:
+        return []
+    return [f"{label} " + "; ".join(f"{shown(value)} for {', '.join(names)}" for value, names in grouped.items())]
 
 
 def flag_help(name: str, declared: list[tuple[Method, Parameter]]) -> str:

@@ -16,11 +16,10 @@ import typing
 
 import annotated_types
 import click
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from mergekit_lite.cli.types import Number
-from mergekit_lite.errors import InputError
-from mergekit_lite.settings import Settings, one_line
+from mergekit_lite.cli.types import Number, flag_name
+from mergekit_lite.settings import Settings
 
 PATHS = {
     "file": {"dir_okay": False},
@@ -34,11 +33,8 @@ PATHS = {
 def settings_options(model: type[Settings], into: str = "settings"):
     """Add one click option per field of `model`; the command gets `into=model(...)` in their place."""
 
-    def build(values: dict):
-        try:
-            return model(**values)
-        except ValidationError as error:
-            raise InputError(one_line(error, lambda name: flag_names(name, model.model_fields[name])[0])) from None
+    def build(values: dict) -> Settings:
+        return model.checked(values, lambda name: flag_names(name, model.model_fields[name])[0])
 
     return _options(model, into, build, model_defaults=True)
 
@@ -55,7 +51,7 @@ def command_line_fields(model: type[BaseModel]) -> list[str]:
 
 def flag_names(name: str, field) -> list[str]:
     """The command line's names of a field: its declared flags, else --field-name."""
-    return list(_extra(field).get("flags") or [f"--{name.replace('_', '-')}"])
+    return list(_extra(field).get("flags") or [flag_name(name)])
 
 
 def _options(model, into: str, build, model_defaults: bool):

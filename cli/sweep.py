@@ -130,8 +130,7 @@ def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, r
             comparison = run_comparison(every, baseline or "linear", progress=not quiet)
         click.echo(comparison_summary(comparison))
         for result in comparison.sweeps.values():
-            _warn_nonfinite(result)
-            _warn_chance(result)
+            _warn(result)
         return
     settings = settings_from_dict(data)
     if replay_out:
@@ -140,8 +139,7 @@ def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, r
     with _resume_hint(settings.out), each_verdict_once():  # a sweep audits its adapter at each point: one line
         result = run_sweep(settings, progress=not quiet)
     click.echo(summary(result))
-    _warn_nonfinite(result)
-    _warn_chance(result)
+    _warn(result)
     if settings.save_best:
         click.echo(f"saved the pick ({result.best.label}) as a model folder: {settings.save_best}")
     if settings.save_best_adapter:
@@ -156,9 +154,9 @@ def sweep(config_file, given, baseline, replay_out, replay_format, replay_all, r
         )
 
 
-def _warn_nonfinite(result) -> None:
-    """A model that gave NaN or infinite logits is marked in results.json and report.md; say so here too, where the
-    command ends with exit 0 and a pick."""
+def _warn(result) -> None:
+    """What results.json and report.md mark, said here too, where the command ends with exit 0 and a pick: models
+    that gave NaN or infinite logits, and tasks scored within chance (sweep.chance)."""
     broken = [point.label for point in (result.pre, result.post, *result.points) if point.nonfinite]
     if broken:
         shown = ", ".join(broken[:5]) + (", ..." if len(broken) > 5 else "")
@@ -167,6 +165,8 @@ def _warn_nonfinite(result) -> None:
             f"pick (see {result.out / 'report.md'}); sweep smaller coefficients",
             err=True,
         )
+    if result.unsupported:
+        click.echo(f"{result.chance_text()} (see {result.out / 'report.md'})", err=True)
 
 
 def _library_output(quiet: bool, verbose: bool) -> None:
@@ -183,13 +183,6 @@ def _library_output(quiet: bool, verbose: bool) -> None:
             os.environ.pop(name, None)
     else:
         quiet_third_party()  # TQDM_DISABLE too: the library bars that honour it (lm-eval's request bars do not)
-
-
-def _warn_chance(result) -> None:
-    """Tasks pre, post or every merge scored within chance on (sweep.chance): the pick is marked unsupported in
-    results.json and report.md; say so here too."""
-    if result.unsupported:
-        click.echo(f"{result.chance_text()} (see {result.out / 'report.md'})", err=True)
 
 
 def _warn_remote_code(settings) -> None:

@@ -8,6 +8,11 @@ import click
 from mergekit_lite.errors import InputError
 
 
+def flag_name(name: str) -> str:
+    """The command line's name of a setting or parameter: its name with dashes (`select_topk` -> `--select-topk`)."""
+    return "--" + name.replace("_", "-")
+
+
 class Number(click.FloatRange):
     """A float option, within bounds when given. NaN is refused where it is read: every comparison with it is
     false, so it passes any range check and would switch off the check it sets (`--min-delta nan`)."""

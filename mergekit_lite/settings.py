@@ -31,8 +31,9 @@ def setting(
     command_line: bool = True,
     **bounds: Any,
 ) -> Any:
-    """A field of a `Settings` model (required when it has no `default`): `help` is its one-line description; `flags` the command line's names when
-    they are not `--field-name` (aliases that users of mergekit or PEFT type); `negatable` gives a boolean a
+    """A field of a `Settings` model (required when it has no `default`): `help` is its one-line description;
+    `flags` the command line's names when they are not `--field-name` (aliases that users of mergekit or PEFT
+    type); `negatable` gives a boolean a
     --no- form; `path` marks a path the command line checks as it parses ("file", "folder", "existing" for a
     file or folder that must exist, "existing-file", "existing-folder"); `repeatable` lets a field that also takes
     a list (in a YAML file) be given several times; `flag_value` is the value of the flag given bare (`--ray` alone:
@@ -61,11 +62,16 @@ class Settings(BaseModel):
     def of(cls, settings: Settings | None = None, **values: Any) -> Settings:
         """`settings` (or the defaults) with `values` set: the Python API's keyword arguments, checked as the
         command line's are. A bad value is an InputError naming the setting."""
-        base = settings.model_dump() if settings is not None else {}
+        return cls.checked({**(settings.model_dump() if settings is not None else {}), **values})
+
+    @classmethod
+    def checked(cls, values: dict[str, Any], label: Callable[[str], str] = str) -> Settings:
+        """The model of `values`, or an InputError naming the setting as `label` names it (the command line: its
+        flag)."""
         try:
-            return cls(**{**base, **values})
+            return cls(**values)
         except ValidationError as error:
-            raise InputError(one_line(error)) from None
+            raise InputError(one_line(error, label)) from None
 
 
 def one_line(error: ValidationError, label: Callable[[str], str] = str) -> str:

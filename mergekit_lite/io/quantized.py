@@ -227,9 +227,9 @@ def quantization_of(source: ModelSource) -> Quantization | None:
     raise _unsupported(source, method)
 
 
-def _unsupported(source: ModelSource, scheme: str) -> InputError:
+def _unsupported(source: ModelSource | Path, scheme: str) -> InputError:
     return InputError(
-        f"{source.path}: quantized with {scheme}, which mergekit-lite does not read (it reads "
+        f"{getattr(source, 'path', source)}: quantized with {scheme}, which mergekit-lite does not read (it reads "
         f"{', '.join(SUPPORTED)}); give the dense checkpoint"
     )
 
@@ -417,34 +417,29 @@ def open_dense(path, allow_pickle: bool = False, refuse_unread: bool = True) -> 
 def _refuse_gguf(path: Path) -> None:
     folder_of_gguf = path.is_dir() and not any(path.glob("*.safetensors")) and any(path.glob("*.gguf"))
     if path.suffix == ".gguf" or folder_of_gguf:
-        raise InputError(
-            f"{path}: quantized with gguf, which mergekit-lite does not read (it reads {', '.join(SUPPORTED)}); "
-            "give the dense checkpoint"
-        )
+        raise _unsupported(path, "gguf")
+
+
+def _wrapped(source):
+    """`source` and the sources it wraps (renamed, adapted, padded), outermost first."""
+    seen = set()
+    while source is not None and id(source) not in seen:
+        seen.add(id(source))
+        yield source
+        source = getattr(source, "source", None) or getattr(source, "base", None)
 
 
 def quantized_inputs(sources) -> list[QuantizedSource]:
     """The quantized models behind `sources`, through the wrappers that rename, adapt or pad them."""
-    found = []
-    for source in sources:
-        seen = set()
-        while source is not None and id(source) not in seen:
-            seen.add(id(source))
-            if isinstance(source, QuantizedSource):
-                found.append(source)
-                break
-            source = getattr(source, "source", None) or getattr(source, "base", None)
-    return found
+    found = (next((link for link in _wrapped(source) if isinstance(link, QuantizedSource)), None) for source in sources)
+    return [source for source in found if source is not None]
 
 
 def dequantized_on_read(source, name: str) -> bool:
     """Whether `source` (through the wrappers that rename, adapt or pad it) reads tensor `name` dequantized:
     a float32 copy in new memory, outside the engine's ring."""
-    seen = set()
-    while source is not None and id(source) not in seen:
-        seen.add(id(source))
-        if isinstance(source, QuantizedSource):
-            return name in source.packed
-        name = getattr(source, "name_map", {}).get(name, name)
-        source = getattr(source, "source", None) or getattr(source, "base", None)
+    for link in _wrapped(source):
+        if isinstance(link, QuantizedSource):
+            return name in link.packed
+        name = getattr(link, "name_map", {}).get(name, name)
     return False

@@ -373,10 +373,6 @@ def run_merge(
     plan.notes.extend(_audit_notes(reports))
     try:
         check_free_space(out, plan.total_bytes)
-    except InputError:
-        plan.close()
-        raise
-    try:
         requantized = requantization(plan) if config.out_quant else None
     except InputError:
         plan.close()

@@ -108,10 +108,7 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     ):
         rows = grid.rows(settings)  # one per value of a 2-D grid's second coefficient; a 1-D sweep is one row
         sweep = SweepRun(settings, rows, grid.cells(rows, folder), folder, load_points(folder, settings.identity()))
-        for label, runs in reused.items():
-            if label not in sweep.runs:  # saved as the endpoint's point: the sweep and a rerun resume it
-                save_point(point_file(folder, label), settings.cell_identity(), label, None, runs)
-                sweep.runs[label] = runs
+        keep_reused(folder, settings.cell_identity(), reused, sweep.runs)
         saved = sum(label in sweep.runs for label, _ in sweep.plan)
         strategy = with_vector(strategy_for(settings, resuming_everything=saved == len(sweep.plan)), settings)
         total = strategy.bar_points(sweep) * sweep.n_tasks
@@ -138,11 +135,19 @@ def run_sweep(settings: SweepSettings, progress: bool = False) -> SweepResult:
     return result
 
 
+def keep_reused(folder: Path, identity: dict, reused: dict[str, list[TaskRun]], found: dict) -> None:
+    """--pre-results / --post-results outcomes not saved yet, saved as their endpoint's point and put in `found`:
+    the sweep and a rerun resume them as an evaluation."""
+    for label, runs in reused.items():
+        if label not in found:
+            save_point(point_file(folder, label), identity, label, None, runs)
+            found[label] = runs
+
+
 def check_sweep(settings: SweepSettings) -> list:
     """Everything checked before the run folder is made, cheapest first; returns the inputs no output may touch."""
     settings.check_inputs()
-    inputs = [settings.pre, settings.post, settings.include_path, settings.recall_texts]
-    inputs += [settings.pre_results, settings.post_results]  # lm-eval outputs reused (sweep.reuse): never written
+    inputs = settings.read_paths
     check_save_best(settings, inputs)
     check_save_best_adapter(settings, inputs)
     check_run_folder(settings.out, inputs, own=run_file)
@@ -329,7 +334,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
     for own in settings:
         own.check_inputs()
     first = settings[0]
-    inputs = [first.pre, first.post, first.include_path, first.recall_texts, first.pre_results, first.post_results]
+    inputs = first.read_paths
     methods = tuple(Path(own.out).name for own in settings)
     top = Path(first.out).parent
     check_run_folder(top, inputs, own=lambda name: comparison_file(name, methods))
@@ -350,10 +355,7 @@ def run_comparison(settings: list[SweepSettings], baseline: str = "linear", prog
         run_lock(folder),
     ):
         endpoints = saved_endpoints()
-        for label, runs in reused.items():
-            if label not in endpoints:
-                save_point(point_file(folder, label), pair, label, None, runs)
-                endpoints[label] = runs
+        keep_reused(folder, pair, reused, endpoints)
         todo = [label for label in ENDPOINTS if label not in endpoints]
         if todo and shared.ray is not None:
             from mergekit_lite.sweep.distributed import run_points_on_ray

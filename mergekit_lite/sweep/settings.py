@@ -365,6 +365,12 @@ class SweepSettings:
     def second_values(self) -> list[float] | None:
         return next((getattr(self, name) for name in SECOND_AXES if getattr(self, name) is not None), None)
 
+    @property
+    def read_paths(self) -> list[str | None]:
+        """What the sweep reads and no output may touch: the models, task folder, RECALL's texts and the lm-eval
+        outputs it reuses (None where not given)."""
+        return [getattr(self, name) for name in (*PATH_FIELDS, *RESULTS)]
+
     def vllm_options(self) -> VllmOptions:
         return parse_vllm_options(self.vllm_args)
 

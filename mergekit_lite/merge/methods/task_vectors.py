@@ -60,12 +60,9 @@ GAMMA = Parameter(
 SELECT_TOPK = Parameter(
     "select_topk", "SCE's share of entries kept, by their variance across models", default=1.0, low=0.0, high=1.0
 )
-DARE_MASK_VERSION = (
-    2  # 1: torch's Mersenne Twister, float uniforms, one sequential stream per tensor; 2: Philox4x64-10,
-)
-# 16 bits per entry at the entry's own counter (`tensor_math.keep_indicator`)
-
-
+# 1: torch's Mersenne Twister, float uniforms, one sequential stream per tensor; 2: Philox4x64-10, 16 bits per entry
+# at the entry's own counter (`tensor_math.keep_indicator`)
+DARE_MASK_VERSION = 2
 # the knobs of each sparsifier beyond lambda, weight, normalize, int8_mask and rescale (DARE's density is mergekit's
 # name for 1 - drop)
 SPARSIFIER_PARAMETERS = {
@@ -170,14 +167,7 @@ class TaskVectorMethod(Method):
         self.name, self.sparsifier, self.consensus, self.summary = name, sparsifier, consensus, summary
         self.normalize, self.rescale, self.alpha_meaning = normalize, rescale, alpha_meaning
         self.mergekit_normalize = normalize if mergekit_normalize is None else mergekit_normalize
-        self.parameters = (
-            LAMBDA,
-            WEIGHT,
-            *SPARSIFIER_PARAMETERS[sparsifier],
-            NORMALIZE,
-            INT8_MASK,
-            RESCALE,
-        )
+        self.parameters = (LAMBDA, WEIGHT, *SPARSIFIER_PARAMETERS[sparsifier], NORMALIZE, INT8_MASK, RESCALE)
         self.draws_dare_masks = sparsifier is Sparsifier.RANDOM
         self.pre_at_zero = True  # lambda 0: no task vector
         self.post_at_one = sparsifier is None  # lambda 1, nothing sparsified: post itself
